@@ -1,0 +1,1 @@
+pub use ucxkit_transport as transport;
