@@ -62,7 +62,7 @@ fn main() {
         println!("cargo:include={}", inc.display());
     }
 
-    let mut builder = bindgen::Builder::default()
+    let builder = bindgen::Builder::default()
         .header("wrapper.h")
         .clang_args(ucx.include_dirs.iter().map(|d| format!("-I{}", d.display())))
         .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
@@ -72,22 +72,12 @@ fn main() {
         .derive_default(true)
         .derive_debug(true)
         .prepend_enum_name(false)
-        .default_enum_style(bindgen::EnumVariation::NewType {
-            is_bitfield: false,
-            is_global: true,
-        })
+        .default_enum_style(bindgen::EnumVariation::NewType { is_bitfield: false, is_global: true })
         .generate_comments(true);
-    // Masks and flags are bitfield newtypes so they combine with `|`.
-    for pattern in [".*_field", ".*_flags?_t", "ucp_feature", ".*_flags", "ucp_op_attr_t"] {
-        builder = builder.bitfield_enum(pattern);
-    }
-    let bindings = builder
-        .generate()
-        .unwrap_or_else(|e| panic!("bindgen failed on <ucp/api/ucp.h>: {e}. {HELP}"));
+    let bindings =
+        builder.generate().unwrap_or_else(|e| panic!("bindgen failed on <ucp/api/ucp.h>: {e}. {HELP}"));
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    bindings
-        .write_to_file(out.join("bindings.rs"))
-        .expect("writing bindings.rs into OUT_DIR");
+    bindings.write_to_file(out.join("bindings.rs")).expect("writing bindings.rs into OUT_DIR");
 }
 
 fn find_ucx() -> Result<Ucx, String> {
@@ -112,25 +102,19 @@ fn find_ucx() -> Result<Ucx, String> {
     if include_dirs.is_empty() {
         include_dirs.push(PathBuf::from("/usr/include"));
     }
-    Ok(Ucx {
-        include_dirs,
-        lib_dirs: lib.link_paths,
-    })
+    Ok(Ucx { include_dirs, lib_dirs: lib.link_paths })
 }
 
 fn from_dirs(include: PathBuf, lib: PathBuf) -> Result<Ucx, String> {
     if !include.join("ucp/api/ucp.h").exists() {
         return Err(format!("{} has no ucp/api/ucp.h", include.display()));
     }
-    Ok(Ucx {
-        include_dirs: vec![include],
-        lib_dirs: vec![lib],
-    })
+    Ok(Ucx { include_dirs: vec![include], lib_dirs: vec![lib] })
 }
 
 fn read_api_version(header: &Path) -> (u32, u32) {
-    let text = std::fs::read_to_string(header)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", header.display()));
+    let text =
+        std::fs::read_to_string(header).unwrap_or_else(|e| panic!("reading {}: {e}", header.display()));
     let field = |name: &str| -> u32 {
         text.lines()
             .filter_map(|l| l.strip_prefix("#define"))

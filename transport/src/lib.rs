@@ -1,1 +1,109 @@
+//! Safe, async access to UCX (UCP) for tokio programs.
+//!
+//! ucxkit-transport wraps UCX's workers, endpoints and listeners in owned, `Send + Sync`
+//! handles, drives UCX progress from tokio without burning a core, and exposes tagged
+//! messaging through futures that own their buffers, so that no dropped future can let
+//! UCX touch freed memory.
+//!
+//! # Quick start
+//!
+//! Two workers in one process, connected through a listener on loopback, exchange a
+//! tagged message:
+//!
+//! ```
+//! use ucxkit_transport::{Context, tag};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> ucxkit_transport::Result<()> {
+//! let ctx = Context::builder().transports("tcp,self").build()?;
+//! let server = ctx.create_worker()?;
+//! let client = ctx.create_worker()?;
+//!
+//! let listener = server.listen("127.0.0.1:0".parse().unwrap())?;
+//! let addr = listener.local_addr();
+//! let (accepted, ep) = tokio::join!(listener.accept(), client.connect(addr));
+//! let (_accepted, ep) = (accepted?, ep?);
+//!
+//! let recv = server.tag_recv(42, tag::EXACT, vec![0u8; 64]);
+//! let (sent, _buf) = ep.tag_send(42, b"hello, ucx".to_vec()).await;
+//! sent?;
+//! let (info, buf) = recv.await;
+//! assert_eq!(info?.len, 10);
+//! assert_eq!(buf, b"hello, ucx");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # System dependency
+//! UCX 1.13 or newer, found at build time through pkg-config (`ucx`) or `UCX_DIR`
+//! (Debian: `apt-get install libucx-dev`). UCX's configuration comes from `UCX_*`
+//! environment variables and from [`ContextBuilder::config`], which overrides them for
+//! one context without touching the environment (`.transports("posix,self")`,
+//! `.config("NET_DEVICES", "lo")`).
+//!
+//! # Thread safety
+//! Every handle is `Send + Sync`. Workers run in UCX's `SERIALIZED` thread mode and
+//! ucxkit holds a per-worker mutex around every UCX call on the worker; completion
+//! callbacks only record results, and tasks are woken after the mutex is released. One
+//! worker serializes its traffic; use one worker per thread for parallel traffic.
+//!
+//! # Progress modes
+//! [`ProgressMode::Event`] (default): a driver task sleeps on the worker's event fd and
+//! progresses when woken; nothing spins while idle. [`ProgressMode::BusyPoll`]: waiting
+//! futures progress the worker themselves in a loop, for the lowest latency at the price
+//! of a core.
+//!
+//! # Cancel safety
+//! Every async operation documents what dropping its future means. In short: dropping
+//! is always memory-safe. Operations take owned buffers ([`IoBuf`], [`IoBufMut`]); a
+//! future dropped while UCX still owns its buffer parks the buffer with the worker until
+//! UCX completes the request. Unmatched tag receives are canceled
+//! (`ucp_request_cancel`); sends, matched receives, flushes and closes cannot be canceled
+//! in UCX and run to completion in the background. `ucp_request_free` is never used as a
+//! cancel.
+//!
+//! # Failed peers
+//! [`ErrorMode`] chooses how a dead peer is noticed. With UCX's peer mode, UCX fails
+//! the peer's operations itself but cannot use shared memory. With `None` (chosen
+//! automatically for peers on the same host), shared memory is used and ucxkit watches
+//! the peer process through a pidfd; when it exits, the endpoint fails, its bound
+//! receives are canceled and its sends end with [`Error::ConnectionReset`].
+//!
+//! # Resource cleanup
+//! Handles are reference counted: an endpoint keeps its worker alive, a worker its
+//! context. Dropping the last clone of an [`Endpoint`] closes it in the background;
+//! [`Endpoint::close`] closes it and waits. A worker is destroyed when its last handle,
+//! endpoint, listener and pending operation are gone, after giving in-flight requests a
+//! bounded time to finish.
 
+#![deny(missing_docs)]
+#![warn(rust_2018_idioms, unreachable_pub)]
+
+mod address;
+mod buf;
+mod context;
+mod endpoint;
+mod error;
+mod handshake;
+mod identity;
+mod listener;
+pub mod liveness;
+mod progress;
+mod request;
+pub mod tag;
+mod worker;
+
+pub use address::WorkerAddress;
+pub use buf::{IoBuf, IoBufMut};
+pub use context::{Context, ContextBuilder, Features};
+pub use endpoint::Endpoint;
+pub use error::{Error, ErrorKind, Peer, Result, Status};
+pub use handshake::AM_ID as HANDSHAKE_AM_ID;
+pub use identity::ProcessIdentity;
+pub use listener::{ConnectionRequest, Listener};
+pub use progress::ProgressMode;
+pub use tag::{Tag, TagInfo, TagRecv, TagSend};
+pub use worker::{EndpointOptions, ErrorMode, Worker, WorkerBuilder};
+
+/// The raw bindings, for what this crate does not wrap yet.
+pub use ucx_sys as sys;

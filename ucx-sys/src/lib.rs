@@ -6,8 +6,8 @@
 //!
 //! Enums that UCX returns, `ucs_status_t` first, are newtypes over their integer
 //! representation (UCX returns values outside the listed ones, such as the ranges of
-//! link and endpoint failure codes), never Rust enums. Masks and flags are bitfield
-//! newtypes.
+//! link and endpoint failure codes), never Rust enums; their constants are top-level
+//! (`UCS_OK`, `UCP_FEATURE_TAG`, …), and masks combine through `.0`.
 //!
 //! The C macros and `static inline` helpers that bindgen cannot see are re-implemented
 //! below: [`UCS_PTR_IS_ERR`], [`UCS_PTR_IS_PTR`], [`UCS_PTR_STATUS`], [`UCS_PTR_RAW_STATUS`],

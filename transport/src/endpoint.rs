@@ -1,0 +1,659 @@
+//! [`Endpoint`]: a connection to one peer (`ucp_ep_h`), made by socket address
+//! ([`Worker::connect`]), by worker address ([`Worker::connect_address`]) or accepted by
+//! a [`crate::Listener`].
+
+use std::ffi::c_void;
+use std::future::poll_fn;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+
+use ucx_sys as sys;
+
+use crate::address::WorkerAddress;
+use crate::error::{Error, Peer, Result, Status};
+use crate::handshake::{Kind, Message};
+use crate::identity::ProcessIdentity;
+use crate::liveness::PidWatch;
+use crate::request::{Completion, Posted, Request};
+use crate::worker::{self, EndpointOptions, EpState, HsWait, State, Worker};
+
+pub(crate) struct EndpointInner {
+    pub(crate) worker: Worker,
+    pub(crate) id: u64,
+    pub(crate) peer: Peer,
+    pub(crate) peer_mode: bool,
+    identity: Mutex<Option<ProcessIdentity>>,
+    watch: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl Drop for EndpointInner {
+    fn drop(&mut self) {
+        if let Some(w) = self.watch.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            w.abort();
+        }
+        let id = self.id;
+        self.worker.shared.inner.locked(|st| {
+            let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
+            if open {
+                tracing::debug!(ep = id, "endpoint dropped without close(): closing in the background");
+                if let Some(p) = st.close_ep(id, false) {
+                    st.release(p);
+                }
+            }
+            st.eps.remove(&id);
+        });
+    }
+}
+
+/// A connection to one peer.
+///
+/// Cheap to clone; clones share the connection. Dropping the last clone closes the
+/// endpoint in the background (flushing what was sent); [`Endpoint::close`] does it
+/// explicitly and waits.
+#[derive(Clone)]
+pub struct Endpoint {
+    pub(crate) inner: Arc<EndpointInner>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("id", &self.inner.id)
+            .field("peer", &self.inner.peer)
+            .field("peer_mode", &self.inner.peer_mode)
+            .finish()
+    }
+}
+
+/// Whether `ip` is an address of this host (in this network namespace).
+pub(crate) fn is_local_ip(ip: IpAddr) -> bool {
+    ip.is_loopback() || ip.is_unspecified() || std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
+pub(crate) fn sockaddr_of(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero is a valid sockaddr_storage.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
+}
+
+/// Reads a socket address UCX wrote into a `sockaddr_storage`.
+pub(crate) fn socket_addr_from(ss: &sys::sockaddr_storage) -> Option<SocketAddr> {
+    let p = (ss as *const sys::sockaddr_storage).cast::<libc::sockaddr_storage>();
+    // SAFETY: both types are the same C struct; UCX filled it in.
+    let ss = unsafe { &*p };
+    match ss.ss_family as libc::c_int {
+        libc::AF_INET => {
+            // SAFETY: the family says sockaddr_in.
+            let a = unsafe { &*(ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            let ip = std::net::Ipv4Addr::from(a.sin_addr.s_addr.to_ne_bytes());
+            Some(SocketAddr::new(ip.into(), u16::from_be(a.sin_port)))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family says sockaddr_in6.
+            let a = unsafe { &*(ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+            let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+            Some(SocketAddr::new(ip.into(), u16::from_be(a.sin6_port)))
+        }
+        _ => None,
+    }
+}
+
+/// What a new UCX endpoint connects to.
+pub(crate) enum Target<'a> {
+    Socket(&'a SocketAddr),
+    Address(&'a WorkerAddress),
+    Request(sys::ucp_conn_request_h),
+}
+
+impl Worker {
+    /// Creates the UCX endpoint and registers it; no handshake yet.
+    pub(crate) fn create_ep(&self, target: Target<'_>, peer: Peer, peer_mode: bool) -> Result<Endpoint> {
+        let state_ptr = self.state_ptr();
+        let mut params = sys::ucp_ep_params_t {
+            field_mask: (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE.0 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER.0)
+                as u64,
+            err_mode: if peer_mode {
+                sys::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                sys::UCP_ERR_HANDLING_MODE_NONE
+            },
+            err_handler: sys::ucp_err_handler_t { cb: Some(worker::ep_err_cb), arg: state_ptr },
+            ..Default::default()
+        };
+        let storage;
+        match target {
+            Target::Socket(addr) => {
+                storage = sockaddr_of(addr);
+                params.field_mask |=
+                    (sys::UCP_EP_PARAM_FIELD_SOCK_ADDR.0 | sys::UCP_EP_PARAM_FIELD_FLAGS.0) as u64;
+                params.flags = sys::UCP_EP_PARAMS_FLAGS_CLIENT_SERVER.0 as u32;
+                params.sockaddr = sys::ucs_sock_addr_t {
+                    addr: (&storage.0 as *const libc::sockaddr_storage).cast(),
+                    addrlen: storage.1,
+                };
+            }
+            Target::Address(a) => {
+                params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS.0 as u64;
+                params.address = a.ucx_bytes().as_ptr().cast();
+            }
+            Target::Request(r) => {
+                params.field_mask |= sys::UCP_EP_PARAM_FIELD_CONN_REQUEST.0 as u64;
+                params.conn_request = r;
+            }
+        }
+        let id = self.shared.inner.locked(|st| {
+            let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
+            // SAFETY: the worker is valid under the lock; params and what they point to
+            // (sockaddr storage, address bytes) live until the call returns; the error
+            // handler's arg is the worker State, which outlives every endpoint.
+            let status = Status(unsafe { sys::ucp_ep_create(st.handle, &params, &mut ep) });
+            status.check().map_err(|s| match s {
+                s if s == Status::UNREACHABLE => Error::Unreachable { peer: peer.clone(), source: s },
+                s => Error::Connect { peer: peer.clone(), source: s },
+            })?;
+            let id = st.new_id();
+            st.eps.insert(id, EpState { handle: ep, failed: None, recvs: Default::default() });
+            st.by_handle.insert(ep as usize, id);
+            Ok::<u64, Error>(id)
+        })?;
+        tracing::debug!(ep = id, %peer, peer_mode, "endpoint created");
+        Ok(Endpoint {
+            inner: Arc::new(EndpointInner {
+                worker: self.clone(),
+                id,
+                peer,
+                peer_mode,
+                identity: Mutex::new(None),
+                watch: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Connects to a [`crate::Listener`] at `addr` with this worker's default
+    /// [`EndpointOptions`].
+    ///
+    /// # Cancel safety
+    /// Safe to drop: the half-made endpoint is closed.
+    pub async fn connect(&self, addr: SocketAddr) -> Result<Endpoint> {
+        self.connect_with(addr, self.shared.endpoint).await
+    }
+
+    /// Connects to a [`crate::Listener`] at `addr`.
+    ///
+    /// With the handshake on (the default), returns once the peer has accepted the
+    /// connection and answered; a closed port, an unreachable host or a peer that never
+    /// answers is an error ([`Error::Unreachable`], [`Error::ConnectionReset`],
+    /// [`Error::Timeout`]).
+    ///
+    /// # Cancel safety
+    /// Safe to drop: the half-made endpoint is closed.
+    pub async fn connect_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Endpoint> {
+        let peer_mode = opts.error_mode.peer_mode(is_local_ip(addr.ip()));
+        let ep = self.create_ep(Target::Socket(&addr), Peer::Socket(addr), peer_mode)?;
+        if opts.handshake {
+            ep.client_handshake(opts.timeout).await?;
+        }
+        Ok(ep)
+    }
+
+    /// Connects to the worker whose address is `addr` with the default options.
+    ///
+    /// # Cancel safety
+    /// Safe to drop: the half-made endpoint is closed.
+    pub async fn connect_address(&self, addr: &WorkerAddress) -> Result<Endpoint> {
+        self.connect_address_with(addr, self.shared.endpoint).await
+    }
+
+    /// Connects to the worker whose address is `addr`. The other side needs no listener:
+    /// its worker answers the handshake by itself.
+    ///
+    /// # Cancel safety
+    /// Safe to drop: the half-made endpoint is closed.
+    pub async fn connect_address_with(
+        &self,
+        addr: &WorkerAddress,
+        opts: EndpointOptions,
+    ) -> Result<Endpoint> {
+        let peer_mode = opts.error_mode.peer_mode(addr.identity().same_host());
+        let ep = self.create_ep(Target::Address(addr), Peer::Address(addr.fingerprint()), peer_mode)?;
+        if opts.handshake {
+            ep.client_handshake(opts.timeout).await?;
+        }
+        Ok(ep)
+    }
+}
+
+fn nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Removes a pending handshake entry when the waiting future goes away.
+struct HsGuard<'a> {
+    ep: &'a Endpoint,
+    key: HsKey,
+}
+
+#[derive(Clone, Copy)]
+enum HsKey {
+    Connect(u64),
+    Accept(usize),
+}
+
+impl HsKey {
+    fn get<'s>(&self, st: &'s mut State) -> Option<&'s mut HsWait> {
+        match self {
+            HsKey::Connect(n) => st.connects.get_mut(n),
+            HsKey::Accept(h) => st.accepts.get_mut(h),
+        }
+    }
+    fn remove(&self, st: &mut State) -> Option<HsWait> {
+        match self {
+            HsKey::Connect(n) => st.connects.remove(n),
+            HsKey::Accept(h) => st.accepts.remove(h),
+        }
+    }
+}
+
+impl Drop for HsGuard<'_> {
+    fn drop(&mut self) {
+        let key = self.key;
+        self.ep.worker_inner().locked(|st| {
+            key.remove(st);
+        });
+    }
+}
+
+impl Endpoint {
+    pub(crate) fn worker_inner(&self) -> &crate::worker::WorkerInner {
+        &self.inner.worker.shared.inner
+    }
+
+    /// The worker this endpoint belongs to.
+    pub fn worker(&self) -> &Worker {
+        &self.inner.worker
+    }
+
+    /// Who this endpoint talks to.
+    pub fn peer(&self) -> &Peer {
+        &self.inner.peer
+    }
+
+    /// Whether this endpoint uses UCX peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`)
+    /// rather than `NONE` (after resolving [`crate::ErrorMode::Auto`]).
+    pub fn uses_peer_error_mode(&self) -> bool {
+        self.inner.peer_mode
+    }
+
+    /// The peer's process identity, learned in the handshake (None without one).
+    pub fn peer_identity(&self) -> Option<ProcessIdentity> {
+        *self.inner.identity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether ucxkit watches the peer process for exit (a same-host peer reached with
+    /// the handshake on).
+    pub fn is_watched(&self) -> bool {
+        self.inner.watch.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// The status the endpoint failed with, if it has.
+    pub fn failure(&self) -> Option<Status> {
+        let id = self.inner.id;
+        self.worker_inner().locked(|st| st.eps.get(&id).and_then(|e| e.failed))
+    }
+
+    /// Runs `f` with the live UCX endpoint handle, or fails with the reason it is gone.
+    pub(crate) fn with_handle<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut State, sys::ucp_ep_h) -> Result<R>,
+    ) -> Result<R> {
+        let id = self.inner.id;
+        self.worker_inner().locked(|st| {
+            let (h, failed) = match st.eps.get(&id) {
+                Some(e) => (e.handle, e.failed),
+                None => (std::ptr::null_mut(), None),
+            };
+            if let Some(s) = failed {
+                return Err(Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: s });
+            }
+            if h.is_null() {
+                return Err(Error::ApiMisuse(format!("{op} on a closed endpoint ({})", self.inner.peer)));
+            }
+            f(st, h)
+        })
+    }
+
+    /// Maps a completion of an operation on this endpoint to a result; a cancellation
+    /// caused by the endpoint's failure becomes [`Error::ConnectionReset`].
+    pub(crate) fn result_of(&self, op: &'static str, c: Completion) -> Result<()> {
+        if c.status.is_ok() {
+            return Ok(());
+        }
+        Err(self.error_of(op, c.status))
+    }
+
+    /// The error for a failed operation on this endpoint.
+    pub(crate) fn error_of(&self, op: &'static str, status: Status) -> Error {
+        if let Some(f) = self.failure() {
+            return Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: f };
+        }
+        Error::from_op(op, &self.inner.peer, status)
+    }
+
+    async fn client_handshake(&self, timeout: std::time::Duration) -> Result<()> {
+        let nonce = nonce();
+        let hello = Message {
+            kind: Kind::Hello,
+            peer_mode: self.inner.peer_mode,
+            nonce,
+            identity: ProcessIdentity::current(),
+        };
+        let id = self.inner.id;
+        let peer_mode = self.inner.peer_mode;
+        self.with_handle("handshake", |st, h| {
+            st.connects.insert(nonce, HsWait { waker: None, result: None, peer_mode, ep: id });
+            st.send_handshake(h, hello.encode(), true);
+            Ok(())
+        })?;
+        let guard = HsGuard { ep: self, key: HsKey::Connect(nonce) };
+        let identity = self.await_handshake(&guard, timeout, "connect").await?;
+        drop(guard);
+        self.start_watch(identity);
+        Ok(())
+    }
+
+    /// Server side: waits for the client's hello on this (accepted) endpoint.
+    pub(crate) async fn server_handshake(&self, timeout: std::time::Duration) -> Result<()> {
+        let id = self.inner.id;
+        let peer_mode = self.inner.peer_mode;
+        let key = self.with_handle("accept", |st, h| {
+            st.accepts.insert(h as usize, HsWait { waker: None, result: None, peer_mode, ep: id });
+            Ok(HsKey::Accept(h as usize))
+        })?;
+        let guard = HsGuard { ep: self, key };
+        let identity = self.await_handshake(&guard, timeout, "accept").await?;
+        drop(guard);
+        self.start_watch(identity);
+        Ok(())
+    }
+
+    async fn await_handshake(
+        &self,
+        guard: &HsGuard<'_>,
+        timeout: std::time::Duration,
+        op: &'static str,
+    ) -> Result<ProcessIdentity> {
+        let key = guard.key;
+        let id = self.inner.id;
+        let wait = poll_fn(|cx| {
+            self.worker_inner().poll_until(
+                cx,
+                |st| {
+                    if let Some(r) = key.get(st).and_then(|w| w.result.take()) {
+                        return Some(
+                            r.map_err(|reason| Error::Handshake { peer: self.inner.peer.clone(), reason }),
+                        );
+                    }
+                    let failed = st.eps.get(&id).and_then(|e| e.failed);
+                    failed.map(|s| Err(Error::from_op(op, &self.inner.peer, s)))
+                },
+                |st, waker| {
+                    if let Some(w) = key.get(st) {
+                        w.waker = Some(waker.clone());
+                    }
+                },
+            )
+        });
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout { op, peer: self.inner.peer.clone(), after: timeout }),
+        }
+    }
+
+    fn start_watch(&self, identity: ProcessIdentity) {
+        *self.inner.identity.lock().unwrap_or_else(|e| e.into_inner()) = Some(identity);
+        if !identity.watchable() {
+            return;
+        }
+        let watch = match PidWatch::open(&identity) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::debug!(pid = identity.pid, "cannot watch peer process: {e}");
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    self.fail(Status::CONNECTION_RESET);
+                }
+                return;
+            }
+        };
+        let weak = Arc::downgrade(&self.inner);
+        let pid = identity.pid;
+        let task = tokio::spawn(async move {
+            watch.exited().await;
+            if let Some(inner) = weak.upgrade() {
+                tracing::debug!(pid, ep = inner.id, "peer process exited");
+                Endpoint { inner }.fail(Status::CONNECTION_RESET);
+            }
+        });
+        *self.inner.watch.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+    }
+
+    /// Fails this endpoint as if the peer had died: every pending operation on it ends
+    /// with [`Error::ConnectionReset`].
+    pub(crate) fn fail(&self, status: Status) {
+        let id = self.inner.id;
+        self.worker_inner().locked(|st| st.fail_ep(id, status));
+    }
+
+    /// Flushes every operation posted on this endpoint (`ucp_ep_flush_nbx`): when this
+    /// returns, they have completed at the transport level.
+    ///
+    /// # Cancel safety
+    /// Safe to drop; the flush still happens.
+    pub async fn flush(&self) -> Result<()> {
+        let posted = self.with_handle("flush", |st, h| {
+            let param = op_param(st, self.worker_inner().no_imm);
+            // SAFETY: h is live under the lock; the callback and user_data are ours.
+            let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
+            Ok(Posted::from_ptr(p, Completion::OK, false))
+        })?;
+        let c = self.wait(posted).await;
+        self.result_of("flush", c)
+    }
+
+    /// Closes the endpoint gracefully: flushes outstanding operations and disconnects
+    /// (`ucp_ep_close_nbx`). Other clones of this endpoint see it closed.
+    ///
+    /// # Cancel safety
+    /// Safe to drop; the close continues in the background.
+    pub async fn close(self) -> Result<()> {
+        let id = self.inner.id;
+        let posted = self.worker_inner().locked(|st| st.close_ep(id, false));
+        match posted {
+            None => Ok(()),
+            Some(p) => {
+                let c = self.wait(p).await;
+                if c.status.is_ok() || c.status.is_peer_failure() {
+                    Ok(())
+                } else {
+                    Err(Error::from_op("close", &self.inner.peer, c.status))
+                }
+            }
+        }
+    }
+
+    /// Waits for a posted request that owns no buffer.
+    pub(crate) async fn wait(&self, posted: Posted) -> Completion {
+        match posted {
+            Posted::Done(c) => c,
+            Posted::Pending(req) => {
+                let mut op = Unbuffered { req: Some(req), worker: self.inner.worker.clone() };
+                poll_fn(|cx| op.poll(cx)).await
+            }
+        }
+    }
+
+    /// Prints which transports and devices UCX chose for this endpoint
+    /// (`ucp_ep_print_info`).
+    pub fn transport_info(&self) -> Result<String> {
+        self.with_handle("transport_info", |_, h| {
+            let mut buf: *mut libc::c_char = std::ptr::null_mut();
+            let mut len: libc::size_t = 0;
+            // SAFETY: open_memstream allocates a growing buffer for the FILE.
+            let f = unsafe { libc::open_memstream(&mut buf, &mut len) };
+            if f.is_null() {
+                return Err(Error::Io { op: "open_memstream", source: std::io::Error::last_os_error() });
+            }
+            // SAFETY: h is live; f is a valid FILE (the types are the same C FILE).
+            unsafe { sys::ucp_ep_print_info(h, f.cast()) };
+            // SAFETY: closing flushes into buf/len, which we then own and free.
+            let text = unsafe {
+                libc::fclose(f);
+                let s =
+                    String::from_utf8_lossy(std::slice::from_raw_parts(buf.cast::<u8>(), len)).into_owned();
+                libc::free(buf.cast::<c_void>());
+                s
+            };
+            Ok(text)
+        })
+    }
+
+    /// The UCX transports this endpoint's lanes use (for example `["posix", "cma"]` or
+    /// `["tcp"]`), parsed from [`Endpoint::transport_info`].
+    pub fn transports(&self) -> Result<Vec<String>> {
+        Ok(parse_transports(&self.transport_info()?))
+    }
+
+    /// The raw handle: valid while the endpoint is open and this handle (or a clone) is
+    /// alive; do not close it, and make no other ucxkit call on its worker while using it.
+    pub fn as_raw(&self) -> sys::ucp_ep_h {
+        let id = self.inner.id;
+        self.worker_inner().locked(|st| st.eps.get(&id).map_or(std::ptr::null_mut(), |e| e.handle))
+    }
+}
+
+/// Request parameters for a send-type operation on this worker.
+pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
+    let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;
+    if no_imm {
+        mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
+    }
+    sys::ucp_request_param_t {
+        op_attr_mask: mask as u32,
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(crate::request::send_cb) },
+        user_data: (st as *mut State).cast(),
+        ..Default::default()
+    }
+}
+
+/// A pending request that owns no buffer (flush, close).
+struct Unbuffered {
+    req: Option<Request>,
+    worker: Worker,
+}
+
+impl Unbuffered {
+    fn poll(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Completion> {
+        let Some(req) = self.req.as_mut() else {
+            return Poll::Ready(Completion::OK);
+        };
+        match req.poll(&self.worker.shared, cx) {
+            Poll::Ready(c) => {
+                self.req = None;
+                Poll::Ready(c)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for Unbuffered {
+    fn drop(&mut self) {
+        if let Some(req) = self.req.take() {
+            self.worker.shared.inner.locked(|st| st.release(crate::request::Posted::Pending(req)));
+        }
+    }
+}
+
+/// Transport names from `ucp_ep_print_info` output: lines like
+/// `#                 lane[0]:  8:posix/memory.0 md[4]  ...`.
+pub(crate) fn parse_transports(info: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in info.lines() {
+        let Some(rest) = line.split("lane[").nth(1) else {
+            continue;
+        };
+        let Some(after) = rest.split_once(':').map(|x| x.1) else {
+            continue;
+        };
+        let Some(tl) = after.split_whitespace().next() else {
+            continue;
+        };
+        let tl = tl.split_once(':').map_or(tl, |x| x.1);
+        let name = tl.split('/').next().unwrap_or(tl).to_string();
+        if !name.is_empty() && !out.contains(&name) {
+            out.push(name);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_lanes() {
+        let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n#                 lane[0]:  8:posix/memory.0 md[4]      -> md[4]/posix/sysdev[255] rma_bw#0 am am_bw#0\n#                 lane[1]:  3:cma/memory.0 md[1]        -> md[1]/cma/sysdev[255] rma_bw#1\n#                 lane[2]:  1:tcp/lo.0 md[0]  -> am\n";
+        assert_eq!(parse_transports(info), vec!["posix", "cma", "tcp"]);
+        assert!(parse_transports("nothing here").is_empty());
+    }
+
+    #[test]
+    fn locality() {
+        assert!(is_local_ip("127.0.0.1".parse().unwrap()));
+        assert!(is_local_ip("::1".parse().unwrap()));
+        assert!(!is_local_ip("192.0.2.1".parse().unwrap()));
+    }
+
+    #[test]
+    fn sockaddr_roundtrip() {
+        for a in ["127.0.0.1:4242", "[::1]:80"] {
+            let a: SocketAddr = a.parse().unwrap();
+            let (ss, _) = sockaddr_of(&a);
+            // SAFETY: same C layout.
+            let ss2: &sys::sockaddr_storage = unsafe { &*(&ss as *const libc::sockaddr_storage).cast() };
+            assert_eq!(socket_addr_from(ss2), Some(a));
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The connection handshake's wire format.
+//!
+//! When the handshake is on, a connecting side sends `Hello` as an active message with
+//! the reserved id [`AM_ID`] and the reply flag; the other side answers `Ack` (or `Nack`
+//! with a reason) on the reply endpoint. `connect().await` returns only after the `Ack`,
+//! so a returned endpoint means the peer is really there; an accepted endpoint is handed
+//! out only after its `Hello`.
+//!
+//! Layout (little-endian, [`LEN`] bytes):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `0x484b4355` ("UCKH") |
+//! | 4 | 1 | version (1) |
+//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack |
+//! | 6 | 1 | error mode: 0 none, 1 peer |
+//! | 7 | 1 | nack reason (0 otherwise) |
+//! | 8 | 8 | nonce chosen by the connecting side, echoed |
+//! | 16 | 36 | sender's process identity |
+//!
+//! Every field is validated; anything else is rejected with a reason, never trusted.
+
+use crate::identity::{self, ProcessIdentity};
+
+/// Active-message id reserved for the handshake.
+pub const AM_ID: u32 = 4095;
+
+const MAGIC: u32 = 0x484b_4355;
+const VERSION: u8 = 1;
+/// Encoded length.
+pub(crate) const LEN: usize = 16 + identity::ENCODED_LEN;
+
+/// Message kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Hello,
+    Ack,
+    Nack(NackReason),
+}
+
+/// Why a hello was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NackReason {
+    /// The two sides' error modes differ.
+    ErrorModeMismatch,
+    /// The hello was not understood.
+    Malformed,
+}
+
+impl NackReason {
+    fn code(self) -> u8 {
+        match self {
+            NackReason::ErrorModeMismatch => 1,
+            NackReason::Malformed => 2,
+        }
+    }
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            NackReason::ErrorModeMismatch => {
+                "the peer uses a different error mode (set the same ErrorMode on both sides)"
+            }
+            NackReason::Malformed => "the peer could not parse our hello",
+        }
+    }
+}
+
+/// One handshake message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Message {
+    pub(crate) kind: Kind,
+    /// Error handling the sender uses on this connection: true for UCX peer mode.
+    pub(crate) peer_mode: bool,
+    pub(crate) nonce: u64,
+    pub(crate) identity: ProcessIdentity,
+}
+
+impl Message {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(LEN);
+        v.extend_from_slice(&MAGIC.to_le_bytes());
+        v.push(VERSION);
+        let (kind, reason) = match self.kind {
+            Kind::Hello => (1, 0),
+            Kind::Ack => (2, 0),
+            Kind::Nack(r) => (3, r.code()),
+        };
+        v.push(kind);
+        v.push(self.peer_mode as u8);
+        v.push(reason);
+        v.extend_from_slice(&self.nonce.to_le_bytes());
+        self.identity.encode(&mut v);
+        v
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Message, String> {
+        if b.len() != LEN {
+            return Err(format!("handshake message is {} bytes, expected {LEN}", b.len()));
+        }
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        if magic != MAGIC {
+            return Err(format!("bad handshake magic {magic:#010x}"));
+        }
+        if b[4] != VERSION {
+            return Err(format!("unsupported handshake version {}", b[4]));
+        }
+        let kind = match (b[5], b[7]) {
+            (1, 0) => Kind::Hello,
+            (2, 0) => Kind::Ack,
+            (3, 1) => Kind::Nack(NackReason::ErrorModeMismatch),
+            (3, 2) => Kind::Nack(NackReason::Malformed),
+            (k, r) => return Err(format!("bad handshake kind {k} / reason {r}")),
+        };
+        let peer_mode = match b[6] {
+            0 => false,
+            1 => true,
+            m => return Err(format!("bad error mode {m} in handshake")),
+        };
+        let nonce = u64::from_le_bytes(b[8..16].try_into().map_err(|_| "short nonce")?);
+        let identity = ProcessIdentity::decode(&b[16..]).ok_or("short identity")?;
+        Ok(Message { kind, peer_mode, nonce, identity })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(kind: Kind) -> Message {
+        Message { kind, peer_mode: true, nonce: 0xdead_beef_1234, identity: ProcessIdentity::current() }
+    }
+
+    #[test]
+    fn roundtrip_all_kinds() {
+        for k in [
+            Kind::Hello,
+            Kind::Ack,
+            Kind::Nack(NackReason::ErrorModeMismatch),
+            Kind::Nack(NackReason::Malformed),
+        ] {
+            let m = sample(k);
+            let b = m.encode();
+            assert_eq!(b.len(), LEN);
+            assert_eq!(Message::decode(&b), Ok(m));
+        }
+    }
+
+    #[test]
+    fn rejects_garbage_field_by_field() {
+        let good = sample(Kind::Hello).encode();
+        assert!(Message::decode(&good[..LEN - 1]).is_err());
+        assert!(Message::decode(&[good.clone(), vec![0]].concat()).is_err());
+        for (at, val) in [(0, 0u8), (4, 9), (5, 7), (6, 2), (7, 1)] {
+            let mut b = good.clone();
+            b[at] = val;
+            assert!(Message::decode(&b).is_err(), "byte {at}={val} accepted");
+        }
+        assert!(Message::decode(&[]).is_err());
+        assert!(Message::decode(&[0xff; LEN]).is_err());
+    }
+}

@@ -1,0 +1,286 @@
+//! The per-request slot that ucxkit keeps inside every UCX request, the completion
+//! callbacks that fill it, and [`Request`], the owner of one in-flight UCX request.
+//!
+//! UCX reserves [`SLOT_SIZE`] bytes in front of every request it hands out (the context's
+//! `request_size`), so a pending operation needs no allocation of its own, and an
+//! operation that completes immediately has no request at all.
+//!
+//! Life of a slot, always under the worker lock:
+//! - `Pending`: posted; the owner may store a waker.
+//! - `Done`: the callback ran; the owner reads the result, resets the slot and frees the
+//!   request (`ucp_request_free`).
+//! - `Parked`: the owner was dropped before completion. Its buffer (and anything else UCX
+//!   may still touch) moved into the slot; unmatched tag receives were canceled. The
+//!   callback moves the parked value to the worker's graveyard (dropped after the lock is
+//!   released) and frees the request. `ucp_request_free` is never used as a cancel.
+
+use std::any::Any;
+use std::ffi::c_void;
+use std::ptr;
+use std::task::{Context, Poll, Waker};
+
+use ucx_sys as sys;
+
+use crate::error::Status;
+use crate::worker::{State, WorkerShared};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum SlotState {
+    Pending,
+    Done,
+    Parked,
+}
+
+/// What ucxkit keeps inside each UCX request.
+pub(crate) struct Slot {
+    state: SlotState,
+    status: sys::ucs_status_t,
+    len: usize,
+    sender_tag: u64,
+    /// Endpoint whose failure cancels this receive (0: none).
+    pub(crate) bound_ep: u64,
+    waker: Option<Waker>,
+    parked: Option<Box<dyn Any + Send>>,
+}
+
+impl Slot {
+    const EMPTY: Slot = Slot {
+        state: SlotState::Pending,
+        status: sys::UCS_INPROGRESS,
+        len: 0,
+        sender_tag: 0,
+        bound_ep: 0,
+        waker: None,
+        parked: None,
+    };
+}
+
+/// Bytes UCX reserves for a [`Slot`] in each request.
+pub(crate) const SLOT_SIZE: usize = std::mem::size_of::<Slot>();
+
+/// `request_init`: UCX calls this once per request when its pool first allocates it
+/// (not on reuse; [`free`] resets the slot before each release).
+pub(crate) unsafe extern "C" fn slot_init(request: *mut c_void) {
+    // SAFETY: UCX passes a pointer to `request_size` writable bytes, aligned for any type
+    // UCX itself stores (8 bytes), which covers Slot's alignment.
+    unsafe { ptr::write(request.cast::<Slot>(), Slot::EMPTY) }
+}
+
+/// The result of a completed request.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Completion {
+    pub(crate) status: Status,
+    pub(crate) len: usize,
+    pub(crate) sender_tag: u64,
+}
+
+impl Completion {
+    pub(crate) const OK: Completion = Completion { status: Status::OK, len: 0, sender_tag: 0 };
+}
+
+/// Send-type completion callback (`ucp_send_nbx_callback_t`); `user_data` is the worker
+/// [`State`].
+pub(crate) unsafe extern "C" fn send_cb(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+    // SAFETY: UCX calls this with a request we posted with user_data = &State, inside a
+    // UCX call made under the worker lock.
+    unsafe { complete(req, status, 0, 0, user) }
+}
+
+/// Tag receive completion callback (`ucp_tag_recv_nbx_callback_t`).
+pub(crate) unsafe extern "C" fn tag_recv_cb(
+    req: *mut c_void,
+    status: sys::ucs_status_t,
+    info: *const sys::ucp_tag_recv_info_t,
+    user: *mut c_void,
+) {
+    // SAFETY: UCX passes a valid info pointer for the duration of the callback (NULL only
+    // in error paths of some versions, checked).
+    let (len, tag) = unsafe { info.as_ref() }.map_or((0, 0), |i| (i.length, i.sender_tag));
+    // SAFETY: as in send_cb.
+    unsafe { complete(req, status, len, tag, user) }
+}
+
+unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag: u64, user: *mut c_void) {
+    // SAFETY: the caller guarantees req is a live request of ours and user the worker's
+    // State, accessed under the worker lock held by whoever called into UCX.
+    let (slot, st) = unsafe { (&mut *req.cast::<Slot>(), &mut *user.cast::<State>()) };
+    match slot.state {
+        SlotState::Parked => {
+            if slot.bound_ep != 0 {
+                st.unbind_recv(slot.bound_ep, req as usize);
+            }
+            if let Some(p) = slot.parked.take() {
+                st.graveyard.push(p);
+            }
+            st.parked -= 1;
+            // SAFETY: req is ours, completed, and nothing refers to it any more.
+            unsafe { free(req.cast()) };
+        }
+        SlotState::Pending => {
+            slot.state = SlotState::Done;
+            slot.status = status;
+            slot.len = len;
+            slot.sender_tag = tag;
+            if let Some(w) = slot.waker.take() {
+                st.wake.push(w);
+            }
+        }
+        SlotState::Done => tracing::error!("UCX completed a request twice"),
+    }
+}
+
+/// Resets a slot and releases its request to UCX.
+///
+/// # Safety
+/// `slot` is a completed request of ours that nothing else refers to, and the worker lock
+/// is held.
+pub(crate) unsafe fn free(slot: *mut Slot) {
+    // SAFETY: per contract; dropping the old value releases any waker left behind.
+    unsafe {
+        drop(ptr::replace(slot, Slot::EMPTY));
+        sys::ucp_request_free(slot.cast());
+    }
+}
+
+/// Gives a request that owns no memory back to UCX at once, whatever its state
+/// (`ucp_request_free`): the operation (a close, a flush) goes on inside UCX with no
+/// further callback. Only for requests with nothing parked.
+///
+/// # Safety
+/// `slot` is a request of ours (pending or done) that nothing else refers to, and the
+/// worker lock is held.
+pub(crate) unsafe fn release(slot: *mut Slot) {
+    // SAFETY: per contract; resetting first because UCX will reuse the memory without
+    // calling request_init again and without calling our callback for this request.
+    unsafe { free(slot) }
+}
+
+/// Hands `keep` to a pending request's slot; the completion callback drops it.
+///
+/// # Safety
+/// `slot` is a pending request of ours and the worker lock is held. The caller counts it
+/// in `State::parked`.
+pub(crate) unsafe fn park_slot(slot: *mut Slot, keep: Box<dyn Any + Send>) {
+    // SAFETY: per contract.
+    let s = unsafe { &mut *slot };
+    s.state = SlotState::Parked;
+    s.waker = None;
+    s.parked = Some(keep);
+}
+
+/// Owner of one in-flight UCX request. Not a future itself: the operation futures hold
+/// one and drive it with [`Request::poll`], and park their buffer with [`Request::park`]
+/// when dropped early.
+pub(crate) struct Request {
+    slot: *mut Slot,
+    cancelable: bool,
+}
+
+// SAFETY: the slot is only touched under the worker lock, whichever thread holds it.
+unsafe impl Send for Request {}
+// SAFETY: as above; &Request gives no access without the lock.
+unsafe impl Sync for Request {}
+
+/// What a posting call returned.
+pub(crate) enum Posted {
+    /// Completed at once (no request).
+    Done(Completion),
+    /// In flight.
+    Pending(Request),
+}
+
+impl Posted {
+    /// Interprets the `ucs_status_ptr_t` returned by a `*_nbx` call. `imm` is the completion
+    /// to report for an immediate `UCS_OK`.
+    pub(crate) fn from_ptr(ptr: sys::ucs_status_ptr_t, imm: Completion, cancelable: bool) -> Posted {
+        if sys::UCS_PTR_IS_PTR(ptr) {
+            Posted::Pending(Request { slot: ptr.cast(), cancelable })
+        } else {
+            let status = Status(sys::UCS_PTR_RAW_STATUS(ptr));
+            if status.is_ok() {
+                Posted::Done(imm)
+            } else {
+                Posted::Done(Completion { status, len: 0, sender_tag: 0 })
+            }
+        }
+    }
+}
+
+impl Request {
+    /// The raw request pointer (for `ucp_request_cancel` and bookkeeping).
+    pub(crate) fn raw(&self) -> *mut c_void {
+        self.slot.cast()
+    }
+
+    /// Marks this receive as bound to an endpoint: the endpoint's failure cancels it.
+    pub(crate) fn bind(&self, st: &mut State, ep: u64) {
+        // SAFETY: under the worker lock (st is borrowed from it); the slot is live.
+        unsafe { (*self.slot).bound_ep = ep };
+        st.bind_recv(ep, self.slot as usize);
+    }
+
+    /// Checks for completion; in busy-poll mode progresses the worker a bounded number of
+    /// times first. Returns `Ready` once, after which the request is released.
+    pub(crate) fn poll(&mut self, worker: &WorkerShared, cx: &mut Context<'_>) -> Poll<Completion> {
+        let slot = self.slot;
+        worker.inner.poll_until(
+            cx,
+            |st| {
+                // SAFETY: under the worker lock; the slot is ours until freed below.
+                let s = unsafe { &mut *slot };
+                if s.state != SlotState::Done {
+                    return None;
+                }
+                if s.bound_ep != 0 {
+                    st.unbind_recv(s.bound_ep, slot as usize);
+                }
+                let c = Completion { status: Status(s.status), len: s.len, sender_tag: s.sender_tag };
+                // SAFETY: completed and no longer referenced.
+                unsafe { free(slot) };
+                Some(c)
+            },
+            |_, waker| {
+                // SAFETY: still pending, under the lock.
+                let s = unsafe { &mut *slot };
+                match &s.waker {
+                    Some(w) if w.will_wake(waker) => {}
+                    _ => s.waker = Some(waker.clone()),
+                }
+            },
+        )
+    }
+
+    /// Called from the owning future's `Drop` while the request may still be pending:
+    /// keeps `keep` alive until UCX completes the request (and cancels it where UCX can).
+    /// If the request had already completed, frees it and returns `keep` to be dropped by
+    /// the caller after the lock is gone.
+    pub(crate) fn park(
+        self,
+        worker: &WorkerShared,
+        keep: Box<dyn Any + Send>,
+    ) -> Option<Box<dyn Any + Send>> {
+        let slot = self.slot;
+        let cancelable = self.cancelable;
+        worker.inner.locked(|st| {
+            // SAFETY: under the worker lock; the slot is ours.
+            let s = unsafe { &mut *slot };
+            if s.state == SlotState::Done {
+                if s.bound_ep != 0 {
+                    st.unbind_recv(s.bound_ep, slot as usize);
+                }
+                // SAFETY: completed, unreferenced.
+                unsafe { free(slot) };
+                return Some(keep);
+            }
+            // SAFETY: pending, ours, under the lock.
+            unsafe { park_slot(slot, keep) };
+            st.parked += 1;
+            if cancelable {
+                // SAFETY: the worker handle is valid (lock held); the request is a pending
+                // tag receive of this worker. The callback may run inside this call.
+                unsafe { sys::ucp_request_cancel(st.handle, slot.cast()) };
+            }
+            None
+        })
+    }
+}

@@ -1,0 +1,335 @@
+//! Tagged messaging: send and receive with a 64-bit tag and a mask
+//! (`ucp_tag_send_nbx`, `ucp_tag_recv_nbx`, `ucp_tag_probe_nb`, `ucp_tag_msg_recv_nbx`).
+//!
+//! A receive matches a message when `(message_tag & mask) == (tag & mask)`. Messages
+//! from one endpoint match in the order they were sent. The wire format is UCX's own, so
+//! these calls interoperate with any UCX program using the tag API (turn the handshake
+//! off with [`crate::EndpointOptions::handshake`] to talk to one).
+//!
+//! Every operation takes its buffer by value and returns it with the result, as
+//! `(Result<T>, B)`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use ucx_sys as sys;
+
+use crate::buf::{IoBuf, IoBufMut};
+use crate::endpoint::{op_param, Endpoint};
+use crate::error::{Error, Peer, Result, Status};
+use crate::request::{tag_recv_cb, Completion, Posted, Request};
+use crate::worker::{State, Worker};
+
+/// A 64-bit tag.
+pub type Tag = u64;
+
+/// The mask that matches only the exact tag.
+pub const EXACT: u64 = u64::MAX;
+/// The mask that matches any tag.
+pub const ANY: u64 = 0;
+
+/// What arrived: the sender's tag and the message length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TagInfo {
+    /// The tag the sender used.
+    pub sender_tag: Tag,
+    /// Message length in bytes.
+    pub len: usize,
+}
+
+enum OpState<B> {
+    Pending(Request, B),
+    Done(Completion, B),
+    Failed(Error, B),
+    Finished,
+}
+
+/// Future of [`Endpoint::tag_send`]: resolves to `(Result<()>, buffer)`.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time: the buffer is kept until UCX has finished with it,
+/// and the message may still be delivered.
+#[must_use = "a send future does nothing useful unless awaited (the message is already posted)"]
+pub struct TagSend<B: IoBuf> {
+    ep: Endpoint,
+    state: OpState<B>,
+}
+
+/// Future of [`Endpoint::tag_recv`] and [`Worker::tag_recv`]: resolves to
+/// `(Result<TagInfo>, buffer)`; on success the buffer's length is the message length.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time. If no message matched yet, the receive is canceled
+/// (`ucp_request_cancel`) and a later matching message goes to another receive. If one
+/// already matched, the buffer is kept until UCX finishes writing it and that message is
+/// consumed and discarded.
+#[must_use = "a receive future does nothing unless awaited"]
+pub struct TagRecv<B: IoBufMut> {
+    worker: Worker,
+    ep: Option<Endpoint>,
+    capacity: usize,
+    state: OpState<B>,
+}
+
+impl Endpoint {
+    /// Sends `buf` with `tag` (`ucp_tag_send_nbx`). The message is posted before this
+    /// returns, so sends on one endpoint are matched in call order; await the future to
+    /// learn when the buffer is free again and whether the send succeeded.
+    pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
+        let no_imm = self.worker_inner().no_imm;
+        let posted = self.with_handle("tag_send", |st, h| {
+            let param = op_param(st, no_imm);
+            // SAFETY: h is live under the lock; the buffer's memory stays valid and
+            // unmoved until the request completes (IoBuf contract; parked on drop).
+            let p =
+                unsafe { sys::ucp_tag_send_nbx(h, buf.stable_ptr().cast(), buf.bytes_init(), tag, &param) };
+            Ok(Posted::from_ptr(p, Completion::OK, false))
+        });
+        let state = match posted {
+            Ok(Posted::Done(c)) => OpState::Done(c, buf),
+            Ok(Posted::Pending(r)) => OpState::Pending(r, buf),
+            Err(e) => OpState::Failed(e, buf),
+        };
+        TagSend { ep: self.clone(), state }
+    }
+
+    /// Receives a message matching `tag`/`mask` into `buf`, bound to this endpoint: if
+    /// the endpoint fails before a message matches, the receive ends with
+    /// [`Error::ConnectionReset`].
+    ///
+    /// Matching itself is by tag only (UCX tag queues are per worker): encode the peer in
+    /// the tag when several peers may send the same tag.
+    pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
+        let id = self.inner.id;
+        let failed = self.with_handle("tag_recv", |_, _| Ok(()));
+        let worker = self.worker().clone();
+        match failed {
+            Err(e) => TagRecv {
+                worker,
+                ep: Some(self.clone()),
+                capacity: buf.bytes_total(),
+                state: OpState::Failed(e, buf),
+            },
+            Ok(()) => post_recv(worker, Some((self.clone(), id)), tag, mask, buf),
+        }
+    }
+}
+
+impl Worker {
+    /// Receives a message matching `tag`/`mask` from any peer into `buf`.
+    pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
+        post_recv(self.clone(), None, tag, mask, buf)
+    }
+
+    /// Checks, without receiving it, whether a message matching `tag`/`mask` has arrived
+    /// (`ucp_tag_probe_nb`), progressing the worker once first.
+    pub fn tag_probe(&self, tag: Tag, mask: u64) -> Option<TagInfo> {
+        let inner = &self.shared.inner;
+        inner.locked(|st| {
+            inner.progress_locked(st);
+            let mut info = sys::ucp_tag_recv_info_t::default();
+            // SAFETY: the worker is valid under the lock; remove = 0 leaves the message.
+            let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 0, &mut info) };
+            (!m.is_null()).then_some(TagInfo { sender_tag: info.sender_tag, len: info.length })
+        })
+    }
+
+    /// Receives the next message matching `tag`/`mask`, whatever its size, into a new
+    /// buffer of exactly its length (`ucp_tag_probe_nb` with remove, then
+    /// `ucp_tag_msg_recv_nbx`).
+    ///
+    /// # Cancel safety
+    /// Memory-safe to drop. Before a message is found, nothing is consumed; once found,
+    /// it is received into a buffer kept until UCX completes, then discarded.
+    pub async fn tag_recv_any(&self, tag: Tag, mask: u64) -> Result<(TagInfo, Vec<u8>)> {
+        let inner = &self.shared.inner;
+        let no_imm = inner.no_imm;
+        // Step 1: find and dequeue a matching message, receiving into a buffer of its size.
+        let (info, posted, buf) = std::future::poll_fn(|cx| {
+            inner.poll_until(
+                cx,
+                |st| {
+                    let mut info = sys::ucp_tag_recv_info_t::default();
+                    // SAFETY: the worker is valid under the lock; remove = 1 hands the
+                    // message to us, and we post its receive right away.
+                    let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 1, &mut info) };
+                    if m.is_null() {
+                        return None;
+                    }
+                    let mut buf: Vec<u8> = Vec::with_capacity(info.length);
+                    let mut param = recv_param(st, no_imm);
+                    let mut rinfo = sys::ucp_tag_recv_info_t::default();
+                    param.recv_info.tag_info = &mut rinfo;
+                    // SAFETY: m is a dequeued message of this worker; buf has room for
+                    // info.length bytes and is owned by this call until completion.
+                    let p = unsafe {
+                        sys::ucp_tag_msg_recv_nbx(st.handle, buf.as_mut_ptr().cast(), info.length, m, &param)
+                    };
+                    let imm =
+                        Completion { status: Status::OK, len: info.length, sender_tag: info.sender_tag };
+                    Some((info, Posted::from_ptr(p, imm, false), buf))
+                },
+                |st, waker| st.probe_waiters.push(waker.clone()),
+            )
+        })
+        .await;
+        let info = TagInfo { sender_tag: info.sender_tag, len: info.length };
+        // Step 2: wait for the data.
+        let recv = TagRecv {
+            worker: self.clone(),
+            ep: None,
+            capacity: info.len,
+            state: match posted {
+                Posted::Done(c) => {
+                    OpState::Done(Completion { len: info.len, sender_tag: info.sender_tag, ..c }, buf)
+                }
+                Posted::Pending(r) => OpState::Pending(r, buf),
+            },
+        };
+        let (r, buf) = recv.await;
+        r.map(|_| (info, buf))
+    }
+}
+
+fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
+    let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0
+        | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
+        | sys::UCP_OP_ATTR_FIELD_RECV_INFO.0;
+    if no_imm {
+        mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
+    }
+    sys::ucp_request_param_t {
+        op_attr_mask: mask as u32,
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(tag_recv_cb) },
+        user_data: (st as *mut State).cast(),
+        ..Default::default()
+    }
+}
+
+fn post_recv<B: IoBufMut>(
+    worker: Worker,
+    ep: Option<(Endpoint, u64)>,
+    tag: Tag,
+    mask: u64,
+    mut buf: B,
+) -> TagRecv<B> {
+    let inner = worker.shared.inner.clone();
+    let capacity = buf.bytes_total();
+    let ptr = buf.stable_mut_ptr();
+    let posted = inner.locked(|st| {
+        let mut info = sys::ucp_tag_recv_info_t::default();
+        let mut param = recv_param(st, inner.no_imm);
+        param.recv_info.tag_info = &mut info;
+        // SAFETY: the worker is valid under the lock; buf's memory is valid for
+        // `capacity` bytes and owned by the returned future until UCX completes (parked
+        // on drop); info is valid for the call (written only on immediate completion).
+        let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast(), capacity, tag, mask, &param) };
+        let imm = Completion { status: Status::OK, len: info.length, sender_tag: info.sender_tag };
+        let posted = Posted::from_ptr(p, imm, true);
+        if let (Posted::Pending(r), Some((_, id))) = (&posted, &ep) {
+            r.bind(st, *id);
+        }
+        if let Posted::Done(c) = &posted {
+            if c.status == Status::TRUNCATED {
+                return Posted::Done(Completion { len: info.length, sender_tag: info.sender_tag, ..*c });
+            }
+        }
+        posted
+    });
+    let state = match posted {
+        Posted::Done(c) => OpState::Done(c, buf),
+        Posted::Pending(r) => OpState::Pending(r, buf),
+    };
+    TagRecv { worker, ep: ep.map(|e| e.0), capacity, state }
+}
+
+// The futures never pin their fields: the buffer is moved in and out by value.
+impl<B: IoBuf> Unpin for TagSend<B> {}
+impl<B: IoBufMut> Unpin for TagRecv<B> {}
+
+impl<B: IoBuf> Future for TagSend<B> {
+    type Output = (Result<()>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let c = match &mut this.state {
+            OpState::Pending(r, _) => match r.poll(&this.ep.worker().shared, cx) {
+                Poll::Ready(c) => c,
+                Poll::Pending => return Poll::Pending,
+            },
+            OpState::Done(c, _) => *c,
+            OpState::Failed(..) => Completion::OK,
+            OpState::Finished => panic!("TagSend polled after completion"),
+        };
+        match std::mem::replace(&mut this.state, OpState::Finished) {
+            OpState::Failed(e, b) => Poll::Ready((Err(e), b)),
+            OpState::Pending(_, b) | OpState::Done(_, b) => {
+                Poll::Ready((this.ep.result_of("tag_send", c), b))
+            }
+            OpState::Finished => unreachable!(),
+        }
+    }
+}
+
+impl<B: IoBuf> Drop for TagSend<B> {
+    fn drop(&mut self) {
+        if let OpState::Pending(r, b) = std::mem::replace(&mut self.state, OpState::Finished) {
+            drop(r.park(&self.ep.worker().shared, Box::new(b)));
+        }
+    }
+}
+
+impl<B: IoBufMut> TagRecv<B> {
+    fn finish(&self, c: Completion, buf: &mut B) -> Result<TagInfo> {
+        if c.status.is_ok() {
+            // SAFETY: UCX wrote c.len <= capacity bytes at the start of buf.
+            unsafe { buf.set_init(c.len.min(self.capacity)) };
+            return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
+        }
+        if c.status == Status::TRUNCATED {
+            return Err(Error::Truncated {
+                capacity: self.capacity,
+                len: c.len.max(self.capacity),
+                tag: c.sender_tag,
+            });
+        }
+        Err(match &self.ep {
+            Some(ep) => ep.error_of("tag_recv", c.status),
+            None => Error::from_op("tag_recv", &Peer::Any, c.status),
+        })
+    }
+}
+
+impl<B: IoBufMut> Future for TagRecv<B> {
+    type Output = (Result<TagInfo>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let c = match &mut this.state {
+            OpState::Pending(r, _) => match r.poll(&this.worker.shared, cx) {
+                Poll::Ready(c) => c,
+                Poll::Pending => return Poll::Pending,
+            },
+            OpState::Done(c, _) => *c,
+            OpState::Failed(..) => Completion::OK,
+            OpState::Finished => panic!("TagRecv polled after completion"),
+        };
+        match std::mem::replace(&mut this.state, OpState::Finished) {
+            OpState::Failed(e, b) => Poll::Ready((Err(e), b)),
+            OpState::Pending(_, mut b) | OpState::Done(_, mut b) => {
+                let r = this.finish(c, &mut b);
+                Poll::Ready((r, b))
+            }
+            OpState::Finished => unreachable!(),
+        }
+    }
+}
+
+impl<B: IoBufMut> Drop for TagRecv<B> {
+    fn drop(&mut self) {
+        if let OpState::Pending(r, b) = std::mem::replace(&mut self.state, OpState::Finished) {
+            drop(r.park(&self.worker.shared, Box::new(b)));
+        }
+    }
+}

@@ -1,0 +1,701 @@
+//! [`Worker`]: a UCX worker (`ucp_worker_h`), its lock, its in-flight bookkeeping and its
+//! progress driver.
+//!
+//! # Thread model
+//! Workers are created with `UCS_THREAD_MODE_SERIALIZED` and every UCX call on a worker,
+//! its endpoints and its listeners is made while holding that worker's mutex. Completion
+//! callbacks run inside those calls, so they too run under the lock; they only record
+//! results and collect wakers, which are woken after the lock is released. Hence
+//! [`Worker`] and everything made from it is `Send + Sync` and usable from a multi-thread
+//! tokio runtime.
+
+use std::any::Any;
+use std::cell::UnsafeCell;
+use std::collections::{HashMap, HashSet};
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context as TaskContext, Poll, Waker};
+use std::time::Duration;
+
+use ucx_sys as sys;
+
+use crate::address::WorkerAddress;
+use crate::context::{Context, ContextInner};
+use crate::error::{Error, Result, Status};
+use crate::handshake::{self, Kind, Message, NackReason};
+use crate::identity::ProcessIdentity;
+use crate::progress::{self, ProgressMode};
+use crate::request::{self, Slot};
+
+/// How endpoints handle a failed peer (`ucp_err_handling_mode_t`), applied on both sides
+/// of a connection, accepted endpoints included.
+///
+/// UCX 1.13's shared-memory transports (posix, sysv, cma) have no peer-failure support:
+/// with [`ErrorMode::Peer`], two processes on one host talk over TCP loopback instead
+/// (about 3× the latency and a fraction of the bandwidth). [`ErrorMode::None`] keeps
+/// shared memory; ucxkit then watches a same-host peer process itself (see
+/// [`crate::liveness`]), so pending operations still fail when it dies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ErrorMode {
+    /// The default: [`ErrorMode::None`] when the peer runs on this host (a local or
+    /// loopback IP, or a worker address from this host), [`ErrorMode::Peer`] otherwise.
+    /// Both sides reach the same choice for the same connection.
+    #[default]
+    Auto,
+    /// `UCP_ERR_HANDLING_MODE_PEER`: UCX detects failed peers and fails their
+    /// operations; transports without failure support (shared memory) are not used.
+    Peer,
+    /// `UCP_ERR_HANDLING_MODE_NONE`: every transport is allowed. A failed peer on this
+    /// host is detected by ucxkit's pidfd watch (needs the handshake); a failed remote
+    /// peer is not detected, so use [`ErrorMode::Peer`] for remote peers.
+    None,
+}
+
+impl ErrorMode {
+    /// Resolves `Auto` given whether the peer is on this host; true means UCX peer mode.
+    pub(crate) fn peer_mode(self, peer_is_local: bool) -> bool {
+        match self {
+            ErrorMode::Auto => !peer_is_local,
+            ErrorMode::Peer => true,
+            ErrorMode::None => false,
+        }
+    }
+}
+
+/// Options for connecting or accepting an endpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct EndpointOptions {
+    /// Error handling for the endpoint (default [`ErrorMode::Auto`]).
+    pub error_mode: ErrorMode,
+    /// Run ucxkit's connection handshake (default true). Turn it off to talk to plain UCX
+    /// programs: tagged messages are then wire-compatible with any UCX application, but
+    /// `connect` returns before the peer is known to exist and no liveness watch runs.
+    pub handshake: bool,
+    /// How long the handshake may take (default 10 s).
+    pub timeout: Duration,
+}
+
+impl Default for EndpointOptions {
+    fn default() -> Self {
+        EndpointOptions { error_mode: ErrorMode::Auto, handshake: true, timeout: Duration::from_secs(10) }
+    }
+}
+
+/// Builds a [`Worker`]. Obtained from [`Context::worker`].
+#[derive(Clone, Debug)]
+pub struct WorkerBuilder {
+    ctx: Context,
+    mode: ProgressMode,
+    endpoint: EndpointOptions,
+    no_imm: bool,
+}
+
+impl WorkerBuilder {
+    pub(crate) fn new(ctx: Context) -> Self {
+        WorkerBuilder { ctx, mode: ProgressMode::Event, endpoint: EndpointOptions::default(), no_imm: false }
+    }
+
+    /// How the worker makes progress (default [`ProgressMode::Event`]).
+    pub fn progress_mode(mut self, mode: ProgressMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Default options for endpoints this worker connects and accepts.
+    pub fn endpoint_options(mut self, opts: EndpointOptions) -> Self {
+        self.endpoint = opts;
+        self
+    }
+
+    /// Default error mode for this worker's endpoints.
+    pub fn error_mode(mut self, mode: ErrorMode) -> Self {
+        self.endpoint.error_mode = mode;
+        self
+    }
+
+    /// Diagnostics: make every operation take UCX's request path even when it could
+    /// complete at once (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`). Slower; used by tests.
+    pub fn no_immediate_completion(mut self, on: bool) -> Self {
+        self.no_imm = on;
+        self
+    }
+
+    /// Creates the worker and spawns its progress driver on the current tokio runtime.
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] outside a tokio runtime; [`Error::CreateWorker`] when UCX
+    /// fails.
+    pub fn build(self) -> Result<Worker> {
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::ApiMisuse("Worker::build must run inside a tokio runtime".into()))?;
+        let params = sys::ucp_worker_params_t {
+            field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE.0 as u64,
+            thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
+            ..Default::default()
+        };
+        let mut handle: sys::ucp_worker_h = std::ptr::null_mut();
+        // SAFETY: the context is valid; params and out-pointer are valid for the call.
+        Status(unsafe { sys::ucp_worker_create(self.ctx.inner.handle, &params, &mut handle) })
+            .check()
+            .map_err(Error::CreateWorker)?;
+        let mut efd: libc::c_int = -1;
+        // SAFETY: handle was just created; the context has UCP_FEATURE_WAKEUP.
+        let st = Status(unsafe { sys::ucp_worker_get_efd(handle, &mut efd) });
+        if let Err(e) = st.check() {
+            // SAFETY: nothing else refers to the new worker.
+            unsafe { sys::ucp_worker_destroy(handle) };
+            return Err(Error::CreateWorker(e));
+        }
+        let inner = Arc::new(WorkerInner {
+            ctx: self.ctx.inner.clone(),
+            lock: Mutex::new(()),
+            state: UnsafeCell::new(State::new(handle)),
+            mode: self.mode,
+            efd,
+            no_imm: self.no_imm,
+        });
+        let state_ptr = inner.state.get().cast::<c_void>();
+        let am = sys::ucp_am_handler_param_t {
+            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64,
+            id: handshake::AM_ID,
+            cb: Some(handshake_am_cb),
+            arg: state_ptr,
+            ..Default::default()
+        };
+        // SAFETY: the worker is valid; arg points to the State owned by `inner`, which
+        // outlives the worker handle.
+        Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &am) })
+            .check()
+            .map_err(Error::CreateWorker)?;
+        let shutdown = Arc::new(progress::Shutdown::default());
+        rt.spawn(progress::drive(inner.clone(), shutdown.clone()));
+        let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(worker = id, mode = ?self.mode, "worker created");
+        Ok(Worker { shared: Arc::new(WorkerShared { inner, shutdown, endpoint: self.endpoint, id }) })
+    }
+}
+
+static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A UCX worker: the unit of progress, with its endpoints, listeners and tag queue.
+///
+/// Cheap to clone. The worker's progress driver runs on the tokio runtime that created
+/// it until the last clone, endpoint, listener and pending operation are gone; the worker
+/// is then destroyed after its in-flight requests drain.
+#[derive(Clone)]
+pub struct Worker {
+    pub(crate) shared: Arc<WorkerShared>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("id", &self.shared.id).field("mode", &self.shared.inner.mode).finish()
+    }
+}
+
+/// The user-facing side of a worker: its drop stops the progress driver.
+pub(crate) struct WorkerShared {
+    pub(crate) inner: Arc<WorkerInner>,
+    shutdown: Arc<progress::Shutdown>,
+    pub(crate) endpoint: EndpointOptions,
+    pub(crate) id: u64,
+}
+
+impl Drop for WorkerShared {
+    fn drop(&mut self) {
+        self.shutdown.signal();
+    }
+}
+
+impl Worker {
+    /// This worker's address, to hand to peers for [`Worker::connect_address`].
+    pub fn address(&self) -> Result<WorkerAddress> {
+        self.shared.inner.locked(|st| {
+            let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
+            let mut len = 0usize;
+            // SAFETY: the worker is valid under the lock; out-pointers are valid.
+            Status(unsafe { sys::ucp_worker_get_address(st.handle, &mut addr, &mut len) })
+                .check()
+                .map_err(|source| Error::Worker { op: "ucp_worker_get_address", source })?;
+            // SAFETY: UCX returned `len` readable bytes at `addr`.
+            let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) };
+            let wa = WorkerAddress::wrap(&ProcessIdentity::current(), bytes);
+            // SAFETY: releases the address UCX allocated above, once.
+            unsafe { sys::ucp_worker_release_address(st.handle, addr) };
+            Ok(wa)
+        })
+    }
+
+    /// The progress mode.
+    pub fn progress_mode(&self) -> ProgressMode {
+        self.shared.inner.mode
+    }
+
+    /// Progresses the worker once (`ucp_worker_progress`) and returns the number of events
+    /// handled. The driver does this on its own; calling it is only useful for latency
+    /// experiments.
+    pub fn progress(&self) -> u32 {
+        self.shared.inner.locked(|st| self.shared.inner.progress_locked(st))
+    }
+
+    /// Handshakes that arrived malformed on this worker (they are answered with a refusal
+    /// and otherwise ignored).
+    pub fn bad_handshakes(&self) -> u64 {
+        self.shared.inner.locked(|st| st.bad_handshakes)
+    }
+
+    /// Operations whose futures were dropped while UCX still owned their buffers.
+    pub fn parked_requests(&self) -> usize {
+        self.shared.inner.locked(|st| st.parked)
+    }
+
+    /// The raw handle: valid while this worker (or a clone, endpoint or listener of it)
+    /// is alive; do not destroy it, and hold no ucxkit call open on this worker while
+    /// using it (UCX calls on a worker must be serialized).
+    pub fn as_raw(&self) -> sys::ucp_worker_h {
+        self.shared.inner.locked(|st| st.handle)
+    }
+
+    pub(crate) fn state_ptr(&self) -> *mut c_void {
+        self.shared.inner.state.get().cast()
+    }
+}
+
+/// Per-endpoint bookkeeping, under the worker lock.
+pub(crate) struct EpState {
+    /// NULL once closed.
+    pub(crate) handle: sys::ucp_ep_h,
+    pub(crate) failed: Option<Status>,
+    /// Pending receives bound to this endpoint (request addresses).
+    pub(crate) recvs: HashSet<usize>,
+}
+
+/// A pending handshake.
+pub(crate) struct HsWait {
+    pub(crate) waker: Option<Waker>,
+    pub(crate) result: Option<std::result::Result<ProcessIdentity, String>>,
+    pub(crate) peer_mode: bool,
+    pub(crate) ep: u64,
+}
+
+/// A listener's queue of connection requests.
+#[derive(Default)]
+pub(crate) struct ListenerState {
+    pub(crate) queue: std::collections::VecDeque<sys::ucp_conn_request_h>,
+    pub(crate) waker: Option<Waker>,
+}
+
+/// Everything under the worker lock.
+pub(crate) struct State {
+    pub(crate) handle: sys::ucp_worker_h,
+    pub(crate) wake: Vec<Waker>,
+    pub(crate) graveyard: Vec<Box<dyn Any + Send>>,
+    pub(crate) parked: usize,
+    pub(crate) probe_waiters: Vec<Waker>,
+    pub(crate) eps: HashMap<u64, EpState>,
+    pub(crate) by_handle: HashMap<usize, u64>,
+    pub(crate) next_id: u64,
+    failed: Vec<(u64, Status)>,
+    pub(crate) connects: HashMap<u64, HsWait>,
+    pub(crate) accepts: HashMap<usize, HsWait>,
+    outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
+    pub(crate) listeners: HashMap<u64, ListenerState>,
+    pub(crate) bad_handshakes: u64,
+}
+
+impl State {
+    fn new(handle: sys::ucp_worker_h) -> State {
+        State {
+            handle,
+            wake: Vec::new(),
+            graveyard: Vec::new(),
+            parked: 0,
+            probe_waiters: Vec::new(),
+            eps: HashMap::new(),
+            by_handle: HashMap::new(),
+            next_id: 1,
+            failed: Vec::new(),
+            connects: HashMap::new(),
+            accepts: HashMap::new(),
+            outbox: Vec::new(),
+            listeners: HashMap::new(),
+            bad_handshakes: 0,
+        }
+    }
+
+    pub(crate) fn bind_recv(&mut self, ep: u64, req: usize) {
+        if let Some(e) = self.eps.get_mut(&ep) {
+            e.recvs.insert(req);
+        }
+    }
+
+    pub(crate) fn unbind_recv(&mut self, ep: u64, req: usize) {
+        if let Some(e) = self.eps.get_mut(&ep) {
+            e.recvs.remove(&req);
+        }
+    }
+
+    pub(crate) fn new_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Marks an endpoint failed: cancels its bound receives, wakes its handshake, and
+    /// force-closes it so UCX completes its remaining operations with an error.
+    pub(crate) fn fail_ep(&mut self, id: u64, status: Status) {
+        let Some(e) = self.eps.get_mut(&id) else {
+            return;
+        };
+        if e.failed.is_none() {
+            e.failed = Some(status);
+        }
+        tracing::debug!(ep = id, %status, "endpoint failed");
+        let recvs: Vec<usize> = e.recvs.iter().copied().collect();
+        for r in recvs {
+            // SAFETY: r is a live pending tag receive of this worker (bound receives are
+            // unbound before their request is freed); the lock is held.
+            unsafe { sys::ucp_request_cancel(self.handle, r as *mut c_void) };
+        }
+        for w in self.connects.values_mut().filter(|w| w.ep == id) {
+            if let Some(k) = w.waker.take() {
+                self.wake.push(k);
+            }
+        }
+        if let Some(p) = self.close_ep(id, true) {
+            self.release(p);
+        }
+    }
+
+    /// Starts closing an endpoint (`ucp_ep_close_nbx`); the close request, if any, is
+    /// parked and completes in the background. Returns the request for callers that wait.
+    pub(crate) fn close_ep(&mut self, id: u64, force: bool) -> Option<request::Posted> {
+        let e = self.eps.get_mut(&id)?;
+        let h = std::mem::replace(&mut e.handle, std::ptr::null_mut());
+        if h.is_null() {
+            return None;
+        }
+        self.by_handle.remove(&(h as usize));
+        self.accepts.remove(&(h as usize));
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
+                | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
+                | sys::UCP_OP_ATTR_FIELD_FLAGS.0) as u32,
+            flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE.0 as u32 } else { 0 },
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(request::send_cb) },
+            user_data: (self as *mut State).cast(),
+            ..Default::default()
+        };
+        // SAFETY: h is a live endpoint of this worker, closed once (its handle was just
+        // taken out of the table); the lock is held.
+        let p = unsafe { sys::ucp_ep_close_nbx(h, &param) };
+        Some(request::Posted::from_ptr(p, request::Completion::OK, false))
+    }
+
+    /// Releases a request that owns no memory and that nobody waits for.
+    pub(crate) fn release(&mut self, posted: request::Posted) {
+        if let request::Posted::Pending(r) = posted {
+            // SAFETY: our request, nothing parked in it, under the lock.
+            unsafe { request::release(r.raw().cast::<Slot>()) };
+        }
+    }
+
+    /// Parks a request whose owner does not wait for it.
+    pub(crate) fn park(&mut self, posted: request::Posted, keep: Box<dyn Any + Send>) {
+        match posted {
+            request::Posted::Done(_) => self.graveyard.push(keep),
+            request::Posted::Pending(r) => {
+                let slot = r.raw().cast::<Slot>();
+                // SAFETY: a pending request of ours, under the lock.
+                unsafe { request::park_slot(slot, keep) };
+                self.parked += 1;
+            }
+        }
+    }
+
+    /// Queues a handshake message to send on `ep` after the current progress call.
+    fn reply(&mut self, ep: sys::ucp_ep_h, m: Message) {
+        self.outbox.push((ep, m.encode()));
+    }
+
+    /// Sends a handshake message now (outside any callback).
+    pub(crate) fn send_handshake(&mut self, ep: sys::ucp_ep_h, bytes: Vec<u8>, reply: bool) {
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
+                | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
+                | sys::UCP_OP_ATTR_FIELD_FLAGS.0) as u32,
+            flags: if reply { sys::UCP_AM_SEND_FLAG_REPLY.0 as u32 } else { 0 },
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(request::send_cb) },
+            user_data: (self as *mut State).cast(),
+            ..Default::default()
+        };
+        // SAFETY: ep is a live endpoint of this worker; the buffer stays alive until the
+        // request completes (parked below); the lock is held.
+        let p = unsafe {
+            sys::ucp_am_send_nbx(
+                ep,
+                handshake::AM_ID,
+                std::ptr::null(),
+                0,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                &param,
+            )
+        };
+        let posted = request::Posted::from_ptr(p, request::Completion::OK, false);
+        if let request::Posted::Done(c) = &posted {
+            if !c.status.is_ok() {
+                tracing::debug!(status = %c.status, "handshake send failed");
+            }
+        }
+        self.park(posted, Box::new(bytes));
+    }
+}
+
+/// The worker and its lock. Dropped after the driver, the last handle and the last
+/// operation are gone.
+pub(crate) struct WorkerInner {
+    ctx: Arc<ContextInner>,
+    lock: Mutex<()>,
+    state: UnsafeCell<State>,
+    pub(crate) mode: ProgressMode,
+    pub(crate) efd: RawFd,
+    pub(crate) no_imm: bool,
+}
+
+// SAFETY: `state` is only accessed while `lock` is held (see `locked`), and the UCX
+// worker it holds is in SERIALIZED mode, whose contract is exactly that: any thread,
+// one at a time.
+unsafe impl Send for WorkerInner {}
+// SAFETY: as above.
+unsafe impl Sync for WorkerInner {}
+
+/// How many times a busy-poll future progresses the worker before yielding to tokio.
+const SPIN: u32 = 256;
+
+impl WorkerInner {
+    /// Runs `f` under the worker lock, then wakes the wakers and drops the parked values
+    /// it collected, after releasing the lock.
+    pub(crate) fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: the lock is held, so this is the only reference to the state.
+        let st = unsafe { &mut *self.state.get() };
+        let r = f(st);
+        let wake = std::mem::take(&mut st.wake);
+        let grave = std::mem::take(&mut st.graveyard);
+        drop(guard);
+        for w in wake {
+            w.wake();
+        }
+        drop(grave);
+        r
+    }
+
+    /// `ucp_worker_progress` plus the work that must happen outside UCX callbacks
+    /// (handshake replies, failing endpoints).
+    pub(crate) fn progress_locked(&self, st: &mut State) -> u32 {
+        // SAFETY: the worker is valid and the lock is held.
+        let n = unsafe { sys::ucp_worker_progress(st.handle) };
+        if n > 0 && !st.probe_waiters.is_empty() {
+            let w = std::mem::take(&mut st.probe_waiters);
+            st.wake.extend(w);
+        }
+        if !st.outbox.is_empty() {
+            for (ep, bytes) in std::mem::take(&mut st.outbox) {
+                st.send_handshake(ep, bytes, false);
+            }
+        }
+        if !st.failed.is_empty() {
+            for (id, status) in std::mem::take(&mut st.failed) {
+                st.fail_ep(id, status);
+            }
+        }
+        n
+    }
+
+    /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
+    /// the worker is progressed (a bounded spin in busy-poll mode, once in event mode)
+    /// and `register` stores the task's waker.
+    pub(crate) fn poll_until<T>(
+        &self,
+        cx: &mut TaskContext<'_>,
+        mut check: impl FnMut(&mut State) -> Option<T>,
+        register: impl FnOnce(&mut State, &Waker),
+    ) -> Poll<T> {
+        match self.mode {
+            ProgressMode::BusyPoll => {
+                for _ in 0..SPIN {
+                    let r = self.locked(|st| {
+                        if let Some(t) = check(st) {
+                            return Some(t);
+                        }
+                        self.progress_locked(st);
+                        check(st)
+                    });
+                    if let Some(t) = r {
+                        return Poll::Ready(t);
+                    }
+                }
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            ProgressMode::Event => self.locked(|st| {
+                if let Some(t) = check(st) {
+                    return Poll::Ready(t);
+                }
+                if self.progress_locked(st) > 0 {
+                    if let Some(t) = check(st) {
+                        return Poll::Ready(t);
+                    }
+                }
+                register(st, cx.waker());
+                Poll::Pending
+            }),
+        }
+    }
+}
+
+impl Drop for WorkerInner {
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        // Let parked operations (sends to slow peers, close requests) finish, bounded.
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while st.parked > 0 && std::time::Instant::now() < deadline {
+            // SAFETY: exclusive access (we are in drop); the worker is valid.
+            let n = unsafe { sys::ucp_worker_progress(st.handle) };
+            if n == 0 {
+                std::thread::yield_now();
+            }
+        }
+        if st.parked > 0 {
+            tracing::warn!(
+                parked = st.parked,
+                "destroying a worker with operations UCX never completed; their buffers are leaked, not freed"
+            );
+        }
+        for (id, e) in st.eps.iter() {
+            if !e.handle.is_null() {
+                tracing::warn!(ep = id, "endpoint still open at worker destruction");
+            }
+        }
+        // SAFETY: every endpoint, listener and operation holds the worker alive, so none is
+        // left except parked requests, whose memory UCX reclaims here; the event fd's
+        // AsyncFd was dropped with the driver before this runs.
+        unsafe { sys::ucp_worker_destroy(st.handle) };
+        drop(std::mem::take(&mut st.graveyard));
+        let _ = &self.ctx;
+        let _ = self.efd.as_raw_fd();
+    }
+}
+
+/// Endpoint error callback (`ucp_err_handler_cb_t`): `arg` is the worker State.
+pub(crate) unsafe extern "C" fn ep_err_cb(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    // SAFETY: UCX invokes this inside a call made under the worker lock; arg is the State.
+    let st = unsafe { &mut *arg.cast::<State>() };
+    if let Some(&id) = st.by_handle.get(&(ep as usize)) {
+        // Handled after the progress call returns: canceling and closing from inside a
+        // UCX callback is not allowed.
+        st.failed.push((id, Status(status)));
+    }
+}
+
+/// The handshake's active-message handler.
+unsafe extern "C" fn handshake_am_cb(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_len: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: called by UCX inside progress under the worker lock; arg is the State; param
+    // is valid for the call.
+    let (st, param) = unsafe { (&mut *arg.cast::<State>(), &*param) };
+    let reply_ep = param.reply_ep;
+    if param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0 || data.is_null() {
+        st.bad_handshakes += 1;
+        tracing::warn!(len, "oversized handshake message dropped");
+        return sys::UCS_OK;
+    }
+    // SAFETY: eager data is readable for `len` bytes during the callback.
+    let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) };
+    let me = ProcessIdentity::current();
+    match Message::decode(bytes) {
+        Err(reason) => {
+            st.bad_handshakes += 1;
+            tracing::warn!(%reason, "malformed handshake message");
+            if !reply_ep.is_null() {
+                let nack = Message {
+                    kind: Kind::Nack(NackReason::Malformed),
+                    peer_mode: false,
+                    nonce: 0,
+                    identity: me,
+                };
+                st.reply(reply_ep, nack);
+            }
+        }
+        Ok(m) => match m.kind {
+            Kind::Hello => {
+                if reply_ep.is_null() {
+                    st.bad_handshakes += 1;
+                    return sys::UCS_OK;
+                }
+                let mut kind = Kind::Ack;
+                if let Some(w) = st.accepts.get_mut(&(reply_ep as usize)) {
+                    if w.peer_mode != m.peer_mode {
+                        kind = Kind::Nack(NackReason::ErrorModeMismatch);
+                        w.result = Some(Err(format!(
+                            "error mode mismatch: the client uses {}, this side {}",
+                            mode_name(m.peer_mode),
+                            mode_name(w.peer_mode)
+                        )));
+                    } else {
+                        w.result = Some(Ok(m.identity));
+                    }
+                    if let Some(k) = w.waker.take() {
+                        st.wake.push(k);
+                    }
+                }
+                let peer_mode = m.peer_mode;
+                st.reply(reply_ep, Message { kind, peer_mode, nonce: m.nonce, identity: me });
+            }
+            Kind::Ack | Kind::Nack(_) => {
+                if let Some(w) = st.connects.get_mut(&m.nonce) {
+                    w.result = Some(match m.kind {
+                        Kind::Nack(r) => Err(r.describe().to_string()),
+                        _ if m.peer_mode != w.peer_mode => Err(format!(
+                            "error mode mismatch: the peer uses {}, this side {}",
+                            mode_name(m.peer_mode),
+                            mode_name(w.peer_mode)
+                        )),
+                        _ => Ok(m.identity),
+                    });
+                    if let Some(k) = w.waker.take() {
+                        st.wake.push(k);
+                    }
+                } else {
+                    tracing::debug!(nonce = m.nonce, "handshake reply for no pending connect");
+                }
+            }
+        },
+    }
+    sys::UCS_OK
+}
+
+fn mode_name(peer: bool) -> &'static str {
+    if peer {
+        "ErrorMode::Peer"
+    } else {
+        "ErrorMode::None"
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<Worker>();
+}
