@@ -1,0 +1,57 @@
+//! Shared helpers for the integration tests: contexts pinned to a transport set, worker
+//! pairs connected through a listener on 127.0.0.1:0 (the real port is passed along, no
+//! port guessing), and deterministic payloads.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+
+use ucxkit::transport::{Context, Endpoint, EndpointOptions, ErrorMode, ProgressMode, Worker};
+
+/// A context limited to `tls` (for example `"tcp,self"` or `"posix,cma,self"`).
+pub fn ctx(tls: &str) -> Context {
+    let mut b = Context::builder().transports(tls);
+    if tls.contains("tcp") {
+        b = b.config("NET_DEVICES", "lo");
+    }
+    b.build().expect("context")
+}
+
+/// Two workers of one context, connected through a listener; returns
+/// (server worker, client worker, server-side endpoint, client-side endpoint).
+pub async fn pair_with(
+    tls: &str,
+    mode: ErrorMode,
+    progress: ProgressMode,
+) -> (Worker, Worker, Endpoint, Endpoint) {
+    let c = ctx(tls);
+    let opts = EndpointOptions { error_mode: mode, ..Default::default() };
+    let server = c.worker().progress_mode(progress).endpoint_options(opts).build().expect("server worker");
+    let client = c.worker().progress_mode(progress).endpoint_options(opts).build().expect("client worker");
+    let listener = server.listen(loopback()).expect("listen");
+    let addr = listener.local_addr();
+    assert_ne!(addr.port(), 0, "listener reports its real port");
+    let (a, b) = tokio::join!(listener.accept(), client.connect(addr));
+    (server, client, a.expect("accept"), b.expect("connect"))
+}
+
+pub async fn pair(tls: &str) -> (Worker, Worker, Endpoint, Endpoint) {
+    pair_with(tls, ErrorMode::Auto, ProgressMode::Event).await
+}
+
+pub fn loopback() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+/// `len` bytes that depend on `seed` and the position.
+pub fn payload(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

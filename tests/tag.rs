@@ -1,0 +1,179 @@
+//! Tagged messaging between two workers in one process, over TCP and over shared memory,
+//! through a listener and through worker addresses.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use common::{ctx, pair, pair_with, payload};
+use ucxkit::transport::{tag, ErrorKind, ErrorMode, ProgressMode, Worker};
+
+const SIZES: &[usize] = &[0, 1, 8, 93, 94, 8192, 8257, 65536, 1 << 20, 16 << 20];
+
+async fn exchange_sizes(server: &Worker, ep: &ucxkit::transport::Endpoint) {
+    for (i, &len) in SIZES.iter().enumerate() {
+        let t = 0x100 + i as u64;
+        let data = payload(t, len);
+        let recv = server.tag_recv(t, tag::EXACT, Vec::with_capacity(len));
+        let (sent, back) = ep.tag_send(t, data.clone()).await;
+        sent.unwrap_or_else(|e| panic!("send {len}: {e}"));
+        assert_eq!(back, data, "the send gives the buffer back");
+        let (info, buf) = recv.await;
+        let info = info.unwrap_or_else(|e| panic!("recv {len}: {e}"));
+        assert_eq!(info.len, len);
+        assert_eq!(info.sender_tag, t);
+        assert!(buf == data, "payload of {len} bytes differs");
+    }
+}
+
+#[tokio::test]
+async fn tcp_all_sizes_both_directions() {
+    let (server, client, accepted, ep) = pair("tcp,self").await;
+    assert!(ep.transports().unwrap().contains(&"tcp".to_string()), "{:?}", ep.transport_info());
+    exchange_sizes(&server, &ep).await;
+    exchange_sizes(&client, &accepted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_memory_all_sizes_multi_thread_runtime() {
+    let (server, client, accepted, ep) = pair("posix,cma,tcp,self").await;
+    assert!(!ep.uses_peer_error_mode(), "loopback peers default to ErrorMode::None");
+    let tls = ep.transports().unwrap();
+    assert!(tls.contains(&"posix".to_string()), "shared memory expected, got {tls:?}");
+    exchange_sizes(&server, &ep).await;
+    exchange_sizes(&client, &accepted).await;
+}
+
+#[tokio::test]
+async fn busy_poll_mode() {
+    let (server, _client, _a, ep) = pair_with("tcp,self", ErrorMode::Auto, ProgressMode::BusyPoll).await;
+    exchange_sizes(&server, &ep).await;
+}
+
+#[tokio::test]
+async fn peer_error_mode_over_tcp() {
+    let (server, _client, accepted, ep) = pair_with("tcp,self", ErrorMode::Peer, ProgressMode::Event).await;
+    assert!(ep.uses_peer_error_mode() && accepted.uses_peer_error_mode());
+    exchange_sizes(&server, &ep).await;
+}
+
+#[tokio::test]
+async fn connect_by_worker_address_and_reply() {
+    let c = ctx("posix,cma,tcp,self");
+    let a = c.create_worker().unwrap();
+    let b = c.create_worker().unwrap();
+    let addr = a.address().unwrap();
+    let parsed = ucxkit::transport::WorkerAddress::from_bytes(addr.as_bytes()).unwrap();
+    let b_to_a = b.connect_address(&parsed).await.unwrap();
+    let a_to_b = a.connect_address(&b.address().unwrap()).await.unwrap();
+    let r = a.tag_recv(7, tag::EXACT, vec![0u8; 5]);
+    b_to_a.tag_send(7, b"hello".to_vec()).await.0.unwrap();
+    assert_eq!(r.await.1, b"hello");
+    let r = b.tag_recv(8, tag::EXACT, vec![0u8; 5]);
+    a_to_b.tag_send(8, b"world".to_vec()).await.0.unwrap();
+    assert_eq!(r.await.1, b"world");
+    b_to_a.close().await.unwrap();
+    a_to_b.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn thousand_concurrent_mixed_sizes() {
+    let (server, _client, _accepted, ep) = pair("posix,cma,tcp,self").await;
+    const N: u64 = 1000;
+    let len_of = |i: u64| [0usize, 8, 200, 4096, 9000, 70_000, 300_000][(i % 7) as usize];
+    // All receives and all sends outstanding at once, receives posted in reverse order.
+    let recvs: Vec<_> =
+        (0..N).rev().map(|i| (i, server.tag_recv(i, tag::EXACT, Vec::with_capacity(len_of(i))))).collect();
+    let sends: Vec<_> = (0..N).map(|i| ep.tag_send(i, bytes::Bytes::from(payload(i, len_of(i))))).collect();
+    let sends = tokio::spawn(futures_join(sends));
+    for (i, r) in recvs {
+        let (info, buf) = r.await;
+        let info = info.unwrap();
+        assert_eq!(info.sender_tag, i);
+        assert!(buf == payload(i, len_of(i)), "message {i}");
+    }
+    for (r, _) in sends.await.unwrap() {
+        r.unwrap();
+    }
+}
+
+async fn futures_join<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
+    let mut out = Vec::with_capacity(fs.len());
+    for f in fs {
+        out.push(f.await);
+    }
+    out
+}
+
+#[tokio::test]
+async fn mask_matching_and_unknown_size() {
+    let (server, _client, _a, ep) = pair("tcp,self").await;
+    // A receive for any tag with high byte 0xAB.
+    let r = server.tag_recv(0xAB00_0000_0000_0000, 0xFF00_0000_0000_0000, vec![0u8; 16]);
+    ep.tag_send(0xAB00_0000_0000_0042, b"masked".to_vec()).await.0.unwrap();
+    let (info, buf) = r.await;
+    assert_eq!(info.unwrap().sender_tag, 0xAB00_0000_0000_0042);
+    assert_eq!(buf, b"masked");
+
+    for len in [0usize, 10, 100_000, 3 << 20] {
+        let data = payload(len as u64, len);
+        // Rendezvous sends complete only once received: await the send afterwards.
+        let send = ep.tag_send(99, data.clone());
+        // Wait until it is visible to a probe, then receive it without knowing its size.
+        let mut probed = None;
+        for _ in 0..10_000 {
+            probed = server.tag_probe(99, tag::EXACT);
+            if probed.is_some() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(probed.map(|p| p.len), Some(len));
+        let (info, buf) = server.tag_recv_any(99, tag::EXACT).await.unwrap();
+        assert_eq!(info.len, len);
+        assert!(buf == data);
+        send.await.0.unwrap();
+    }
+    // recv_any posted before the send.
+    let pending = tokio::spawn({
+        let server = server.clone();
+        async move { server.tag_recv_any(5, tag::EXACT).await }
+    });
+    tokio::task::yield_now().await;
+    ep.tag_send(5, payload(5, 200_000)).await.0.unwrap();
+    let (_, buf) = pending.await.unwrap().unwrap();
+    assert!(buf == payload(5, 200_000));
+}
+
+#[tokio::test]
+async fn truncation_is_an_error_and_the_worker_goes_on() {
+    let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;
+    for (len, cap) in [(100usize, 10usize), (1 << 20, 1024)] {
+        let r = server.tag_recv(1, tag::EXACT, Vec::with_capacity(cap));
+        let s = ep.tag_send(1, payload(1, len));
+        let (res, _) = r.await;
+        let err = res.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Truncated, "{err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+        let _ = s.await;
+        // The worker keeps working.
+        let r = server.tag_recv(2, tag::EXACT, Vec::with_capacity(len));
+        ep.tag_send(2, payload(2, len)).await.0.unwrap();
+        assert!(r.await.1 == payload(2, len));
+    }
+}
+
+#[tokio::test]
+async fn forced_request_path() {
+    let c = ctx("tcp,self");
+    let a = c.worker().no_immediate_completion(true).build().unwrap();
+    let b = c.worker().no_immediate_completion(true).build().unwrap();
+    let l = a.listen(common::loopback()).unwrap();
+    let (_acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
+    let ep = ep.unwrap();
+    for len in [0usize, 8, 100_000] {
+        let r = a.tag_recv(3, tag::EXACT, Vec::with_capacity(len));
+        ep.tag_send(3, payload(3, len)).await.0.unwrap();
+        assert!(r.await.1 == payload(3, len));
+    }
+}
