@@ -426,7 +426,13 @@ impl Endpoint {
                         );
                     }
                     let failed = st.eps.get(&id).and_then(|e| e.failed);
-                    failed.map(|s| Err(Error::from_op(op, &self.inner.peer, s)))
+                    // The endpoint failed before the peer answered: nobody accepted.
+                    failed.map(|source| {
+                        Err(match op {
+                            "connect" => Error::Unreachable { peer: self.inner.peer.clone(), source },
+                            _ => Error::from_op(op, &self.inner.peer, source),
+                        })
+                    })
                 },
                 |st, waker| {
                     if let Some(w) = key.get(st) {

@@ -1,0 +1,125 @@
+//! Bad input is an error, never a crash: malformed worker addresses, closed ports,
+//! garbage in the handshake, mismatched error modes, operations on closed endpoints.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{ctx, loopback};
+use ucxkit::transport::{tag, EndpointOptions, Error, ErrorKind, ErrorMode, WorkerAddress};
+
+#[tokio::test]
+async fn malformed_worker_addresses_are_rejected() {
+    let c = ctx("tcp,self");
+    let w = c.create_worker().unwrap();
+    let good = w.address().unwrap();
+    let mut cases: Vec<Vec<u8>> = vec![vec![], vec![0; 10], vec![0xff; 400], good.ucx_bytes().to_vec()];
+    let mut truncated = good.as_bytes().to_vec();
+    truncated.truncate(truncated.len() - 3);
+    cases.push(truncated);
+    let mut flipped = good.as_bytes().to_vec();
+    let n = flipped.len();
+    flipped[n - 5] ^= 0x10;
+    cases.push(flipped);
+    for bytes in cases {
+        let err = WorkerAddress::from_bytes(&bytes).unwrap_err();
+        assert!(matches!(err, Error::BadAddress { .. }), "{err}");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    }
+    // The genuine one still works.
+    let other = c.create_worker().unwrap();
+    let ep = other.connect_address(&WorkerAddress::from_bytes(good.as_bytes()).unwrap()).await.unwrap();
+    ep.close().await.unwrap();
+}
+
+/// A port on which nothing listens: bind, note the port, close.
+fn closed_port() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+#[tokio::test]
+async fn connecting_to_a_closed_port_fails_clearly() {
+    for mode in [ErrorMode::Peer, ErrorMode::None, ErrorMode::Auto] {
+        let c = ctx("tcp,self");
+        let w = c.create_worker().unwrap();
+        let addr = closed_port();
+        let opts = EndpointOptions { error_mode: mode, timeout: Duration::from_secs(5), ..Default::default() };
+        let t0 = Instant::now();
+        let err = w.connect_with(addr, opts).await.unwrap_err();
+        assert!(
+            err.kind() == ErrorKind::Unreachable,
+            "{mode:?}: {err}"
+        );
+        assert!(err.to_string().contains(&addr.to_string()), "error names the peer: {err}");
+        eprintln!("{mode:?}: {err} after {:?}", t0.elapsed());
+    }
+}
+
+#[tokio::test]
+async fn error_mode_mismatch_is_a_handshake_error() {
+    let c = ctx("tcp,self");
+    let server = c.worker().error_mode(ErrorMode::None).build().unwrap();
+    let client = c.worker().error_mode(ErrorMode::Peer).build().unwrap();
+    let l = server.listen(loopback()).unwrap();
+    let (acc, con) = tokio::join!(l.accept(), client.connect(l.local_addr()));
+    let (acc, con) = (acc.unwrap_err(), con.unwrap_err());
+    assert!(acc.to_string().contains("error mode"), "{acc}");
+    assert_eq!(acc.kind(), ErrorKind::InvalidInput);
+    // The client learns only that the server refused (UCX tears the connection down).
+    assert!(
+        con.to_string().contains("error mode")
+            || matches!(con.kind(), ErrorKind::ConnectionReset | ErrorKind::Unreachable),
+        "{con}"
+    );
+}
+
+#[tokio::test]
+async fn rejected_connection_fails_the_client() {
+    let c = ctx("tcp,self");
+    let server = c.create_worker().unwrap();
+    let client = c.create_worker().unwrap();
+    let l = server.listen(loopback()).unwrap();
+    let opts = EndpointOptions { timeout: Duration::from_secs(5), ..Default::default() };
+    let (req, con) = tokio::join!(
+        async {
+            let r = l.next().await.unwrap();
+            assert!(r.client_addr().is_some());
+            r.reject();
+        },
+        client.connect_with(l.local_addr(), opts)
+    );
+    let () = req;
+    let err = con.unwrap_err();
+    assert!(
+        matches!(err.kind(), ErrorKind::ConnectionReset | ErrorKind::Unreachable | ErrorKind::Timeout),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn operations_on_a_closed_endpoint_fail() {
+    let (_s, _c, _a, ep) = common::pair("tcp,self").await;
+    let ep2 = ep.clone();
+    ep.close().await.unwrap();
+    let (r, buf) = ep2.tag_send(1, vec![1, 2, 3]).await;
+    assert_eq!(buf, vec![1, 2, 3], "the buffer comes back on error");
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    let (r, _) = ep2.tag_recv(1, tag::EXACT, vec![0u8; 4]).await;
+    assert!(r.is_err());
+}
+
+#[tokio::test]
+async fn worker_outside_runtime_is_an_error() {
+    let c = ctx("tcp,self");
+    let err = std::thread::spawn(move || c.create_worker().unwrap_err()).join().unwrap();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+}
+
+#[tokio::test]
+async fn bad_config_is_an_error() {
+    let err = ucxkit::transport::Context::builder().config("RNDV_THRESH", "not-a-size").build().unwrap_err();
+    assert!(err.to_string().contains("RNDV_THRESH"), "{err}");
+}
