@@ -447,6 +447,12 @@ impl Endpoint {
         }
     }
 
+    #[cfg(test)]
+    pub(crate) async fn await_hs_for_test(&self, nonce: u64) -> Result<ProcessIdentity> {
+        let guard = HsGuard { ep: self, key: HsKey::Connect(nonce) };
+        self.await_handshake(&guard, std::time::Duration::from_secs(5), "connect").await
+    }
+
     fn start_watch(&self, identity: ProcessIdentity) {
         *self.inner.identity.lock().unwrap_or_else(|e| e.into_inner()) = Some(identity);
         if !identity.watchable() {

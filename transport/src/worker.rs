@@ -628,6 +628,19 @@ unsafe extern "C" fn handshake_am_cb(
         Err(reason) => {
             st.bad_handshakes += 1;
             tracing::warn!(%reason, "malformed handshake message");
+            // Fail the handshake waiting on this connection, if any.
+            let key = reply_ep as usize;
+            let ep_id = st.by_handle.get(&key).copied();
+            let waiting = st
+                .accepts
+                .get_mut(&key)
+                .or_else(|| st.connects.values_mut().find(|w| Some(w.ep) == ep_id && w.result.is_none()));
+            if let Some(w) = waiting {
+                w.result = Some(Err(format!("the peer sent a malformed handshake: {reason}")));
+                if let Some(k) = w.waker.take() {
+                    st.wake.push(k);
+                }
+            }
             if !reply_ep.is_null() {
                 let nack = Message {
                     kind: Kind::Nack(NackReason::Malformed),
@@ -691,6 +704,83 @@ fn mode_name(peer: bool) -> &'static str {
         "ErrorMode::Peer"
     } else {
         "ErrorMode::None"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::Endpoint;
+    use crate::error::ErrorKind;
+
+    fn ctx() -> Context {
+        Context::builder().transports("tcp,self").config("NET_DEVICES", "lo").build().unwrap()
+    }
+
+    fn send_garbage(ep: &Endpoint, bytes: &[u8]) {
+        ep.with_handle("test", |st, h| {
+            st.send_handshake(h, bytes.to_vec(), true);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    fn no_handshake() -> EndpointOptions {
+        EndpointOptions { handshake: false, ..Default::default() }
+    }
+
+    #[tokio::test]
+    async fn garbage_hello_fails_the_accept_not_the_process() {
+        let c = ctx();
+        let server = c.create_worker().unwrap();
+        let client = c.create_worker().unwrap();
+        let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = l.local_addr();
+        let accept = tokio::spawn(async move {
+            let r = l.accept().await;
+            (r, l)
+        });
+        let ep = client.connect_with(addr, no_handshake()).await.unwrap();
+        send_garbage(&ep, b"GET / HTTP/1.1\r\n\r\n");
+        let (r, _l) = accept.await.unwrap();
+        let err = r.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        assert!(err.to_string().contains("malformed"), "{err}");
+        assert_eq!(server.bad_handshakes(), 1);
+        // Both workers still work: a fresh connection succeeds.
+        let l2 = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let (a, b) = tokio::join!(l2.accept(), client.connect(l2.local_addr()));
+        a.unwrap();
+        b.unwrap();
+    }
+
+    #[tokio::test]
+    async fn garbage_reply_fails_the_connect() {
+        let c = ctx();
+        let server = c.create_worker().unwrap();
+        let client = c.create_worker().unwrap();
+        let l = server.listen_with("127.0.0.1:0".parse().unwrap(), no_handshake()).unwrap();
+        let (s, ep) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), no_handshake()));
+        let (s, ep) = (s.unwrap(), ep.unwrap());
+        // The client waits for a handshake answer; the server answers with garbage.
+        let id = ep.inner.id;
+        ep.with_handle("test", |st, _| {
+            st.connects.insert(77, HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id });
+            Ok(())
+        })
+        .unwrap();
+        let mut junk = crate::handshake::Message {
+            kind: Kind::Ack,
+            peer_mode: false,
+            nonce: 77,
+            identity: ProcessIdentity::current(),
+        }
+        .encode();
+        junk[4] = 200; // unknown version
+        send_garbage(&s, &junk);
+        let err = ep.await_hs_for_test(77).await.unwrap_err();
+        assert!(err.to_string().contains("malformed"), "{err}");
+        assert_eq!(client.bad_handshakes(), 1);
     }
 }
 
