@@ -46,13 +46,11 @@ async fn connecting_to_a_closed_port_fails_clearly() {
         let c = ctx("tcp,self");
         let w = c.create_worker().unwrap();
         let addr = closed_port();
-        let opts = EndpointOptions { error_mode: mode, timeout: Duration::from_secs(5), ..Default::default() };
+        let opts =
+            EndpointOptions { error_mode: mode, timeout: Duration::from_secs(5), ..Default::default() };
         let t0 = Instant::now();
         let err = w.connect_with(addr, opts).await.unwrap_err();
-        assert!(
-            err.kind() == ErrorKind::Unreachable,
-            "{mode:?}: {err}"
-        );
+        assert!(err.kind() == ErrorKind::Unreachable, "{mode:?}: {err}");
         assert!(err.to_string().contains(&addr.to_string()), "error names the peer: {err}");
         eprintln!("{mode:?}: {err} after {:?}", t0.elapsed());
     }

@@ -35,8 +35,14 @@ pub async fn pair_with(
     (server, client, a.expect("accept"), b.expect("connect"))
 }
 
+/// [`pair_with`] in the default error mode and the progress mode from
+/// `UCXKIT_TEST_PROGRESS` (`event`, the default, or `busy`).
 pub async fn pair(tls: &str) -> (Worker, Worker, Endpoint, Endpoint) {
-    pair_with(tls, ErrorMode::Auto, ProgressMode::Event).await
+    let progress = match std::env::var("UCXKIT_TEST_PROGRESS").as_deref() {
+        Ok("busy") => ProgressMode::BusyPoll,
+        _ => ProgressMode::Event,
+    };
+    pair_with(tls, ErrorMode::Auto, progress).await
 }
 
 pub fn loopback() -> SocketAddr {

@@ -529,6 +529,7 @@ impl Endpoint {
         match posted {
             Posted::Done(c) => c,
             Posted::Pending(req) => {
+                self.worker_inner().posted();
                 let mut op = Unbuffered { req: Some(req), worker: self.inner.worker.clone() };
                 poll_fn(|cx| op.poll(cx)).await
             }

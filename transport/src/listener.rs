@@ -242,20 +242,21 @@ impl ConnectionRequest {
         let local = self.client.map_or(false, |a| is_local_ip(a.ip()));
         let peer_mode = opts.error_mode.peer_mode(local);
         let peer = Peer::Accepted(self.client);
-        let ep = self.listener.worker.create_ep(Target::Request(req), peer.clone(), peer_mode).map_err(|e| {
-            match e.status() {
-                // UCX refuses endpoints whose error handling differs from the client's.
-                Some(s) if s == Status::UNSUPPORTED => Error::Handshake {
-                    peer,
-                    reason: format!(
-                        "the client's error mode differs from this side's ({}); UCX refuses asymmetric \
+        let ep =
+            self.listener.worker.create_ep(Target::Request(req), peer.clone(), peer_mode).map_err(|e| {
+                match e.status() {
+                    // UCX refuses endpoints whose error handling differs from the client's.
+                    Some(s) if s == Status::UNSUPPORTED => Error::Handshake {
+                        peer,
+                        reason: format!(
+                            "the client's error mode differs from this side's ({}); UCX refuses asymmetric \
                          error handling: use the same ErrorMode on both sides",
-                        if peer_mode { "ErrorMode::Peer" } else { "ErrorMode::None" }
-                    ),
-                },
-                _ => e,
-            }
-        })?;
+                            if peer_mode { "ErrorMode::Peer" } else { "ErrorMode::None" }
+                        ),
+                    },
+                    _ => e,
+                }
+            })?;
         if opts.handshake {
             ep.server_handshake(opts.timeout).await?;
         }

@@ -33,20 +33,32 @@ pub enum ProgressMode {
     BusyPoll,
 }
 
-/// Tells the driver to stop.
+/// Wakes the driver: to stop it, or to progress work that no fd event will announce.
 #[derive(Default)]
-pub(crate) struct Shutdown {
-    flag: AtomicBool,
+pub(crate) struct Signal {
+    stop: AtomicBool,
+    sleeping: AtomicBool,
     notify: Notify,
 }
 
-impl Shutdown {
-    pub(crate) fn signal(&self) {
-        self.flag.store(true, Ordering::Release);
+impl Signal {
+    /// Stops the driver.
+    pub(crate) fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
         self.notify.notify_one();
     }
-    fn is_set(&self) -> bool {
-        self.flag.load(Ordering::Acquire)
+
+    /// Makes a sleeping driver run its progress-and-arm cycle once more. Needed after
+    /// posting an operation that did not complete at once: UCX may continue it from its
+    /// progress queue (a rendezvous get, a pending send) without any fd event.
+    pub(crate) fn kick(&self) {
+        if self.sleeping.load(Ordering::Acquire) {
+            self.notify.notify_one();
+        }
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 }
 
@@ -60,15 +72,15 @@ impl AsRawFd for EventFd {
 
 /// The driver task. Holds the worker alive until shutdown; its `AsyncFd` is dropped
 /// before the worker (locals drop before the argument).
-pub(crate) async fn drive(inner: Arc<WorkerInner>, shutdown: Arc<Shutdown>) {
+pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
     let span = tracing::debug_span!("ucx_progress", mode = ?inner.mode);
     match inner.mode {
-        ProgressMode::Event => drive_event(&inner, &shutdown).instrument(span).await,
-        ProgressMode::BusyPoll => drive_busy(&inner, &shutdown).instrument(span).await,
+        ProgressMode::Event => drive_event(&inner, &signal).instrument(span).await,
+        ProgressMode::BusyPoll => drive_busy(&inner, &signal).instrument(span).await,
     }
 }
 
-async fn drive_event(inner: &WorkerInner, shutdown: &Shutdown) {
+async fn drive_event(inner: &WorkerInner, signal: &Signal) {
     // SAFETY: the event fd belongs to the worker, which `inner` keeps alive (and unchanged)
     // for longer than this AsyncFd, dropped when this function returns.
     let fd =
@@ -80,23 +92,17 @@ async fn drive_event(inner: &WorkerInner, shutdown: &Shutdown) {
                 tracing::error!(
                     "registering the UCX event fd with tokio failed ({e}); falling back to busy polling"
                 );
-                return drive_busy(inner, shutdown).await;
+                return drive_busy(inner, signal).await;
             }
         };
-    while !shutdown.is_set() {
-        let armed = inner.locked(|st| {
-            while inner.progress_locked(st) != 0 {}
-            // SAFETY: the worker is valid under the lock and has UCP_FEATURE_WAKEUP.
-            Status(unsafe { sys::ucp_worker_arm(st.handle) })
-        });
-        if armed.0 == sys::UCS_ERR_BUSY {
-            tokio::task::yield_now().await;
-            continue;
-        }
+    while !signal.is_stopped() {
+        signal.sleeping.store(true, Ordering::Release);
+        let armed = inner.locked(|st| inner.drain_and_arm(st));
         if !armed.is_ok() {
+            signal.sleeping.store(false, Ordering::Release);
             tracing::error!(status = %armed, "ucp_worker_arm failed; falling back to busy polling");
             drop(fd);
-            return drive_busy(inner, shutdown).await;
+            return drive_busy(inner, signal).await;
         }
         tokio::select! {
             r = fd.readable() => match r {
@@ -104,16 +110,17 @@ async fn drive_event(inner: &WorkerInner, shutdown: &Shutdown) {
                 Err(e) => {
                     tracing::error!("waiting on the UCX event fd failed ({e}); falling back to busy polling");
                     drop(fd);
-                    return drive_busy(inner, shutdown).await;
+                    return drive_busy(inner, signal).await;
                 }
             },
-            _ = shutdown.notify.notified() => break,
+            _ = signal.notify.notified() => {}
         }
+        signal.sleeping.store(false, Ordering::Release);
     }
 }
 
-async fn drive_busy(inner: &WorkerInner, shutdown: &Shutdown) {
-    while !shutdown.is_set() {
+async fn drive_busy(inner: &WorkerInner, signal: &Signal) {
+    while !signal.is_stopped() {
         inner.locked(|st| inner.progress_locked(st));
         tokio::task::yield_now().await;
     }

@@ -88,7 +88,10 @@ impl Endpoint {
         });
         let state = match posted {
             Ok(Posted::Done(c)) => OpState::Done(c, buf),
-            Ok(Posted::Pending(r)) => OpState::Pending(r, buf),
+            Ok(Posted::Pending(r)) => {
+                self.worker_inner().posted();
+                OpState::Pending(r, buf)
+            }
             Err(e) => OpState::Failed(e, buf),
         };
         TagSend { ep: self.clone(), state }
@@ -184,7 +187,10 @@ impl Worker {
                 Posted::Done(c) => {
                     OpState::Done(Completion { len: info.len, sender_tag: info.sender_tag, ..c }, buf)
                 }
-                Posted::Pending(r) => OpState::Pending(r, buf),
+                Posted::Pending(r) => {
+                    inner.posted();
+                    OpState::Pending(r, buf)
+                }
             },
         };
         let (r, buf) = recv.await;
@@ -239,7 +245,10 @@ fn post_recv<B: IoBufMut>(
     });
     let state = match posted {
         Posted::Done(c) => OpState::Done(c, buf),
-        Posted::Pending(r) => OpState::Pending(r, buf),
+        Posted::Pending(r) => {
+            inner.posted();
+            OpState::Pending(r, buf)
+        }
     };
     TagRecv { worker, ep: ep.map(|e| e.0), capacity, state }
 }

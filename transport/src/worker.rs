@@ -155,6 +155,7 @@ impl WorkerBuilder {
             mode: self.mode,
             efd,
             no_imm: self.no_imm,
+            signal: Arc::default(),
         });
         let state_ptr = inner.state.get().cast::<c_void>();
         let am = sys::ucp_am_handler_param_t {
@@ -171,11 +172,10 @@ impl WorkerBuilder {
         Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &am) })
             .check()
             .map_err(Error::CreateWorker)?;
-        let shutdown = Arc::new(progress::Shutdown::default());
-        rt.spawn(progress::drive(inner.clone(), shutdown.clone()));
+        rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));
         let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(worker = id, mode = ?self.mode, "worker created");
-        Ok(Worker { shared: Arc::new(WorkerShared { inner, shutdown, endpoint: self.endpoint, id }) })
+        Ok(Worker { shared: Arc::new(WorkerShared { inner, endpoint: self.endpoint, id }) })
     }
 }
 
@@ -200,14 +200,13 @@ impl std::fmt::Debug for Worker {
 /// The user-facing side of a worker: its drop stops the progress driver.
 pub(crate) struct WorkerShared {
     pub(crate) inner: Arc<WorkerInner>,
-    shutdown: Arc<progress::Shutdown>,
     pub(crate) endpoint: EndpointOptions,
     pub(crate) id: u64,
 }
 
 impl Drop for WorkerShared {
     fn drop(&mut self) {
-        self.shutdown.signal();
+        self.inner.signal.shutdown();
     }
 }
 
@@ -465,6 +464,7 @@ pub(crate) struct WorkerInner {
     pub(crate) mode: ProgressMode,
     pub(crate) efd: RawFd,
     pub(crate) no_imm: bool,
+    pub(crate) signal: Arc<progress::Signal>,
 }
 
 // SAFETY: `state` is only accessed while `lock` is held (see `locked`), and the UCX
@@ -517,6 +517,28 @@ impl WorkerInner {
         n
     }
 
+    /// Progresses until nothing is left, then arms the event fd (`ucp_worker_arm`),
+    /// repeating while UCX says events arrived in between. Returns the arm status: OK
+    /// (armed: the fd signals the next event) or an error.
+    pub(crate) fn drain_and_arm(&self, st: &mut State) -> Status {
+        loop {
+            while self.progress_locked(st) != 0 {}
+            // SAFETY: the worker is valid under the lock and has UCP_FEATURE_WAKEUP.
+            let s = Status(unsafe { sys::ucp_worker_arm(st.handle) });
+            if s.0 != sys::UCS_ERR_BUSY {
+                return s;
+            }
+        }
+    }
+
+    /// After posting an operation that is still pending: make sure it will be progressed
+    /// even if no fd event announces its next step.
+    pub(crate) fn posted(&self) {
+        if self.mode == ProgressMode::Event {
+            self.signal.kick();
+        }
+    }
+
     /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
     /// the worker is progressed (a bounded spin in busy-poll mode, once in event mode)
     /// and `register` stores the task's waker.
@@ -547,9 +569,19 @@ impl WorkerInner {
                 if let Some(t) = check(st) {
                     return Poll::Ready(t);
                 }
-                if self.progress_locked(st) > 0 {
+                // Follow the wakeup protocol here too, so that the worker is always left
+                // armed with nothing unprocessed before anyone sleeps.
+                loop {
+                    let n = self.progress_locked(st);
                     if let Some(t) = check(st) {
                         return Poll::Ready(t);
+                    }
+                    if n == 0 {
+                        // SAFETY: the worker is valid under the lock; WAKEUP is enabled.
+                        let s = Status(unsafe { sys::ucp_worker_arm(st.handle) });
+                        if s.0 != sys::UCS_ERR_BUSY {
+                            break;
+                        }
                     }
                 }
                 register(st, cx.waker());
@@ -765,7 +797,8 @@ mod tests {
         // The client waits for a handshake answer; the server answers with garbage.
         let id = ep.inner.id;
         ep.with_handle("test", |st, _| {
-            st.connects.insert(77, HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id });
+            st.connects
+                .insert(77, HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id });
             Ok(())
         })
         .unwrap();

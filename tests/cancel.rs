@@ -1,0 +1,174 @@
+//! Cancel safety: dropping a pending operation's future is memory-safe. An unmatched
+//! receive is canceled and its buffer is never written; a dropped send keeps its buffer
+//! alive until UCX is done with it. `.ci/run` also runs this file under valgrind.
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use common::{pair, payload};
+use ucxkit::transport::{tag, IoBuf, IoBufMut, Worker};
+
+const NOT_DROPPED: u8 = 0;
+const CLEAN: u8 = 1;
+const DIRTY: u8 = 2;
+
+/// A buffer that reports, when dropped, whether its bytes still hold the fill pattern.
+struct Sentinel {
+    data: Vec<u8>,
+    fill: u8,
+    state: Arc<AtomicU8>,
+}
+
+impl Sentinel {
+    fn new(len: usize, fill: u8) -> (Sentinel, Arc<AtomicU8>) {
+        let state = Arc::new(AtomicU8::new(NOT_DROPPED));
+        (Sentinel { data: vec![fill; len], fill, state: state.clone() }, state)
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        let clean = self.data.iter().all(|&b| b == self.fill);
+        self.state.store(if clean { CLEAN } else { DIRTY }, Ordering::SeqCst);
+    }
+}
+
+// SAFETY: the Vec's heap pointer is stable while the Sentinel is owned by an operation.
+unsafe impl IoBuf for Sentinel {
+    fn stable_ptr(&self) -> *const u8 {
+        self.data.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.data.len()
+    }
+}
+
+// SAFETY: as above; len bytes are writable.
+unsafe impl IoBufMut for Sentinel {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.data.as_mut_ptr()
+    }
+    fn bytes_total(&self) -> usize {
+        self.data.len()
+    }
+    unsafe fn set_init(&mut self, _n: usize) {}
+}
+
+/// Polls a future exactly once.
+async fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx: &mut Context<'_>| Poll::Ready(Pin::new(&mut *f).poll(cx))).await
+}
+
+async fn wait_parked_zero(w: &Worker) {
+    for _ in 0..2000 {
+        if w.parked_requests() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("parked requests never drained: {}", w.parked_requests());
+}
+
+async fn dropped_receive_is_never_written(tls: &str) {
+    let (server, _client, _a, ep) = pair(tls).await;
+    for len in [8usize, 100_000] {
+        let (s, state) = Sentinel::new(len, 0xAA);
+        let mut dropped = server.tag_recv(5, tag::EXACT, s);
+        assert!(poll_once(&mut dropped).await.is_pending());
+        drop(dropped);
+        // The canceled receive released its buffer, unwritten.
+        wait_parked_zero(&server).await;
+        assert_eq!(state.load(Ordering::SeqCst), CLEAN, "the dropped receive buffer was written");
+        // The message goes to the next receive.
+        let next = server.tag_recv(5, tag::EXACT, Vec::with_capacity(len));
+        let (r, _) = ep.tag_send(5, payload(9, len)).await;
+        r.unwrap();
+        let (info, buf) = next.await;
+        assert_eq!(info.unwrap().len, len);
+        assert!(buf == payload(9, len));
+    }
+}
+
+#[tokio::test]
+async fn dropped_receive_tcp() {
+    dropped_receive_is_never_written("tcp,self").await;
+}
+
+#[tokio::test]
+async fn dropped_receive_shared_memory() {
+    dropped_receive_is_never_written("posix,cma,tcp,self").await;
+}
+
+async fn dropped_rendezvous_send_is_kept_alive(tls: &str) {
+    let (server, client, _a, ep) = pair(tls).await;
+    let len = 8 << 20;
+    let data = payload(3, len);
+    let (mut s, state) = Sentinel::new(0, 0);
+    s.data = data.clone();
+    s.fill = 0; // not checked for a send buffer: only its lifetime matters
+    let mut send = ep.tag_send(11, s);
+    assert!(poll_once(&mut send).await.is_pending(), "a rendezvous send waits for its receiver");
+    drop(send);
+    assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "the buffer is parked, not freed");
+    assert_eq!(client.parked_requests(), 1);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // The peer receives later and gets the right bytes from the parked buffer.
+    let (info, buf) = server.tag_recv(11, tag::EXACT, Vec::with_capacity(len)).await;
+    assert_eq!(info.unwrap().len, len);
+    assert!(buf == data, "rendezvous payload differs");
+    wait_parked_zero(&client).await;
+    assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "the parked buffer is released after completion");
+}
+
+#[tokio::test]
+async fn dropped_rendezvous_send_tcp() {
+    dropped_rendezvous_send_is_kept_alive("tcp,self").await;
+}
+
+#[tokio::test]
+async fn dropped_rendezvous_send_shared_memory() {
+    dropped_rendezvous_send_is_kept_alive("posix,cma,tcp,self").await;
+}
+
+#[tokio::test]
+async fn dropped_matched_receive_finishes_in_background() {
+    let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;
+    let len = 4 << 20;
+    let (s, state) = Sentinel::new(len, 0x55);
+    let send = ep.tag_send(12, payload(12, len));
+    let mut recv = server.tag_recv(12, tag::EXACT, s);
+    // Let the rendezvous start, then drop the receive while UCX may be writing into it.
+    let _ = poll_once(&mut recv).await;
+    drop(recv);
+    let (r, _) = send.await;
+    r.unwrap();
+    wait_parked_zero(&server).await;
+    assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED);
+    // The worker goes on.
+    let next = server.tag_recv(13, tag::EXACT, vec![0u8; 3]);
+    ep.tag_send(13, b"abc".to_vec()).await.0.unwrap();
+    assert_eq!(next.await.1, b"abc");
+}
+
+#[tokio::test]
+async fn worker_dropped_with_operations_in_flight() {
+    let (server, client, a, ep) = pair("tcp,self").await;
+    let (s, state) = Sentinel::new(64, 0x11);
+    let recv = server.tag_recv(99, tag::EXACT, s);
+    let send = ep.tag_send(98, payload(1, 1 << 20));
+    drop((recv, send, a, ep, server, client));
+    // Give the drivers a moment to stop and the workers to be destroyed.
+    for _ in 0..100 {
+        if state.load(Ordering::SeqCst) != NOT_DROPPED {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(state.load(Ordering::SeqCst), CLEAN);
+}

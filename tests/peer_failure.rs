@@ -1,0 +1,123 @@
+//! A peer process killed with SIGKILL while a send and a receive are pending on its
+//! endpoint: both end with a peer-failure error within a bounded time, over TCP (UCX peer
+//! error mode) and over shared memory (error mode None, where ucxkit's pidfd watch
+//! notices the exit).
+//!
+//! The peer is this test binary itself, re-run with `UCXKIT_PEER_CONNECT` set so that
+//! only the ignored `peer_process` test runs: it connects, says it is ready and idles.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{ctx, loopback};
+use ucxkit::transport::{tag, EndpointOptions, ErrorKind, ErrorMode};
+
+/// Detection bound documented for this test: the pidfd watch reacts at once and UCX's
+/// TCP transport on the connection reset; 10 s leaves room for a loaded machine.
+const BOUND: Duration = Duration::from_secs(10);
+
+const READY: u64 = 1;
+const NEVER_SENT: u64 = 2;
+const NEVER_RECEIVED: u64 = 3;
+
+#[tokio::test]
+#[ignore = "the child half of the multi-process tests; the parent runs it"]
+async fn peer_process() {
+    let Ok(addr) = std::env::var("UCXKIT_PEER_CONNECT") else { return };
+    let tls = std::env::var("UCXKIT_PEER_TLS").unwrap();
+    let mode = if std::env::var("UCXKIT_PEER_MODE").as_deref() == Ok("peer") {
+        ErrorMode::Peer
+    } else {
+        ErrorMode::None
+    };
+    let w = ctx(&tls).worker().error_mode(mode).build().unwrap();
+    let ep = w.connect(addr.parse().unwrap()).await.unwrap();
+    ep.tag_send(READY, b"ready".to_vec()).await.0.unwrap();
+    // Idle (progressing) until killed.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+}
+
+async fn killed_peer_fails_pending_operations(tls: &str, mode: ErrorMode, mode_name: &str) {
+    let w = ctx(tls).worker().error_mode(mode).build().unwrap();
+    let listener = w.listen(loopback()).unwrap();
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
+        .env("UCXKIT_PEER_TLS", tls)
+        .env("UCXKIT_PEER_MODE", mode_name)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let ep = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await.unwrap().unwrap();
+    let (r, buf) = ep.tag_recv(READY, tag::EXACT, vec![0u8; 8]).await;
+    r.unwrap();
+    assert_eq!(buf, b"ready");
+    if mode == ErrorMode::None {
+        assert!(ep.is_watched(), "a same-host peer in error mode None is watched");
+    }
+    eprintln!("{tls}: transports {:?}", ep.transports().unwrap());
+
+    // A rendezvous send the peer never receives and a receive it never answers.
+    let mut send = Box::pin(ep.tag_send(NEVER_RECEIVED, vec![7u8; 8 << 20]));
+    let mut recv = Box::pin(ep.tag_recv(NEVER_SENT, tag::EXACT, vec![0u8; 64]));
+    tokio::select! {
+        _ = &mut send => panic!("the send completed although nobody received it"),
+        _ = &mut recv => panic!("the receive completed although nobody sent"),
+        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+    }
+
+    child.start_kill().unwrap();
+    let t0 = Instant::now();
+    let ((s, _), (r, _)) = tokio::time::timeout(BOUND, async { tokio::join!(send, recv) })
+        .await
+        .unwrap_or_else(|_| panic!("{tls}: pending operations still hang {BOUND:?} after SIGKILL"));
+    let took = t0.elapsed();
+    let (s, r) = (s.unwrap_err(), r.unwrap_err());
+    assert_eq!(s.kind(), ErrorKind::ConnectionReset, "send: {s}");
+    assert_eq!(r.kind(), ErrorKind::ConnectionReset, "recv: {r}");
+    eprintln!("{tls}: both failed {took:?} after SIGKILL: {s} / {r}");
+    child.wait().await.unwrap();
+
+    // New operations on the dead endpoint fail at once; the worker goes on.
+    let (e, _) = ep.tag_send(9, vec![1]).await;
+    assert_eq!(e.unwrap_err().kind(), ErrorKind::ConnectionReset);
+    let l2 = w.listen(loopback()).unwrap();
+    let other = ctx(tls).create_worker().unwrap();
+    let (a, b) = tokio::join!(l2.accept(), other.connect(l2.local_addr()));
+    a.unwrap();
+    b.unwrap();
+}
+
+#[tokio::test]
+async fn sigkill_over_tcp_peer_mode() {
+    killed_peer_fails_pending_operations("tcp,self", ErrorMode::Peer, "peer").await;
+}
+
+#[tokio::test]
+async fn sigkill_over_shared_memory() {
+    killed_peer_fails_pending_operations("posix,cma,tcp,self", ErrorMode::None, "none").await;
+}
+
+#[tokio::test]
+async fn sigkill_over_tcp_without_peer_mode() {
+    killed_peer_fails_pending_operations("tcp,self", ErrorMode::None, "none").await;
+}
+
+#[tokio::test]
+async fn connect_options_reach_the_peer() {
+    // Handshake off: connect returns at once; traffic still flows once the peer accepts.
+    let c = ctx("tcp,self");
+    let server = c.create_worker().unwrap();
+    let client = c.create_worker().unwrap();
+    let opts = EndpointOptions { handshake: false, ..Default::default() };
+    let l = server.listen_with(loopback(), opts).unwrap();
+    let (a, b) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), opts));
+    let (_a, b) = (a.unwrap(), b.unwrap());
+    assert!(b.peer_identity().is_none());
+    let r = server.tag_recv(4, tag::EXACT, vec![0u8; 2]);
+    b.tag_send(4, b"ok".to_vec()).await.0.unwrap();
+    assert_eq!(r.await.1, b"ok");
+}
