@@ -178,7 +178,7 @@ impl Worker {
                 s => Error::Connect { peer: peer.clone(), source: s },
             })?;
             let id = st.new_id();
-            st.eps.insert(id, EpState { handle: ep, failed: None, recvs: Default::default() });
+            st.eps.insert(id, EpState { handle: ep, failed: None, peer_mode, ops: Default::default() });
             st.by_handle.insert(ep as usize, id);
             Ok::<u64, Error>(id)
         })?;

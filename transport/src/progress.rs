@@ -9,13 +9,13 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tracing::Instrument;
 use ucx_sys as sys;
 
-use crate::error::Status;
 use crate::worker::WorkerInner;
 
 /// How a worker makes progress.
@@ -80,7 +80,13 @@ pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
     }
 }
 
+/// First fallback wakeup after activity.
+const MIN_TICK: Duration = Duration::from_millis(1);
+/// Fallback wakeup period when idle (10 wakeups a second).
+const MAX_TICK: Duration = Duration::from_millis(100);
+
 async fn drive_event(inner: &WorkerInner, signal: &Signal) {
+    let mut tick = MIN_TICK;
     // SAFETY: the event fd belongs to the worker, which `inner` keeps alive (and unchanged)
     // for longer than this AsyncFd, dropped when this function returns.
     let fd =
@@ -98,22 +104,33 @@ async fn drive_event(inner: &WorkerInner, signal: &Signal) {
     while !signal.is_stopped() {
         signal.sleeping.store(true, Ordering::Release);
         let armed = inner.locked(|st| inner.drain_and_arm(st));
+        if armed.0 == sys::UCS_ERR_BUSY {
+            signal.sleeping.store(false, Ordering::Release);
+            tokio::task::yield_now().await;
+            continue;
+        }
         if !armed.is_ok() {
             signal.sleeping.store(false, Ordering::Release);
             tracing::error!(status = %armed, "ucp_worker_arm failed; falling back to busy polling");
             drop(fd);
             return drive_busy(inner, signal).await;
         }
+        // UCX also queues work that no fd announces (endpoint discards after a failure,
+        // protocol steps on its progress queue): a backed-off timer makes sure it runs.
         tokio::select! {
             r = fd.readable() => match r {
-                Ok(mut g) => g.clear_ready(),
+                Ok(mut g) => {
+                    g.clear_ready();
+                    tick = MIN_TICK;
+                }
                 Err(e) => {
                     tracing::error!("waiting on the UCX event fd failed ({e}); falling back to busy polling");
                     drop(fd);
                     return drive_busy(inner, signal).await;
                 }
             },
-            _ = signal.notify.notified() => {}
+            _ = signal.notify.notified() => tick = MIN_TICK,
+            _ = tokio::time::sleep(tick) => tick = (tick * 2).min(MAX_TICK),
         }
         signal.sleeping.store(false, Ordering::Release);
     }

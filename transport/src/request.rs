@@ -107,7 +107,7 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
     match slot.state {
         SlotState::Parked => {
             if slot.bound_ep != 0 {
-                st.unbind_recv(slot.bound_ep, req as usize);
+                st.unbind_op(slot.bound_ep, req as usize);
             }
             if let Some(p) = slot.parked.take() {
                 st.graveyard.push(p);
@@ -168,6 +168,25 @@ pub(crate) unsafe fn park_slot(slot: *mut Slot, keep: Box<dyn Any + Send>) {
     s.parked = Some(keep);
 }
 
+/// Finishes a pending request with `status` on UCX's behalf (its endpoint failed and UCX
+/// cannot purge it). The owner then frees it like any completed request; UCX keeps the
+/// request until it finishes internally and calls back no more. Parked requests are left
+/// alone.
+///
+/// # Safety
+/// `slot` is a live request of ours; the worker lock is held (`st` comes from it).
+pub(crate) unsafe fn fail_pending(slot: *mut Slot, status: Status, st: &mut State) {
+    // SAFETY: per contract.
+    let s = unsafe { &mut *slot };
+    if s.state == SlotState::Pending {
+        s.state = SlotState::Done;
+        s.status = status.0;
+        if let Some(w) = s.waker.take() {
+            st.wake.push(w);
+        }
+    }
+}
+
 /// Owner of one in-flight UCX request. Not a future itself: the operation futures hold
 /// one and drive it with [`Request::poll`], and park their buffer with [`Request::park`]
 /// when dropped early.
@@ -212,11 +231,17 @@ impl Request {
         self.slot.cast()
     }
 
+    /// Whether the callback already ran (under the lock `st` comes from).
+    pub(crate) fn is_done(&self, _st: &mut State) -> bool {
+        // SAFETY: under the worker lock; the slot is live.
+        unsafe { (*self.slot).state == SlotState::Done }
+    }
+
     /// Marks this receive as bound to an endpoint: the endpoint's failure cancels it.
-    pub(crate) fn bind(&self, st: &mut State, ep: u64) {
+    pub(crate) fn bind(&self, st: &mut State, ep: u64, is_recv: bool) {
         // SAFETY: under the worker lock (st is borrowed from it); the slot is live.
         unsafe { (*self.slot).bound_ep = ep };
-        st.bind_recv(ep, self.slot as usize);
+        st.bind_op(ep, self.slot as usize, is_recv);
     }
 
     /// Checks for completion; in busy-poll mode progresses the worker a bounded number of
@@ -232,7 +257,7 @@ impl Request {
                     return None;
                 }
                 if s.bound_ep != 0 {
-                    st.unbind_recv(s.bound_ep, slot as usize);
+                    st.unbind_op(s.bound_ep, slot as usize);
                 }
                 let c = Completion { status: Status(s.status), len: s.len, sender_tag: s.sender_tag };
                 // SAFETY: completed and no longer referenced.
@@ -266,7 +291,7 @@ impl Request {
             let s = unsafe { &mut *slot };
             if s.state == SlotState::Done {
                 if s.bound_ep != 0 {
-                    st.unbind_recv(s.bound_ep, slot as usize);
+                    st.unbind_op(s.bound_ep, slot as usize);
                 }
                 // SAFETY: completed, unreferenced.
                 unsafe { free(slot) };

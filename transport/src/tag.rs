@@ -78,13 +78,18 @@ impl Endpoint {
     /// learn when the buffer is free again and whether the send succeeded.
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
         let no_imm = self.worker_inner().no_imm;
+        let id = self.inner.id;
         let posted = self.with_handle("tag_send", |st, h| {
             let param = op_param(st, no_imm);
             // SAFETY: h is live under the lock; the buffer's memory stays valid and
             // unmoved until the request completes (IoBuf contract; parked on drop).
             let p =
                 unsafe { sys::ucp_tag_send_nbx(h, buf.stable_ptr().cast(), buf.bytes_init(), tag, &param) };
-            Ok(Posted::from_ptr(p, Completion::OK, false))
+            let posted = Posted::from_ptr(p, Completion::OK, false);
+            if let Posted::Pending(r) = &posted {
+                r.bind(st, id, false);
+            }
+            Ok(posted)
         });
         let state = match posted {
             Ok(Posted::Done(c)) => OpState::Done(c, buf),
@@ -161,9 +166,7 @@ impl Worker {
                         return None;
                     }
                     let mut buf: Vec<u8> = Vec::with_capacity(info.length);
-                    let mut param = recv_param(st, no_imm);
-                    let mut rinfo = sys::ucp_tag_recv_info_t::default();
-                    param.recv_info.tag_info = &mut rinfo;
+                    let param = recv_param(st, no_imm);
                     // SAFETY: m is a dequeued message of this worker; buf has room for
                     // info.length bytes and is owned by this call until completion.
                     let p = unsafe {
@@ -198,10 +201,13 @@ impl Worker {
     }
 }
 
+/// Parameters for a tag receive. `no_imm` turns immediate completion off
+/// (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`): UCX then runs the callback inside the call instead of
+/// returning `UCS_OK`. Plain tag receives always need that, because UCX (1.13 to at least
+/// 1.15) does not fill `recv_info` when a tag receive completes at once, so the length
+/// and sender tag would be lost.
 fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
-    let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0
-        | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
-        | sys::UCP_OP_ATTR_FIELD_RECV_INFO.0;
+    let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;
     if no_imm {
         mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
     }
@@ -224,29 +230,30 @@ fn post_recv<B: IoBufMut>(
     let capacity = buf.bytes_total();
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
-        let mut info = sys::ucp_tag_recv_info_t::default();
-        let mut param = recv_param(st, inner.no_imm);
-        param.recv_info.tag_info = &mut info;
+        let param = recv_param(st, true);
         // SAFETY: the worker is valid under the lock; buf's memory is valid for
         // `capacity` bytes and owned by the returned future until UCX completes (parked
-        // on drop); info is valid for the call (written only on immediate completion).
+        // on drop).
         let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast(), capacity, tag, mask, &param) };
-        let imm = Completion { status: Status::OK, len: info.length, sender_tag: info.sender_tag };
-        let posted = Posted::from_ptr(p, imm, true);
-        if let (Posted::Pending(r), Some((_, id))) = (&posted, &ep) {
-            r.bind(st, *id);
-        }
-        if let Posted::Done(c) = &posted {
-            if c.status == Status::TRUNCATED {
-                return Posted::Done(Completion { len: info.length, sender_tag: info.sender_tag, ..*c });
+        let posted = Posted::from_ptr(p, Completion::OK, true);
+        if let Posted::Pending(r) = &posted {
+            if r.is_done(st) {
+                // Matched an arrived eager message inside the call: nothing to kick.
+                return (posted, false);
             }
+            if let Some((_, id)) = &ep {
+                r.bind(st, *id, true);
+            }
+            return (posted, true);
         }
-        posted
+        (posted, false)
     });
     let state = match posted {
-        Posted::Done(c) => OpState::Done(c, buf),
-        Posted::Pending(r) => {
-            inner.posted();
+        (Posted::Done(c), _) => OpState::Done(c, buf),
+        (Posted::Pending(r), kick) => {
+            if kick {
+                inner.posted();
+            }
             OpState::Pending(r, buf)
         }
     };

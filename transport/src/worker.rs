@@ -11,7 +11,7 @@
 
 use std::any::Any;
 use std::cell::UnsafeCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
@@ -269,8 +269,10 @@ pub(crate) struct EpState {
     /// NULL once closed.
     pub(crate) handle: sys::ucp_ep_h,
     pub(crate) failed: Option<Status>,
-    /// Pending receives bound to this endpoint (request addresses).
-    pub(crate) recvs: HashSet<usize>,
+    /// Whether UCX peer error handling is on (UCX then purges requests on failure).
+    pub(crate) peer_mode: bool,
+    /// Pending operations bound to this endpoint: request address → is a receive.
+    pub(crate) ops: HashMap<usize, bool>,
 }
 
 /// A pending handshake.
@@ -304,6 +306,9 @@ pub(crate) struct State {
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
     pub(crate) listeners: HashMap<u64, ListenerState>,
     pub(crate) bad_handshakes: u64,
+    /// Set when work was queued that no fd event will announce; the driver is kicked
+    /// after the lock is released.
+    pub(crate) kick: bool,
 }
 
 impl State {
@@ -323,18 +328,19 @@ impl State {
             outbox: Vec::new(),
             listeners: HashMap::new(),
             bad_handshakes: 0,
+            kick: false,
         }
     }
 
-    pub(crate) fn bind_recv(&mut self, ep: u64, req: usize) {
+    pub(crate) fn bind_op(&mut self, ep: u64, req: usize, is_recv: bool) {
         if let Some(e) = self.eps.get_mut(&ep) {
-            e.recvs.insert(req);
+            e.ops.insert(req, is_recv);
         }
     }
 
-    pub(crate) fn unbind_recv(&mut self, ep: u64, req: usize) {
+    pub(crate) fn unbind_op(&mut self, ep: u64, req: usize) {
         if let Some(e) = self.eps.get_mut(&ep) {
-            e.recvs.remove(&req);
+            e.ops.remove(&req);
         }
     }
 
@@ -344,30 +350,44 @@ impl State {
         id
     }
 
-    /// Marks an endpoint failed: cancels its bound receives, wakes its handshake, and
-    /// force-closes it so UCX completes its remaining operations with an error.
+    /// Marks an endpoint failed and ends every operation pending on it:
+    /// - bound receives are canceled (`ucp_request_cancel`);
+    /// - in UCX peer mode, the endpoint is force-closed and UCX completes its sends with
+    ///   an error;
+    /// - without peer mode UCX 1.13 can neither force-close nor purge the endpoint, so its
+    ///   pending sends are finished here with `UCS_ERR_CONNECTION_RESET`; their futures
+    ///   then release the requests (`ucp_request_free`: UCX keeps them internally and
+    ///   calls back no more). The peer is gone, so nothing will read those buffers: the
+    ///   data waits for the peer's progress (rendezvous) or for room in the peer's queue.
     pub(crate) fn fail_ep(&mut self, id: u64, status: Status) {
-        let Some(e) = self.eps.get_mut(&id) else {
-            return;
-        };
+        let Some(e) = self.eps.get_mut(&id) else { return };
         if e.failed.is_none() {
             e.failed = Some(status);
         }
         tracing::debug!(ep = id, %status, "endpoint failed");
-        let recvs: Vec<usize> = e.recvs.iter().copied().collect();
-        for r in recvs {
-            // SAFETY: r is a live pending tag receive of this worker (bound receives are
-            // unbound before their request is freed); the lock is held.
-            unsafe { sys::ucp_request_cancel(self.handle, r as *mut c_void) };
+        let peer_mode = e.peer_mode;
+        let ops: Vec<(usize, bool)> = e.ops.iter().map(|(&r, &recv)| (r, recv)).collect();
+        for (r, is_recv) in ops {
+            if is_recv {
+                // SAFETY: r is a live pending tag receive of this worker (bound requests
+                // are unbound before they are freed); the lock is held.
+                unsafe { sys::ucp_request_cancel(self.handle, r as *mut c_void) };
+            } else if !peer_mode {
+                // SAFETY: as above, for a bound send.
+                unsafe { request::fail_pending(r as *mut Slot, Status::CONNECTION_RESET, self) };
+            }
         }
         for w in self.connects.values_mut().filter(|w| w.ep == id) {
             if let Some(k) = w.waker.take() {
                 self.wake.push(k);
             }
         }
-        if let Some(p) = self.close_ep(id, true) {
-            self.release(p);
+        if peer_mode {
+            if let Some(p) = self.close_ep(id, true) {
+                self.release(p);
+            }
         }
+        self.kick = true;
     }
 
     /// Starts closing an endpoint (`ucp_ep_close_nbx`); the close request, if any, is
@@ -487,7 +507,11 @@ impl WorkerInner {
         let r = f(st);
         let wake = std::mem::take(&mut st.wake);
         let grave = std::mem::take(&mut st.graveyard);
+        let kick = std::mem::take(&mut st.kick);
         drop(guard);
+        if kick {
+            self.signal.kick();
+        }
         for w in wake {
             w.wake();
         }
@@ -517,18 +541,14 @@ impl WorkerInner {
         n
     }
 
-    /// Progresses until nothing is left, then arms the event fd (`ucp_worker_arm`),
-    /// repeating while UCX says events arrived in between. Returns the arm status: OK
-    /// (armed: the fd signals the next event) or an error.
+    /// Progresses until nothing is left, then tries to arm the event fd
+    /// (`ucp_worker_arm`). OK: armed, the fd signals the next event. `UCS_ERR_BUSY`: UCX
+    /// cannot sleep yet (events arrived in between, or sends wait for the peer to make
+    /// room): the caller must let other tasks run and try again, not spin under the lock.
     pub(crate) fn drain_and_arm(&self, st: &mut State) -> Status {
-        loop {
-            while self.progress_locked(st) != 0 {}
-            // SAFETY: the worker is valid under the lock and has UCP_FEATURE_WAKEUP.
-            let s = Status(unsafe { sys::ucp_worker_arm(st.handle) });
-            if s.0 != sys::UCS_ERR_BUSY {
-                return s;
-            }
-        }
+        while self.progress_locked(st) != 0 {}
+        // SAFETY: the worker is valid under the lock and has UCP_FEATURE_WAKEUP.
+        Status(unsafe { sys::ucp_worker_arm(st.handle) })
     }
 
     /// After posting an operation that is still pending: make sure it will be progressed
@@ -569,22 +589,17 @@ impl WorkerInner {
                 if let Some(t) = check(st) {
                     return Poll::Ready(t);
                 }
-                // Follow the wakeup protocol here too, so that the worker is always left
-                // armed with nothing unprocessed before anyone sleeps.
-                loop {
-                    let n = self.progress_locked(st);
-                    if let Some(t) = check(st) {
-                        return Poll::Ready(t);
-                    }
-                    if n == 0 {
-                        // SAFETY: the worker is valid under the lock; WAKEUP is enabled.
-                        let s = Status(unsafe { sys::ucp_worker_arm(st.handle) });
-                        if s.0 != sys::UCS_ERR_BUSY {
-                            break;
-                        }
-                    }
+                // Follow the wakeup protocol here too, so that the worker is left armed
+                // with nothing unprocessed before this task sleeps.
+                let armed = self.drain_and_arm(st);
+                if let Some(t) = check(st) {
+                    return Poll::Ready(t);
                 }
                 register(st, cx.waker());
+                if armed.0 == sys::UCS_ERR_BUSY {
+                    // UCX cannot sleep yet: come back after other tasks ran.
+                    cx.waker().wake_by_ref();
+                }
                 Poll::Pending
             }),
         }
