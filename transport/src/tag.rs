@@ -52,7 +52,8 @@ enum OpState<B> {
 /// and the message may still be delivered.
 #[must_use = "a send future does nothing useful unless awaited (the message is already posted)"]
 pub struct TagSend<B: IoBuf> {
-    ep: Endpoint,
+    /// Held only while the send is pending (a send that completed at once needs nothing).
+    ep: Option<Endpoint>,
     state: OpState<B>,
 }
 
@@ -99,7 +100,11 @@ impl Endpoint {
             }
             Err(e) => OpState::Failed(e, buf),
         };
-        TagSend { ep: self.clone(), state }
+        let ep = match state {
+            OpState::Done(c, _) if c.status.is_ok() => None,
+            _ => Some(self.clone()),
+        };
+        TagSend { ep, state }
     }
 
     /// Receives a message matching `tag`/`mask` into `buf`, bound to this endpoint: if
@@ -226,7 +231,7 @@ fn post_recv<B: IoBufMut>(
     mask: u64,
     mut buf: B,
 ) -> TagRecv<B> {
-    let inner = worker.shared.inner.clone();
+    let inner = &worker.shared.inner;
     let capacity = buf.bytes_total();
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
@@ -260,6 +265,12 @@ fn post_recv<B: IoBufMut>(
     TagRecv { worker, ep: ep.map(|e| e.0), capacity, state }
 }
 
+impl<B: IoBuf> TagSend<B> {
+    fn ep(&self) -> &Endpoint {
+        self.ep.as_ref().expect("invariant: a pending or failed send holds its endpoint")
+    }
+}
+
 // The futures never pin their fields: the buffer is moved in and out by value.
 impl<B: IoBuf> Unpin for TagSend<B> {}
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
@@ -270,7 +281,10 @@ impl<B: IoBuf> Future for TagSend<B> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         let c = match &mut this.state {
-            OpState::Pending(r, _) => match r.poll(&this.ep.worker().shared, cx) {
+            OpState::Pending(r, _) => match r.poll(
+                &this.ep.as_ref().expect("invariant: a pending send holds its endpoint").worker().shared,
+                cx,
+            ) {
                 Poll::Ready(c) => c,
                 Poll::Pending => return Poll::Pending,
             },
@@ -281,7 +295,8 @@ impl<B: IoBuf> Future for TagSend<B> {
         match std::mem::replace(&mut this.state, OpState::Finished) {
             OpState::Failed(e, b) => Poll::Ready((Err(e), b)),
             OpState::Pending(_, b) | OpState::Done(_, b) => {
-                Poll::Ready((this.ep.result_of("tag_send", c), b))
+                let r = if c.status.is_ok() { Ok(()) } else { this.ep().result_of("tag_send", c) };
+                Poll::Ready((r, b))
             }
             OpState::Finished => unreachable!(),
         }
@@ -291,7 +306,7 @@ impl<B: IoBuf> Future for TagSend<B> {
 impl<B: IoBuf> Drop for TagSend<B> {
     fn drop(&mut self) {
         if let OpState::Pending(r, b) = std::mem::replace(&mut self.state, OpState::Finished) {
-            drop(r.park(&self.ep.worker().shared, Box::new(b)));
+            drop(r.park(&self.ep().worker().shared, Box::new(b)));
         }
     }
 }

@@ -264,6 +264,33 @@ impl Worker {
     }
 }
 
+/// Hasher for the integer keys of the worker's tables (endpoint ids, request and handle
+/// addresses): a multiply-xorshift, much cheaper than SipHash on the per-operation path.
+/// The keys are not attacker-chosen.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        let x = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        x ^ (x >> 29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | b as u64).rotate_left(5);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = n as u64;
+    }
+}
+
+/// `HashMap` keyed by integers, with [`IdHasher`].
+pub(crate) type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// Per-endpoint bookkeeping, under the worker lock.
 pub(crate) struct EpState {
     /// NULL once closed.
@@ -272,7 +299,7 @@ pub(crate) struct EpState {
     /// Whether UCX peer error handling is on (UCX then purges requests on failure).
     pub(crate) peer_mode: bool,
     /// Pending operations bound to this endpoint: request address → is a receive.
-    pub(crate) ops: HashMap<usize, bool>,
+    pub(crate) ops: IdMap<usize, bool>,
 }
 
 /// A pending handshake.
@@ -297,14 +324,14 @@ pub(crate) struct State {
     pub(crate) graveyard: Vec<Box<dyn Any + Send>>,
     pub(crate) parked: usize,
     pub(crate) probe_waiters: Vec<Waker>,
-    pub(crate) eps: HashMap<u64, EpState>,
-    pub(crate) by_handle: HashMap<usize, u64>,
+    pub(crate) eps: IdMap<u64, EpState>,
+    pub(crate) by_handle: IdMap<usize, u64>,
     pub(crate) next_id: u64,
     failed: Vec<(u64, Status)>,
-    pub(crate) connects: HashMap<u64, HsWait>,
-    pub(crate) accepts: HashMap<usize, HsWait>,
+    pub(crate) connects: IdMap<u64, HsWait>,
+    pub(crate) accepts: IdMap<usize, HsWait>,
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
-    pub(crate) listeners: HashMap<u64, ListenerState>,
+    pub(crate) listeners: IdMap<u64, ListenerState>,
     pub(crate) bad_handshakes: u64,
     /// Set when work was queued that no fd event will announce; the driver is kicked
     /// after the lock is released.
@@ -319,14 +346,14 @@ impl State {
             graveyard: Vec::new(),
             parked: 0,
             probe_waiters: Vec::new(),
-            eps: HashMap::new(),
-            by_handle: HashMap::new(),
+            eps: IdMap::default(),
+            by_handle: IdMap::default(),
             next_id: 1,
             failed: Vec::new(),
-            connects: HashMap::new(),
-            accepts: HashMap::new(),
+            connects: IdMap::default(),
+            accepts: IdMap::default(),
             outbox: Vec::new(),
-            listeners: HashMap::new(),
+            listeners: IdMap::default(),
             bad_handshakes: 0,
             kick: false,
         }
@@ -495,7 +522,9 @@ unsafe impl Send for WorkerInner {}
 unsafe impl Sync for WorkerInner {}
 
 /// How many times a busy-poll future progresses the worker before yielding to tokio.
-const SPIN: u32 = 256;
+const SPIN: u32 = 4096;
+/// Progress calls per lock acquisition while spinning.
+const SPIN_ROUND: u32 = 32;
 
 impl WorkerInner {
     /// Runs `f` under the worker lock, then wakes the wakers and drops the parked values
@@ -505,6 +534,11 @@ impl WorkerInner {
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
+        if st.wake.is_empty() && st.graveyard.is_empty() && !st.kick {
+            // The common case on the hot path: nothing to do after unlocking.
+            drop(guard);
+            return r;
+        }
         let wake = std::mem::take(&mut st.wake);
         let grave = std::mem::take(&mut st.graveyard);
         let kick = std::mem::take(&mut st.kick);
@@ -570,12 +604,21 @@ impl WorkerInner {
     ) -> Poll<T> {
         match self.mode {
             ProgressMode::BusyPoll => {
-                for _ in 0..SPIN {
+                // Spin in rounds: each round holds the lock for up to SPIN_ROUND progress
+                // calls (so arrival is noticed within one progress call), then releases it
+                // so other threads can post.
+                for _ in 0..SPIN / SPIN_ROUND {
                     let r = self.locked(|st| {
                         if let Some(t) = check(st) {
                             return Some(t);
                         }
-                        self.progress_locked(st);
+                        for _ in 0..SPIN_ROUND {
+                            if self.progress_locked(st) != 0 {
+                                if let Some(t) = check(st) {
+                                    return Some(t);
+                                }
+                            }
+                        }
                         check(st)
                     });
                     if let Some(t) = r {
