@@ -23,7 +23,7 @@ const BOUND: Duration = Duration::from_secs(10);
 /// number, and when connections die in several workers at once an fd can be reused by
 /// another worker before the missed event is handled (`async.c: handler->async == async`
 /// assertion). Serializing the dying connections avoids that UCX bug.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const READY: u64 = 1;
 const NEVER_SENT: u64 = 2;
@@ -33,6 +33,9 @@ const NEVER_RECEIVED: u64 = 3;
 #[ignore = "the child half of the multi-process tests; the parent runs it"]
 async fn peer_process() {
     let Ok(addr) = std::env::var("UCXKIT_PEER_CONNECT") else { return };
+    if std::env::var("UCXKIT_PEER_ROLE").as_deref() == Ok("echo") {
+        return echo_peer(&addr).await;
+    }
     let tls = std::env::var("UCXKIT_PEER_TLS").unwrap();
     let mode = if std::env::var("UCXKIT_PEER_MODE").as_deref() == Ok("peer") {
         ErrorMode::Peer
@@ -46,8 +49,64 @@ async fn peer_process() {
     tokio::time::sleep(Duration::from_secs(120)).await;
 }
 
+/// Child role `echo`: receives messages of any size on tag 10 and sends each back on tag
+/// 11, until an empty message.
+async fn echo_peer(addr: &str) {
+    let tls = std::env::var("UCXKIT_PEER_TLS").unwrap();
+    let w = ctx(&tls).create_worker().unwrap();
+    let ep = w.connect(addr.parse().unwrap()).await.unwrap();
+    loop {
+        let (_, msg) = w.tag_recv_any(10, tag::EXACT).await.unwrap();
+        let done = msg.is_empty();
+        ep.tag_send(11, msg).await.0.unwrap();
+        if done {
+            break;
+        }
+    }
+    ep.close().await.unwrap();
+}
+
+/// Two processes over loopback through a listener: messages of mixed sizes go to the
+/// child and come back byte for byte.
+async fn echo_between_processes(tls: &str) {
+    let _serial = SERIAL.lock().await;
+    let w = ctx(tls).create_worker().unwrap();
+    let listener = w.listen(loopback()).unwrap();
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
+        .env("UCXKIT_PEER_TLS", tls)
+        .env("UCXKIT_PEER_ROLE", "echo")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let ep = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await.unwrap().unwrap();
+    for (i, len) in [1usize, 8, 4000, 70_000, 1 << 20, 5 << 20].into_iter().enumerate() {
+        let data = common::payload(i as u64, len);
+        let back = w.tag_recv(11, tag::EXACT, Vec::with_capacity(len));
+        ep.tag_send(10, data.clone()).await.0.unwrap();
+        let (info, got) = back.await;
+        assert_eq!(info.unwrap().len, len);
+        assert!(got == data, "{tls}: echo of {len} bytes differs");
+    }
+    let back = w.tag_recv(11, tag::EXACT, Vec::new());
+    ep.tag_send(10, Vec::new()).await.0.unwrap();
+    back.await.0.unwrap();
+    assert!(child.wait().await.unwrap().success());
+}
+
+#[tokio::test]
+async fn two_processes_over_tcp() {
+    echo_between_processes("tcp,self").await;
+}
+
+#[tokio::test]
+async fn two_processes_over_shared_memory() {
+    echo_between_processes("posix,cma,tcp,self").await;
+}
+
 async fn killed_peer_fails_pending_operations(tls: &str, mode: ErrorMode, mode_name: &str) {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let w = ctx(tls).worker().error_mode(mode).build().unwrap();
     let listener = w.listen(loopback()).unwrap();
     let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())

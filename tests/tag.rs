@@ -177,3 +177,28 @@ async fn forced_request_path() {
         assert!(r.await.1 == payload(3, len));
     }
 }
+
+/// A message larger than 4 GiB (lengths past `u32`) over shared memory, and an empty one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_gib_message() {
+    let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;
+    let len: usize = (4 << 30) + 4099;
+    let mut data = vec![0u8; len];
+    // A pattern that changes every page, so a misplaced chunk is caught.
+    for (i, chunk) in data.chunks_mut(4096).enumerate() {
+        chunk.fill((i % 251) as u8);
+    }
+    let recv = server.tag_recv(77, tag::EXACT, Vec::with_capacity(len));
+    let send = ep.tag_send(77, data);
+    let ((info, got), (sent, data)) = tokio::join!(recv, send);
+    sent.unwrap();
+    assert_eq!(info.unwrap().len, len);
+    assert!(got.len() == len && got == data, "multi-GiB payload differs");
+    drop((got, data));
+
+    let recv = server.tag_recv(78, tag::EXACT, Vec::new());
+    ep.tag_send(78, Vec::new()).await.0.unwrap();
+    let (info, got) = recv.await;
+    assert_eq!(info.unwrap().len, 0);
+    assert!(got.is_empty());
+}

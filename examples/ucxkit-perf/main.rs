@@ -160,7 +160,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         (s, 1.0)
     };
     let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 2s, 500ms)"))?;
-    if !(v > 0.0) {
+    if v.is_nan() || v <= 0.0 {
         return Err(format!("{s:?}: duration must be positive"));
     }
     Ok(Duration::from_secs_f64(v * mult))

@@ -2,7 +2,7 @@
 //! pairs connected through a listener on 127.0.0.1:0 (the real port is passed along, no
 //! port guessing), and deterministic payloads.
 
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)]
 
 use std::net::SocketAddr;
 

@@ -239,7 +239,7 @@ impl ConnectionRequest {
     pub async fn accept_with(mut self, opts: EndpointOptions) -> Result<Endpoint> {
         let req =
             self.req.take().ok_or_else(|| Error::ApiMisuse("connection request already used".into()))?;
-        let local = self.client.map_or(false, |a| is_local_ip(a.ip()));
+        let local = self.client.is_some_and(|a| is_local_ip(a.ip()));
         let peer_mode = opts.error_mode.peer_mode(local);
         let peer = Peer::Accepted(self.client);
         let ep =

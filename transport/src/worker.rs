@@ -797,6 +797,12 @@ fn mode_name(peer: bool) -> &'static str {
     }
 }
 
+/// `Worker` must stay usable from multi-thread runtimes.
+const _: () = {
+    const fn is_send_sync<T: Send + Sync>() {}
+    is_send_sync::<Worker>();
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -873,10 +879,4 @@ mod tests {
         assert!(err.to_string().contains("malformed"), "{err}");
         assert_eq!(client.bad_handshakes(), 1);
     }
-}
-
-#[allow(dead_code)]
-fn _assert_send_sync() {
-    fn is<T: Send + Sync>() {}
-    is::<Worker>();
 }
