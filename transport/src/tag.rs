@@ -77,6 +77,11 @@ impl Endpoint {
     /// Sends `buf` with `tag` (`ucp_tag_send_nbx`). The message is posted before this
     /// returns, so sends on one endpoint are matched in call order; await the future to
     /// learn when the buffer is free again and whether the send succeeded.
+    ///
+    /// # Cancel safety
+    /// Dropping the returned [`TagSend`] is memory-safe at any time: the buffer stays
+    /// with the worker until UCX has finished with it, and the message may still be
+    /// delivered.
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
         let no_imm = self.worker_inner().no_imm;
         let id = self.inner.id;
@@ -113,6 +118,11 @@ impl Endpoint {
     ///
     /// Matching itself is by tag only (UCX tag queues are per worker): encode the peer in
     /// the tag when several peers may send the same tag.
+    ///
+    /// # Cancel safety
+    /// Dropping the returned [`TagRecv`] is memory-safe at any time: an unmatched receive
+    /// is canceled and its buffer never written; a matched one finishes into the buffer
+    /// kept by the worker, and that message is discarded.
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
         let id = self.inner.id;
         let failed = self.with_handle("tag_recv", |_, _| Ok(()));
@@ -130,7 +140,12 @@ impl Endpoint {
 }
 
 impl Worker {
-    /// Receives a message matching `tag`/`mask` from any peer into `buf`.
+    /// Receives a message matching `tag`/`mask` from any peer into `buf`. Unlike
+    /// [`Endpoint::tag_recv`] it is bound to no endpoint, so a failed peer does not end
+    /// it.
+    ///
+    /// # Cancel safety
+    /// As for [`Endpoint::tag_recv`].
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
         post_recv(self.clone(), None, tag, mask, buf)
     }
