@@ -49,20 +49,26 @@ pub(crate) const HEADER: [&str; 8] =
 /// Column widths: wide enough for the header and typical values.
 const WIDTHS: [usize; 8] = [10, 6, 9, 11, 11, 11, 11, 12];
 
-pub(crate) fn header_line() -> String {
+/// Lays out cells in the table's columns: the first left-aligned, the rest right-aligned.
+fn line<S: AsRef<str>>(cells: &[S]) -> String {
     let mut s = String::new();
-    for (i, h) in HEADER.iter().enumerate() {
+    for (i, (c, w)) in cells.iter().zip(WIDTHS).enumerate() {
+        let c = c.as_ref();
         if i == 0 {
-            s += &format!("{:<w$}", h, w = WIDTHS[i]);
+            s += &format!("{c:<w$}");
         } else {
-            s += &format!(" {:>w$}", h, w = WIDTHS[i]);
+            s += &format!(" {c:>w$}");
         }
     }
     s
 }
 
+pub(crate) fn header_line() -> String {
+    line(&HEADER)
+}
+
 pub(crate) fn table_line(r: &Row) -> String {
-    let cells = [
+    line(&[
         r.test.clone(),
         format_size(r.size),
         r.iters.to_string(),
@@ -71,16 +77,7 @@ pub(crate) fn table_line(r: &Row) -> String {
         format!("{:.3}", r.lat_p99_us),
         format!("{:.1}", r.bw_mibps),
         format!("{:.0}", r.msg_rate),
-    ];
-    let mut s = String::new();
-    for (i, c) in cells.iter().enumerate() {
-        if i == 0 {
-            s += &format!("{:<w$}", c, w = WIDTHS[i]);
-        } else {
-            s += &format!(" {:>w$}", c, w = WIDTHS[i]);
-        }
-    }
-    s
+    ])
 }
 
 #[cfg(test)]

@@ -427,15 +427,7 @@ impl State {
         }
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
-                | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
-                | sys::UCP_OP_ATTR_FIELD_FLAGS.0) as u32,
-            flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE.0 as u32 } else { 0 },
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(request::send_cb) },
-            user_data: (self as *mut State).cast(),
-            ..Default::default()
-        };
+        let param = self.flagged_param(if force { sys::UCP_EP_CLOSE_FLAG_FORCE.0 as u32 } else { 0 });
         // SAFETY: h is a live endpoint of this worker, closed once (its handle was just
         // taken out of the table); the lock is held.
         let p = unsafe { sys::ucp_ep_close_nbx(h, &param) };
@@ -468,17 +460,22 @@ impl State {
         self.outbox.push((ep, m.encode()));
     }
 
-    /// Sends a handshake message now (outside any callback).
-    pub(crate) fn send_handshake(&mut self, ep: sys::ucp_ep_h, bytes: Vec<u8>, reply: bool) {
-        let param = sys::ucp_request_param_t {
+    /// Parameters for a send-type request of this worker with operation flags.
+    fn flagged_param(&mut self, flags: u32) -> sys::ucp_request_param_t {
+        sys::ucp_request_param_t {
             op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
                 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
                 | sys::UCP_OP_ATTR_FIELD_FLAGS.0) as u32,
-            flags: if reply { sys::UCP_AM_SEND_FLAG_REPLY.0 as u32 } else { 0 },
+            flags,
             cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(request::send_cb) },
             user_data: (self as *mut State).cast(),
             ..Default::default()
-        };
+        }
+    }
+
+    /// Sends a handshake message now (outside any callback).
+    pub(crate) fn send_handshake(&mut self, ep: sys::ucp_ep_h, bytes: Vec<u8>, reply: bool) {
+        let param = self.flagged_param(if reply { sys::UCP_AM_SEND_FLAG_REPLY.0 as u32 } else { 0 });
         // SAFETY: ep is a live endpoint of this worker; the buffer stays alive until the
         // request completes (parked below); the lock is held.
         let p = unsafe {
