@@ -115,6 +115,12 @@ struct Args {
     /// Outstanding messages in bandwidth tests.
     #[arg(long, default_value_t = 32)]
     window: usize,
+    /// Receives the bandwidth server keeps posted, each with its own buffer. Default: the
+    /// window for messages up to 8 KiB (eager sizes, which would otherwise be copied out
+    /// of UCX's unexpected queue), 4 above (rendezvous messages simply wait for a receive,
+    /// and 32 distinct large buffers would stream through memory instead of cache).
+    #[arg(long)]
+    recv_window: Option<usize>,
     /// UCX transports to use.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
     transport: Transport,
@@ -364,7 +370,8 @@ async fn run_one(
     transport: &str,
 ) -> AnyResult<Row> {
     let window = args.window;
-    send_ctrl(ep, format!("{} {size} {} {window}", test.name(), iters + warmup)).await?;
+    let recv_window = args.recv_window.unwrap_or(if size <= 8192 { window } else { window.min(4) }).max(1);
+    send_ctrl(ep, format!("{} {size} {} {recv_window}", test.name(), iters + warmup)).await?;
     let ready = recv_ctrl(w).await?;
     if ready != "ready" {
         return Err(format!("server answered {ready:?}").into());
