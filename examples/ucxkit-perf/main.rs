@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
-use ucxkit::transport::{tag, Context, Endpoint, ErrorMode, ProgressMode, Worker};
+use ucxkit::transport::{tag, Context, Endpoint, ErrorMode, ProgressMode, Worker, WorkerAddress};
 
 use report::Row;
 
@@ -124,6 +124,14 @@ struct Args {
     /// UCX transports to use.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
     transport: Transport,
+    /// Exact UCX transport list (`UCX_TLS`), overriding --transport, e.g. `posix,self`.
+    #[arg(long)]
+    tls: Option<String>,
+    /// Connect through UCX's connection manager (a ucxkit `Listener` on the port) instead
+    /// of exchanging worker addresses over a TCP socket on the port (the default, as
+    /// ucx_perftest does). The connection manager needs `tcp` among the transports.
+    #[arg(long)]
+    cm: bool,
     /// Progress mode.
     #[arg(long, value_enum, default_value_t = Progress::Busy)]
     progress: Progress,
@@ -201,6 +209,9 @@ fn main() {
 
 fn context(args: &Args) -> ucxkit::transport::Result<Context> {
     let b = Context::builder().name("ucxkit-perf");
+    if let Some(tls) = &args.tls {
+        return b.transports(tls.as_str()).build();
+    }
     match args.transport {
         Transport::Shm => b.transports("posix,cma,tcp,self"),
         Transport::Tcp => b.transports("tcp,self"),
@@ -240,6 +251,8 @@ async fn loopback(args: &Args) -> AnyResult<()> {
         .args(["--transport", transport_arg(args.transport)])
         .args(["--progress", if args.progress == Progress::Busy { "busy" } else { "event" }])
         .args(["--error-mode", errmode_arg(args.error_mode)])
+        .args(args.tls.as_ref().map(|t| vec!["--tls".to_string(), t.clone()]).unwrap_or_default())
+        .args(if args.cm { vec!["--cm"] } else { vec![] })
         .stdout(Stdio::piped())
         .stdin(Stdio::null());
     let mut child = cmd.spawn().map_err(|e| format!("starting the server process: {e}"))?;
@@ -306,7 +319,18 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     };
     let ctx = context(args)?;
     let w = worker(args, &ctx)?;
-    let ep = w.connect(addr).await?;
+    let ep = if args.cm {
+        w.connect(addr).await?
+    } else {
+        // Exchange worker addresses over a TCP socket, then connect by address.
+        let mut sock = tokio::net::TcpStream::connect(addr).await?;
+        write_frame(&mut sock, w.address()?.as_bytes()).await?;
+        let theirs = WorkerAddress::from_bytes(&read_frame(&mut sock).await?)?;
+        let ep = w.connect_address(&theirs).await?;
+        // Wait until the server is connected back to us.
+        read_frame(&mut sock).await?;
+        ep
+    };
     let transport = ep.transports().map(|t| t.join(",")).unwrap_or_else(|_| "?".into());
     if !args.json {
         println!(
@@ -484,19 +508,67 @@ async fn run_one(
 async fn server(args: &Args) -> AnyResult<()> {
     let ctx = context(args)?;
     let w = worker(args, &ctx)?;
-    let listener = w.listen(SocketAddr::new(args.bind, args.port))?;
-    println!("listening on port {}", listener.local_addr().port());
+    let bind = SocketAddr::new(args.bind, args.port);
+    if args.cm {
+        let listener = w.listen(bind)?;
+        println!("listening on port {}", listener.local_addr().port());
+        std::io::stdout().flush()?;
+        loop {
+            let ep = listener.accept().await?;
+            if let Err(e) = serve(&w, &ep).await {
+                eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
+            }
+            drop(ep);
+            if args.once {
+                return Ok(());
+            }
+        }
+    }
+    let listener = tokio::net::TcpListener::bind(bind).await?;
+    println!("listening on port {}", listener.local_addr()?.port());
     std::io::stdout().flush()?;
     loop {
-        let ep = listener.accept().await?;
-        if let Err(e) = serve(&w, &ep).await {
-            eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
+        let (mut sock, peer) = listener.accept().await?;
+        let r = async {
+            let theirs = WorkerAddress::from_bytes(&read_frame(&mut sock).await?)?;
+            write_frame(&mut sock, w.address()?.as_bytes()).await?;
+            let ep = w.connect_address(&theirs).await?;
+            write_frame(&mut sock, b"connected").await?;
+            serve(&w, &ep).await?;
+            ep.close().await?;
+            Ok::<(), Box<dyn std::error::Error>>(())
         }
-        drop(ep);
+        .await;
+        if let Err(e) = r {
+            eprintln!("ucxkit-perf server: client {peer}: {e}");
+        }
         if args.once {
             return Ok(());
         }
     }
+}
+
+/// Writes a length-prefixed frame (u32 little-endian length, then the bytes).
+async fn write_frame(sock: &mut tokio::net::TcpStream, bytes: &[u8]) -> AnyResult<()> {
+    use tokio::io::AsyncWriteExt;
+    let len = u32::try_from(bytes.len()).map_err(|_| "frame too large")?;
+    sock.write_all(&len.to_le_bytes()).await?;
+    sock.write_all(bytes).await?;
+    Ok(())
+}
+
+/// Reads a frame written by [`write_frame`] (at most 1 MiB).
+async fn read_frame(sock: &mut tokio::net::TcpStream) -> AnyResult<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > 1 << 20 {
+        return Err(format!("bootstrap frame of {len} bytes is too large").into());
+    }
+    let mut buf = vec![0u8; len];
+    sock.read_exact(&mut buf).await?;
+    Ok(buf)
 }
 
 async fn serve(w: &Worker, ep: &Endpoint) -> AnyResult<()> {
