@@ -506,6 +506,11 @@ impl Endpoint {
     /// Closes the endpoint gracefully: flushes outstanding operations and disconnects
     /// (`ucp_ep_close_nbx`). Other clones of this endpoint see it closed.
     ///
+    /// A graceful close needs the peer's worker to answer. If the peer may already have
+    /// destroyed its worker (its process still alive), bound the wait with
+    /// `tokio::time::timeout`: in [`crate::ErrorMode::None`] UCX cannot tell such a peer
+    /// from a slow one.
+    ///
     /// # Cancel safety
     /// Safe to drop; the close continues in the background.
     pub async fn close(self) -> Result<()> {
