@@ -147,9 +147,11 @@ async fn killed_peer_fails_pending_operations(tls: &str, mode: ErrorMode, mode_n
     eprintln!("{tls}: both failed {took:?} after SIGKILL: {s} / {r}");
     child.wait().await.unwrap();
 
-    // New operations on the dead endpoint fail at once; the worker goes on.
+    // New operations on the dead endpoint fail at once, closing it does not wait for the
+    // dead peer, and the worker goes on.
     let (e, _) = ep.tag_send(9, vec![1]).await;
     assert_eq!(e.unwrap_err().kind(), ErrorKind::ConnectionReset);
+    tokio::time::timeout(Duration::from_secs(5), ep.clone().close()).await.unwrap().unwrap();
     let l2 = w.listen(loopback()).unwrap();
     let other = ctx(tls).worker().error_mode(mode).build().unwrap();
     let (a, b) = tokio::join!(l2.accept(), other.connect(l2.local_addr()));

@@ -515,7 +515,18 @@ impl Endpoint {
     /// Safe to drop; the close continues in the background.
     pub async fn close(self) -> Result<()> {
         let id = self.inner.id;
-        let posted = self.worker_inner().locked(|st| st.close_ep(id, false));
+        let posted = self.worker_inner().locked(|st| {
+            let failed = st.eps.get(&id).is_some_and(|e| e.failed.is_some());
+            let p = st.close_ep(id, false);
+            if failed {
+                // A failed peer will not answer: let UCX finish the close on its own.
+                if let Some(p) = p {
+                    st.release(p);
+                }
+                return None;
+            }
+            p
+        });
         match posted {
             None => Ok(()),
             Some(p) => {

@@ -36,16 +36,15 @@ impl Drop for ListenerInner {
     fn drop(&mut self) {
         let (id, handle, cb_arg) = (self.id, self.handle, self.cb_arg);
         self.worker.shared.inner.locked(|st| {
-            // SAFETY: the listener is live and destroyed once, under the worker lock; after
-            // this no connection callback refers to cb_arg.
-            unsafe { sys::ucp_listener_destroy(handle) };
+            // Refuse the requests nobody took while the listener still exists.
             if let Some(ls) = st.listeners.remove(&id) {
                 for r in ls.queue {
-                    // SAFETY: r is a connection request nobody accepted; rejecting is
-                    // allowed after the listener is destroyed (UCX keeps the request).
                     reject_locked(st, handle, r);
                 }
             }
+            // SAFETY: the listener is live and destroyed once, under the worker lock (so
+            // no connection callback runs concurrently); after this none refers to cb_arg.
+            unsafe { sys::ucp_listener_destroy(handle) };
             // SAFETY: allocated by Box::into_raw in bind and no longer referenced.
             drop(unsafe { Box::from_raw(cb_arg) });
         });
