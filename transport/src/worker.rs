@@ -519,7 +519,7 @@ unsafe impl Send for WorkerInner {}
 unsafe impl Sync for WorkerInner {}
 
 /// How many times a busy-poll future progresses the worker before yielding to tokio.
-const SPIN: u32 = 4096;
+const SPIN: u32 = 512;
 /// Progress calls per lock acquisition while spinning.
 const SPIN_ROUND: u32 = 32;
 
