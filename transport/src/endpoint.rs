@@ -480,11 +480,11 @@ impl Endpoint {
         *self.inner.watch.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
     }
 
-    /// Fails this endpoint as if the peer had died: every pending operation on it ends
-    /// with [`Error::ConnectionReset`].
+    /// Fails this endpoint because the peer process exited: every pending operation on
+    /// it ends with [`Error::ConnectionReset`].
     pub(crate) fn fail(&self, status: Status) {
         let id = self.inner.id;
-        self.worker_inner().locked(|st| st.fail_ep(id, status));
+        self.worker_inner().locked(|st| st.fail_ep(id, status, true));
     }
 
     /// Flushes every operation posted on this endpoint (`ucp_ep_flush_nbx`): when this

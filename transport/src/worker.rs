@@ -381,12 +381,17 @@ impl State {
     /// - bound receives are canceled (`ucp_request_cancel`);
     /// - in UCX peer mode, the endpoint is force-closed and UCX completes its sends with
     ///   an error;
-    /// - without peer mode UCX 1.13 can neither force-close nor purge the endpoint, so its
-    ///   pending sends are finished here with `UCS_ERR_CONNECTION_RESET`; their futures
-    ///   then release the requests (`ucp_request_free`: UCX keeps them internally and
-    ///   calls back no more). The peer is gone, so nothing will read those buffers: the
-    ///   data waits for the peer's progress (rendezvous) or for room in the peer's queue.
-    pub(crate) fn fail_ep(&mut self, id: u64, status: Status) {
+    /// - without peer mode, when UCX itself reported the failure (`peer_exited` false), UCX
+    ///   discards the endpoint's lanes and completes its sends with an error on its own;
+    /// - without peer mode, when ucxkit's pidfd watch saw the peer process exit
+    ///   (`peer_exited` true), UCX 1.13 knows nothing, can neither force-close nor purge
+    ///   the endpoint, so its pending sends are finished here with
+    ///   `UCS_ERR_CONNECTION_RESET`; their futures then release the requests
+    ///   (`ucp_request_free`: UCX keeps them internally and calls back no more). The peer
+    ///   process is gone, so nothing will read those buffers any more: on shared memory
+    ///   the data waits for the peer's progress (rendezvous, read by the peer) or for room
+    ///   in the peer's queue, neither of which can happen.
+    pub(crate) fn fail_ep(&mut self, id: u64, status: Status, peer_exited: bool) {
         let Some(e) = self.eps.get_mut(&id) else { return };
         if e.failed.is_none() {
             e.failed = Some(status);
@@ -399,7 +404,7 @@ impl State {
                 // SAFETY: r is a live pending tag receive of this worker (bound requests
                 // are unbound before they are freed); the lock is held.
                 unsafe { sys::ucp_request_cancel(self.handle, r as *mut c_void) };
-            } else if !peer_mode {
+            } else if !peer_mode && peer_exited {
                 // SAFETY: as above, for a bound send.
                 unsafe { request::fail_pending(r as *mut Slot, Status::CONNECTION_RESET, self) };
             }
@@ -566,7 +571,7 @@ impl WorkerInner {
         }
         if !st.failed.is_empty() {
             for (id, status) in std::mem::take(&mut st.failed) {
-                st.fail_ep(id, status);
+                st.fail_ep(id, status, false);
             }
         }
         n
