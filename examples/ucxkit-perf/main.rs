@@ -67,7 +67,8 @@ impl Test {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Transport {
-    /// Shared memory (`UCX_TLS=posix,cma,tcp,self`: tcp only carries the connection setup).
+    /// Shared memory (`UCX_TLS=posix,cma,tcp,self`; data goes over posix and cma, tcp is
+    /// there for `--cm` connection setup).
     Shm,
     /// TCP (`UCX_TLS=tcp,self`).
     Tcp,
