@@ -38,78 +38,53 @@ pub unsafe trait IoBufMut: IoBuf {
     unsafe fn set_init(&mut self, n: usize);
 }
 
-// SAFETY: a Vec's heap pointer does not change while it is not resized, and the operation
-// owning it never resizes it.
-unsafe impl IoBuf for Vec<u8> {
-    fn stable_ptr(&self) -> *const u8 {
-        self.as_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.len()
-    }
+/// `IoBuf` through the types' own `as_ptr` and `len`.
+macro_rules! io_buf {
+    ($($t:ty),* $(,)?) => {$(
+        // SAFETY: see the list at the invocation: each type's pointer is stable while an
+        // operation owns the value.
+        unsafe impl IoBuf for $t {
+            fn stable_ptr(&self) -> *const u8 {
+                self.as_ptr()
+            }
+            fn bytes_init(&self) -> usize {
+                self.len()
+            }
+        }
+    )*};
 }
 
-// SAFETY: as above; capacity bytes are allocated.
-unsafe impl IoBufMut for Vec<u8> {
-    fn stable_mut_ptr(&mut self) -> *mut u8 {
-        self.as_mut_ptr()
-    }
-    fn bytes_total(&self) -> usize {
-        self.capacity()
-    }
-    unsafe fn set_init(&mut self, n: usize) {
-        // SAFETY: the caller guarantees n bytes within capacity were written.
-        unsafe { self.set_len(n) }
-    }
+// - `Vec<u8>`, `BytesMut`: uniquely owned heap storage whose pointer does not change
+//   while the container is not resized; the owning operation never resizes it.
+// - `Bytes`: an immutable, reference-counted view of heap or static memory.
+// - `Box<[u8]>`: a fixed heap allocation.
+// - `&'static [u8]`: memory that is never freed or moved.
+io_buf!(Vec<u8>, bytes::BytesMut, bytes::Bytes, Box<[u8]>, &'static [u8]);
+
+/// `IoBufMut` for growable containers: receives write into the spare capacity and set
+/// the length to what arrived.
+macro_rules! io_buf_mut_growable {
+    ($($t:ty),* $(,)?) => {$(
+        // SAFETY: as for `IoBuf` above; `capacity()` bytes are allocated and writable.
+        unsafe impl IoBufMut for $t {
+            fn stable_mut_ptr(&mut self) -> *mut u8 {
+                self.as_mut_ptr()
+            }
+            fn bytes_total(&self) -> usize {
+                self.capacity()
+            }
+            unsafe fn set_init(&mut self, n: usize) {
+                // SAFETY: the caller guarantees n bytes within capacity were written.
+                unsafe { self.set_len(n) }
+            }
+        }
+    )*};
 }
 
-// SAFETY: Bytes is an immutable, reference-counted view of heap (or static) memory; its
-// pointer is stable and its contents never change.
-unsafe impl IoBuf for bytes::Bytes {
-    fn stable_ptr(&self) -> *const u8 {
-        self.as_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.len()
-    }
-}
+io_buf_mut_growable!(Vec<u8>, bytes::BytesMut);
 
-// SAFETY: BytesMut owns its heap storage uniquely; the pointer is stable while it is not
-// resized, and the operation never resizes it.
-unsafe impl IoBuf for bytes::BytesMut {
-    fn stable_ptr(&self) -> *const u8 {
-        self.as_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.len()
-    }
-}
-
-// SAFETY: as above; capacity bytes are allocated.
-unsafe impl IoBufMut for bytes::BytesMut {
-    fn stable_mut_ptr(&mut self) -> *mut u8 {
-        self.as_mut_ptr()
-    }
-    fn bytes_total(&self) -> usize {
-        self.capacity()
-    }
-    unsafe fn set_init(&mut self, n: usize) {
-        // SAFETY: the caller guarantees n bytes within capacity were written.
-        unsafe { self.set_len(n) }
-    }
-}
-
-// SAFETY: a boxed slice's heap pointer is stable.
-unsafe impl IoBuf for Box<[u8]> {
-    fn stable_ptr(&self) -> *const u8 {
-        self.as_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.len()
-    }
-}
-
-// SAFETY: as above; all len bytes are writable and always initialized.
+// SAFETY: a boxed slice's heap pointer is stable; all `len` bytes are writable and always
+// initialized.
 unsafe impl IoBufMut for Box<[u8]> {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()
@@ -118,16 +93,6 @@ unsafe impl IoBufMut for Box<[u8]> {
         self.len()
     }
     unsafe fn set_init(&mut self, _n: usize) {}
-}
-
-// SAFETY: static memory is never freed or moved.
-unsafe impl IoBuf for &'static [u8] {
-    fn stable_ptr(&self) -> *const u8 {
-        self.as_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.len()
-    }
 }
 
 #[cfg(test)]

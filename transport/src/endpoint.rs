@@ -338,20 +338,26 @@ impl Endpoint {
         op: &'static str,
         f: impl FnOnce(&mut State, sys::ucp_ep_h) -> Result<R>,
     ) -> Result<R> {
-        let id = self.inner.id;
         self.worker_inner().locked(|st| {
-            let (h, failed) = match st.eps.get(&id) {
-                Some(e) => (e.handle, e.failed),
-                None => (std::ptr::null_mut(), None),
-            };
-            if let Some(s) = failed {
-                return Err(Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: s });
-            }
-            if h.is_null() {
-                return Err(Error::ApiMisuse(format!("{op} on a closed endpoint ({})", self.inner.peer)));
-            }
+            let h = self.live_handle(st, op)?;
             f(st, h)
         })
+    }
+
+    /// The live UCX endpoint handle, or the reason it is gone (under the worker lock, so
+    /// the answer holds for whatever the caller posts in the same critical section).
+    pub(crate) fn live_handle(&self, st: &State, op: &'static str) -> Result<sys::ucp_ep_h> {
+        let (h, failed) = match st.eps.get(&self.inner.id) {
+            Some(e) => (e.handle, e.failed),
+            None => (std::ptr::null_mut(), None),
+        };
+        if let Some(s) = failed {
+            return Err(Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: s });
+        }
+        if h.is_null() {
+            return Err(Error::ApiMisuse(format!("{op} on a closed endpoint ({})", self.inner.peer)));
+        }
+        Ok(h)
     }
 
     /// Maps a completion of an operation on this endpoint to a result; a cancellation

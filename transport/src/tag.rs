@@ -19,7 +19,7 @@ use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::{op_param, Endpoint};
 use crate::error::{Error, Peer, Result, Status};
 use crate::request::{tag_recv_cb, Completion, Posted, Request};
-use crate::worker::{State, Worker};
+use crate::worker::{State, Worker, WorkerShared};
 
 /// A 64-bit tag.
 pub type Tag = u64;
@@ -124,18 +124,7 @@ impl Endpoint {
     /// is canceled and its buffer never written; a matched one finishes into the buffer
     /// kept by the worker, and that message is discarded.
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
-        let id = self.inner.id;
-        let failed = self.with_handle("tag_recv", |_, _| Ok(()));
-        let worker = self.worker().clone();
-        match failed {
-            Err(e) => TagRecv {
-                worker,
-                ep: Some(self.clone()),
-                capacity: buf.bytes_total(),
-                state: OpState::Failed(e, buf),
-            },
-            Ok(()) => post_recv(worker, Some((self.clone(), id)), tag, mask, buf),
-        }
+        post_recv(self.worker().clone(), Some(self.clone()), tag, mask, buf)
     }
 }
 
@@ -239,9 +228,12 @@ fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
     }
 }
 
+/// Posts a tag receive; when `ep` is given, the receive is bound to it, and its state is
+/// checked in the same critical section, so a receive is never posted on an endpoint
+/// that already failed (its failure would not cancel it).
 fn post_recv<B: IoBufMut>(
     worker: Worker,
-    ep: Option<(Endpoint, u64)>,
+    ep: Option<Endpoint>,
     tag: Tag,
     mask: u64,
     mut buf: B,
@@ -250,6 +242,9 @@ fn post_recv<B: IoBufMut>(
     let capacity = buf.bytes_total();
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
+        if let Some(ep) = &ep {
+            ep.live_handle(st, "tag_recv")?;
+        }
         let param = recv_param(st, true);
         // SAFETY: the worker is valid under the lock; buf's memory is valid for
         // `capacity` bytes and owned by the returned future until UCX completes (parked
@@ -259,30 +254,62 @@ fn post_recv<B: IoBufMut>(
         if let Posted::Pending(r) = &posted {
             if r.is_done(st) {
                 // Matched an arrived eager message inside the call: nothing to kick.
-                return (posted, false);
+                return Ok((posted, false));
             }
-            if let Some((_, id)) = &ep {
-                r.bind(st, *id, true);
+            if let Some(ep) = &ep {
+                r.bind(st, ep.inner.id, true);
             }
-            return (posted, true);
+            return Ok((posted, true));
         }
-        (posted, false)
+        Ok((posted, false))
     });
     let state = match posted {
-        (Posted::Done(c), _) => OpState::Done(c, buf),
-        (Posted::Pending(r), kick) => {
+        Err(e) => OpState::Failed(e, buf),
+        Ok((Posted::Done(c), _)) => OpState::Done(c, buf),
+        Ok((Posted::Pending(r), kick)) => {
             if kick {
                 inner.posted();
             }
             OpState::Pending(r, buf)
         }
     };
-    TagRecv { worker, ep: ep.map(|e| e.0), capacity, state }
+    TagRecv { worker, ep, capacity, state }
 }
 
-impl<B: IoBuf> TagSend<B> {
-    fn ep(&self) -> &Endpoint {
-        self.ep.as_ref().expect("invariant: a pending or failed send holds its endpoint")
+impl<B: Send + 'static> OpState<B> {
+    /// Drives the operation to its completion. Returns, once, the completion (or the
+    /// error found when posting) together with the buffer. `worker` is needed only while
+    /// the operation is pending.
+    fn poll(
+        &mut self,
+        worker: Option<&WorkerShared>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::result::Result<(Completion, B), (Error, B)>> {
+        let c = match self {
+            OpState::Pending(r, _) => {
+                match r.poll(worker.expect("invariant: a pending operation keeps its worker"), cx) {
+                    Poll::Ready(c) => c,
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            OpState::Done(c, _) => *c,
+            OpState::Failed(..) => Completion::OK,
+            OpState::Finished => panic!("operation future polled after completion"),
+        };
+        Poll::Ready(match std::mem::replace(self, OpState::Finished) {
+            OpState::Failed(e, b) => Err((e, b)),
+            OpState::Pending(_, b) | OpState::Done(_, b) => Ok((c, b)),
+            OpState::Finished => unreachable!("checked above"),
+        })
+    }
+
+    /// For the owning future's `Drop`: a pending operation's buffer stays with the worker
+    /// until UCX completes the request.
+    fn park(&mut self, worker: Option<&WorkerShared>) {
+        if let OpState::Pending(r, b) = std::mem::replace(self, OpState::Finished) {
+            let worker = worker.expect("invariant: a pending operation keeps its worker");
+            drop(r.park(worker, Box::new(b)));
+        }
     }
 }
 
@@ -295,34 +322,25 @@ impl<B: IoBuf> Future for TagSend<B> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let c = match &mut this.state {
-            OpState::Pending(r, _) => match r.poll(
-                &this.ep.as_ref().expect("invariant: a pending send holds its endpoint").worker().shared,
-                cx,
-            ) {
-                Poll::Ready(c) => c,
-                Poll::Pending => return Poll::Pending,
-            },
-            OpState::Done(c, _) => *c,
-            OpState::Failed(..) => Completion::OK,
-            OpState::Finished => panic!("TagSend polled after completion"),
-        };
-        match std::mem::replace(&mut this.state, OpState::Finished) {
-            OpState::Failed(e, b) => Poll::Ready((Err(e), b)),
-            OpState::Pending(_, b) | OpState::Done(_, b) => {
-                let r = if c.status.is_ok() { Ok(()) } else { this.ep().result_of("tag_send", c) };
+        let worker = this.ep.as_ref().map(|e| &*e.worker().shared);
+        match this.state.poll(worker, cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Ok((c, b))) => {
+                let r = match &this.ep {
+                    Some(ep) if !c.status.is_ok() => ep.result_of("tag_send", c),
+                    _ => Ok(()),
+                };
                 Poll::Ready((r, b))
             }
-            OpState::Finished => unreachable!(),
         }
     }
 }
 
 impl<B: IoBuf> Drop for TagSend<B> {
     fn drop(&mut self) {
-        if let OpState::Pending(r, b) = std::mem::replace(&mut self.state, OpState::Finished) {
-            drop(r.park(&self.ep().worker().shared, Box::new(b)));
-        }
+        let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
+        self.state.park(worker);
     }
 }
 
@@ -352,30 +370,19 @@ impl<B: IoBufMut> Future for TagRecv<B> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let c = match &mut this.state {
-            OpState::Pending(r, _) => match r.poll(&this.worker.shared, cx) {
-                Poll::Ready(c) => c,
-                Poll::Pending => return Poll::Pending,
-            },
-            OpState::Done(c, _) => *c,
-            OpState::Failed(..) => Completion::OK,
-            OpState::Finished => panic!("TagRecv polled after completion"),
-        };
-        match std::mem::replace(&mut this.state, OpState::Finished) {
-            OpState::Failed(e, b) => Poll::Ready((Err(e), b)),
-            OpState::Pending(_, mut b) | OpState::Done(_, mut b) => {
+        match this.state.poll(Some(&this.worker.shared), cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Ok((c, mut b))) => {
                 let r = this.finish(c, &mut b);
                 Poll::Ready((r, b))
             }
-            OpState::Finished => unreachable!(),
         }
     }
 }
 
 impl<B: IoBufMut> Drop for TagRecv<B> {
     fn drop(&mut self) {
-        if let OpState::Pending(r, b) = std::mem::replace(&mut self.state, OpState::Finished) {
-            drop(r.park(&self.worker.shared, Box::new(b)));
-        }
+        self.state.park(Some(&self.worker.shared));
     }
 }

@@ -13,7 +13,7 @@ use std::any::Any;
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context as TaskContext, Poll, Waker};
@@ -149,7 +149,7 @@ impl WorkerBuilder {
             return Err(Error::CreateWorker(e));
         }
         let inner = Arc::new(WorkerInner {
-            ctx: self.ctx.inner.clone(),
+            _ctx: self.ctx.inner.clone(),
             lock: Mutex::new(()),
             state: UnsafeCell::new(State::new(handle)),
             mode: self.mode,
@@ -507,7 +507,8 @@ impl State {
 /// The worker and its lock. Dropped after the driver, the last handle and the last
 /// operation are gone.
 pub(crate) struct WorkerInner {
-    ctx: Arc<ContextInner>,
+    /// Keeps the context alive until the worker is destroyed.
+    _ctx: Arc<ContextInner>,
     lock: Mutex<()>,
     state: UnsafeCell<State>,
     pub(crate) mode: ProgressMode,
@@ -679,8 +680,6 @@ impl Drop for WorkerInner {
         // AsyncFd was dropped with the driver before this runs.
         unsafe { sys::ucp_worker_destroy(st.handle) };
         drop(std::mem::take(&mut st.graveyard));
-        let _ = &self.ctx;
-        let _ = self.efd.as_raw_fd();
     }
 }
 
