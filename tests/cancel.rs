@@ -172,3 +172,29 @@ async fn worker_dropped_with_operations_in_flight() {
     }
     assert_eq!(state.load(Ordering::SeqCst), CLEAN);
 }
+
+/// `tag_recv_any` dropped after it found a rendezvous message and posted the receive into
+/// its own buffer: the buffer stays with the worker until UCX finished writing it.
+#[tokio::test]
+async fn dropped_recv_any_after_match() {
+    let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;
+    let len = 4 << 20;
+    let send = ep.tag_send(21, payload(21, len));
+    // Wait until the message is visible, then poll the unknown-size receive once.
+    for _ in 0..10_000 {
+        if server.tag_probe(21, tag::EXACT).is_some() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let mut any = Box::pin(server.tag_recv_any(21, tag::EXACT));
+    let _ = poll_once(&mut any).await;
+    drop(any);
+    let (r, _) = send.await;
+    r.unwrap();
+    wait_parked_zero(&server).await;
+    // The worker goes on.
+    let next = server.tag_recv(22, tag::EXACT, vec![0u8; 2]);
+    ep.tag_send(22, b"ok".to_vec()).await.0.unwrap();
+    assert_eq!(next.await.1, b"ok");
+}
