@@ -178,21 +178,26 @@ impl Worker {
                 s => Error::Connect { peer: peer.clone(), source: s },
             })?;
             let id = st.new_id();
-            st.eps.insert(id, EpState { handle: ep, failed: None, peer_mode, ops: Default::default() });
+            st.eps.insert(id, EpState::new(ep, peer_mode));
             st.by_handle.insert(ep as usize, id);
             Ok::<u64, Error>(id)
         })?;
         tracing::debug!(ep = id, %peer, peer_mode, "endpoint created");
-        Ok(Endpoint {
-            inner: Arc::new(EndpointInner {
-                worker: self.clone(),
-                id,
-                peer,
-                peer_mode,
-                identity: Mutex::new(None),
-                watch: Mutex::new(None),
-            }),
-        })
+        let inner = Arc::new(EndpointInner {
+            worker: self.clone(),
+            id,
+            peer,
+            peer_mode,
+            identity: Mutex::new(None),
+            watch: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&inner);
+        self.shared.inner.locked(|st| {
+            if let Some(e) = st.eps.get_mut(&id) {
+                e.endpoint = weak;
+            }
+        });
+        Ok(Endpoint { inner })
     }
 
     /// Connects to a [`crate::Listener`] at `addr` with this worker's default

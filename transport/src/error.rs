@@ -259,6 +259,56 @@ pub enum Error {
         #[source]
         source: Status,
     },
+    /// Packed remote-key bytes that are not one (wrong magic, version, length or
+    /// checksum), or that UCX refused to unpack.
+    #[error("malformed remote key: {reason}")]
+    BadRemoteKey {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A remote access outside the region its key describes, or misaligned for an
+    /// atomic operation.
+    #[error("{op}: {len} bytes at offset {offset} do not fit a {region_len} byte remote region{extra}")]
+    OutOfBounds {
+        /// The operation.
+        op: &'static str,
+        /// Offset into the region.
+        offset: u64,
+        /// Bytes accessed.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+        /// More detail (alignment), or empty.
+        extra: &'static str,
+    },
+    /// Registering or allocating memory with UCX failed (`ucp_mem_map`).
+    #[error("registering {len} bytes of memory: {source}")]
+    MemMap {
+        /// Bytes asked for.
+        len: usize,
+        /// UCX's status.
+        #[source]
+        source: Status,
+    },
+    /// An active-message handler panicked; the message it was handling is dropped.
+    #[error("active-message handler for id {id} panicked: {message}")]
+    HandlerPanicked {
+        /// The active-message id.
+        id: u16,
+        /// The panic message.
+        message: String,
+    },
+    /// An endpoint does not use a transport the caller required
+    /// ([`crate::EndpointOptions::require_transports`]).
+    #[error("{peer}: required transport {required:?} is not in use (the endpoint uses {selected:?})")]
+    MissingTransport {
+        /// The peer.
+        peer: Peer,
+        /// The required transport that is missing.
+        required: String,
+        /// The transports the endpoint's lanes use.
+        selected: Vec<String>,
+    },
     /// The API was used in a way it does not allow (for example an operation on a
     /// closed endpoint, or a worker without a tokio runtime).
     #[error("API misuse: {0}")]
@@ -305,10 +355,12 @@ impl Error {
             Error::ConnectionReset { .. } => ErrorKind::ConnectionReset,
             Error::Timeout { .. } => ErrorKind::Timeout,
             Error::Unreachable { .. } => ErrorKind::Unreachable,
-            Error::Unsupported { .. } => ErrorKind::Unsupported,
-            Error::BadAddress { .. } | Error::Handshake { .. } | Error::ApiMisuse(_) => {
-                ErrorKind::InvalidInput
-            }
+            Error::Unsupported { .. } | Error::MissingTransport { .. } => ErrorKind::Unsupported,
+            Error::BadAddress { .. }
+            | Error::BadRemoteKey { .. }
+            | Error::OutOfBounds { .. }
+            | Error::Handshake { .. }
+            | Error::ApiMisuse(_) => ErrorKind::InvalidInput,
             _ => ErrorKind::Other,
         }
     }
@@ -322,7 +374,8 @@ impl Error {
             | Error::Unreachable { source, .. }
             | Error::ConnectionReset { source, .. }
             | Error::Op { source, .. }
-            | Error::Worker { source, .. } => Some(*source),
+            | Error::Worker { source, .. }
+            | Error::MemMap { source, .. } => Some(*source),
             Error::CreateContext(s) | Error::CreateWorker(s) => Some(*s),
             Error::Truncated { .. } => Some(Status::TRUNCATED),
             Error::Canceled { .. } => Some(Status::CANCELED),

@@ -12,11 +12,15 @@
 //! |---|---|---|
 //! | 0 | 4 | magic `0x484b4355` ("UCKH") |
 //! | 4 | 1 | version (1) |
-//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack |
+//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end |
 //! | 6 | 1 | error mode: 0 none, 1 peer |
 //! | 7 | 1 | nack reason (0 otherwise) |
-//! | 8 | 8 | nonce chosen by the connecting side, echoed |
+//! | 8 | 8 | nonce chosen by the connecting side, echoed; for stream end, the total bytes the sender wrote to the stream |
 //! | 16 | 36 | sender's process identity |
+//!
+//! After the handshake the same message carries one more notice: `StreamEnd`, sent on
+//! the endpoint when its stream writer shuts down, so that the peer's reader can report
+//! end of stream once it has read every byte written before it.
 //!
 //! Every field is validated; anything else is rejected with a reason, never trusted.
 
@@ -36,6 +40,8 @@ pub(crate) enum Kind {
     Hello,
     Ack,
     Nack(NackReason),
+    /// The sender's stream writer shut down after writing `nonce` bytes.
+    StreamEnd,
 }
 
 /// Why a hello was refused.
@@ -83,6 +89,7 @@ impl Message {
             Kind::Hello => (1, 0),
             Kind::Ack => (2, 0),
             Kind::Nack(r) => (3, r.code()),
+            Kind::StreamEnd => (4, 0),
         };
         v.push(kind);
         v.push(self.peer_mode as u8);
@@ -108,6 +115,7 @@ impl Message {
             (2, 0) => Kind::Ack,
             (3, 1) => Kind::Nack(NackReason::ErrorModeMismatch),
             (3, 2) => Kind::Nack(NackReason::Malformed),
+            (4, 0) => Kind::StreamEnd,
             (k, r) => return Err(format!("bad handshake kind {k} / reason {r}")),
         };
         let peer_mode = match b[6] {
@@ -136,6 +144,7 @@ mod tests {
             Kind::Ack,
             Kind::Nack(NackReason::ErrorModeMismatch),
             Kind::Nack(NackReason::Malformed),
+            Kind::StreamEnd,
         ] {
             let m = sample(k);
             let b = m.encode();

@@ -83,6 +83,7 @@
 #![warn(rust_2018_idioms, unreachable_pub)]
 
 mod address;
+pub mod am;
 mod buf;
 mod context;
 mod endpoint;
@@ -91,12 +92,15 @@ mod handshake;
 mod identity;
 mod listener;
 pub mod liveness;
+mod op;
 mod progress;
 mod request;
+pub mod stream;
 pub mod tag;
 mod worker;
 
 pub use address::WorkerAddress;
+pub use am::{AmHandler, AmMessage, AmProto, AmReceiver, AmRecvData, AmSend, AmSendOptions};
 pub use buf::{IoBuf, IoBufMut};
 pub use context::{Context, ContextBuilder, Features};
 pub use endpoint::Endpoint;
@@ -104,7 +108,9 @@ pub use error::{Error, ErrorKind, Peer, Result, Status};
 pub use handshake::AM_ID as HANDSHAKE_AM_ID;
 pub use identity::ProcessIdentity;
 pub use listener::{ConnectionRequest, Listener};
+pub use op::SendOp;
 pub use progress::ProgressMode;
+pub use stream::{StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};
 pub use worker::{EndpointOptions, ErrorMode, Worker, WorkerBuilder};
 

@@ -22,7 +22,7 @@ use std::task::{Context, Poll, Waker};
 use ucx_sys as sys;
 
 use crate::error::Status;
-use crate::worker::{State, WorkerShared};
+use crate::worker::{OpKind, State, WorkerShared};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum SlotState {
@@ -98,6 +98,35 @@ pub(crate) unsafe extern "C" fn tag_recv_cb(
     let (len, tag) = unsafe { info.as_ref() }.map_or((0, 0), |i| (i.length, i.sender_tag));
     // SAFETY: as in send_cb.
     unsafe { complete(req, status, len, tag, user) }
+}
+
+/// Completion callback for operations that report a length: active-message data fetches
+/// (`ucp_am_recv_data_nbx_callback_t`).
+pub(crate) unsafe extern "C" fn len_cb(
+    req: *mut c_void,
+    status: sys::ucs_status_t,
+    length: usize,
+    user: *mut c_void,
+) {
+    // SAFETY: as in send_cb.
+    unsafe { complete(req, status, length, 0, user) }
+}
+
+/// Stream receive completion callback (`ucp_stream_recv_nbx_callback_t`): also counts the
+/// bytes against the endpoint the receive is bound to, for end-of-stream detection.
+pub(crate) unsafe extern "C" fn stream_recv_cb(
+    req: *mut c_void,
+    status: sys::ucs_status_t,
+    length: usize,
+    user: *mut c_void,
+) {
+    // SAFETY: as in send_cb; the slot is read before `complete` may free it.
+    let (ep, st) = unsafe { ((*req.cast::<Slot>()).bound_ep, &mut *user.cast::<State>()) };
+    if status == sys::UCS_OK {
+        st.stream_received(ep, length);
+    }
+    // SAFETY: as in send_cb.
+    unsafe { complete(req, status, length, 0, user) }
 }
 
 unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag: u64, user: *mut c_void) {
@@ -240,10 +269,10 @@ impl Request {
     }
 
     /// Marks this receive as bound to an endpoint: the endpoint's failure cancels it.
-    pub(crate) fn bind(&self, st: &mut State, ep: u64, is_recv: bool) {
+    pub(crate) fn bind(&self, st: &mut State, ep: u64, kind: OpKind) {
         // SAFETY: under the worker lock (st is borrowed from it); the slot is live.
         unsafe { (*self.slot).bound_ep = ep };
-        st.bind_op(ep, self.slot as usize, is_recv);
+        st.bind_op(ep, self.slot as usize, kind);
     }
 
     /// Checks for completion; in busy-poll mode progresses the worker a bounded number of

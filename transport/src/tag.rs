@@ -16,10 +16,11 @@ use std::task::{Context, Poll};
 use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
-use crate::endpoint::{op_param, Endpoint};
+use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result, Status};
-use crate::request::{tag_recv_cb, Completion, Posted, Request};
-use crate::worker::{State, Worker, WorkerShared};
+use crate::op::{OpState, SendOp};
+use crate::request::{tag_recv_cb, Completion, Posted};
+use crate::worker::{OpKind, State, Worker};
 
 /// A 64-bit tag.
 pub type Tag = u64;
@@ -38,24 +39,12 @@ pub struct TagInfo {
     pub len: usize,
 }
 
-enum OpState<B> {
-    Pending(Request, B),
-    Done(Completion, B),
-    Failed(Error, B),
-    Finished,
-}
-
 /// Future of [`Endpoint::tag_send`]: resolves to `(Result<()>, buffer)`.
 ///
 /// # Cancel safety
 /// Memory-safe to drop at any time: the buffer is kept until UCX has finished with it,
 /// and the message may still be delivered.
-#[must_use = "a send future does nothing useful unless awaited (the message is already posted)"]
-pub struct TagSend<B: IoBuf> {
-    /// Held only while the send is pending (a send that completed at once needs nothing).
-    ep: Option<Endpoint>,
-    state: OpState<B>,
-}
+pub type TagSend<B> = SendOp<B>;
 
 /// Future of [`Endpoint::tag_recv`] and [`Worker::tag_recv`]: resolves to
 /// `(Result<TagInfo>, buffer)`; on success the buffer's length is the message length.
@@ -83,33 +72,11 @@ impl Endpoint {
     /// with the worker until UCX has finished with it, and the message may still be
     /// delivered.
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
-        let no_imm = self.worker_inner().no_imm;
-        let id = self.inner.id;
-        let posted = self.with_handle("tag_send", |st, h| {
-            let param = op_param(st, no_imm);
+        SendOp::post(self, "tag_send", buf, None, |_, h, ptr, len, param| {
             // SAFETY: h is live under the lock; the buffer's memory stays valid and
             // unmoved until the request completes (IoBuf contract; parked on drop).
-            let p =
-                unsafe { sys::ucp_tag_send_nbx(h, buf.stable_ptr().cast(), buf.bytes_init(), tag, &param) };
-            let posted = Posted::from_ptr(p, Completion::OK, false);
-            if let Posted::Pending(r) = &posted {
-                r.bind(st, id, false);
-            }
-            Ok(posted)
-        });
-        let state = match posted {
-            Ok(Posted::Done(c)) => OpState::Done(c, buf),
-            Ok(Posted::Pending(r)) => {
-                self.worker_inner().posted();
-                OpState::Pending(r, buf)
-            }
-            Err(e) => OpState::Failed(e, buf),
-        };
-        let ep = match state {
-            OpState::Done(c, _) if c.status.is_ok() => None,
-            _ => Some(self.clone()),
-        };
-        TagSend { ep, state }
+            unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), len, tag, param) }
+        })
     }
 
     /// Receives a message matching `tag`/`mask` into `buf`, bound to this endpoint: if
@@ -257,7 +224,7 @@ fn post_recv<B: IoBufMut>(
                 return Ok((posted, false));
             }
             if let Some(ep) = &ep {
-                r.bind(st, ep.inner.id, true);
+                r.bind(st, ep.inner.id, OpKind::Cancel);
             }
             return Ok((posted, true));
         }
@@ -276,73 +243,7 @@ fn post_recv<B: IoBufMut>(
     TagRecv { worker, ep, capacity, state }
 }
 
-impl<B: Send + 'static> OpState<B> {
-    /// Drives the operation to its completion. Returns, once, the completion (or the
-    /// error found when posting) together with the buffer. `worker` is needed only while
-    /// the operation is pending.
-    fn poll(
-        &mut self,
-        worker: Option<&WorkerShared>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::result::Result<(Completion, B), (Error, B)>> {
-        let c = match self {
-            OpState::Pending(r, _) => {
-                match r.poll(worker.expect("invariant: a pending operation keeps its worker"), cx) {
-                    Poll::Ready(c) => c,
-                    Poll::Pending => return Poll::Pending,
-                }
-            }
-            OpState::Done(c, _) => *c,
-            OpState::Failed(..) => Completion::OK,
-            OpState::Finished => panic!("operation future polled after completion"),
-        };
-        Poll::Ready(match std::mem::replace(self, OpState::Finished) {
-            OpState::Failed(e, b) => Err((e, b)),
-            OpState::Pending(_, b) | OpState::Done(_, b) => Ok((c, b)),
-            OpState::Finished => unreachable!("checked above"),
-        })
-    }
-
-    /// For the owning future's `Drop`: a pending operation's buffer stays with the worker
-    /// until UCX completes the request.
-    fn park(&mut self, worker: Option<&WorkerShared>) {
-        if let OpState::Pending(r, b) = std::mem::replace(self, OpState::Finished) {
-            let worker = worker.expect("invariant: a pending operation keeps its worker");
-            drop(r.park(worker, Box::new(b)));
-        }
-    }
-}
-
-// The futures never pin their fields: the buffer is moved in and out by value.
-impl<B: IoBuf> Unpin for TagSend<B> {}
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
-
-impl<B: IoBuf> Future for TagSend<B> {
-    type Output = (Result<()>, B);
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        let worker = this.ep.as_ref().map(|e| &*e.worker().shared);
-        match this.state.poll(worker, cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
-            Poll::Ready(Ok((c, b))) => {
-                let r = match &this.ep {
-                    Some(ep) if !c.status.is_ok() => ep.result_of("tag_send", c),
-                    _ => Ok(()),
-                };
-                Poll::Ready((r, b))
-            }
-        }
-    }
-}
-
-impl<B: IoBuf> Drop for TagSend<B> {
-    fn drop(&mut self) {
-        let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
-        self.state.park(worker);
-    }
-}
 
 impl<B: IoBufMut> TagRecv<B> {
     fn finish(&self, c: Completion, buf: &mut B) -> Result<TagInfo> {
@@ -383,6 +284,6 @@ impl<B: IoBufMut> Future for TagRecv<B> {
 
 impl<B: IoBufMut> Drop for TagRecv<B> {
     fn drop(&mut self) {
-        self.state.park(Some(&self.worker.shared));
+        self.state.park(Some(&self.worker.shared), None);
     }
 }

@@ -148,7 +148,17 @@ impl WorkerBuilder {
             unsafe { sys::ucp_worker_destroy(handle) };
             return Err(Error::CreateWorker(e));
         }
+        let mut attr = sys::ucp_worker_attr_t {
+            field_mask: sys::UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER.0 as u64,
+            ..Default::default()
+        };
+        // SAFETY: handle is valid; attr is a valid out-parameter.
+        let max_am_header = match Status(unsafe { sys::ucp_worker_query(handle, &mut attr) }).check() {
+            Ok(()) => attr.max_am_header,
+            Err(_) => 0,
+        };
         let inner = Arc::new(WorkerInner {
+            max_am_header,
             _ctx: self.ctx.inner.clone(),
             lock: Mutex::new(()),
             state: UnsafeCell::new(State::new(handle)),
@@ -298,8 +308,51 @@ pub(crate) struct EpState {
     pub(crate) failed: Option<Status>,
     /// Whether UCX peer error handling is on (UCX then purges requests on failure).
     pub(crate) peer_mode: bool,
-    /// Pending operations bound to this endpoint: request address → is a receive.
-    pub(crate) ops: IdMap<usize, bool>,
+    /// Pending operations bound to this endpoint: request address → what its failure
+    /// does to it.
+    pub(crate) ops: IdMap<usize, OpKind>,
+    /// Stream bytes written (posted) on this endpoint.
+    pub(crate) stream_tx: u64,
+    /// Stream bytes received on this endpoint.
+    pub(crate) stream_rx: u64,
+    /// The peer's stream writer shut down after this many bytes.
+    pub(crate) stream_end: Option<u64>,
+    /// Tasks waiting for stream progress (end of stream, failure).
+    pub(crate) stream_waiters: Vec<Waker>,
+    /// The endpoint's handle, for active-message replies.
+    pub(crate) endpoint: std::sync::Weak<crate::endpoint::EndpointInner>,
+}
+
+impl EpState {
+    pub(crate) fn new(handle: sys::ucp_ep_h, peer_mode: bool) -> EpState {
+        EpState {
+            handle,
+            failed: None,
+            peer_mode,
+            ops: IdMap::default(),
+            stream_tx: 0,
+            stream_rx: 0,
+            stream_end: None,
+            stream_waiters: Vec::new(),
+            endpoint: std::sync::Weak::new(),
+        }
+    }
+
+    /// Whether the peer ended its stream and every byte it wrote has been received.
+    pub(crate) fn stream_ended(&self) -> bool {
+        self.stream_end.is_some_and(|n| self.stream_rx >= n)
+    }
+}
+
+/// What an endpoint's failure does to an operation bound to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    /// An unmatched tag receive: canceled (`ucp_request_cancel`).
+    Cancel,
+    /// Anything UCX cannot cancel (sends, stream receives, RMA, fetches): UCX purges it
+    /// when it learns of the failure; when only ucxkit knows (a dead same-host peer in
+    /// error mode None), ucxkit finishes it (see [`State::fail_ep`]).
+    Finish,
 }
 
 /// A pending handshake.
@@ -336,6 +389,12 @@ pub(crate) struct State {
     /// Set when work was queued that no fd event will announce; the driver is kicked
     /// after the lock is released.
     pub(crate) kick: bool,
+    /// Registered active-message ids.
+    pub(crate) am: IdMap<u16, Box<crate::am::AmReg>>,
+    /// Handlers with queued messages, run after the lock is released.
+    pub(crate) am_ready: Vec<Arc<crate::am::HandlerCell>>,
+    /// Active messages dropped because their id was unregistered.
+    pub(crate) am_dropped: u64,
 }
 
 impl State {
@@ -356,18 +415,32 @@ impl State {
             listeners: IdMap::default(),
             bad_handshakes: 0,
             kick: false,
+            am: IdMap::default(),
+            am_ready: Vec::new(),
+            am_dropped: 0,
         }
     }
 
-    pub(crate) fn bind_op(&mut self, ep: u64, req: usize, is_recv: bool) {
+    pub(crate) fn bind_op(&mut self, ep: u64, req: usize, kind: OpKind) {
         if let Some(e) = self.eps.get_mut(&ep) {
-            e.ops.insert(req, is_recv);
+            e.ops.insert(req, kind);
         }
     }
 
     pub(crate) fn unbind_op(&mut self, ep: u64, req: usize) {
         if let Some(e) = self.eps.get_mut(&ep) {
             e.ops.remove(&req);
+        }
+    }
+
+    /// Counts `n` stream bytes received on endpoint `ep`.
+    pub(crate) fn stream_received(&mut self, ep: u64, n: usize) {
+        if let Some(e) = self.eps.get_mut(&ep) {
+            e.stream_rx += n as u64;
+            if e.stream_ended() {
+                let w = std::mem::take(&mut e.stream_waiters);
+                self.wake.extend(w);
+            }
         }
     }
 
@@ -398,9 +471,11 @@ impl State {
         }
         tracing::debug!(ep = id, %status, "endpoint failed");
         let peer_mode = e.peer_mode;
-        let ops: Vec<(usize, bool)> = e.ops.iter().map(|(&r, &recv)| (r, recv)).collect();
-        for (r, is_recv) in ops {
-            if is_recv {
+        let ops: Vec<(usize, OpKind)> = e.ops.iter().map(|(&r, &k)| (r, k)).collect();
+        let waiters = std::mem::take(&mut e.stream_waiters);
+        self.wake.extend(waiters);
+        for (r, kind) in ops {
+            if kind == OpKind::Cancel {
                 // SAFETY: r is a live pending tag receive of this worker (bound requests
                 // are unbound before they are freed); the lock is held.
                 unsafe { sys::ucp_request_cancel(self.handle, r as *mut c_void) };
@@ -515,6 +590,8 @@ pub(crate) struct WorkerInner {
     pub(crate) efd: RawFd,
     pub(crate) no_imm: bool,
     pub(crate) signal: Arc<progress::Signal>,
+    /// The largest active-message header this worker can send.
+    pub(crate) max_am_header: usize,
 }
 
 // SAFETY: `state` is only accessed while `lock` is held (see `locked`), and the UCX
@@ -537,7 +614,7 @@ impl WorkerInner {
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
-        if st.wake.is_empty() && st.graveyard.is_empty() && !st.kick {
+        if st.wake.is_empty() && st.graveyard.is_empty() && !st.kick && st.am_ready.is_empty() {
             // The common case on the hot path: nothing to do after unlocking.
             drop(guard);
             return r;
@@ -545,6 +622,7 @@ impl WorkerInner {
         let wake = std::mem::take(&mut st.wake);
         let grave = std::mem::take(&mut st.graveyard);
         let kick = std::mem::take(&mut st.kick);
+        let handlers = std::mem::take(&mut st.am_ready);
         drop(guard);
         if kick {
             self.signal.kick();
@@ -553,6 +631,9 @@ impl WorkerInner {
             w.wake();
         }
         drop(grave);
+        for h in handlers {
+            h.run();
+        }
         r
     }
 
@@ -766,6 +847,16 @@ unsafe extern "C" fn handshake_am_cb(
                 }
                 let peer_mode = m.peer_mode;
                 st.reply(reply_ep, Message { kind, peer_mode, nonce: m.nonce, identity: me });
+            }
+            Kind::StreamEnd => {
+                let id = st.by_handle.get(&(reply_ep as usize)).copied();
+                match id.and_then(|id| st.eps.get_mut(&id)) {
+                    Some(e) => {
+                        e.stream_end = Some(m.nonce);
+                        st.wake.append(&mut e.stream_waiters);
+                    }
+                    None => tracing::debug!("stream end notice for no known endpoint"),
+                }
             }
             Kind::Ack | Kind::Nack(_) => {
                 if let Some(w) = st.connects.get_mut(&m.nonce) {

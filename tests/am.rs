@@ -1,0 +1,205 @@
+//! Active messages: eager and rendezvous payloads, forced protocols, replies, handlers
+//! (including one that panics), and the errors for bad ids and headers.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{pair, payload};
+use ucxkit::transport::{AmProto, AmSendOptions, ErrorKind};
+
+const T: Duration = Duration::from_secs(20);
+
+async fn eager_and_rendezvous(tls: &str) {
+    let (server, _c, _sep, cep) = pair(tls).await;
+    let mut rx = server.am_recv(7).unwrap();
+    let cases = [
+        (0usize, AmProto::Auto),
+        (10, AmProto::Auto),
+        (8 * 1024, AmProto::Auto),
+        (64 * 1024, AmProto::Auto),
+        (4 << 20, AmProto::Auto),
+        (100, AmProto::Rendezvous),
+        (200_000, AmProto::Eager),
+    ];
+    for (i, &(len, proto)) in cases.iter().enumerate() {
+        let header = format!("hdr-{i}");
+        let data = payload(i as u64, len);
+        let send = cep.am_send_with(7, header.as_bytes(), data.clone(), AmSendOptions { proto, reply: true });
+        let msg = tokio::time::timeout(T, rx.recv()).await.expect("message");
+        assert_eq!(msg.id(), 7);
+        assert_eq!(msg.header(), header.as_bytes());
+        assert_eq!(msg.len(), len);
+        match proto {
+            AmProto::Rendezvous => assert!(msg.is_rendezvous(), "forced rendezvous"),
+            AmProto::Eager => assert!(!msg.is_rendezvous(), "forced eager"),
+            AmProto::Auto => {}
+        }
+        if len >= 4 << 20 {
+            assert!(msg.is_rendezvous(), "4 MiB goes by rendezvous");
+        }
+        if let Some(d) = msg.data() {
+            assert!(d == &data[..]);
+        }
+        let (r, buf) = msg.into_vec().await;
+        assert_eq!(r.unwrap(), len);
+        assert!(buf == data, "payload {i} differs");
+        send.await.0.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_and_rendezvous_tcp() {
+    eager_and_rendezvous("tcp,self").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_and_rendezvous_shm() {
+    eager_and_rendezvous("posix,cma,tcp,self").await;
+}
+
+/// The receiver answers each message on the sender's endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reply_round_trip() {
+    let (server, client, _sep, cep) = pair("tcp,self").await;
+    let mut requests = server.am_recv(1).unwrap();
+    let mut answers = client.am_recv(2).unwrap();
+    let srv = tokio::spawn(async move {
+        for _ in 0..50 {
+            let m = requests.recv().await;
+            let ep = m.reply_endpoint().expect("reply endpoint").clone();
+            let (r, body) = m.into_vec().await;
+            r.unwrap();
+            let mut back = body;
+            back.reverse();
+            ep.am_send(2, b"re", back).await.0.unwrap();
+        }
+    });
+    for i in 0..50u64 {
+        let len = [1usize, 5000, 100_000][i as usize % 3];
+        let p = payload(i, len);
+        cep.am_send(1, &i.to_le_bytes(), p.clone()).await.0.unwrap();
+        let m = tokio::time::timeout(T, answers.recv()).await.unwrap();
+        assert_eq!(m.header(), b"re");
+        let (r, back) = m.into_vec().await;
+        r.unwrap();
+        let mut expect = p;
+        expect.reverse();
+        assert!(back == expect);
+    }
+    srv.await.unwrap();
+}
+
+/// A handler sees every message in order, may reply from inside, and a panic inside
+/// it is reported as an error while the worker keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_reply_and_survive_panics() {
+    let (server, client, _sep, cep) = pair("tcp,self").await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let seen2 = seen.clone();
+    let h = server
+        .am_handler(3, move |m| {
+            let n = u64::from_le_bytes(m.header().try_into().unwrap());
+            assert_eq!(n as usize, seen2.load(Ordering::SeqCst), "in order");
+            seen2.fetch_add(1, Ordering::SeqCst);
+            if n == 5 {
+                panic!("handler refuses message 5");
+            }
+            // Replies from inside the handler (the worker lock is not held here).
+            drop(m.reply(4, &n.to_le_bytes(), Vec::new()).unwrap());
+        })
+        .unwrap();
+    let mut replies = client.am_recv(4).unwrap();
+    for i in 0..20u64 {
+        cep.am_send(3, &i.to_le_bytes(), vec![0u8; 32]).await.0.unwrap();
+    }
+    for i in (0..20u64).filter(|&i| i != 5) {
+        let m = tokio::time::timeout(T, replies.recv()).await.unwrap();
+        assert_eq!(m.header(), i.to_le_bytes());
+    }
+    assert_eq!(seen.load(Ordering::SeqCst), 20);
+    let errs = h.take_errors();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(errs[0].to_string().contains("refuses message 5"), "{}", errs[0]);
+    assert!(h.take_errors().is_empty());
+}
+
+#[tokio::test]
+async fn bad_ids_headers_and_buffers_are_errors() {
+    let (server, _c, _sep, cep) = pair("tcp,self").await;
+    // Reserved and duplicate ids.
+    assert_eq!(server.am_recv(4095).unwrap_err().kind(), ErrorKind::InvalidInput);
+    let rx = server.am_recv(9).unwrap();
+    assert_eq!(server.am_recv(9).unwrap_err().kind(), ErrorKind::InvalidInput);
+    assert!(server.am_handler(9, |_| {}).is_err());
+    let (r, b) = cep.am_send(4095, b"", vec![1u8]).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    assert_eq!(b, [1]);
+    // Oversized header.
+    let big = vec![0u8; cep.worker().max_am_header() + 1];
+    let (r, _) = cep.am_send(9, &big, Vec::new()).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    // Too-small fetch buffer: Truncated, and the worker goes on.
+    let mut rx = rx;
+    cep.am_send(9, b"", payload(1, 1000)).await.0.unwrap();
+    let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
+    let (r, _) = m.recv_data(Vec::with_capacity(10)).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Truncated);
+    // A rendezvous send completes once the receiver has fetched the payload.
+    let send = cep.am_send_with(
+        9,
+        b"",
+        payload(2, 100_000),
+        AmSendOptions { proto: AmProto::Rendezvous, reply: false },
+    );
+    let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
+    assert!(m.reply_endpoint().is_none(), "no reply asked");
+    assert!(m.reply(1, b"", Vec::new()).is_err());
+    let (r, b) = m.into_vec().await;
+    assert_eq!(r.unwrap(), 100_000);
+    assert!(b == payload(2, 100_000));
+    send.await.0.unwrap();
+    // After the receiver is gone, arrivals are dropped and counted; a rendezvous
+    // sender is released.
+    drop(rx);
+    cep.am_send(9, b"", vec![0u8; 10]).await.0.unwrap();
+    let send = cep.am_send_with(
+        9,
+        b"",
+        vec![0u8; 200_000],
+        AmSendOptions { proto: AmProto::Rendezvous, reply: true },
+    );
+    tokio::time::timeout(T, send).await.unwrap().0.unwrap();
+    tokio::time::timeout(T, async {
+        while server.am_dropped() < 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    // The id can be registered again.
+    let mut rx = server.am_recv(9).unwrap();
+    cep.am_send(9, b"again", Vec::new()).await.0.unwrap();
+    assert_eq!(tokio::time::timeout(T, rx.recv()).await.unwrap().header(), b"again");
+}
+
+/// A rendezvous message dropped unfetched releases its sender.
+#[tokio::test]
+async fn unfetched_rendezvous_releases_sender() {
+    let (server, _c, _sep, cep) = pair("tcp,self").await;
+    let mut rx = server.am_recv(11).unwrap();
+    let send = cep.am_send_with(
+        11,
+        b"",
+        vec![7u8; 1 << 20],
+        AmSendOptions { proto: AmProto::Rendezvous, reply: true },
+    );
+    let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
+    assert!(m.is_rendezvous());
+    drop(m);
+    tokio::time::timeout(T, send).await.unwrap().0.unwrap();
+}

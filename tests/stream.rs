@@ -1,0 +1,170 @@
+//! Streams: raw ordered bytes, the `AsyncRead + AsyncWrite` adapter carrying a framed
+//! protocol, `tokio::io::copy`, end of stream, and failure.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use bytes::Bytes;
+use common::{pair, payload};
+use futures_util::{SinkExt, StreamExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use ucxkit::transport::{ErrorKind, UcxStream};
+
+/// Many sends of varied sizes arrive in order and byte for byte, whatever the receive
+/// sizes.
+async fn raw_stream_in_order(tls: &str) {
+    let (_s, _c, sep, cep) = pair(tls).await;
+    let sizes = [1usize, 7, 100, 4096, 8192, 65536, 300_000, 3, 1 << 20];
+    let total: usize = sizes.iter().sum();
+    let mut expect = Vec::with_capacity(total);
+    let mut sends = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let p = payload(i as u64, n);
+        expect.extend_from_slice(&p);
+        sends.push(cep.stream_send(p));
+    }
+    let mut got = Vec::with_capacity(total);
+    while got.len() < total {
+        let (r, buf) = sep.stream_recv(Vec::with_capacity(50_000)).await;
+        let n = r.unwrap();
+        assert!(n > 0 && n <= 50_000);
+        assert_eq!(buf.len(), n);
+        got.extend_from_slice(&buf);
+    }
+    for s in sends {
+        s.await.0.unwrap();
+    }
+    assert_eq!(got.len(), total);
+    assert!(got == expect, "stream bytes differ");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_stream_tcp() {
+    raw_stream_in_order("tcp,self").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_stream_shm() {
+    raw_stream_in_order("posix,cma,tcp,self").await;
+}
+
+#[tokio::test]
+async fn recv_exact_waits_for_all_bytes() {
+    let (_s, _c, sep, cep) = pair("tcp,self").await;
+    let recv = tokio::spawn(async move { sep.stream_recv_exact(Vec::with_capacity(10_000)).await });
+    for i in 0..10u64 {
+        cep.stream_send(payload(i, 1000)).await.0.unwrap();
+    }
+    let (r, buf) = recv.await.unwrap();
+    assert_eq!(r.unwrap(), 10_000);
+    let expect: Vec<u8> = (0..10u64).flat_map(|i| payload(i, 1000)).collect();
+    assert_eq!(buf, expect);
+}
+
+/// A length-delimited framed protocol runs over the adapter unchanged, both ways.
+async fn framed_echo(tls: &str) {
+    let (_s, _c, sep, cep) = pair(tls).await;
+    let server = tokio::spawn(async move {
+        let mut f = Framed::new(UcxStream::new(sep), LengthDelimitedCodec::new());
+        while let Some(frame) = f.next().await {
+            let mut frame = frame.unwrap();
+            frame.reverse();
+            f.send(frame.freeze()).await.unwrap();
+        }
+        // The client shut its side down: end of stream reached.
+    });
+    let mut f = Framed::new(UcxStream::new(cep), LengthDelimitedCodec::new());
+    for i in 0..200u64 {
+        let len = [0usize, 1, 17, 4000, 70_000, 1 << 20][i as usize % 6];
+        let p = payload(i, len);
+        f.send(Bytes::from(p.clone())).await.unwrap();
+        let back = f.next().await.unwrap().unwrap();
+        let mut expect = p;
+        expect.reverse();
+        assert!(back[..] == expect[..], "frame {i} differs");
+    }
+    f.get_mut().shutdown().await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(20), server).await.expect("server sees end").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framed_protocol_tcp() {
+    framed_echo("tcp,self").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framed_protocol_shm() {
+    framed_echo("posix,cma,tcp,self").await;
+}
+
+/// `tokio::io::copy` and `read_to_end` see every byte and then the end of stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_and_read_to_end() {
+    let (_s, _c, sep, cep) = pair("tcp,self").await;
+    let data = payload(9, 5 * 1024 * 1024 + 123);
+    let reader = tokio::spawn(async move {
+        let mut s = UcxStream::new(sep).with_read_chunk(64 * 1024);
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.unwrap();
+        out
+    });
+    let mut w = UcxStream::new(cep);
+    let mut src = &data[..];
+    let n = tokio::io::copy(&mut src, &mut w).await.unwrap();
+    assert_eq!(n as usize, data.len());
+    w.shutdown().await.unwrap();
+    let out = reader.await.unwrap();
+    assert_eq!(out.len(), data.len());
+    assert!(out == data);
+    // Writing after shutdown is refused.
+    assert!(w.write_all(b"late").await.is_err());
+}
+
+/// A dropped read future loses nothing: the adapter keeps its receive.
+#[tokio::test]
+async fn dropped_read_loses_nothing() {
+    let (_s, _c, sep, cep) = pair("tcp,self").await;
+    let mut r = UcxStream::new(sep);
+    let mut buf = [0u8; 4];
+    // Nothing sent yet: the read times out (its future is dropped mid-way).
+    assert!(tokio::time::timeout(std::time::Duration::from_millis(50), r.read_exact(&mut buf))
+        .await
+        .is_err());
+    cep.stream_send(b"abcdefgh".to_vec()).await.0.unwrap();
+    let mut all = [0u8; 8];
+    r.read_exact(&mut all).await.unwrap();
+    assert_eq!(&all, b"abcdefgh");
+}
+
+/// Stream end needs the handshake; a raw receive after the end returns 0.
+#[tokio::test]
+async fn raw_recv_after_end_is_zero() {
+    let (_s, _c, sep, cep) = pair("tcp,self").await;
+    cep.stream_send(b"xyz".to_vec()).await.0.unwrap();
+    cep.stream_shutdown().unwrap();
+    let (r, b) = sep.stream_recv(Vec::with_capacity(16)).await;
+    assert_eq!(r.unwrap(), 3);
+    assert_eq!(b, b"xyz");
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while !sep.stream_ended() {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    let (r, _) = sep.stream_recv(Vec::with_capacity(16)).await;
+    assert_eq!(r.unwrap(), 0);
+}
+
+/// A pending stream receive ends with an error when its endpoint is closed.
+#[tokio::test]
+async fn pending_recv_fails_on_close() {
+    let (_s, _c, sep, _cep) = pair("tcp,self").await;
+    let recv = sep.stream_recv(Vec::with_capacity(16));
+    sep.clone().close().await.unwrap();
+    let (r, _) = tokio::time::timeout(std::time::Duration::from_secs(10), recv).await.unwrap();
+    let e = r.unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Canceled | ErrorKind::ConnectionReset), "{e}");
+}

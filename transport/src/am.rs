@@ -1,0 +1,725 @@
+//! Active messages (`ucp_am_send_nbx`, `ucp_worker_set_am_recv_handler`,
+//! `ucp_am_recv_data_nbx`): a message is an id, a small header and a payload; the
+//! receiving worker routes it by id.
+//!
+//! Receive messages of one id either as an async stream ([`Worker::am_recv`] gives an
+//! [`AmReceiver`]) or through a closure ([`Worker::am_handler`]). Eager payloads arrive
+//! with the message; rendezvous payloads (large ones, or when the sender forces it) stay
+//! with the sender until [`AmMessage::recv_data`] fetches them into an owned buffer, so
+//! the receiver decides where they land. A message can be answered with
+//! [`AmMessage::reply`].
+//!
+//! Handlers run after the worker's lock is released, on the thread that progressed the
+//! worker, one message at a time per id, in arrival order. They may call any ucxkit API.
+//! A handler that panics never unwinds into UCX or into the task that happened to
+//! progress the worker: the panic is caught, the message dropped, and the panic reported
+//! as [`Error::HandlerPanicked`] by [`AmHandler::take_errors`].
+//!
+//! Ids are 0 to 4094 (4095 carries ucxkit's connection handshake). A message for an id
+//! nobody registered is dropped by UCX on the receiving side; a message for an id whose
+//! receiver was dropped is dropped by ucxkit and counted ([`Worker::am_dropped`]).
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::{Context, Poll, Waker};
+
+use ucx_sys as sys;
+
+use crate::buf::{IoBuf, IoBufMut};
+use crate::endpoint::{Endpoint, EndpointInner};
+use crate::error::{Error, Peer, Result, Status};
+use crate::handshake;
+use crate::op::{OpState, SendOp};
+use crate::request::{len_cb, Completion, Posted};
+use crate::worker::{OpKind, State, Worker};
+
+/// Future of [`Endpoint::am_send`]: resolves to `(Result<()>, payload)`.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time: the payload and header are kept until UCX has
+/// finished with them, and the message may still be delivered.
+pub type AmSend<B> = SendOp<B>;
+
+/// How an active message's payload travels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AmProto {
+    /// UCX picks by size and transport (eager for small payloads, rendezvous for large).
+    #[default]
+    Auto,
+    /// Force eager: the payload travels with the message (`UCP_AM_SEND_FLAG_EAGER`).
+    Eager,
+    /// Force rendezvous: the receiver fetches the payload (`UCP_AM_SEND_FLAG_RNDV`).
+    Rendezvous,
+}
+
+/// Options for [`Endpoint::am_send_with`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AmSendOptions {
+    /// Eager, rendezvous, or UCX's choice (default).
+    pub proto: AmProto,
+    /// Let the receiver reply (`UCP_AM_SEND_FLAG_REPLY`, default true): the message
+    /// carries the sender's endpoint id.
+    pub reply: bool,
+}
+
+impl Default for AmSendOptions {
+    fn default() -> Self {
+        AmSendOptions { proto: AmProto::Auto, reply: true }
+    }
+}
+
+/// The highest id available to applications.
+pub const MAX_ID: u16 = handshake::AM_ID as u16 - 1;
+
+fn check_id(id: u16) -> Result<()> {
+    if id > MAX_ID {
+        return Err(Error::ApiMisuse(format!(
+            "active-message id {id} is out of range (0..={MAX_ID}; {} is reserved for the handshake)",
+            handshake::AM_ID
+        )));
+    }
+    Ok(())
+}
+
+impl Endpoint {
+    /// Sends an active message with `id`, `header` (copied; at most
+    /// [`Worker::max_am_header`] bytes) and `payload`, with the default options.
+    ///
+    /// # Cancel safety
+    /// Dropping the returned future is memory-safe at any time; the message may still be
+    /// delivered.
+    pub fn am_send<B: IoBuf>(&self, id: u16, header: &[u8], payload: B) -> AmSend<B> {
+        self.am_send_with(id, header, payload, AmSendOptions::default())
+    }
+
+    /// Sends an active message with explicit options.
+    ///
+    /// # Errors
+    /// (in the future's result) [`Error::ApiMisuse`] for a reserved id or an oversized
+    /// header; [`Error::ConnectionReset`] when the endpoint failed.
+    ///
+    /// # Cancel safety
+    /// As for [`Endpoint::am_send`].
+    pub fn am_send_with<B: IoBuf>(
+        &self,
+        id: u16,
+        header: &[u8],
+        payload: B,
+        opts: AmSendOptions,
+    ) -> AmSend<B> {
+        if let Err(e) = check_id(id) {
+            return SendOp::failed(self, "am_send", e, payload);
+        }
+        let max = self.worker().max_am_header();
+        if header.len() > max {
+            let e = Error::ApiMisuse(format!(
+                "active-message header of {} bytes exceeds this worker's limit of {max}",
+                header.len()
+            ));
+            return SendOp::failed(self, "am_send", e, payload);
+        }
+        let mut flags = match opts.proto {
+            AmProto::Auto => 0,
+            AmProto::Eager => sys::UCP_AM_SEND_FLAG_EAGER.0,
+            AmProto::Rendezvous => sys::UCP_AM_SEND_FLAG_RNDV.0,
+        };
+        if opts.reply {
+            flags |= sys::UCP_AM_SEND_FLAG_REPLY.0;
+        }
+        // UCX 1.13 reads the header until the send completes: keep a copy with the
+        // operation.
+        let header: Option<Box<[u8]>> = (!header.is_empty()).then(|| header.into());
+        let (hptr, hlen) = header.as_ref().map_or((std::ptr::null(), 0), |h| (h.as_ptr(), h.len()));
+        let extra = header.map(|h| Box::new(h) as Box<dyn Any + Send>);
+        SendOp::post(self, "am_send", payload, extra, |_, h, ptr, len, param| {
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS.0 as u32;
+            param.flags = flags as u32;
+            // SAFETY: h is live under the lock; header and payload stay valid and unmoved
+            // until the request completes (kept by the operation, parked on drop).
+            unsafe { sys::ucp_am_send_nbx(h, id as u32, hptr.cast(), hlen, ptr.cast(), len, param) }
+        })
+    }
+}
+
+/// A payload as it arrived.
+enum Payload {
+    /// Copied out of UCX's receive buffer.
+    Eager(Vec<u8>),
+    /// Still at the sender: a UCX data descriptor to fetch or release.
+    Rndv { desc: *mut c_void, len: usize },
+    /// Fetched or released.
+    Gone,
+}
+
+/// A message as queued by the UCX callback.
+pub(crate) struct Incoming {
+    header: Vec<u8>,
+    payload: Payload,
+    reply: Weak<EndpointInner>,
+}
+
+// SAFETY: the rendezvous descriptor is only handed back to UCX under the worker lock
+// (`AmMessage::drop`, `recv_data`), whichever thread holds it.
+unsafe impl Send for Incoming {}
+
+/// One registered id, boxed so that UCX's callback argument stays put.
+pub(crate) struct AmReg {
+    state: *mut State,
+    queue: VecDeque<Incoming>,
+    waker: Option<Waker>,
+    handler: Option<Arc<HandlerCell>>,
+    /// No receiver or handler any more: drop arrivals.
+    closed: bool,
+}
+
+/// A registered handler: its queue and the closure, run outside the worker lock.
+pub(crate) struct HandlerCell {
+    id: u16,
+    worker: Worker,
+    queue: Mutex<VecDeque<Incoming>>,
+    f: Mutex<Box<dyn FnMut(AmMessage) + Send>>,
+    errors: Mutex<Vec<Error>>,
+}
+
+impl HandlerCell {
+    /// Runs the closure over queued messages until none is left. If another thread is
+    /// running it already, that thread picks the messages up.
+    pub(crate) fn run(&self) {
+        loop {
+            let Ok(mut f) = self.f.try_lock() else { return };
+            loop {
+                let next = self.queue.lock().unwrap_or_else(PoisonError::into_inner).pop_front();
+                let Some(inc) = next else { break };
+                let msg = AmMessage::new(self.worker.clone(), self.id, inc);
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| (f)(msg))) {
+                    let message = panic_message(&*p);
+                    tracing::error!(id = self.id, %message, "active-message handler panicked");
+                    self.errors
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(Error::HandlerPanicked { id: self.id, message });
+                }
+            }
+            drop(f);
+            // A message queued while we were letting go would otherwise wait.
+            if self.queue.lock().unwrap_or_else(PoisonError::into_inner).is_empty() {
+                return;
+            }
+        }
+    }
+}
+
+fn panic_message(p: &(dyn Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_string()
+    }
+}
+
+/// UCX's active-message callback for every registered id; `arg` is the id's [`AmReg`].
+unsafe extern "C" fn am_cb(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_len: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // Nothing below is expected to panic; if it did, the message is dropped rather than
+    // unwinding into UCX.
+    catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: UCX calls this inside progress, under the worker lock; arg is the boxed
+        // AmReg registered with this callback (alive until unregistered under the lock),
+        // and its state pointer is the worker's State; param is valid for the call.
+        let (reg, param) = unsafe { (&mut *arg.cast::<AmReg>(), &*param) };
+        // SAFETY: as above.
+        let st = unsafe { &mut *reg.state };
+        let rndv = param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
+        if reg.closed {
+            st.am_dropped += 1;
+            // For a rendezvous message, UCS_OK tells UCX to drop it and release the sender.
+            return sys::UCS_OK;
+        }
+        let header = if header_len == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: UCX passes header_len readable bytes, valid during the callback.
+            unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_len) }.to_vec()
+        };
+        let reply = if param.recv_attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0 as u64 != 0 {
+            st.by_handle
+                .get(&(param.reply_ep as usize))
+                .and_then(|id| st.eps.get(id))
+                .map_or_else(Weak::new, |e| e.endpoint.clone())
+        } else {
+            Weak::new()
+        };
+        let (payload, ret) = if rndv {
+            (Payload::Rndv { desc: data, len }, sys::UCS_INPROGRESS)
+        } else if len == 0 {
+            (Payload::Eager(Vec::new()), sys::UCS_OK)
+        } else {
+            // SAFETY: eager data is readable for len bytes during the callback.
+            (
+                Payload::Eager(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()),
+                sys::UCS_OK,
+            )
+        };
+        let inc = Incoming { header, payload, reply };
+        match &reg.handler {
+            Some(h) => {
+                h.queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(inc);
+                if !st.am_ready.iter().any(|c| Arc::ptr_eq(c, h)) {
+                    st.am_ready.push(h.clone());
+                }
+            }
+            None => {
+                reg.queue.push_back(inc);
+                if let Some(w) = reg.waker.take() {
+                    st.wake.push(w);
+                }
+            }
+        }
+        ret
+    }))
+    .unwrap_or(sys::UCS_OK)
+}
+
+impl Worker {
+    /// The largest active-message header this worker can send
+    /// (`UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER`).
+    pub fn max_am_header(&self) -> usize {
+        self.shared.inner.max_am_header
+    }
+
+    /// Active messages dropped because their id's receiver or handler was gone.
+    pub fn am_dropped(&self) -> u64 {
+        self.shared.inner.locked(|st| st.am_dropped)
+    }
+
+    /// Receives active messages with `id` as an async stream. Register before peers
+    /// send: UCX drops messages for ids nobody registered.
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] for a reserved id or one already registered on this worker.
+    pub fn am_recv(&self, id: u16) -> Result<AmReceiver> {
+        self.am_register(id, None)?;
+        Ok(AmReceiver { worker: self.clone(), id })
+    }
+
+    /// Calls `f` for each active message with `id`, after the worker's lock is released
+    /// (see the module docs). Dropping the returned [`AmHandler`] unregisters it.
+    ///
+    /// # Errors
+    /// As for [`Worker::am_recv`].
+    pub fn am_handler<F>(&self, id: u16, f: F) -> Result<AmHandler>
+    where
+        F: FnMut(AmMessage) + Send + 'static,
+    {
+        let cell = Arc::new(HandlerCell {
+            id,
+            worker: self.clone(),
+            queue: Mutex::new(VecDeque::new()),
+            f: Mutex::new(Box::new(f)),
+            errors: Mutex::new(Vec::new()),
+        });
+        self.am_register(id, Some(cell.clone()))?;
+        Ok(AmHandler { cell })
+    }
+
+    fn am_register(&self, id: u16, handler: Option<Arc<HandlerCell>>) -> Result<()> {
+        check_id(id)?;
+        let state = self.state_ptr().cast::<State>();
+        self.shared.inner.locked(|st| {
+            if let Some(reg) = st.am.get_mut(&id) {
+                if !reg.closed {
+                    return Err(Error::ApiMisuse(format!("active-message id {id} is already registered")));
+                }
+                // Reuse the UCX registration that drops arrivals.
+                reg.closed = false;
+                reg.handler = handler;
+                return Ok(());
+            }
+            let mut reg =
+                Box::new(AmReg { state, queue: VecDeque::new(), waker: None, handler, closed: false });
+            let param = sys::ucp_am_handler_param_t {
+                field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+                    | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+                    | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
+                    | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
+                id: id as u32,
+                flags: sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32,
+                cb: Some(am_cb),
+                arg: (&mut *reg as *mut AmReg).cast(),
+            };
+            // SAFETY: the worker is valid under the lock; arg points into a Box kept in
+            // the worker's table until the worker is destroyed.
+            Status(unsafe { sys::ucp_worker_set_am_recv_handler(st.handle, &param) })
+                .check()
+                .map_err(|source| Error::Worker { op: "ucp_worker_set_am_recv_handler", source })?;
+            st.am.insert(id, reg);
+            Ok(())
+        })
+    }
+
+    /// Marks `id` closed and returns its queued messages (dropped by the caller after
+    /// the lock is released; rendezvous ones release their descriptors then).
+    fn am_unregister(&self, id: u16) -> Vec<Incoming> {
+        self.shared.inner.locked(|st| match st.am.get_mut(&id) {
+            Some(reg) => {
+                reg.closed = true;
+                reg.handler = None;
+                reg.waker = None;
+                reg.queue.drain(..).collect()
+            }
+            None => Vec::new(),
+        })
+    }
+}
+
+/// The stream of active messages with one id, from [`Worker::am_recv`]. Dropping it
+/// unregisters the id: later arrivals are dropped and counted.
+pub struct AmReceiver {
+    worker: Worker,
+    id: u16,
+}
+
+impl std::fmt::Debug for AmReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmReceiver").field("id", &self.id).finish()
+    }
+}
+
+impl AmReceiver {
+    /// The id.
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    /// Waits for the next message.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a message is taken off the queue only when this resolves.
+    pub async fn recv(&mut self) -> AmMessage {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Takes the next message if one is queued, progressing the worker once first.
+    pub fn try_recv(&mut self) -> Option<AmMessage> {
+        let id = self.id;
+        let inner = &self.worker.shared.inner;
+        let inc = inner.locked(|st| {
+            inner.progress_locked(st);
+            st.am.get_mut(&id).and_then(|r| r.queue.pop_front())
+        });
+        inc.map(|inc| AmMessage::new(self.worker.clone(), id, inc))
+    }
+
+    /// Polls for the next message.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<AmMessage> {
+        let id = self.id;
+        let inc = self.worker.shared.inner.poll_until(
+            cx,
+            |st| st.am.get_mut(&id).and_then(|r| r.queue.pop_front()),
+            |st, waker| {
+                if let Some(r) = st.am.get_mut(&id) {
+                    match &r.waker {
+                        Some(w) if w.will_wake(waker) => {}
+                        _ => r.waker = Some(waker.clone()),
+                    }
+                }
+            },
+        );
+        inc.map(|inc| AmMessage::new(self.worker.clone(), id, inc))
+    }
+}
+
+impl Drop for AmReceiver {
+    fn drop(&mut self) {
+        drop(self.worker.am_unregister(self.id));
+    }
+}
+
+/// A registered handler, from [`Worker::am_handler`]. Dropping it unregisters the id.
+pub struct AmHandler {
+    cell: Arc<HandlerCell>,
+}
+
+impl std::fmt::Debug for AmHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmHandler").field("id", &self.cell.id).finish()
+    }
+}
+
+impl AmHandler {
+    /// The id.
+    pub fn id(&self) -> u16 {
+        self.cell.id
+    }
+
+    /// Errors the handler produced so far ([`Error::HandlerPanicked`]), oldest first;
+    /// taking them clears the list.
+    pub fn take_errors(&self) -> Vec<Error> {
+        std::mem::take(&mut *self.cell.errors.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl Drop for AmHandler {
+    fn drop(&mut self) {
+        let queued = self.cell.worker.am_unregister(self.cell.id);
+        let mut rest: Vec<Incoming> =
+            self.cell.queue.lock().unwrap_or_else(PoisonError::into_inner).drain(..).collect();
+        rest.extend(queued);
+        for inc in rest {
+            drop(AmMessage::new(self.cell.worker.clone(), self.cell.id, inc));
+        }
+    }
+}
+
+/// One received active message.
+///
+/// Dropping a message whose rendezvous payload was not fetched releases it (the sender's
+/// send then completes).
+pub struct AmMessage {
+    worker: Worker,
+    id: u16,
+    header: Vec<u8>,
+    payload: Payload,
+    reply: Option<Endpoint>,
+}
+
+// SAFETY: the rendezvous descriptor is only handed back to UCX under the worker lock
+// (`recv_data`, `drop`), which take the message by value; `&AmMessage` gives no access
+// to it.
+unsafe impl Send for AmMessage {}
+// SAFETY: as above.
+unsafe impl Sync for AmMessage {}
+
+/// The public handles must stay usable from multi-thread runtimes.
+const _: () = {
+    const fn is_send_sync<T: Send + Sync>() {}
+    is_send_sync::<AmMessage>();
+    is_send_sync::<AmReceiver>();
+    is_send_sync::<AmHandler>();
+    is_send_sync::<AmRecvData<Vec<u8>>>();
+};
+
+impl std::fmt::Debug for AmMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmMessage")
+            .field("id", &self.id)
+            .field("header_len", &self.header.len())
+            .field("len", &self.len())
+            .field("rendezvous", &self.is_rendezvous())
+            .finish()
+    }
+}
+
+impl AmMessage {
+    fn new(worker: Worker, id: u16, inc: Incoming) -> AmMessage {
+        let reply = inc.reply.upgrade().map(|inner| Endpoint { inner });
+        AmMessage { worker, id, header: inc.header, payload: inc.payload, reply }
+    }
+
+    /// The id it was sent with.
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    /// The header.
+    pub fn header(&self) -> &[u8] {
+        &self.header
+    }
+
+    /// Payload length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.payload {
+            Payload::Eager(v) => v.len(),
+            Payload::Rndv { len, .. } => *len,
+            Payload::Gone => 0,
+        }
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the payload is still at the sender (fetch it with
+    /// [`AmMessage::recv_data`]).
+    pub fn is_rendezvous(&self) -> bool {
+        matches!(self.payload, Payload::Rndv { .. })
+    }
+
+    /// The payload, when it arrived with the message (eager).
+    pub fn data(&self) -> Option<&[u8]> {
+        match &self.payload {
+            Payload::Eager(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The endpoint to the sender, when the sender asked for replies and this worker
+    /// has an endpoint to it (an accepted or connected one).
+    pub fn reply_endpoint(&self) -> Option<&Endpoint> {
+        self.reply.as_ref()
+    }
+
+    /// Sends an active message back to the sender on [`AmMessage::reply_endpoint`].
+    ///
+    /// # Errors
+    /// (in the future's result) [`Error::ApiMisuse`] when there is no endpoint to the
+    /// sender.
+    pub fn reply<B: IoBuf>(&self, id: u16, header: &[u8], payload: B) -> Result<AmSend<B>, (Error, B)> {
+        match &self.reply {
+            Some(ep) => Ok(ep.am_send(id, header, payload)),
+            None => Err((
+                Error::ApiMisuse(format!(
+                    "reply to active message {}: the sender did not ask for replies or this worker has no endpoint to it",
+                    self.id
+                )),
+                payload,
+            )),
+        }
+    }
+
+    /// Moves the payload into `buf` (copying an eager one, fetching a rendezvous one with
+    /// `ucp_am_recv_data_nbx`) and resolves to `(Result<len>, buf)`; the buffer's length
+    /// is set to the payload's.
+    ///
+    /// # Errors
+    /// [`Error::Truncated`] when `buf` is smaller than [`AmMessage::len`] (the payload is
+    /// then dropped); [`Error::ConnectionReset`] when the sender failed before the fetch
+    /// completed.
+    ///
+    /// # Cancel safety
+    /// Memory-safe to drop at any time: a fetch in flight keeps `buf` until UCX finishes
+    /// writing it, and the payload is lost.
+    pub fn recv_data<B: IoBufMut>(mut self, mut buf: B) -> AmRecvData<B> {
+        let len = self.len();
+        let capacity = buf.bytes_total();
+        let payload = std::mem::replace(&mut self.payload, Payload::Gone);
+        let worker = self.worker.clone();
+        let reply = self.reply.take();
+        let id = self.id;
+        let state = if capacity < len {
+            self.payload = payload;
+            drop(self);
+            OpState::Failed(Error::Truncated { capacity, len, tag: id as u64 }, buf)
+        } else {
+            match payload {
+                Payload::Eager(v) => {
+                    // SAFETY: buf has room for `capacity >= len` bytes; v is a separate
+                    // allocation.
+                    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), buf.stable_mut_ptr(), len) };
+                    OpState::Done(Completion { len, ..Completion::OK }, buf)
+                }
+                Payload::Gone => OpState::Done(Completion::OK, buf),
+                Payload::Rndv { desc, len } => {
+                    let ptr = buf.stable_mut_ptr();
+                    let bind = reply.as_ref().map(|e| e.inner.id);
+                    let inner = &worker.shared.inner;
+                    let no_imm = inner.no_imm;
+                    let posted = inner.locked(|st| {
+                        let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;
+                        if no_imm {
+                            mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
+                        }
+                        let param = sys::ucp_request_param_t {
+                            op_attr_mask: mask as u32,
+                            cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_am: Some(len_cb) },
+                            user_data: (st as *mut State).cast(),
+                            ..Default::default()
+                        };
+                        // SAFETY: desc is an unfetched rendezvous descriptor of this
+                        // worker (consumed here, once); buf is valid for len bytes and
+                        // owned by the future until UCX completes (parked on drop).
+                        let p =
+                            unsafe { sys::ucp_am_recv_data_nbx(st.handle, desc, ptr.cast(), len, &param) };
+                        let posted = Posted::from_ptr(p, Completion { len, ..Completion::OK }, false);
+                        if let (Posted::Pending(r), Some(ep)) = (&posted, bind) {
+                            r.bind(st, ep, OpKind::Finish);
+                        }
+                        posted
+                    });
+                    if matches!(posted, Posted::Pending(_)) {
+                        inner.posted();
+                    }
+                    OpState::from_posted(Ok(posted), buf)
+                }
+            }
+        };
+        AmRecvData { worker, reply, len, state }
+    }
+
+    /// [`AmMessage::recv_data`] into a new `Vec` of exactly the payload's length.
+    pub fn into_vec(self) -> AmRecvData<Vec<u8>> {
+        let len = self.len();
+        self.recv_data(Vec::with_capacity(len))
+    }
+}
+
+impl Drop for AmMessage {
+    fn drop(&mut self) {
+        if let Payload::Rndv { desc, .. } = std::mem::replace(&mut self.payload, Payload::Gone) {
+            self.worker.shared.inner.locked(|st| {
+                // SAFETY: an unfetched rendezvous descriptor of this worker, released
+                // once; the lock is held.
+                unsafe { sys::ucp_am_data_release(st.handle, desc) }
+            });
+        }
+    }
+}
+
+/// Future of [`AmMessage::recv_data`]: resolves to `(Result<usize>, buffer)`.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time; a fetch in flight keeps the buffer until UCX is done
+/// with it, and the payload is lost.
+#[must_use = "a fetch future does nothing useful unless awaited"]
+pub struct AmRecvData<B: IoBufMut> {
+    worker: Worker,
+    reply: Option<Endpoint>,
+    len: usize,
+    state: OpState<B>,
+}
+
+impl<B: IoBufMut> Unpin for AmRecvData<B> {}
+
+impl<B: IoBufMut> Future for AmRecvData<B> {
+    type Output = (Result<usize>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match this.state.poll(Some(&this.worker.shared), cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Ok((c, mut b))) => {
+                if !c.status.is_ok() {
+                    let e = match &this.reply {
+                        Some(ep) => ep.error_of("am_recv_data", c.status),
+                        None => Error::from_op("am_recv_data", &Peer::Any, c.status),
+                    };
+                    return Poll::Ready((Err(e), b));
+                }
+                // SAFETY: the payload's len bytes were written at the start of b.
+                unsafe { b.set_init(this.len) };
+                Poll::Ready((Ok(this.len), b))
+            }
+        }
+    }
+}
+
+impl<B: IoBufMut> Drop for AmRecvData<B> {
+    fn drop(&mut self) {
+        self.state.park(Some(&self.worker.shared), None);
+    }
+}

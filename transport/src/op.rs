@@ -1,0 +1,184 @@
+//! The state machine every buffer-owning operation future shares, and [`SendOp`], the
+//! future of the operations that read an owned buffer and report only success (tag and
+//! stream sends, active-message sends, puts).
+
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use ucx_sys as sys;
+
+use crate::buf::IoBuf;
+use crate::endpoint::{op_param, Endpoint};
+use crate::error::{Error, Result};
+use crate::request::{Completion, Posted, Request};
+use crate::worker::{OpKind, State, WorkerShared};
+
+/// Where an operation stands. The buffer lives in every state, so it can be given back
+/// (or parked) whatever happens.
+pub(crate) enum OpState<B> {
+    Pending(Request, B),
+    Done(Completion, B),
+    Failed(Error, B),
+    Finished,
+}
+
+impl<B: Send + 'static> OpState<B> {
+    /// The state for what a posting call returned.
+    pub(crate) fn from_posted(posted: Result<Posted>, buf: B) -> OpState<B> {
+        match posted {
+            Ok(Posted::Done(c)) => OpState::Done(c, buf),
+            Ok(Posted::Pending(r)) => OpState::Pending(r, buf),
+            Err(e) => OpState::Failed(e, buf),
+        }
+    }
+
+    /// Drives the operation to its completion. Returns, once, the completion (or the
+    /// error found when posting) together with the buffer. `worker` is needed only while
+    /// the operation is pending.
+    pub(crate) fn poll(
+        &mut self,
+        worker: Option<&WorkerShared>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::result::Result<(Completion, B), (Error, B)>> {
+        let c = match self {
+            OpState::Pending(r, _) => {
+                match r.poll(worker.expect("invariant: a pending operation keeps its worker"), cx) {
+                    Poll::Ready(c) => c,
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            OpState::Done(c, _) => *c,
+            OpState::Failed(..) => Completion::OK,
+            OpState::Finished => panic!("operation future polled after completion"),
+        };
+        Poll::Ready(match std::mem::replace(self, OpState::Finished) {
+            OpState::Failed(e, b) => Err((e, b)),
+            OpState::Pending(_, b) | OpState::Done(_, b) => Ok((c, b)),
+            OpState::Finished => unreachable!("checked above"),
+        })
+    }
+
+    /// For the owning future's `Drop`: a pending operation's buffer, and `extra` (what
+    /// else UCX reads or writes: a header, a remote key, an iov array), stay with the
+    /// worker until UCX completes the request.
+    pub(crate) fn park(&mut self, worker: Option<&WorkerShared>, extra: Option<Box<dyn Any + Send>>) {
+        if let OpState::Pending(r, b) = std::mem::replace(self, OpState::Finished) {
+            let worker = worker.expect("invariant: a pending operation keeps its worker");
+            let keep: Box<dyn Any + Send> = match extra {
+                Some(x) => Box::new((b, x)),
+                None => Box::new(b),
+            };
+            drop(r.park(worker, keep));
+        }
+    }
+}
+
+/// Future of an operation that reads `buf` and reports only success:
+/// [`Endpoint::tag_send`], [`Endpoint::stream_send`], [`Endpoint::am_send`],
+/// [`Endpoint::put`]. Resolves to `(Result<()>, buffer)`.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time: the buffer (and anything else the operation needs,
+/// such as an active-message header or a remote key) is kept until UCX has finished with
+/// it, and the operation may still take effect.
+#[must_use = "the operation is already posted; await the future to learn whether it succeeded"]
+pub struct SendOp<B: IoBuf> {
+    /// Held only while the operation is pending or failed (a success at once needs
+    /// nothing).
+    ep: Option<Endpoint>,
+    op: &'static str,
+    state: OpState<B>,
+    extra: Option<Box<dyn Any + Send>>,
+}
+
+impl<B: IoBuf> SendOp<B> {
+    /// Posts an operation on `ep`. `call` gets the live endpoint handle, the buffer's
+    /// pointer and length and request parameters (callback and user data set) it may
+    /// extend, and returns what the `*_nbx` call returned. The request is bound to the
+    /// endpoint, so that the endpoint's failure ends it.
+    pub(crate) fn post(
+        ep: &Endpoint,
+        op: &'static str,
+        buf: B,
+        extra: Option<Box<dyn Any + Send>>,
+        call: impl FnOnce(
+            &mut State,
+            sys::ucp_ep_h,
+            *const u8,
+            usize,
+            &mut sys::ucp_request_param_t,
+        ) -> sys::ucs_status_ptr_t,
+    ) -> SendOp<B> {
+        let no_imm = ep.worker_inner().no_imm;
+        let id = ep.inner.id;
+        let (ptr, len) = (buf.stable_ptr(), buf.bytes_init());
+        let posted = ep.with_handle(op, |st, h| {
+            let mut param = op_param(st, no_imm);
+            let p = call(st, h, ptr, len, &mut param);
+            let posted = Posted::from_ptr(p, Completion::OK, false);
+            if let Posted::Pending(r) = &posted {
+                r.bind(st, id, OpKind::Finish);
+            }
+            Ok(posted)
+        });
+        Self::from_posted(ep, op, posted, buf, extra)
+    }
+
+    /// Wraps a posting result.
+    pub(crate) fn from_posted(
+        ep: &Endpoint,
+        op: &'static str,
+        posted: Result<Posted>,
+        buf: B,
+        extra: Option<Box<dyn Any + Send>>,
+    ) -> SendOp<B> {
+        if matches!(posted, Ok(Posted::Pending(_))) {
+            ep.worker_inner().posted();
+        }
+        let state = OpState::from_posted(posted, buf);
+        let ep = match state {
+            OpState::Done(c, _) if c.status.is_ok() => None,
+            _ => Some(ep.clone()),
+        };
+        SendOp { ep, op, state, extra }
+    }
+
+    /// An operation refused before posting.
+    pub(crate) fn failed(ep: &Endpoint, op: &'static str, e: Error, buf: B) -> SendOp<B> {
+        SendOp { ep: Some(ep.clone()), op, state: OpState::Failed(e, buf), extra: None }
+    }
+}
+
+// The future never pins its fields: the buffer is moved in and out by value.
+impl<B: IoBuf> Unpin for SendOp<B> {}
+
+impl<B: IoBuf> Future for SendOp<B> {
+    type Output = (Result<()>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let worker = this.ep.as_ref().map(|e| &*e.worker().shared);
+        match this.state.poll(worker, cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Ok((c, b))) => {
+                this.extra = None;
+                let r = match &this.ep {
+                    Some(ep) if !c.status.is_ok() => ep.result_of(this.op, c),
+                    _ => Ok(()),
+                };
+                Poll::Ready((r, b))
+            }
+        }
+    }
+}
+
+impl<B: IoBuf> Drop for SendOp<B> {
+    fn drop(&mut self) {
+        let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
+        let extra = self.extra.take();
+        self.state.park(worker, extra);
+    }
+}

@@ -1,0 +1,406 @@
+//! Ordered byte streams per endpoint (`ucp_stream_send_nbx`, `ucp_stream_recv_nbx`), and
+//! [`UcxStream`], a `tokio::io::AsyncRead + AsyncWrite` adapter over one endpoint's
+//! stream, so that tokio code (codecs, framed protocols, `tokio::io::copy`) runs over
+//! UCX unchanged.
+//!
+//! A stream carries bytes, not messages: one send may arrive in several receives and
+//! several sends in one. Bytes from one endpoint arrive in the order they were sent. The
+//! wire format is UCX's own, so the raw calls interoperate with any UCX program using
+//! streams.
+//!
+//! # End of stream
+//! UCX streams have no end. ucxkit adds one for ucxkit peers: [`Endpoint::stream_shutdown`]
+//! (called by [`UcxStream`]'s `poll_shutdown`) tells the peer, over the handshake's
+//! control channel, how many bytes were written in all; the peer's reader reports end of
+//! stream once it has received all of them. It needs the connection handshake (a peer
+//! reached without it is not known to understand the notice).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use ucx_sys as sys;
+
+use crate::buf::{IoBuf, IoBufMut};
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result};
+use crate::handshake::{Kind, Message};
+use crate::identity::ProcessIdentity;
+use crate::op::{OpState, SendOp};
+use crate::request::{stream_recv_cb, Completion, Posted};
+use crate::worker::{OpKind, State};
+
+/// Future of [`Endpoint::stream_send`]: resolves to `(Result<()>, buffer)`.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time: the buffer is kept until UCX has finished with it,
+/// and the bytes are still sent.
+pub type StreamSend<B> = SendOp<B>;
+
+/// Future of [`Endpoint::stream_recv`] and [`Endpoint::stream_recv_exact`]: resolves to
+/// `(Result<usize>, buffer)` with the number of bytes received; the buffer's length is
+/// set to it. `Ok(0)` means end of stream.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time, but **not** lossless: UCX cannot cancel a stream
+/// receive, so the buffer stays with the worker and whatever bytes UCX puts there are
+/// discarded. To read without losing bytes across cancellation, use [`UcxStream`], which
+/// keeps its pending receive between reads.
+#[must_use = "a receive future does nothing unless awaited"]
+pub struct StreamRecv<B: IoBufMut> {
+    ep: Endpoint,
+    state: OpState<B>,
+}
+
+impl Endpoint {
+    /// Sends the bytes of `buf` on this endpoint's stream (`ucp_stream_send_nbx`). They
+    /// are posted before this returns, so sends are ordered by call; await the future to
+    /// learn when the buffer is free again.
+    ///
+    /// # Cancel safety
+    /// Dropping the returned future is memory-safe at any time; the bytes are still sent.
+    pub fn stream_send<B: IoBuf>(&self, buf: B) -> StreamSend<B> {
+        let id = self.inner.id;
+        SendOp::post(self, "stream_send", buf, None, |st, h, ptr, len, param| {
+            if let Some(e) = st.eps.get_mut(&id) {
+                e.stream_tx += len as u64;
+            }
+            // SAFETY: h is live under the lock; the buffer stays valid and unmoved until
+            // the request completes (IoBuf contract; parked on drop).
+            unsafe { sys::ucp_stream_send_nbx(h, ptr.cast(), len, param) }
+        })
+    }
+
+    /// Receives at least one byte and at most the buffer's capacity from this endpoint's
+    /// stream. Resolves to `Ok(0)` once the peer has ended its stream (see the module
+    /// docs) and everything it wrote was received.
+    ///
+    /// A receive still pending when the peer ends its stream completes only when the
+    /// endpoint closes or fails; check [`Endpoint::stream_ended`], or use [`UcxStream`],
+    /// which reports end of stream on its own.
+    ///
+    /// # Cancel safety
+    /// See [`StreamRecv`]: dropping is memory-safe, but bytes that land in the dropped
+    /// receive are lost.
+    pub fn stream_recv<B: IoBufMut>(&self, buf: B) -> StreamRecv<B> {
+        self.post_stream_recv(buf, false)
+    }
+
+    /// Receives exactly the buffer's capacity (`UCP_STREAM_RECV_FLAG_WAITALL`).
+    ///
+    /// # Cancel safety
+    /// As for [`Endpoint::stream_recv`].
+    pub fn stream_recv_exact<B: IoBufMut>(&self, buf: B) -> StreamRecv<B> {
+        self.post_stream_recv(buf, true)
+    }
+
+    fn post_stream_recv<B: IoBufMut>(&self, mut buf: B, wait_all: bool) -> StreamRecv<B> {
+        let capacity = buf.bytes_total();
+        let ptr = buf.stable_mut_ptr();
+        let id = self.inner.id;
+        let posted = self.with_handle("stream_recv", |st, h| {
+            let ended = st.eps.get(&id).is_some_and(|e| e.stream_ended());
+            if capacity == 0 || ended {
+                return Ok(Posted::Done(Completion::OK));
+            }
+            let mut length = 0usize;
+            let param = stream_param(st, wait_all);
+            // SAFETY: h is live under the lock; the buffer is valid for `capacity` bytes
+            // and owned by the returned future until UCX completes (parked on drop).
+            let p = unsafe { sys::ucp_stream_recv_nbx(h, ptr.cast(), capacity, &mut length, &param) };
+            let posted = Posted::from_ptr(p, Completion { len: length, ..Completion::OK }, false);
+            match &posted {
+                Posted::Done(c) if c.status.is_ok() => st.stream_received(id, length),
+                Posted::Pending(r) => r.bind(st, id, OpKind::Finish),
+                Posted::Done(_) => {}
+            }
+            Ok(posted)
+        });
+        if matches!(posted, Ok(Posted::Pending(_))) {
+            self.worker_inner().posted();
+        }
+        StreamRecv { ep: self.clone(), state: OpState::from_posted(posted, buf) }
+    }
+
+    /// Tells the peer that this side's stream ends after the bytes sent so far, so that
+    /// its reader reports end of stream once it has them all. Sending more afterwards
+    /// is allowed by UCX but the peer may already have reported the end.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for an endpoint made without the connection handshake (the
+    /// peer may be a plain UCX program); [`Error::ConnectionReset`] or
+    /// [`Error::ApiMisuse`] when the endpoint failed or was closed.
+    pub fn stream_shutdown(&self) -> Result<()> {
+        if self.peer_identity().is_none() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "stream end notice to {}: the endpoint was made without the handshake",
+                    self.peer()
+                ),
+            });
+        }
+        let id = self.inner.id;
+        self.with_handle("stream_shutdown", |st, h| {
+            let total = st.eps.get(&id).map_or(0, |e| e.stream_tx);
+            let m = Message {
+                kind: Kind::StreamEnd,
+                peer_mode: self.inner.peer_mode,
+                nonce: total,
+                identity: ProcessIdentity::current(),
+            };
+            st.send_handshake(h, m.encode(), true);
+            Ok(())
+        })
+    }
+
+    /// Whether the peer has ended its stream and every byte it wrote has been received.
+    pub fn stream_ended(&self) -> bool {
+        let id = self.inner.id;
+        self.worker_inner().locked(|st| st.eps.get(&id).is_some_and(|e| e.stream_ended()))
+    }
+
+    /// Whether the peer's stream ended; if not, the task is woken when it does (or when
+    /// the endpoint fails).
+    fn poll_stream_end(&self, cx: &mut Context<'_>) -> bool {
+        let id = self.inner.id;
+        self.worker_inner().locked(|st| match st.eps.get_mut(&id) {
+            Some(e) if e.stream_ended() => true,
+            Some(e) => {
+                if !e.stream_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                    e.stream_waiters.push(cx.waker().clone());
+                }
+                false
+            }
+            None => false,
+        })
+    }
+}
+
+fn stream_param(st: &mut State, wait_all: bool) -> sys::ucp_request_param_t {
+    let mut p = sys::ucp_request_param_t {
+        op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_stream: Some(stream_recv_cb) },
+        user_data: (st as *mut State).cast(),
+        ..Default::default()
+    };
+    if wait_all {
+        p.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS.0 as u32;
+        p.flags = sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32;
+    }
+    p
+}
+
+impl<B: IoBufMut> Unpin for StreamRecv<B> {}
+
+impl<B: IoBufMut> Future for StreamRecv<B> {
+    type Output = (Result<usize>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match this.state.poll(Some(&this.ep.worker().shared), cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Ok((c, mut b))) => {
+                if !c.status.is_ok() {
+                    return Poll::Ready((Err(this.ep.error_of("stream_recv", c.status)), b));
+                }
+                let n = c.len.min(b.bytes_total());
+                // SAFETY: UCX wrote n bytes at the start of the buffer.
+                unsafe { b.set_init(n) };
+                Poll::Ready((Ok(n), b))
+            }
+        }
+    }
+}
+
+impl<B: IoBufMut> Drop for StreamRecv<B> {
+    fn drop(&mut self) {
+        self.state.park(Some(&self.ep.worker().shared), None);
+    }
+}
+
+/// Receive chunk of a [`UcxStream`] unless set otherwise.
+const READ_CHUNK: usize = 256 * 1024;
+/// Most bytes a [`UcxStream`] keeps in flight in sends before `poll_write` waits.
+const WRITE_WINDOW: usize = 8 * 1024 * 1024;
+/// Largest single send a [`UcxStream`] makes from one `poll_write`.
+const WRITE_CHUNK: usize = 1024 * 1024;
+
+/// A `tokio::io::AsyncRead + AsyncWrite` over one endpoint's stream.
+///
+/// Reads keep one stream receive posted into an internal buffer and copy out of it, so a
+/// dropped read future loses nothing: the next read continues where the receive left
+/// off. Writes copy the caller's bytes into owned buffers and keep up to 8 MiB in
+/// flight; `poll_flush` waits until UCX has completed them all; `poll_shutdown` flushes
+/// and sends the end-of-stream notice (see the module docs), after which the peer's
+/// reads return 0 once they have every byte.
+///
+/// Split it with `tokio::io::split` to read and write from different tasks.
+pub struct UcxStream {
+    ep: Endpoint,
+    read_chunk: usize,
+    /// Received bytes not yet handed out, from `pos`.
+    rbuf: Vec<u8>,
+    pos: usize,
+    pending: Option<StreamRecv<Vec<u8>>>,
+    eof: bool,
+    sends: VecDeque<(usize, StreamSend<Vec<u8>>)>,
+    in_flight: usize,
+    spare: Vec<Vec<u8>>,
+    shut: bool,
+}
+
+impl UcxStream {
+    /// An adapter over `ep`'s stream.
+    pub fn new(ep: Endpoint) -> UcxStream {
+        UcxStream {
+            ep,
+            read_chunk: READ_CHUNK,
+            rbuf: Vec::new(),
+            pos: 0,
+            pending: None,
+            eof: false,
+            sends: VecDeque::new(),
+            in_flight: 0,
+            spare: Vec::new(),
+            shut: false,
+        }
+    }
+
+    /// Sets the size of the internal receive buffer (default 256 KiB; at least 1).
+    pub fn with_read_chunk(mut self, bytes: usize) -> UcxStream {
+        self.read_chunk = bytes.max(1);
+        self
+    }
+
+    /// The endpoint underneath.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.ep
+    }
+
+    /// Completes finished sends at the front; `Ready` when none is left in flight.
+    fn poll_sends(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while let Some((n, send)) = self.sends.front_mut() {
+            let n = *n;
+            match Pin::new(send).poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready((r, mut buf)) => {
+                    self.sends.pop_front();
+                    self.in_flight -= n;
+                    r?;
+                    if self.spare.len() < 4 {
+                        buf.clear();
+                        self.spare.push(buf);
+                    }
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl std::fmt::Debug for UcxStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxStream")
+            .field("ep", &self.ep)
+            .field("buffered", &(self.rbuf.len() - self.pos))
+            .field("in_flight", &self.in_flight)
+            .field("eof", &self.eof)
+            .finish()
+    }
+}
+
+impl AsyncRead for UcxStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            if this.pos < this.rbuf.len() {
+                let n = out.remaining().min(this.rbuf.len() - this.pos);
+                out.put_slice(&this.rbuf[this.pos..this.pos + n]);
+                this.pos += n;
+                return Poll::Ready(Ok(()));
+            }
+            if this.eof || out.remaining() == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            match this.pending.as_mut() {
+                None => {
+                    let mut buf = std::mem::take(&mut this.rbuf);
+                    buf.clear();
+                    buf.reserve_exact(this.read_chunk);
+                    this.pos = 0;
+                    this.pending = Some(this.ep.stream_recv(buf));
+                }
+                Some(recv) => match Pin::new(recv).poll(cx) {
+                    Poll::Ready((r, buf)) => {
+                        this.pending = None;
+                        this.rbuf = buf;
+                        this.pos = 0;
+                        match r {
+                            Ok(0) => this.eof = true,
+                            Ok(_) => {}
+                            Err(e) => return Poll::Ready(Err(e.into())),
+                        }
+                    }
+                    Poll::Pending => {
+                        if !this.ep.poll_stream_end(cx) {
+                            return Poll::Pending;
+                        }
+                        // The peer's stream ended and every byte arrived, so the pending
+                        // receive can only complete when the endpoint closes: leave it
+                        // with the worker (its buffer parked) and report the end.
+                        this.pending = None;
+                        this.eof = true;
+                    }
+                },
+            }
+        }
+    }
+}
+
+impl AsyncWrite for UcxStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.shut {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "write after shutdown")));
+        }
+        if data.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        // Reap what finished; wait only when the window is full.
+        if let Poll::Ready(Err(e)) = this.poll_sends(cx) {
+            return Poll::Ready(Err(e));
+        }
+        if this.in_flight >= WRITE_WINDOW {
+            return Poll::Pending;
+        }
+        let n = data.len().min(WRITE_CHUNK).min(WRITE_WINDOW - this.in_flight);
+        let mut buf = this.spare.pop().unwrap_or_default();
+        buf.extend_from_slice(&data[..n]);
+        let send = this.ep.stream_send(buf);
+        this.in_flight += n;
+        this.sends.push_back((n, send));
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.get_mut().poll_sends(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.shut {
+            return Poll::Ready(Ok(()));
+        }
+        match this.poll_sends(cx) {
+            Poll::Ready(Ok(())) => {}
+            other => return other,
+        }
+        this.shut = true;
+        this.ep.stream_shutdown()?;
+        Poll::Ready(Ok(()))
+    }
+}
