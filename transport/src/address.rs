@@ -98,7 +98,7 @@ impl fmt::Debug for WorkerAddress {
     }
 }
 
-fn fnv1a(a: &[u8], b: &[u8]) -> u64 {
+pub(crate) fn fnv1a(a: &[u8], b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &x in a.iter().chain(b) {
         h ^= x as u64;

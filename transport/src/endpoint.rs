@@ -553,14 +553,7 @@ impl Endpoint {
 
     /// Waits for a posted request that owns no buffer.
     pub(crate) async fn wait(&self, posted: Posted) -> Completion {
-        match posted {
-            Posted::Done(c) => c,
-            Posted::Pending(req) => {
-                self.worker_inner().posted();
-                let mut op = Unbuffered { req: Some(req), worker: self.inner.worker.clone() };
-                poll_fn(|cx| op.poll(cx)).await
-            }
-        }
+        wait_unbuffered(&self.inner.worker, posted).await
     }
 
     /// Prints which transports and devices UCX chose for this endpoint
@@ -613,6 +606,18 @@ pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t
         cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(crate::request::send_cb) },
         user_data: (st as *mut State).cast(),
         ..Default::default()
+    }
+}
+
+/// Waits for a posted request of `worker` that owns no buffer (flush, close).
+pub(crate) async fn wait_unbuffered(worker: &Worker, posted: Posted) -> Completion {
+    match posted {
+        Posted::Done(c) => c,
+        Posted::Pending(req) => {
+            worker.shared.inner.posted();
+            let mut op = Unbuffered { req: Some(req), worker: worker.clone() };
+            poll_fn(|cx| op.poll(cx)).await
+        }
     }
 }
 

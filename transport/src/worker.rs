@@ -159,7 +159,7 @@ impl WorkerBuilder {
         };
         let inner = Arc::new(WorkerInner {
             max_am_header,
-            _ctx: self.ctx.inner.clone(),
+            ctx: self.ctx.inner.clone(),
             lock: Mutex::new(()),
             state: UnsafeCell::new(State::new(handle)),
             mode: self.mode,
@@ -237,6 +237,11 @@ impl Worker {
             unsafe { sys::ucp_worker_release_address(st.handle, addr) };
             Ok(wa)
         })
+    }
+
+    /// The context this worker belongs to.
+    pub fn context(&self) -> Context {
+        Context { inner: self.shared.inner.ctx.clone() }
     }
 
     /// The progress mode.
@@ -583,7 +588,7 @@ impl State {
 /// operation are gone.
 pub(crate) struct WorkerInner {
     /// Keeps the context alive until the worker is destroyed.
-    _ctx: Arc<ContextInner>,
+    ctx: Arc<ContextInner>,
     lock: Mutex<()>,
     state: UnsafeCell<State>,
     pub(crate) mode: ProgressMode,

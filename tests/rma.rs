@@ -1,0 +1,144 @@
+//! Registered memory and one-sided operations: put, get and the atomics verified byte
+//! for byte, bounds and key errors, and regions kept mapped while operations use them
+//! (the `region_` tests also run under valgrind in the test command).
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{pair, payload};
+use ucxkit::transport::{Endpoint, ErrorKind, MemRegion, Worker};
+
+const T: Duration = Duration::from_secs(20);
+
+/// A server region of `len` bytes (UCX-allocated or registered), its key unpacked on the
+/// client's endpoint.
+async fn setup(tls: &str, len: usize, alloc: bool) -> (Worker, Worker, Endpoint, Endpoint, MemRegion) {
+    let (s, c, sep, cep) = pair(tls).await;
+    let ctx = sep.worker().context();
+    let region = if alloc { ctx.alloc(len).unwrap() } else { ctx.register(vec![0u8; len]).unwrap() };
+    assert_eq!(region.len(), len);
+    (s, c, sep, cep, region)
+}
+
+async fn put_get_atomics(tls: &str, alloc: bool) {
+    let len = 4 << 20;
+    let (_s, _c, _sep, cep, region) = setup(tls, len, alloc).await;
+    let key = cep.unpack_key(&region.pack_key().unwrap()).unwrap();
+    assert_eq!(key.len(), len as u64);
+    // Puts at several offsets and sizes, then a flush makes them visible.
+    let mut expect = vec![0u8; len];
+    for (i, &(off, n)) in
+        [(0usize, 1usize), (1, 7), (4096, 65536), (100_000, 1 << 20), (len - 10, 10)].iter().enumerate()
+    {
+        let p = payload(i as u64, n);
+        expect[off..off + n].copy_from_slice(&p);
+        let (r, _) = tokio::time::timeout(T, cep.put(p, &key, off as u64)).await.unwrap();
+        r.unwrap();
+    }
+    tokio::time::timeout(T, cep.flush()).await.unwrap().unwrap();
+    assert!(region.to_vec() == expect, "region differs after puts");
+    // Gets read back what the server wrote locally.
+    region.write_at(2_000_000, b"written by the owner");
+    let (r, got) =
+        tokio::time::timeout(T, cep.get(Vec::with_capacity(20), 20, &key, 2_000_000)).await.unwrap();
+    r.unwrap();
+    assert_eq!(got, b"written by the owner");
+    let (r, got) =
+        tokio::time::timeout(T, cep.get(Vec::with_capacity(1 << 20), 1 << 20, &key, 100_000)).await.unwrap();
+    r.unwrap();
+    assert!(got[..] == expect[100_000..100_000 + (1 << 20)]);
+    // Atomics on the word at offset 64.
+    let w = 64u64;
+    region.write_at(64, &40u64.to_le_bytes());
+    cep.atomic_add(&key, w, 2).await.unwrap();
+    assert_eq!(cep.atomic_fetch_add(&key, w, 10).await.unwrap(), 42);
+    assert_eq!(cep.atomic_swap(&key, w, 7).await.unwrap(), 52);
+    assert_eq!(cep.atomic_compare_swap(&key, w, 6, 100).await.unwrap(), 7, "no swap: value differs");
+    assert_eq!(cep.atomic_compare_swap(&key, w, 7, 100).await.unwrap(), 7, "swap");
+    tokio::time::timeout(T, cep.worker().flush()).await.unwrap().unwrap();
+    let mut word = [0u8; 8];
+    region.read_at(64, &mut word);
+    assert_eq!(u64::from_le_bytes(word), 100);
+    cep.worker().fence().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_get_atomics_tcp() {
+    put_get_atomics("tcp,self", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_get_atomics_shm() {
+    put_get_atomics("posix,cma,tcp,self", true).await;
+}
+
+#[tokio::test]
+async fn bad_keys_and_bounds_are_errors() {
+    let (_s, _c, sep, cep, region) = setup("tcp,self", 4096, false).await;
+    let packed = region.pack_key().unwrap();
+    // Corrupt bytes: every single flipped byte is caught before UCX sees it.
+    for i in (0..packed.len()).step_by(7) {
+        let mut b = packed.clone();
+        b[i] ^= 0x5a;
+        assert_eq!(cep.unpack_key(&b).unwrap_err().kind(), ErrorKind::InvalidInput, "byte {i}");
+    }
+    assert_eq!(cep.unpack_key(b"").unwrap_err().kind(), ErrorKind::InvalidInput);
+    assert_eq!(cep.unpack_key(&packed[..packed.len() / 2]).unwrap_err().kind(), ErrorKind::InvalidInput);
+    let key = cep.unpack_key(&packed).unwrap();
+    // Out of bounds: nothing is posted, the buffer comes back.
+    let (r, b) = cep.put(vec![1u8; 100], &key, 4000).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    assert_eq!(b.len(), 100);
+    let (r, _) = cep.put(vec![1u8; 1], &key, u64::MAX).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    let (r, _) = cep.get(Vec::with_capacity(10), 10, &key, 4090).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    // A buffer smaller than the get.
+    let (r, _) = cep.get(Vec::with_capacity(4), 10, &key, 0).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    // Misaligned and out-of-range atomics.
+    assert_eq!(cep.atomic_add(&key, 3, 1).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+    assert_eq!(cep.atomic_swap(&key, 4096, 1).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+    // A key used on another endpoint.
+    let (r, _) = sep.put(vec![1u8; 1], &key, 0).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
+    // Still working after all that.
+    let (r, _) = cep.put(b"ok".to_vec(), &key, 0).await;
+    r.unwrap();
+    cep.flush().await.unwrap();
+    let mut two = [0u8; 2];
+    region.read_at(0, &mut two);
+    assert_eq!(&two, b"ok");
+}
+
+/// The caller's region handle is dropped while a put from it and a get into it are in
+/// flight: the operations' own references keep it registered and allocated.
+#[tokio::test]
+async fn region_outlives_dropped_handles() {
+    let (_s, _c, _sep, cep, remote) = setup("tcp,self", 1 << 20, false).await;
+    let key = cep.unpack_key(&remote.pack_key().unwrap()).unwrap();
+    let ctx = cep.worker().context();
+    let local = ctx.register(payload(5, 1 << 20)).unwrap();
+    let put = cep.put(local.clone(), &key, 0);
+    let sink = ctx.register(vec![0u8; 1 << 20]).unwrap();
+    let get = cep.get(sink.slice(0..(1 << 20)), 1 << 20, &key, 0);
+    drop(local);
+    drop(sink);
+    let (r, local) = tokio::time::timeout(T, put).await.unwrap();
+    r.unwrap();
+    let (r, sink) = tokio::time::timeout(T, get).await.unwrap();
+    r.unwrap();
+    assert_eq!(local.len(), 1 << 20);
+    assert_eq!(sink.len(), 1 << 20);
+    // Futures dropped mid-flight, with every handle: parked until UCX completes.
+    let local = ctx.register(payload(6, 1 << 20)).unwrap();
+    drop(cep.put(local, &key, 0));
+    let sink = ctx.register(vec![0u8; 1 << 20]).unwrap();
+    drop(cep.get(sink, 1 << 20, &key, 0));
+    drop(key);
+    tokio::time::timeout(T, cep.flush()).await.unwrap().unwrap();
+    assert!(remote.to_vec() == payload(6, 1 << 20));
+}

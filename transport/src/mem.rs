@@ -1,0 +1,490 @@
+//! Registered memory ([`MemRegion`]) and the keys that let peers reach it
+//! ([`RemoteKey`]).
+//!
+//! A region is memory UCX has registered with every transport of its context
+//! (`ucp_mem_map`): an owned buffer handed over to it, or memory UCX allocates. It stays
+//! registered, and its memory alive, while any handle or operation uses it: operations
+//! hold a clone, so dropping the caller's handle mid-operation is harmless.
+//!
+//! To let a peer read or write a region, pack its key ([`MemRegion::pack_key`]), send
+//! the bytes (any way you like: a tag message, an active message), and unpack them on the
+//! peer's endpoint ([`Endpoint::unpack_key`]). The packed form carries the region's
+//! address and length and a checksum, so corrupt bytes are an error, and every remote
+//! access is checked against the region's bounds before it is posted.
+//!
+//! Peers may write a region at any time, so its bytes are not exposed as Rust slices:
+//! copy in and out with [`MemRegion::read_at`] and [`MemRegion::write_at`], or use the
+//! region (or a [`RegionSlice`] of it) as the buffer of an operation.
+
+use std::any::Any;
+use std::ops::Range;
+use std::sync::Arc;
+
+use ucx_sys as sys;
+
+use crate::buf::{IoBuf, IoBufMut};
+use crate::context::{Context, ContextInner};
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result, Status};
+
+/// Memory registered with UCX. Cheap to clone; clones share the registration.
+#[derive(Clone)]
+pub struct MemRegion {
+    inner: Arc<MemInner>,
+}
+
+struct MemInner {
+    ctx: Arc<ContextInner>,
+    memh: sys::ucp_mem_h,
+    ptr: *mut u8,
+    len: usize,
+    /// The registered buffer when the caller supplied it (dropped after unmapping).
+    _owned: Option<Box<[u8]>>,
+}
+
+// SAFETY: the memory handle is used only through context-level calls, which are
+// thread-safe (`mt_workers_shared`); the memory itself is accessed through raw copies
+// (read_at/write_at) and by UCX, never through shared Rust references.
+unsafe impl Send for MemInner {}
+// SAFETY: as above.
+unsafe impl Sync for MemInner {}
+
+impl Drop for MemInner {
+    fn drop(&mut self) {
+        // SAFETY: no operation holds the region any more (each holds a clone); the handle
+        // came from ucp_mem_map on this context and is unmapped once. The owned buffer is
+        // dropped after this, so UCX never sees freed memory registered.
+        let st = Status(unsafe { sys::ucp_mem_unmap(self.ctx.handle, self.memh) });
+        if !st.is_ok() {
+            tracing::warn!(status = %st, len = self.len, "ucp_mem_unmap failed");
+        }
+    }
+}
+
+impl std::fmt::Debug for MemRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemRegion").field("addr", &self.inner.ptr).field("len", &self.inner.len).finish()
+    }
+}
+
+impl Context {
+    /// Registers `buf` with UCX; the region owns it until the last handle and operation
+    /// are gone.
+    ///
+    /// # Errors
+    /// [`Error::MemMap`] when UCX refuses the registration.
+    pub fn register(&self, buf: impl Into<Box<[u8]>>) -> Result<MemRegion> {
+        let mut owned: Box<[u8]> = buf.into();
+        let (ptr, len) = (owned.as_mut_ptr(), owned.len());
+        let memh = map(self, ptr, len, 0)?;
+        Ok(MemRegion {
+            inner: Arc::new(MemInner { ctx: self.inner.clone(), memh, ptr, len, _owned: Some(owned) }),
+        })
+    }
+
+    /// Lets UCX allocate and register `len` zeroed bytes (`UCP_MEM_MAP_ALLOCATE`), which
+    /// may pick memory its transports prefer.
+    ///
+    /// # Errors
+    /// [`Error::MemMap`] when UCX cannot allocate or register the memory;
+    /// [`Error::ApiMisuse`] for `len == 0`.
+    pub fn alloc(&self, len: usize) -> Result<MemRegion> {
+        if len == 0 {
+            return Err(Error::ApiMisuse("cannot allocate an empty memory region".into()));
+        }
+        let memh = map(self, std::ptr::null_mut(), len, sys::UCP_MEM_MAP_ALLOCATE.0 as u32)?;
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: (sys::UCP_MEM_ATTR_FIELD_ADDRESS.0 | sys::UCP_MEM_ATTR_FIELD_LENGTH.0) as u64,
+            ..Default::default()
+        };
+        // SAFETY: memh was just mapped; attr is a valid out-parameter.
+        let st = Status(unsafe { sys::ucp_mem_query(memh, &mut attr) });
+        let region = MemRegion {
+            inner: Arc::new(MemInner {
+                ctx: self.inner.clone(),
+                memh,
+                ptr: attr.address.cast(),
+                len: len.min(attr.length),
+                _owned: None,
+            }),
+        };
+        st.check().map_err(|source| Error::MemMap { len, source })?;
+        if region.inner.ptr.is_null() {
+            return Err(Error::MemMap { len, source: Status::INVALID_PARAM });
+        }
+        // SAFETY: UCX allocated at least `len` writable bytes at ptr for this region.
+        unsafe { std::ptr::write_bytes(region.inner.ptr, 0, region.inner.len) };
+        Ok(region)
+    }
+}
+
+fn map(ctx: &Context, ptr: *mut u8, len: usize, flags: u32) -> Result<sys::ucp_mem_h> {
+    let params = sys::ucp_mem_map_params_t {
+        field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS.0
+            | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH.0
+            | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS.0) as u64,
+        address: ptr.cast(),
+        length: len,
+        flags,
+        ..Default::default()
+    };
+    let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
+    // SAFETY: the context is valid; ptr/len describe memory the caller keeps alive for
+    // the registration (or NULL with ALLOCATE); memh is a valid out-pointer.
+    Status(unsafe { sys::ucp_mem_map(ctx.inner.handle, &params, &mut memh) })
+        .check()
+        .map_err(|source| Error::MemMap { len, source })?;
+    Ok(memh)
+}
+
+impl MemRegion {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The start address (what peers address through the key).
+    pub fn addr(&self) -> u64 {
+        self.inner.ptr as u64
+    }
+
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    ///
+    /// # Panics
+    /// When the range is outside the region.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) {
+        self.check(offset, out.len());
+        // SAFETY: in bounds (checked); the region's memory lives as long as self, and out
+        // is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.inner.ptr.add(offset), out.as_mut_ptr(), out.len()) }
+    }
+
+    /// Copies `data` into the region at `offset`.
+    ///
+    /// # Panics
+    /// When the range is outside the region.
+    pub fn write_at(&self, offset: usize, data: &[u8]) {
+        self.check(offset, data.len());
+        // SAFETY: as in read_at.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.inner.ptr.add(offset), data.len()) }
+    }
+
+    /// A copy of the whole region.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len()];
+        self.read_at(0, &mut v);
+        v
+    }
+
+    /// A sub-range, usable as an operation's buffer.
+    ///
+    /// # Panics
+    /// When the range is outside the region.
+    pub fn slice(&self, range: Range<usize>) -> RegionSlice {
+        assert!(range.start <= range.end, "slice start {} after end {}", range.start, range.end);
+        self.check(range.start, range.end - range.start);
+        RegionSlice { region: self.clone(), offset: range.start, len: range.end - range.start }
+    }
+
+    fn check(&self, offset: usize, len: usize) {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.inner.len),
+            "{len} bytes at offset {offset} are outside a {} byte region",
+            self.inner.len
+        );
+    }
+
+    /// Packs the key a peer needs to reach this region (`ucp_rkey_pack`), with the
+    /// region's address and length, into bytes to send to it.
+    ///
+    /// # Errors
+    /// [`Error::Worker`] when UCX cannot pack the key.
+    pub fn pack_key(&self) -> Result<Vec<u8>> {
+        let mut buf: *mut std::ffi::c_void = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: context and memory handle are valid; out-pointers are valid.
+        Status(unsafe { sys::ucp_rkey_pack(self.inner.ctx.handle, self.inner.memh, &mut buf, &mut size) })
+            .check()
+            .map_err(|source| Error::Worker { op: "ucp_rkey_pack", source })?;
+        // SAFETY: UCX returned `size` readable bytes at buf.
+        let rkey = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) };
+        let out = encode_key(self.addr(), self.len() as u64, rkey);
+        // SAFETY: releases the buffer UCX allocated above, once.
+        unsafe { sys::ucp_rkey_buffer_release(buf) };
+        Ok(out)
+    }
+}
+
+/// A sub-range of a [`MemRegion`]; holds the region alive.
+#[derive(Clone, Debug)]
+pub struct RegionSlice {
+    region: MemRegion,
+    offset: usize,
+    len: usize,
+}
+
+impl RegionSlice {
+    /// The region it is part of.
+    pub fn region(&self) -> &MemRegion {
+        &self.region
+    }
+
+    /// Offset into the region.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+// SAFETY: a region's memory is fixed for its lifetime, which the value extends; all of
+// it is initialized (zeroed or supplied by the caller).
+unsafe impl IoBuf for MemRegion {
+    fn stable_ptr(&self) -> *const u8 {
+        self.inner.ptr
+    }
+    fn bytes_init(&self) -> usize {
+        self.inner.len
+    }
+}
+
+// SAFETY: as above; every byte is writable.
+unsafe impl IoBufMut for MemRegion {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.inner.ptr
+    }
+    fn bytes_total(&self) -> usize {
+        self.inner.len
+    }
+    unsafe fn set_init(&mut self, _n: usize) {}
+}
+
+// SAFETY: as for MemRegion, for the slice's bounds (checked when it was made).
+unsafe impl IoBuf for RegionSlice {
+    fn stable_ptr(&self) -> *const u8 {
+        // SAFETY: offset is within the region.
+        unsafe { self.region.inner.ptr.add(self.offset) }
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: as above.
+unsafe impl IoBufMut for RegionSlice {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        // SAFETY: offset is within the region.
+        unsafe { self.region.inner.ptr.add(self.offset) }
+    }
+    fn bytes_total(&self) -> usize {
+        self.len
+    }
+    unsafe fn set_init(&mut self, _n: usize) {}
+}
+
+const KEY_MAGIC: u32 = 0x524b_4355; // "UCKR"
+const KEY_VERSION: u8 = 1;
+const KEY_HEADER: usize = 4 + 1 + 3 + 8 + 8 + 4;
+/// Packed UCX keys are a few hundred bytes; anything far larger is not one.
+const MAX_UCX_KEY: usize = 64 * 1024;
+
+/// Layout (little-endian): magic u32, version u8, 3 zero bytes, address u64, length
+/// u64, UCX key length u32, the UCX key, FNV-1a checksum u64 of everything before it.
+fn encode_key(addr: u64, len: u64, rkey: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(KEY_HEADER + rkey.len() + 8);
+    v.extend_from_slice(&KEY_MAGIC.to_le_bytes());
+    v.push(KEY_VERSION);
+    v.extend_from_slice(&[0; 3]);
+    v.extend_from_slice(&addr.to_le_bytes());
+    v.extend_from_slice(&len.to_le_bytes());
+    v.extend_from_slice(&(rkey.len() as u32).to_le_bytes());
+    v.extend_from_slice(rkey);
+    let sum = crate::address::fnv1a(&v, &[]);
+    v.extend_from_slice(&sum.to_le_bytes());
+    v
+}
+
+/// A parsed key envelope: (address, length, UCX key bytes).
+fn decode_key(b: &[u8]) -> Result<(u64, u64, &[u8])> {
+    let bad = |reason: String| Error::BadRemoteKey { reason };
+    if b.len() < KEY_HEADER + 8 {
+        return Err(bad(format!("{} bytes is too short for a packed key", b.len())));
+    }
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let u64_at = |i: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(a)
+    };
+    if u32_at(0) != KEY_MAGIC {
+        return Err(bad(format!("bad magic {:#010x}", u32_at(0))));
+    }
+    if b[4] != KEY_VERSION || b[5..8] != [0, 0, 0] {
+        return Err(bad(format!("unsupported key version {}", b[4])));
+    }
+    let (addr, len, klen) = (u64_at(8), u64_at(16), u32_at(24) as usize);
+    if klen == 0 || klen > MAX_UCX_KEY || b.len() != KEY_HEADER + klen + 8 {
+        return Err(bad(format!("length field {klen} does not match the {} bytes given", b.len())));
+    }
+    let body = &b[..KEY_HEADER + klen];
+    if crate::address::fnv1a(body, &[]) != u64_at(KEY_HEADER + klen) {
+        return Err(bad("checksum mismatch".into()));
+    }
+    if addr.checked_add(len).is_none() {
+        return Err(bad(format!("region {addr:#x}+{len} wraps around")));
+    }
+    Ok((addr, len, &b[KEY_HEADER..KEY_HEADER + klen]))
+}
+
+/// A peer's region as reachable through one endpoint (`ucp_rkey_h`): the target of
+/// [`Endpoint::put`], [`Endpoint::get`] and the atomics. Cheap to clone; holds the
+/// endpoint.
+#[derive(Clone)]
+pub struct RemoteKey {
+    pub(crate) inner: Arc<RkeyInner>,
+}
+
+pub(crate) struct RkeyInner {
+    pub(crate) ep: Endpoint,
+    pub(crate) rkey: sys::ucp_rkey_h,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+// SAFETY: the rkey handle is only used under its endpoint's worker lock.
+unsafe impl Send for RkeyInner {}
+// SAFETY: as above.
+unsafe impl Sync for RkeyInner {}
+
+impl Drop for RkeyInner {
+    fn drop(&mut self) {
+        let rkey = self.rkey;
+        self.ep.worker_inner().locked(|_| {
+            // SAFETY: unpacked on this worker's endpoint, destroyed once; no operation
+            // uses it any more (each holds a clone); the lock is held.
+            unsafe { sys::ucp_rkey_destroy(rkey) }
+        });
+    }
+}
+
+impl std::fmt::Debug for RemoteKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteKey")
+            .field("peer", self.inner.ep.peer())
+            .field("addr", &format_args!("{:#x}", self.inner.addr))
+            .field("len", &self.inner.len)
+            .finish()
+    }
+}
+
+impl RemoteKey {
+    /// The remote region's length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    /// Whether the remote region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The remote region's start address.
+    pub fn addr(&self) -> u64 {
+        self.inner.addr
+    }
+
+    /// The endpoint this key was unpacked on (the only one it works with).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.ep
+    }
+
+    /// The remote address of `len` bytes at `offset`, after checking they are inside the
+    /// region, that the key belongs to `ep`, and (for atomics) 8-byte alignment.
+    pub(crate) fn target(
+        &self,
+        ep: &Endpoint,
+        op: &'static str,
+        offset: u64,
+        len: u64,
+        align: u64,
+    ) -> Result<u64> {
+        if !Arc::ptr_eq(&self.inner.ep.inner, &ep.inner) {
+            return Err(Error::ApiMisuse(format!(
+                "{op}: the remote key was unpacked on another endpoint ({})",
+                self.inner.ep.peer()
+            )));
+        }
+        let oob = |extra| Error::OutOfBounds { op, offset, len, region_len: self.inner.len, extra };
+        let end = offset.checked_add(len).ok_or_else(|| oob(""))?;
+        if end > self.inner.len {
+            return Err(oob(""));
+        }
+        let addr = self.inner.addr + offset;
+        if align > 1 && addr % align != 0 {
+            return Err(oob(" (atomics need an 8-byte aligned address)"));
+        }
+        Ok(addr)
+    }
+
+    pub(crate) fn keep(&self) -> Box<dyn Any + Send> {
+        Box::new(self.inner.clone())
+    }
+}
+
+impl Endpoint {
+    /// Unpacks a key a peer made with [`MemRegion::pack_key`] (`ucp_ep_rkey_unpack`), for
+    /// use on this endpoint.
+    ///
+    /// # Errors
+    /// [`Error::BadRemoteKey`] for bytes that are not a packed key (checked before UCX
+    /// sees them) or that UCX refuses; [`Error::ConnectionReset`] or
+    /// [`Error::ApiMisuse`] when the endpoint failed or was closed.
+    pub fn unpack_key(&self, bytes: &[u8]) -> Result<RemoteKey> {
+        let (addr, len, ucx) = decode_key(bytes)?;
+        let rkey = self.with_handle("unpack_key", |_, h| {
+            let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
+            // SAFETY: h is live under the lock; ucx is a key packed by UCX (its envelope
+            // checked); rkey is a valid out-pointer.
+            Status(unsafe { sys::ucp_ep_rkey_unpack(h, ucx.as_ptr().cast(), &mut rkey) })
+                .check()
+                .map_err(|s| Error::BadRemoteKey { reason: format!("UCX refused it: {s}") })?;
+            Ok(rkey)
+        })?;
+        Ok(RemoteKey { inner: Arc::new(RkeyInner { ep: self.clone(), rkey, addr, len }) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_envelope_roundtrip_and_rejects() {
+        let k = encode_key(0x1000, 4096, b"ucx-key-bytes");
+        let (a, l, u) = decode_key(&k).unwrap();
+        assert_eq!((a, l, u), (0x1000, 4096, &b"ucx-key-bytes"[..]));
+        assert!(decode_key(&k[..k.len() - 1]).is_err());
+        assert!(decode_key(&[k.clone(), vec![0]].concat()).is_err());
+        assert!(decode_key(&[]).is_err());
+        for i in 0..k.len() {
+            let mut b = k.clone();
+            b[i] ^= 0x40;
+            assert!(decode_key(&b).is_err(), "flipped byte {i} accepted");
+        }
+        let wrap = encode_key(u64::MAX - 1, 10, b"x");
+        assert!(decode_key(&wrap).is_err());
+    }
+}

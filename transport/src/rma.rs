@@ -1,0 +1,291 @@
+//! One-sided operations on a peer's registered memory: [`Endpoint::put`],
+//! [`Endpoint::get`], 64-bit atomics, and the ordering calls [`Endpoint::flush`] (on the
+//! endpoint), [`Worker::flush`] and [`Worker::fence`].
+//!
+//! A put completes locally when its buffer may be reused, not when the data is in the
+//! peer's memory: flush the endpoint (or the worker) for that. Every access is checked
+//! against the bounds of the region the [`RemoteKey`] describes before it is posted.
+//!
+//! Over TCP, UCX emulates RMA with messages that the target worker handles in its own
+//! progress, so the target must be progressing (any pending operation or the event
+//! driver does that). Put over TCP is slow for large transfers on UCX 1.13; prefer get,
+//! or rendezvous tag and active messages, for bulk data there.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use ucx_sys as sys;
+
+use crate::buf::{IoBuf, IoBufMut};
+use crate::endpoint::{op_param, Endpoint};
+use crate::error::Result;
+use crate::mem::RemoteKey;
+use crate::op::{OpState, SendOp};
+use crate::request::{Completion, Posted};
+use crate::worker::{OpKind, Worker};
+
+/// Future of [`Endpoint::put`]: resolves to `(Result<()>, buffer)` once the buffer may be
+/// reused.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time: the buffer and the remote key are kept until UCX is
+/// done with them, and the data may still be written.
+pub type Put<B> = SendOp<B>;
+
+/// A 64-bit atomic operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AtomicKind {
+    Add,
+    Swap,
+    CompareSwap,
+}
+
+impl Endpoint {
+    /// Writes `buf` into the peer's region at `offset` (`ucp_put_nbx`).
+    ///
+    /// # Errors
+    /// (in the future's result) [`crate::Error::OutOfBounds`] when the bytes do not fit
+    /// the region; [`crate::Error::ApiMisuse`] for a key unpacked on another endpoint.
+    ///
+    /// # Cancel safety
+    /// Dropping the future is memory-safe at any time; the data may still be written.
+    pub fn put<B: IoBuf>(&self, buf: B, key: &RemoteKey, offset: u64) -> Put<B> {
+        let remote = match key.target(self, "put", offset, buf.bytes_init() as u64, 1) {
+            Ok(a) => a,
+            Err(e) => return SendOp::failed(self, "put", e, buf),
+        };
+        let rkey = key.inner.rkey;
+        SendOp::post(self, "put", buf, Some(key.keep()), |_, h, ptr, len, param| {
+            // SAFETY: h is live under the lock; the buffer and the rkey stay valid until
+            // the request completes (kept by the operation, parked on drop); the remote
+            // range was checked against the key's region.
+            unsafe { sys::ucp_put_nbx(h, ptr.cast(), len, remote, rkey, param) }
+        })
+    }
+
+    /// Reads `len` bytes of the peer's region at `offset` into `buf` (`ucp_get_nbx`);
+    /// on success the buffer's length is `len`.
+    ///
+    /// # Errors
+    /// (in the future's result) [`crate::Error::OutOfBounds`],
+    /// [`crate::Error::ApiMisuse`] for a key from another endpoint or a buffer smaller
+    /// than `len`.
+    ///
+    /// # Cancel safety
+    /// Memory-safe to drop at any time: the buffer is kept until UCX finishes writing it.
+    pub fn get<B: IoBufMut>(&self, mut buf: B, len: usize, key: &RemoteKey, offset: u64) -> Get<B> {
+        let fail = |e, buf| Get { ep: self.clone(), len, state: OpState::Failed(e, buf), key: None };
+        if buf.bytes_total() < len {
+            let e = crate::Error::ApiMisuse(format!(
+                "get of {len} bytes into a {} byte buffer",
+                buf.bytes_total()
+            ));
+            return fail(e, buf);
+        }
+        let remote = match key.target(self, "get", offset, len as u64, 1) {
+            Ok(a) => a,
+            Err(e) => return fail(e, buf),
+        };
+        let rkey = key.inner.rkey;
+        let ptr = buf.stable_mut_ptr();
+        let no_imm = self.worker_inner().no_imm;
+        let id = self.inner.id;
+        let posted = self.with_handle("get", |st, h| {
+            let param = op_param(st, no_imm);
+            // SAFETY: h is live under the lock; buf is valid for len bytes and kept, with
+            // the rkey, until the request completes (parked on drop); the remote range
+            // was checked.
+            let p = unsafe { sys::ucp_get_nbx(h, ptr.cast(), len, remote, rkey, &param) };
+            let posted = Posted::from_ptr(p, Completion::OK, false);
+            if let Posted::Pending(r) = &posted {
+                r.bind(st, id, OpKind::Finish);
+            }
+            Ok(posted)
+        });
+        if matches!(posted, Ok(Posted::Pending(_))) {
+            self.worker_inner().posted();
+        }
+        Get { ep: self.clone(), len, state: OpState::from_posted(posted, buf), key: Some(key.clone()) }
+    }
+
+    /// Adds `value` to the 64-bit word at `offset` (`UCP_ATOMIC_OP_ADD`, no fetch).
+    pub fn atomic_add(&self, key: &RemoteKey, offset: u64, value: u64) -> Atomic {
+        self.atomic(AtomicKind::Add, key, offset, value, 0, false)
+    }
+
+    /// Adds `value` to the 64-bit word at `offset` and resolves to its previous value.
+    pub fn atomic_fetch_add(&self, key: &RemoteKey, offset: u64, value: u64) -> Atomic {
+        self.atomic(AtomicKind::Add, key, offset, value, 0, true)
+    }
+
+    /// Stores `value` in the 64-bit word at `offset` and resolves to its previous value.
+    pub fn atomic_swap(&self, key: &RemoteKey, offset: u64, value: u64) -> Atomic {
+        self.atomic(AtomicKind::Swap, key, offset, value, 0, true)
+    }
+
+    /// Stores `new` in the 64-bit word at `offset` if it equals `expected`; resolves to
+    /// the previous value either way (equal to `expected` when the swap happened).
+    pub fn atomic_compare_swap(&self, key: &RemoteKey, offset: u64, expected: u64, new: u64) -> Atomic {
+        self.atomic(AtomicKind::CompareSwap, key, offset, expected, new, true)
+    }
+
+    fn atomic(&self, kind: AtomicKind, key: &RemoteKey, offset: u64, x: u64, z: u64, fetch: bool) -> Atomic {
+        let op = match kind {
+            AtomicKind::Add => "atomic_add",
+            AtomicKind::Swap => "atomic_swap",
+            AtomicKind::CompareSwap => "atomic_compare_swap",
+        };
+        // [operand, reply]: both must stay put until the operation completes.
+        let mut words: Box<[u64; 2]> = Box::new([x, z]);
+        let remote = match key.target(self, op, offset, 8, 8) {
+            Ok(a) => a,
+            Err(e) => return Atomic { ep: self.clone(), op, state: OpState::Failed(e, words), key: None },
+        };
+        let rkey = key.inner.rkey;
+        let opcode = match kind {
+            AtomicKind::Add => sys::UCP_ATOMIC_OP_ADD,
+            AtomicKind::Swap => sys::UCP_ATOMIC_OP_SWAP,
+            AtomicKind::CompareSwap => sys::UCP_ATOMIC_OP_CSWAP,
+        };
+        let operand: *const u64 = &words[0];
+        let reply: *mut u64 = &mut words[1];
+        let no_imm = self.worker_inner().no_imm;
+        let id = self.inner.id;
+        let posted = self.with_handle(op, |st, h| {
+            let mut param = op_param(st, no_imm);
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE.0 as u32;
+            param.datatype = sys::ucp_dt_make_contig(8);
+            if fetch {
+                param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_REPLY_BUFFER.0 as u32;
+                param.reply_buffer = reply.cast();
+            }
+            // SAFETY: h is live under the lock; operand and reply point into a heap
+            // allocation kept, with the rkey, until the request completes (parked on
+            // drop); the remote word was checked for bounds and alignment.
+            let p = unsafe { sys::ucp_atomic_op_nbx(h, opcode, operand.cast(), 1, remote, rkey, &param) };
+            let posted = Posted::from_ptr(p, Completion::OK, false);
+            if let Posted::Pending(r) = &posted {
+                r.bind(st, id, OpKind::Finish);
+            }
+            Ok(posted)
+        });
+        if matches!(posted, Ok(Posted::Pending(_))) {
+            self.worker_inner().posted();
+        }
+        Atomic { ep: self.clone(), op, state: OpState::from_posted(posted, words), key: Some(key.clone()) }
+    }
+}
+
+impl Worker {
+    /// Flushes every operation posted on this worker's endpoints
+    /// (`ucp_worker_flush_nbx`): when this returns, puts and atomics are complete at
+    /// their targets.
+    ///
+    /// # Cancel safety
+    /// Safe to drop; the flush still happens.
+    pub async fn flush(&self) -> Result<()> {
+        let inner = &self.shared.inner;
+        let posted = inner.locked(|st| {
+            let param = op_param(st, inner.no_imm);
+            // SAFETY: the worker is valid under the lock; the callback and user data are
+            // ours.
+            let p = unsafe { sys::ucp_worker_flush_nbx(st.handle, &param) };
+            Posted::from_ptr(p, Completion::OK, false)
+        });
+        let c = crate::endpoint::wait_unbuffered(self, posted).await;
+        c.status.check().map_err(|source| crate::Error::Worker { op: "flush", source })
+    }
+
+    /// Orders operations (`ucp_worker_fence`): those posted after this call take effect
+    /// at their targets after those posted before it, without waiting for completion.
+    pub fn fence(&self) -> Result<()> {
+        self.shared.inner.locked(|st| {
+            // SAFETY: the worker is valid under the lock.
+            crate::Status(unsafe { sys::ucp_worker_fence(st.handle) })
+                .check()
+                .map_err(|source| crate::Error::Worker { op: "fence", source })
+        })
+    }
+}
+
+/// Future of [`Endpoint::get`]: resolves to `(Result<()>, buffer)`.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time: the buffer is kept until UCX finishes writing it.
+#[must_use = "a get does nothing useful unless awaited"]
+pub struct Get<B: IoBufMut> {
+    ep: Endpoint,
+    len: usize,
+    state: OpState<B>,
+    key: Option<RemoteKey>,
+}
+
+impl<B: IoBufMut> Unpin for Get<B> {}
+
+impl<B: IoBufMut> Future for Get<B> {
+    type Output = (Result<()>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match this.state.poll(Some(&this.ep.worker().shared), cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Ok((c, mut b))) => {
+                this.key = None;
+                if !c.status.is_ok() {
+                    return Poll::Ready((Err(this.ep.error_of("get", c.status)), b));
+                }
+                // SAFETY: UCX wrote len bytes at the start of b.
+                unsafe { b.set_init(this.len) };
+                Poll::Ready((Ok(()), b))
+            }
+        }
+    }
+}
+
+impl<B: IoBufMut> Drop for Get<B> {
+    fn drop(&mut self) {
+        let key = self.key.take().map(|k| k.keep());
+        self.state.park(Some(&self.ep.worker().shared), key);
+    }
+}
+
+/// Future of the atomic operations: resolves to the word's previous value (0 for
+/// [`Endpoint::atomic_add`], which does not fetch).
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time; the operation still takes effect.
+#[must_use = "an atomic operation's result is only known when awaited"]
+pub struct Atomic {
+    ep: Endpoint,
+    op: &'static str,
+    state: OpState<Box<[u64; 2]>>,
+    key: Option<RemoteKey>,
+}
+
+impl Future for Atomic {
+    type Output = Result<u64>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match this.state.poll(Some(&this.ep.worker().shared), cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, _))) => Poll::Ready(Err(e)),
+            Poll::Ready(Ok((c, words))) => {
+                this.key = None;
+                if !c.status.is_ok() {
+                    return Poll::Ready(Err(this.ep.error_of(this.op, c.status)));
+                }
+                Poll::Ready(Ok(words[1]))
+            }
+        }
+    }
+}
+
+impl Drop for Atomic {
+    fn drop(&mut self) {
+        let key = self.key.take().map(|k| k.keep());
+        self.state.park(Some(&self.ep.worker().shared), key);
+    }
+}
