@@ -84,7 +84,7 @@ impl<B: Send + 'static> OpState<B> {
 /// such as an active-message header or a remote key) is kept until UCX has finished with
 /// it, and the operation may still take effect.
 #[must_use = "the operation is already posted; await the future to learn whether it succeeded"]
-pub struct SendOp<B: IoBuf> {
+pub struct SendOp<B: Send + 'static> {
     /// Held only while the operation is pending or failed (a success at once needs
     /// nothing).
     ep: Option<Endpoint>,
@@ -111,9 +111,32 @@ impl<B: IoBuf> SendOp<B> {
             &mut sys::ucp_request_param_t,
         ) -> sys::ucs_status_ptr_t,
     ) -> SendOp<B> {
+        let (ptr, len) = (buf.stable_ptr(), buf.bytes_init());
+        Self::post_raw(ep, op, buf, ptr, len, extra, call)
+    }
+}
+
+impl<B: Send + 'static> SendOp<B> {
+    /// [`SendOp::post`] with the pointer and count to pass given explicitly (an iov
+    /// array and its length for vectored operations).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_raw(
+        ep: &Endpoint,
+        op: &'static str,
+        buf: B,
+        ptr: *const u8,
+        len: usize,
+        extra: Option<Box<dyn Any + Send>>,
+        call: impl FnOnce(
+            &mut State,
+            sys::ucp_ep_h,
+            *const u8,
+            usize,
+            &mut sys::ucp_request_param_t,
+        ) -> sys::ucs_status_ptr_t,
+    ) -> SendOp<B> {
         let no_imm = ep.worker_inner().no_imm;
         let id = ep.inner.id;
-        let (ptr, len) = (buf.stable_ptr(), buf.bytes_init());
         let posted = ep.with_handle(op, |st, h| {
             let mut param = op_param(st, no_imm);
             let p = call(st, h, ptr, len, &mut param);
@@ -152,9 +175,9 @@ impl<B: IoBuf> SendOp<B> {
 }
 
 // The future never pins its fields: the buffer is moved in and out by value.
-impl<B: IoBuf> Unpin for SendOp<B> {}
+impl<B: Send + 'static> Unpin for SendOp<B> {}
 
-impl<B: IoBuf> Future for SendOp<B> {
+impl<B: Send + 'static> Future for SendOp<B> {
     type Output = (Result<()>, B);
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -175,7 +198,7 @@ impl<B: IoBuf> Future for SendOp<B> {
     }
 }
 
-impl<B: IoBuf> Drop for SendOp<B> {
+impl<B: Send + 'static> Drop for SendOp<B> {
     fn drop(&mut self) {
         let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
         let extra = self.extra.take();
