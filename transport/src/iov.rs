@@ -88,7 +88,7 @@ impl Endpoint {
     /// done with every part.
     pub fn put_iov<B: IoBuf>(&self, bufs: Vec<B>, key: &RemoteKey, offset: u64) -> PutIov<B> {
         let total: u64 = bufs.iter().map(|b| b.bytes_init() as u64).sum();
-        let keep = Arc::new(Mutex::new(None::<(Vec<B>, Box<dyn Any + Send>)>));
+        let keep: Shared<B> = Arc::new(Mutex::new(None));
         let fail = |e, bufs| PutIov {
             ep: self.clone(),
             parts: Vec::new(),
@@ -245,6 +245,9 @@ impl<B: IoBufMut> Drop for TagRecvIov<B> {
     }
 }
 
+/// The buffers of a [`PutIov`] and its key, shared by its pending parts.
+type Shared<B> = Arc<Mutex<Option<(Vec<B>, Box<dyn Any + Send>)>>>;
+
 /// Future of [`Endpoint::put_iov`]: resolves to `(Result<()>, buffers)`.
 ///
 /// # Cancel safety
@@ -255,7 +258,7 @@ pub struct PutIov<B: IoBuf> {
     ep: Endpoint,
     parts: Vec<OpState<()>>,
     /// The buffers and the key, shared by every pending part until all are done.
-    keep: Arc<Mutex<Option<(Vec<B>, Box<dyn Any + Send>)>>>,
+    keep: Shared<B>,
     failed: Option<(Error, Vec<B>)>,
 }
 
