@@ -121,3 +121,26 @@ async fn bad_config_is_an_error() {
     let err = ucxkit::transport::Context::builder().config("RNDV_THRESH", "not-a-size").build().unwrap_err();
     assert!(err.to_string().contains("RNDV_THRESH"), "{err}");
 }
+
+/// A required transport that UCX did not pick fails the connection loudly, on both
+/// sides; one it did pick passes, and the lanes name transport and device.
+#[tokio::test]
+async fn required_transport_missing_is_an_error() {
+    let c = ctx("tcp,self");
+    let server = c.create_worker().unwrap();
+    let client = c.create_worker().unwrap();
+    let strict = EndpointOptions { require_transports: vec!["posix".into()], ..Default::default() };
+    let l = server.listen_with(loopback(), strict.clone()).unwrap();
+    let (a, b) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), strict));
+    for r in [a, b] {
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("posix"), "{e}");
+    }
+    let ok = EndpointOptions { require_transports: vec!["tcp".into()], ..Default::default() };
+    let l = server.listen_with(loopback(), ok.clone()).unwrap();
+    let (a, b) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), ok));
+    let (_a, b) = (a.unwrap(), b.unwrap());
+    let lanes = b.lanes().unwrap();
+    assert!(lanes.iter().any(|l| l.transport == "tcp" && l.device == "lo"), "{lanes:?}");
+}

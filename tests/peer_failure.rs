@@ -181,7 +181,7 @@ async fn connect_options_reach_the_peer() {
     let server = c.create_worker().unwrap();
     let client = c.create_worker().unwrap();
     let opts = EndpointOptions { handshake: false, ..Default::default() };
-    let l = server.listen_with(loopback(), opts).unwrap();
+    let l = server.listen_with(loopback(), opts.clone()).unwrap();
     let (a, b) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), opts));
     let (_a, b) = (a.unwrap(), b.unwrap());
     assert!(b.peer_identity().is_none());

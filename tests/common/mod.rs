@@ -26,7 +26,8 @@ pub async fn pair_with(
 ) -> (Worker, Worker, Endpoint, Endpoint) {
     let c = ctx(tls);
     let opts = EndpointOptions { error_mode: mode, ..Default::default() };
-    let server = c.worker().progress_mode(progress).endpoint_options(opts).build().expect("server worker");
+    let server =
+        c.worker().progress_mode(progress).endpoint_options(opts.clone()).build().expect("server worker");
     let client = c.worker().progress_mode(progress).endpoint_options(opts).build().expect("client worker");
     let listener = server.listen(loopback()).expect("listen");
     let addr = listener.local_addr();

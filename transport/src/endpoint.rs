@@ -206,7 +206,7 @@ impl Worker {
     /// # Cancel safety
     /// Safe to drop: the half-made endpoint is closed.
     pub async fn connect(&self, addr: SocketAddr) -> Result<Endpoint> {
-        self.connect_with(addr, self.shared.endpoint).await
+        self.connect_with(addr, self.shared.endpoint.clone()).await
     }
 
     /// Connects to a [`crate::Listener`] at `addr`.
@@ -224,6 +224,7 @@ impl Worker {
         if opts.handshake {
             ep.client_handshake(opts.timeout).await?;
         }
+        ep.check_required(&opts.require_transports)?;
         Ok(ep)
     }
 
@@ -232,7 +233,7 @@ impl Worker {
     /// # Cancel safety
     /// Safe to drop: the half-made endpoint is closed.
     pub async fn connect_address(&self, addr: &WorkerAddress) -> Result<Endpoint> {
-        self.connect_address_with(addr, self.shared.endpoint).await
+        self.connect_address_with(addr, self.shared.endpoint.clone()).await
     }
 
     /// Connects to the worker whose address is `addr`. The other side needs no listener:
@@ -250,6 +251,7 @@ impl Worker {
         if opts.handshake {
             ep.client_handshake(opts.timeout).await?;
         }
+        ep.check_required(&opts.require_transports)?;
         Ok(ep)
     }
 }
@@ -581,10 +583,101 @@ impl Endpoint {
         })
     }
 
+    /// The transport and device of each of this endpoint's lanes (deduplicated; the
+    /// connection-manager lane left out): from `ucp_ep_query` on UCX 1.14 and newer, from
+    /// [`Endpoint::transport_info`] on older UCX. Lanes can change until the connection is
+    /// fully wired up, which `connect` and `accept` wait for when the handshake is on.
+    pub fn lanes(&self) -> Result<Vec<Lane>> {
+        #[cfg(ucx_ge_1_14)]
+        {
+            if let Some(l) = self.query_lanes()? {
+                return Ok(l);
+            }
+        }
+        Ok(parse_lanes(&self.transport_info()?))
+    }
+
+    #[cfg(ucx_ge_1_14)]
+    fn query_lanes(&self) -> Result<Option<Vec<Lane>>> {
+        self.with_handle("ucp_ep_query", |_, h| {
+            let mut entries = vec![
+                sys::ucp_transport_entry_t {
+                    transport_name: std::ptr::null(),
+                    device_name: std::ptr::null()
+                };
+                32
+            ];
+            let mut attr = sys::ucp_ep_attr_t {
+                field_mask: sys::UCP_EP_ATTR_FIELD_TRANSPORTS.0 as u64,
+                ..Default::default()
+            };
+            attr.transports.entries = entries.as_mut_ptr();
+            attr.transports.num_entries = entries.len() as _;
+            attr.transports.entry_size = std::mem::size_of::<sys::ucp_transport_entry_t>() as _;
+            // SAFETY: h is live under the lock; the entry array is valid for the count and
+            // entry size given.
+            if !Status(unsafe { sys::ucp_ep_query(h, &mut attr) }).is_ok() {
+                return Ok(None);
+            }
+            let n = (attr.transports.num_entries as usize).min(entries.len());
+            let mut out: Vec<Lane> = Vec::new();
+            for e in &entries[..n] {
+                if e.transport_name.is_null() {
+                    continue;
+                }
+                // SAFETY: UCX fills NUL-terminated names valid until the endpoint closes;
+                // they are copied here, under the lock.
+                let (t, d) = unsafe {
+                    (
+                        std::ffi::CStr::from_ptr(e.transport_name).to_string_lossy().into_owned(),
+                        if e.device_name.is_null() {
+                            String::new()
+                        } else {
+                            std::ffi::CStr::from_ptr(e.device_name).to_string_lossy().into_owned()
+                        },
+                    )
+                };
+                let lane = Lane { transport: t, device: d };
+                if lane.transport != "cm" && !out.contains(&lane) {
+                    out.push(lane);
+                }
+            }
+            Ok(Some(out))
+        })
+    }
+
     /// The UCX transports this endpoint's lanes use (for example `["posix", "cma"]` or
-    /// `["tcp"]`), parsed from [`Endpoint::transport_info`].
+    /// `["tcp"]`), from [`Endpoint::lanes`].
     pub fn transports(&self) -> Result<Vec<String>> {
-        Ok(parse_transports(&self.transport_info()?))
+        let mut out: Vec<String> = Vec::new();
+        for l in self.lanes()? {
+            if !out.contains(&l.transport) {
+                out.push(l.transport);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Fails (and closes the endpoint) when a required transport is not in use.
+    pub(crate) fn check_required(&self, required: &[String]) -> Result<()> {
+        if required.is_empty() {
+            return Ok(());
+        }
+        let selected = self.transports()?;
+        if let Some(missing) = required.iter().find(|r| !selected.contains(r)) {
+            let id = self.inner.id;
+            self.worker_inner().locked(|st| {
+                if let Some(p) = st.close_ep(id, false) {
+                    st.release(p);
+                }
+            });
+            return Err(Error::MissingTransport {
+                peer: self.inner.peer.clone(),
+                required: missing.clone(),
+                selected,
+            });
+        }
+        Ok(())
     }
 
     /// The raw handle: valid while the endpoint is open and this handle (or a clone) is
@@ -650,10 +743,19 @@ impl Drop for Unbuffered {
     }
 }
 
-/// Transport names from `ucp_ep_print_info` output: lines like
+/// One lane of an endpoint: a UCX transport on a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lane {
+    /// Transport name (`posix`, `cma`, `tcp`, `rc_mlx5`, …).
+    pub transport: String,
+    /// Device name (`memory`, `lo`, `mlx5_0:1`, …).
+    pub device: String,
+}
+
+/// Lanes from `ucp_ep_print_info` output: lines like
 /// `#                 lane[0]:  8:posix/memory.0 md[4]  ...`.
-pub(crate) fn parse_transports(info: &str) -> Vec<String> {
-    let mut out: Vec<String> = Vec::new();
+pub(crate) fn parse_lanes(info: &str) -> Vec<Lane> {
+    let mut out: Vec<Lane> = Vec::new();
     for line in info.lines() {
         let Some(rest) = line.split("lane[").nth(1) else {
             continue;
@@ -665,9 +767,15 @@ pub(crate) fn parse_transports(info: &str) -> Vec<String> {
             continue;
         };
         let tl = tl.split_once(':').map_or(tl, |x| x.1);
-        let name = tl.split('/').next().unwrap_or(tl).to_string();
-        if !name.is_empty() && !out.contains(&name) {
-            out.push(name);
+        let (transport, device) = tl.split_once('/').unwrap_or((tl, ""));
+        // "memory.0": the trailing ".N" is the path index, not part of the device.
+        let device = match device.rsplit_once('.') {
+            Some((d, idx)) if idx.chars().all(|c| c.is_ascii_digit()) => d,
+            _ => device,
+        };
+        let lane = Lane { transport: transport.to_string(), device: device.to_string() };
+        if !lane.transport.is_empty() && lane.transport != "cm" && !out.contains(&lane) {
+            out.push(lane);
         }
     }
     out
@@ -680,8 +788,12 @@ mod tests {
     #[test]
     fn parses_lanes() {
         let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n#                 lane[0]:  8:posix/memory.0 md[4]      -> md[4]/posix/sysdev[255] rma_bw#0 am am_bw#0\n#                 lane[1]:  3:cma/memory.0 md[1]        -> md[1]/cma/sysdev[255] rma_bw#1\n#                 lane[2]:  1:tcp/lo.0 md[0]  -> am\n";
-        assert_eq!(parse_transports(info), vec!["posix", "cma", "tcp"]);
-        assert!(parse_transports("nothing here").is_empty());
+        let lanes = parse_lanes(info);
+        let t: Vec<&str> = lanes.iter().map(|l| l.transport.as_str()).collect();
+        assert_eq!(t, vec!["posix", "cma", "tcp"]);
+        assert_eq!(lanes[0].device, "memory");
+        assert_eq!(lanes[2].device, "lo");
+        assert!(parse_lanes("nothing here").is_empty());
     }
 
     #[test]

@@ -106,7 +106,7 @@ pub use address::WorkerAddress;
 pub use am::{AmHandler, AmMessage, AmProto, AmReceiver, AmRecvData, AmSend, AmSendOptions};
 pub use buf::{IoBuf, IoBufMut};
 pub use context::{Context, ContextBuilder, Features};
-pub use endpoint::Endpoint;
+pub use endpoint::{Endpoint, Lane};
 pub use error::{Error, ErrorKind, Peer, Result, Status};
 pub use handshake::AM_ID as HANDSHAKE_AM_ID;
 pub use identity::ProcessIdentity;

@@ -92,7 +92,7 @@ impl Worker {
     /// [`Listener::local_addr`] reports. Accepted endpoints use this worker's default
     /// [`EndpointOptions`].
     pub fn listen(&self, addr: SocketAddr) -> Result<Listener> {
-        self.listen_with(addr, self.shared.endpoint)
+        self.listen_with(addr, self.shared.endpoint.clone())
     }
 
     /// Listens on `addr`, with options for the endpoints it accepts.
@@ -226,7 +226,7 @@ impl ConnectionRequest {
     /// # Cancel safety
     /// Safe to drop: the half-accepted endpoint is closed.
     pub async fn accept(self) -> Result<Endpoint> {
-        let opts = self.listener.opts;
+        let opts = self.listener.opts.clone();
         self.accept_with(opts).await
     }
 
@@ -259,6 +259,7 @@ impl ConnectionRequest {
         if opts.handshake {
             ep.server_handshake(opts.timeout).await?;
         }
+        ep.check_required(&opts.require_transports)?;
         Ok(ep)
     }
 

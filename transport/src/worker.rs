@@ -65,7 +65,7 @@ impl ErrorMode {
 }
 
 /// Options for connecting or accepting an endpoint.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct EndpointOptions {
     /// Error handling for the endpoint (default [`ErrorMode::Auto`]).
     pub error_mode: ErrorMode,
@@ -75,11 +75,22 @@ pub struct EndpointOptions {
     pub handshake: bool,
     /// How long the handshake may take (default 10 s).
     pub timeout: Duration,
+    /// Transports the endpoint must use (for example `["posix"]` or `["rc_mlx5"]`),
+    /// checked once it is connected (see [`crate::Endpoint::transports`]): when UCX did
+    /// not pick one of them, connecting or accepting fails with
+    /// [`crate::Error::MissingTransport`] instead of silently running over something
+    /// slower. Empty (the default) requires nothing.
+    pub require_transports: Vec<String>,
 }
 
 impl Default for EndpointOptions {
     fn default() -> Self {
-        EndpointOptions { error_mode: ErrorMode::Auto, handshake: true, timeout: Duration::from_secs(10) }
+        EndpointOptions {
+            error_mode: ErrorMode::Auto,
+            handshake: true,
+            timeout: Duration::from_secs(10),
+            require_transports: Vec::new(),
+        }
     }
 }
 
