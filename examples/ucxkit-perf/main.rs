@@ -1,69 +1,40 @@
 //! `ucxkit-perf`: latency and bandwidth of ucxkit's transport, in the spirit of
-//! `ucx_perftest`.
+//! `ucx_perftest`, and side by side with it.
 //!
 //! ```text
-//! cargo run --release --example ucxkit-perf                        # loopback, both tests
+//! cargo run --release --example ucxkit-perf                        # loopback, tag tests
+//! cargo run --release --example ucxkit-perf -- --test all --compare --plot perf.svg
 //! cargo run --release --example ucxkit-perf -- --server --port 13337
 //! cargo run --release --example ucxkit-perf -- --client HOST:13337 --test tag_bw --sizes 64K,1M
 //! ```
 //!
 //! Without `--server`/`--client` the tool starts its own server process and runs over
-//! loopback. Tests: `tag_lat` (ping-pong; one-way latency = round trip / 2) and `tag_bw`
-//! (windowed streaming; bandwidth, message rate and time per message).
+//! loopback. Tests: `tag_lat`, `tag_bw`, `stream_lat`, `stream_bw`, `am_lat`, `am_bw`,
+//! `put_lat`, `put_bw`, `get_bw`, `atomic_rate` (see [`bench::Test`]).
 //!
 //! The client drives: for each (test, size) it sends the server a one-line command on
 //! the control tag, waits for `ready`, runs warm-up plus measured iterations, and reads
-//! the server's `done`.
+//! the server's `done`. With `--compare` it then runs `ucx_perftest` on the same test,
+//! size, iterations, window, transports and pinning, and prints both rows and the ratio.
 
 #![forbid(unsafe_code)]
 
+mod bench;
+mod perftest;
+mod plot;
 mod report;
 mod size;
 
-use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use hdrhistogram::Histogram;
-use ucxkit::transport::{tag, Context, Endpoint, ErrorMode, ProgressMode, Worker, WorkerAddress};
+use ucxkit::transport::{tag, Context, ErrorMode, ProgressMode, Worker, WorkerAddress};
 
+use bench::{recv_ctrl, send_ctrl, Side, Test, CTRL};
 use report::Row;
-
-/// Control messages (commands and replies).
-const CTRL: u64 = 0xC7A1_0000_0000_0000;
-/// Data messages client → server.
-const DATA_C2S: u64 = 0xDA7A_0000_0000_0001;
-/// Data messages server → client.
-const DATA_S2C: u64 = 0xDA7A_0000_0000_0002;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Test {
-    #[value(name = "tag_lat")]
-    /// Ping-pong tagged messages; reports one-way latency.
-    TagLat,
-    #[value(name = "tag_bw")]
-    /// Stream tagged messages with a window of outstanding sends; reports bandwidth.
-    TagBw,
-}
-
-impl Test {
-    fn name(self) -> &'static str {
-        match self {
-            Test::TagLat => "tag_lat",
-            Test::TagBw => "tag_bw",
-        }
-    }
-    fn from_name(s: &str) -> Option<Test> {
-        match s {
-            "tag_lat" => Some(Test::TagLat),
-            "tag_bw" => Some(Test::TagBw),
-            _ => None,
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Transport {
@@ -94,13 +65,14 @@ enum ErrMode {
     None,
 }
 
-/// Latency and bandwidth of ucxkit's tagged messaging.
+/// Latency and bandwidth of ucxkit's transport, side by side with ucx_perftest.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "ucxkit-perf", version)]
 struct Args {
-    /// Tests to run, comma-separated.
-    #[arg(short, long, value_delimiter = ',', default_values = ["tag_lat", "tag_bw"])]
-    test: Vec<Test>,
+    /// Tests to run, comma-separated, or `all`: tag_lat, tag_bw, stream_lat, stream_bw,
+    /// am_lat, am_bw, put_lat, put_bw, get_bw, atomic_rate.
+    #[arg(short, long, value_delimiter = ',', default_values = ["tag_lat", "tag_bw"], value_parser = parse_test)]
+    test: Vec<Vec<Test>>,
     /// Message sizes, comma-separated; K/M/G (and KiB/MiB/GiB) are powers of 1024, KB/MB/GB of 1000.
     #[arg(short, long, default_value = "8,4K,64K,1M,16M")]
     sizes: String,
@@ -152,8 +124,21 @@ struct Args {
     #[arg(long)]
     client: Option<String>,
     /// Print one JSON object per line instead of a table.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "csv")]
     json: bool,
+    /// Print CSV (a header line, then one line per row) instead of a table.
+    #[arg(long)]
+    csv: bool,
+    /// Also run ucx_perftest (from ucx-utils) with the same test, size, iterations,
+    /// window, transports and pinning, and print its row and the ratio.
+    #[arg(long)]
+    compare: bool,
+    /// Write an SVG plot of bandwidth and latency against message size to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
+    /// No progress display on stderr.
+    #[arg(short, long)]
+    quiet: bool,
     /// Pin this process to a CPU.
     #[arg(long)]
     cpu: Option<usize>,
@@ -163,6 +148,16 @@ struct Args {
     /// Serve one client, then exit (used by the loopback mode).
     #[arg(long, hide = true)]
     once: bool,
+}
+
+fn parse_test(s: &str) -> Result<Vec<Test>, String> {
+    if s == "all" {
+        return Ok(Test::value_variants().to_vec());
+    }
+    Test::from_name(s).map(|t| vec![t]).ok_or_else(|| {
+        let names: Vec<&str> = Test::value_variants().iter().map(|t| t.name()).collect();
+        format!("unknown test {s:?} (one of {}, or all)", names.join(", "))
+    })
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -191,6 +186,16 @@ fn main() {
     if let Some(cpu) = args.cpu {
         if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
             die(format!("cannot pin to CPU {cpu}"));
+        }
+    }
+    if !args.server {
+        let sizes = size::parse_sizes(&args.sizes).unwrap_or_else(|e| die(e));
+        for t in args.test.iter().flatten() {
+            for &s in &sizes {
+                if let Err(e) = t.check_size(s) {
+                    die(e);
+                }
+            }
         }
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| die(e));
@@ -266,6 +271,10 @@ async fn loopback(args: &Args) -> AnyResult<()> {
         .and_then(|p| p.parse().ok())
         .ok_or_else(|| format!("unexpected server output {line:?}"))?;
     let r = client(args, &format!("127.0.0.1:{port}")).await;
+    if r.is_err() {
+        // The server would wait for the next command forever.
+        let _ = child.kill();
+    }
     let status = child.wait()?;
     r?;
     if !status.success() {
@@ -290,25 +299,6 @@ fn errmode_arg(e: ErrMode) -> &'static str {
     }
 }
 
-/// Default iterations for a size: enough bytes to be meaningful, bounded for small sizes.
-fn default_iters(test: Test, size: usize) -> u64 {
-    let budget: u64 = match test {
-        Test::TagLat => 256 << 20,
-        Test::TagBw => 4 << 30,
-    };
-    (budget / size.max(1) as u64).clamp(100, 20_000)
-}
-
-async fn send_ctrl(ep: &Endpoint, msg: String) -> AnyResult<()> {
-    let (r, _) = ep.tag_send(CTRL, msg.into_bytes()).await;
-    Ok(r?)
-}
-
-async fn recv_ctrl(w: &Worker) -> AnyResult<String> {
-    let (_, buf) = w.tag_recv_any(CTRL, tag::EXACT).await?;
-    Ok(String::from_utf8(buf)?)
-}
-
 async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     let sizes = size::parse_sizes(&args.sizes)?;
     if args.window == 0 {
@@ -320,6 +310,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     };
     let ctx = context(args)?;
     let w = worker(args, &ctx)?;
+    let mut am = w.am_recv(bench::AM_S2C)?;
     let ep = if args.cm {
         w.connect(addr).await?
     } else {
@@ -333,7 +324,13 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         ep
     };
     let transport = ep.transports().map(|t| t.join(",")).unwrap_or_else(|_| "?".into());
-    if !args.json {
+    let tests: Vec<Test> = args.test.iter().flatten().copied().collect();
+    for &t in &tests {
+        for &size in &sizes {
+            t.check_size(size)?;
+        }
+    }
+    if !args.json && !args.csv {
         println!(
             "# ucxkit-perf: server {addr}, transports {transport}, progress {:?}, error mode {}, UCX {:?}",
             args.progress,
@@ -341,29 +338,115 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
             Context::ucx_version()
         );
         println!("{}", report::header_line());
+    } else if args.csv {
+        println!("{}", report::CSV_HEADER);
     }
-    for &test in &args.test {
-        for &size in &sizes {
-            let (iters, warmup) = match args.duration {
-                Some(d) => calibrate(test, size, d, args, &w, &ep).await?,
-                None => {
-                    let n = args.iters.unwrap_or_else(|| default_iters(test, size));
-                    (n, args.warmup.unwrap_or((n / 10).max(10)))
-                }
-            };
-            let row = run_one(test, size, iters, warmup, args, &w, &ep, &transport).await?;
-            if args.json {
-                println!("{}", row.json());
-            } else {
-                println!("{}", report::table_line(&row));
-            }
-            std::io::stdout().flush()?;
+    let tls = effective_tls(args);
+    let compare = perftest::Setup {
+        tls: tls.as_deref(),
+        peer_mode: ep.uses_peer_error_mode(),
+        cpu: args.cpu,
+        server_cpu: args.server_cpu,
+        window: args.window,
+    };
+    let mut runs: Vec<(Test, usize)> = Vec::new();
+    for &test in &tests {
+        if test == Test::AtomicRate {
+            // The size does not apply: one run.
+            runs.push((test, 8));
+            continue;
         }
+        runs.extend(sizes.iter().map(|&s| (test, s)));
+    }
+    let progress = !args.quiet && std::io::stderr().is_terminal();
+    let mut rows: Vec<Row> = Vec::new();
+    let mut side = Side { w: &w, ep: &ep, am: &mut am };
+    for (k, &(test, size)) in runs.iter().enumerate() {
+        if progress {
+            eprint!("\r\x1b[K[{}/{}] {} {} ...", k + 1, runs.len(), test.name(), size::format_size(size));
+        }
+        let (iters, warmup) = match args.duration {
+            Some(d) => calibrate(test, size, d, args, &mut side).await?,
+            None => {
+                let n = args.iters.unwrap_or_else(|| bench::default_iters(test, size));
+                (n, args.warmup.unwrap_or((n / 10).max(10)))
+            }
+        };
+        let window = args.window;
+        let recv_window =
+            args.recv_window.unwrap_or(if size <= 8192 { window } else { window.min(4) }).max(1);
+        let row =
+            bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport).await?;
+        let theirs = if args.compare {
+            if progress {
+                eprint!(
+                    "\r\x1b[K[{}/{}] {} {} (ucx_perftest) ...",
+                    k + 1,
+                    runs.len(),
+                    test.name(),
+                    size::format_size(size)
+                );
+            }
+            Some(perftest::run(test, size, iters, warmup, &compare)?)
+        } else {
+            None
+        };
+        if progress {
+            eprint!("\r\x1b[K");
+        }
+        let mut out = vec![row.clone()];
+        out.extend(theirs.clone());
+        for r in &out {
+            if args.json {
+                let mut v: serde_json::Value = serde_json::from_str(&r.json())?;
+                if let (Some(t), "ucxkit") = (&theirs, r.source.as_str()) {
+                    v["ratio"] = serde_json::json!(perftest::ratio(test, r, t));
+                }
+                println!("{v}");
+            } else if args.csv {
+                println!("{}", r.csv());
+            } else {
+                println!("{}", report::table_line(r));
+            }
+        }
+        if let (Some(t), false, false) = (&theirs, args.json, args.csv) {
+            let what = if test.is_latency() {
+                "latency"
+            } else if test == Test::AtomicRate {
+                "rate"
+            } else {
+                "bandwidth"
+            };
+            println!("{}", report::ratio_line(what, perftest::ratio(test, &row, t)));
+        }
+        std::io::stdout().flush()?;
+        rows.extend(out);
     }
     send_ctrl(&ep, "bye".into()).await?;
     let _ = recv_ctrl(&w).await?;
     ep.close().await?;
+    if let Some(path) = &args.plot {
+        let title = format!("ucxkit-perf over {transport} ({:?} progress)", args.progress);
+        let svg = plot::render(&rows, &title, &|name| Test::from_name(name).is_some_and(Test::is_latency));
+        std::fs::write(path, svg).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        if !args.json && !args.csv {
+            println!("# plot written to {}", path.display());
+        }
+    }
     Ok(())
+}
+
+/// The `UCX_TLS` this run uses, for ucx_perftest (None: UCX's default, from the
+/// environment).
+fn effective_tls(args: &Args) -> Option<String> {
+    if let Some(t) = &args.tls {
+        return Some(t.clone());
+    }
+    match args.transport {
+        Transport::Shm => Some("posix,cma,tcp,self".into()),
+        Transport::Tcp => Some("tcp,self".into()),
+        Transport::Auto => std::env::var("UCX_TLS").ok(),
+    }
 }
 
 /// Picks an iteration count that runs for about `d`, from a short trial.
@@ -372,143 +455,20 @@ async fn calibrate(
     size: usize,
     d: Duration,
     args: &Args,
-    w: &Worker,
-    ep: &Endpoint,
+    side: &mut Side<'_>,
 ) -> AnyResult<(u64, u64)> {
     let trial = 20u64.max(args.window as u64);
     let t0 = Instant::now();
-    run_one(test, size, trial, 0, args, w, ep, "").await?;
+    bench::run_client(test, size, trial, 0, args.window, args.window, side, "").await?;
     let per = t0.elapsed().as_secs_f64() / trial as f64;
     let n = ((d.as_secs_f64() / per.max(1e-9)) as u64).clamp(10, 50_000_000);
     Ok((n, args.warmup.unwrap_or((n / 10).max(10))))
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run_one(
-    test: Test,
-    size: usize,
-    iters: u64,
-    warmup: u64,
-    args: &Args,
-    w: &Worker,
-    ep: &Endpoint,
-    transport: &str,
-) -> AnyResult<Row> {
-    let window = args.window;
-    let recv_window = args.recv_window.unwrap_or(if size <= 8192 { window } else { window.min(4) }).max(1);
-    send_ctrl(ep, format!("{} {size} {} {recv_window}", test.name(), iters + warmup)).await?;
-    let ready = recv_ctrl(w).await?;
-    if ready != "ready" {
-        return Err(format!("server answered {ready:?}").into());
-    }
-    // The payload lives for the whole run: sends borrow it as `&'static [u8]`, so the
-    // hot loop does no reference counting (as a C benchmark would reuse one buffer).
-    let payload: &'static [u8] = Vec::leak(vec![0x5au8; size]);
-    let mut hist = Histogram::<u64>::new(3)?;
-    let elapsed;
-    match test {
-        Test::TagLat => {
-            let mut rbuf = Vec::with_capacity(size);
-            let mut start = Instant::now();
-            // One clock read per round trip: each iteration is timed from the end of the
-            // previous one.
-            let mut last = start;
-            for i in 0..iters + warmup {
-                let recv = w.tag_recv(DATA_S2C, tag::EXACT, rbuf);
-                let (s, _) = ep.tag_send(DATA_C2S, payload).await;
-                s?;
-                let (r, b) = recv.await;
-                r?;
-                rbuf = b;
-                let now = Instant::now();
-                if i >= warmup {
-                    hist.record((now - last).as_nanos() as u64)?;
-                } else if i + 1 == warmup {
-                    start = now;
-                }
-                last = now;
-            }
-            elapsed = start.elapsed();
-        }
-        Test::TagBw => {
-            let mut inflight = VecDeque::with_capacity(window);
-            let mut start = Instant::now();
-            let mut last = start;
-            for i in 0..iters + warmup {
-                if i == warmup {
-                    // Drain the warm-up messages before starting the clock.
-                    while let Some(f) = inflight.pop_front() {
-                        let (r, _) = f.await;
-                        r?;
-                    }
-                    start = Instant::now();
-                    last = start;
-                }
-                if inflight.len() == window {
-                    let (r, _) = inflight.pop_front().expect("window is full").await;
-                    r?;
-                    if i >= warmup {
-                        let now = Instant::now();
-                        hist.record((now - last).as_nanos() as u64)?;
-                        last = now;
-                    }
-                }
-                inflight.push_back(ep.tag_send(DATA_C2S, payload));
-            }
-            while let Some(f) = inflight.pop_front() {
-                let (r, _) = f.await;
-                r?;
-            }
-            // The server acknowledges once everything arrived.
-            let (r, _) = w.tag_recv(DATA_S2C, tag::EXACT, Vec::with_capacity(8)).await;
-            r?;
-            elapsed = start.elapsed();
-        }
-    }
-    let done = recv_ctrl(w).await?;
-    if done != "done" {
-        return Err(format!("server answered {done:?}").into());
-    }
-    let secs = elapsed.as_secs_f64();
-    let n = iters.max(1) as f64;
-    let (lat, p50, p99) = match test {
-        // One-way latency: half the round trip.
-        Test::TagLat => (
-            secs * 1e6 / n / 2.0,
-            hist.value_at_quantile(0.5) as f64 / 2e3,
-            hist.value_at_quantile(0.99) as f64 / 2e3,
-        ),
-        Test::TagBw => (
-            secs * 1e6 / n,
-            hist.value_at_quantile(0.5) as f64 / 1e3,
-            hist.value_at_quantile(0.99) as f64 / 1e3,
-        ),
-    };
-    let msg_rate = match test {
-        // One message each way per iteration.
-        Test::TagLat => 2.0 * n / secs,
-        Test::TagBw => n / secs,
-    };
-    let bw = match test {
-        Test::TagLat => size as f64 / (lat * 1e-6) / (1 << 20) as f64,
-        Test::TagBw => size as f64 * n / secs / (1 << 20) as f64,
-    };
-    Ok(Row {
-        test: test.name().into(),
-        size,
-        iters,
-        lat_us: lat,
-        lat_p50_us: p50,
-        lat_p99_us: p99,
-        bw_mibps: if size == 0 { 0.0 } else { bw },
-        msg_rate,
-        transport: transport.into(),
-    })
-}
-
 async fn server(args: &Args) -> AnyResult<()> {
     let ctx = context(args)?;
     let w = worker(args, &ctx)?;
+    let mut am = w.am_recv(bench::AM_C2S)?;
     let bind = SocketAddr::new(args.bind, args.port);
     if args.cm {
         let listener = w.listen(bind)?;
@@ -516,7 +476,7 @@ async fn server(args: &Args) -> AnyResult<()> {
         std::io::stdout().flush()?;
         loop {
             let ep = listener.accept().await?;
-            if let Err(e) = serve(&w, &ep).await {
+            if let Err(e) = serve(&mut Side { w: &w, ep: &ep, am: &mut am }).await {
                 eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
             }
             drop(ep);
@@ -535,7 +495,7 @@ async fn server(args: &Args) -> AnyResult<()> {
             write_frame(&mut sock, w.address()?.as_bytes()).await?;
             let ep = w.connect_address(&theirs).await?;
             write_frame(&mut sock, b"connected").await?;
-            serve(&w, &ep).await?;
+            serve(&mut Side { w: &w, ep: &ep, am: &mut am }).await?;
             // The client may already have destroyed its worker: close gracefully if it
             // answers soon, otherwise let the endpoint close in the background.
             let _ = tokio::time::timeout(Duration::from_secs(1), ep.close()).await;
@@ -574,57 +534,25 @@ async fn read_frame(sock: &mut tokio::net::TcpStream) -> AnyResult<Vec<u8>> {
     Ok(buf)
 }
 
-async fn serve(w: &Worker, ep: &Endpoint) -> AnyResult<()> {
+/// Serves one client's commands until it says `bye`.
+async fn serve(side: &mut Side<'_>) -> AnyResult<()> {
     loop {
-        let cmd = recv_ctrl(w).await?;
-        let parts: Vec<&str> = cmd.split_whitespace().collect();
-        if parts.first() == Some(&"bye") {
-            send_ctrl(ep, "bye".into()).await?;
+        let cmd = next_command(side.w).await?;
+        if cmd == "bye" {
+            send_ctrl(side.ep, "bye".into()).await?;
             // Let the reply leave before the client closes.
-            ep.flush().await?;
+            side.ep.flush().await?;
             return Ok(());
         }
-        let (test, size, total, window) = match parts.as_slice() {
-            [t, s, n, win] => (
-                Test::from_name(t).ok_or_else(|| format!("unknown test {t:?}"))?,
-                s.parse::<usize>()?,
-                n.parse::<u64>()?,
-                win.parse::<usize>()?.max(1),
-            ),
-            _ => return Err(format!("bad command {cmd:?}").into()),
-        };
-        send_ctrl(ep, "ready".into()).await?;
-        match test {
-            Test::TagLat => {
-                let payload: &'static [u8] = Vec::leak(vec![0xa5u8; size]);
-                let mut rbuf = Vec::with_capacity(size);
-                for _ in 0..total {
-                    let (r, b) = w.tag_recv(DATA_C2S, tag::EXACT, rbuf).await;
-                    r?;
-                    rbuf = b;
-                    let (s, _) = ep.tag_send(DATA_S2C, payload).await;
-                    s?;
-                }
-            }
-            Test::TagBw => {
-                let mut posted = VecDeque::with_capacity(window);
-                let mut next = 0u64;
-                while next < total.min(window as u64) {
-                    posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, Vec::with_capacity(size)));
-                    next += 1;
-                }
-                while let Some(f) = posted.pop_front() {
-                    let (r, buf) = f.await;
-                    r?;
-                    if next < total {
-                        posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, buf));
-                        next += 1;
-                    }
-                }
-                let (s, _) = ep.tag_send(DATA_S2C, vec![1u8]).await;
-                s?;
-            }
-        }
-        send_ctrl(ep, "done".into()).await?;
+        bench::serve_one(&cmd, side).await?;
     }
+}
+
+/// Waits for the client's next command without spinning (even in busy-poll mode), so
+/// that an idle server leaves the CPU to `--compare`'s ucx_perftest runs.
+async fn next_command(w: &Worker) -> AnyResult<String> {
+    while w.tag_probe(CTRL, tag::EXACT).is_none() {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    recv_ctrl(w).await
 }

@@ -1,4 +1,5 @@
-//! Results: one row per (test, size), printed as an aligned table or as JSON lines.
+//! Results: one row per (test, size, source), printed as an aligned table, JSON lines or
+//! CSV.
 
 use serde_json::json;
 
@@ -12,13 +13,15 @@ pub(crate) struct Row {
     pub(crate) iters: u64,
     /// One-way latency (latency tests) or time per message (bandwidth tests), µs.
     pub(crate) lat_us: f64,
-    pub lat_p50_us: f64,
-    pub lat_p99_us: f64,
+    pub(crate) lat_p50_us: f64,
+    pub(crate) lat_p99_us: f64,
     /// MiB/s (2^20 bytes per second, as ucx_perftest prints MB/s).
     pub(crate) bw_mibps: f64,
     pub(crate) msg_rate: f64,
     /// Transports the endpoint used.
     pub(crate) transport: String,
+    /// Who measured it: `ucxkit`, or `ucx_perftest` with `--compare`.
+    pub(crate) source: String,
 }
 
 impl Row {
@@ -33,21 +36,62 @@ impl Row {
             "bw_mibps": round(self.bw_mibps, 2),
             "msg_rate": round(self.msg_rate, 1),
             "transport": self.transport,
+            "source": self.source,
         })
         .to_string()
     }
+
+    /// The row as a CSV line in the order of [`CSV_HEADER`].
+    pub(crate) fn csv(&self) -> String {
+        [
+            self.test.clone(),
+            self.size.to_string(),
+            self.iters.to_string(),
+            num(self.lat_us, 3),
+            num(self.lat_p50_us, 3),
+            num(self.lat_p99_us, 3),
+            num(self.bw_mibps, 2),
+            num(self.msg_rate, 1),
+            csv_cell(&self.transport),
+            csv_cell(&self.source),
+        ]
+        .join(",")
+    }
 }
 
-fn round(x: f64, digits: i32) -> f64 {
+/// Columns of `--csv`, the JSON field names.
+pub(crate) const CSV_HEADER: &str =
+    "test,size,iters,lat_us,lat_p50_us,lat_p99_us,bw_mibps,msg_rate,transport,source";
+
+/// A number, or empty when it was not measured (NaN).
+fn num(x: f64, digits: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.digits$}")
+    } else {
+        String::new()
+    }
+}
+
+fn csv_cell(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// Rounded for JSON; NaN (not measured) becomes null.
+fn round(x: f64, digits: i32) -> serde_json::Value {
     let m = 10f64.powi(digits);
-    (x * m).round() / m
+    serde_json::Number::from_f64((x * m).round() / m)
+        .map_or(serde_json::Value::Null, serde_json::Value::Number)
 }
 
-pub(crate) const HEADER: [&str; 8] =
+const HEADER: [&str; 8] =
     ["test", "size", "iters", "lat_avg_us", "lat_p50_us", "lat_p99_us", "bw_MiB/s", "msg/s"];
 
 /// Column widths: wide enough for the header and typical values.
-const WIDTHS: [usize; 8] = [10, 6, 9, 11, 11, 11, 11, 12];
+const WIDTHS: [usize; 8] = [14, 6, 9, 11, 11, 11, 11, 12];
 
 /// Lays out cells in the table's columns: the first left-aligned, the rest right-aligned.
 fn line<S: AsRef<str>>(cells: &[S]) -> String {
@@ -68,16 +112,23 @@ pub(crate) fn header_line() -> String {
 }
 
 pub(crate) fn table_line(r: &Row) -> String {
+    let cell = |x: f64, d: usize| if x.is_finite() { format!("{x:.d$}") } else { "-".into() };
+    let name = if r.source == "ucxkit" { r.test.clone() } else { format!("  {}", r.source) };
     line(&[
-        r.test.clone(),
+        name,
         format_size(r.size),
         r.iters.to_string(),
-        format!("{:.3}", r.lat_us),
-        format!("{:.3}", r.lat_p50_us),
-        format!("{:.3}", r.lat_p99_us),
-        format!("{:.1}", r.bw_mibps),
-        format!("{:.0}", r.msg_rate),
+        cell(r.lat_us, 3),
+        cell(r.lat_p50_us, 3),
+        cell(r.lat_p99_us, 3),
+        cell(r.bw_mibps, 1),
+        cell(r.msg_rate, 0),
     ])
+}
+
+/// The comparison line under a ucxkit row and ucx_perftest's.
+pub(crate) fn ratio_line(what: &str, ratio: f64) -> String {
+    format!("  {:<w$} ucxkit/ucx_perftest {what} ratio {ratio:.2}", "", w = WIDTHS[0] - 2)
 }
 
 #[cfg(test)]
@@ -95,6 +146,7 @@ mod tests {
             bw_mibps: 9600.123,
             msg_rate: 153600.4,
             transport: "posix,cma".into(),
+            source: "ucxkit".into(),
         }
     }
 
@@ -106,6 +158,23 @@ mod tests {
         }
         assert_eq!(v["size"], 65536);
         assert_eq!(v["bw_mibps"], 9600.12);
+        assert_eq!(v["source"], "ucxkit");
+        let mut r = row();
+        r.lat_p99_us = f64::NAN;
+        let v: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
+        assert!(v["lat_p99_us"].is_null(), "not measured is null");
+    }
+
+    #[test]
+    fn csv_matches_its_header() {
+        let mut r = row();
+        r.transport = "posix,cma".into();
+        let line = r.csv();
+        assert_eq!(line, "tag_bw,65536,1000,6.500,6.250,9.000,9600.12,153600.4,\"posix,cma\",ucxkit");
+        // Quoted cells aside, one value per column.
+        assert_eq!(CSV_HEADER.split(',').count(), 10);
+        r.transport = "tcp".into();
+        assert_eq!(r.csv().split(',').count(), 10);
     }
 
     #[test]

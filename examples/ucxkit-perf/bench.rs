@@ -1,0 +1,582 @@
+//! The tests: what the client and the server do for each, and how a run becomes a
+//! [`Row`].
+//!
+//! Latency tests ping-pong one message (one-way latency = round trip / 2). Bandwidth tests
+//! keep `window` operations in flight and time each completion. One-sided tests (puts,
+//! gets, atomics) target a region the server registers and whose key it sends back with
+//! `ready`; `put_lat` also needs the client's region, whose key rides in the command.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use clap::ValueEnum;
+use hdrhistogram::Histogram;
+use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RemoteKey, Worker};
+
+use crate::report::Row;
+use crate::AnyResult;
+
+/// Control messages (commands and replies).
+pub(crate) const CTRL: u64 = 0xC7A1_0000_0000_0000;
+/// Data messages client → server.
+const DATA_C2S: u64 = 0xDA7A_0000_0000_0001;
+/// Data messages server → client.
+const DATA_S2C: u64 = 0xDA7A_0000_0000_0002;
+/// Active-message ids client → server and back.
+pub(crate) const AM_C2S: u16 = 1;
+pub(crate) const AM_S2C: u16 = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Test {
+    /// Ping-pong tagged messages; one-way latency.
+    #[value(name = "tag_lat")]
+    TagLat,
+    /// Tagged messages with a window of outstanding sends; bandwidth.
+    #[value(name = "tag_bw")]
+    TagBw,
+    /// Ping-pong on the endpoint's byte stream.
+    #[value(name = "stream_lat")]
+    StreamLat,
+    /// Stream sends with a window of outstanding sends.
+    #[value(name = "stream_bw")]
+    StreamBw,
+    /// Ping-pong active messages (rendezvous payloads fetched on arrival).
+    #[value(name = "am_lat")]
+    AmLat,
+    /// Active messages with a window of outstanding sends.
+    #[value(name = "am_bw")]
+    AmBw,
+    /// Ping-pong puts: each side polls the last byte of its region.
+    #[value(name = "put_lat")]
+    PutLat,
+    /// Puts with a window of outstanding operations, flushed at the end.
+    #[value(name = "put_bw")]
+    PutBw,
+    /// Gets with a window of outstanding operations.
+    #[value(name = "get_bw")]
+    GetBw,
+    /// Remote 64-bit atomic adds with a window of outstanding operations (size ignored).
+    #[value(name = "atomic_rate")]
+    AtomicRate,
+}
+
+impl Test {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Test::TagLat => "tag_lat",
+            Test::TagBw => "tag_bw",
+            Test::StreamLat => "stream_lat",
+            Test::StreamBw => "stream_bw",
+            Test::AmLat => "am_lat",
+            Test::AmBw => "am_bw",
+            Test::PutLat => "put_lat",
+            Test::PutBw => "put_bw",
+            Test::GetBw => "get_bw",
+            Test::AtomicRate => "atomic_rate",
+        }
+    }
+
+    pub(crate) fn from_name(s: &str) -> Option<Test> {
+        Test::value_variants().iter().copied().find(|t| t.name() == s)
+    }
+
+    /// Whether the result is a latency (ping-pong) rather than a rate.
+    pub(crate) fn is_latency(self) -> bool {
+        matches!(self, Test::TagLat | Test::StreamLat | Test::AmLat | Test::PutLat)
+    }
+
+    /// The matching `ucx_perftest -t` test.
+    pub(crate) fn perftest_name(self) -> &'static str {
+        match self {
+            Test::TagLat => "tag_lat",
+            Test::TagBw => "tag_bw",
+            Test::StreamLat => "stream_lat",
+            Test::StreamBw => "stream_bw",
+            Test::AmLat => "ucp_am_lat",
+            Test::AmBw => "ucp_am_bw",
+            Test::PutLat => "ucp_put_lat",
+            Test::PutBw => "ucp_put_bw",
+            Test::GetBw => "ucp_get",
+            Test::AtomicRate => "ucp_add",
+        }
+    }
+
+    fn needs_region(self) -> bool {
+        matches!(self, Test::PutLat | Test::PutBw | Test::GetBw | Test::AtomicRate)
+    }
+
+    /// The size actually used for a requested size.
+    pub(crate) fn effective_size(self, size: usize) -> usize {
+        match self {
+            Test::AtomicRate => 8,
+            _ => size,
+        }
+    }
+
+    /// Sizes this test cannot run with.
+    pub(crate) fn check_size(self, size: usize) -> Result<(), String> {
+        match self {
+            Test::StreamLat | Test::StreamBw | Test::PutLat if size == 0 => {
+                Err(format!("{} needs messages of at least 1 byte", self.name()))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Default iterations for a size: enough bytes to be meaningful, bounded for small sizes.
+pub(crate) fn default_iters(test: Test, size: usize) -> u64 {
+    let budget: u64 = if test.is_latency() { 256 << 20 } else { 4 << 30 };
+    (budget / size.max(1) as u64).clamp(100, 20_000)
+}
+
+pub(crate) async fn send_ctrl(ep: &Endpoint, msg: String) -> AnyResult<()> {
+    let (r, _) = ep.tag_send(CTRL, msg.into_bytes()).await;
+    Ok(r?)
+}
+
+pub(crate) async fn recv_ctrl(w: &Worker) -> AnyResult<String> {
+    let (_, buf) = w.tag_recv_any(CTRL, tag::EXACT).await?;
+    Ok(String::from_utf8(buf)?)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> AnyResult<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return Err("odd-length hex".into());
+    }
+    (0..s.len()).step_by(2).map(|i| Ok(u8::from_str_radix(&s[i..i + 2], 16)?)).collect()
+}
+
+/// Everything one side needs for a run.
+pub(crate) struct Side<'a> {
+    pub(crate) w: &'a Worker,
+    pub(crate) ep: &'a Endpoint,
+    pub(crate) am: &'a mut AmReceiver,
+}
+
+/// Waits until the last byte of `region` reads `marker`, progressing the worker.
+async fn wait_marker(w: &Worker, region: &MemRegion, marker: u8) {
+    let last = region.len() - 1;
+    let mut b = [0u8; 1];
+    let mut spins = 0u32;
+    loop {
+        region.read_at(last, &mut b);
+        if b[0] == marker {
+            return;
+        }
+        w.progress();
+        spins += 1;
+        if spins % 4096 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Runs one (test, size) from the client side and returns its row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_client(
+    test: Test,
+    size: usize,
+    iters: u64,
+    warmup: u64,
+    window: usize,
+    recv_window: usize,
+    side: &mut Side<'_>,
+    transport: &str,
+) -> AnyResult<Row> {
+    let (w, ep) = (side.w, side.ep);
+    let total = iters + warmup;
+    // put_lat: the server puts into a region of ours.
+    let mine = if test == Test::PutLat { Some(w.context().register(vec![0u8; size])?) } else { None };
+    let mut cmd = format!("{} {size} {total} {recv_window}", test.name());
+    if let Some(r) = &mine {
+        cmd += &format!(" {}", hex(&r.pack_key()?));
+    }
+    send_ctrl(ep, cmd).await?;
+    let ready = recv_ctrl(w).await?;
+    let mut words = ready.split_whitespace();
+    if words.next() != Some("ready") {
+        return Err(format!("server answered {ready:?}").into());
+    }
+    let key: Option<RemoteKey> = match words.next() {
+        Some(k) => Some(ep.unpack_key(&unhex(k)?)?),
+        None if test.needs_region() => return Err("server sent no key".into()),
+        None => None,
+    };
+    // The payload lives for the whole run: sends borrow it as `&'static [u8]`, so the
+    // hot loop does no reference counting (as a C benchmark reuses one buffer).
+    let payload: &'static [u8] = Vec::leak(vec![0x5au8; size]);
+    // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
+    let local =
+        if test.needs_region() { Some(w.context().register(vec![0x5au8; size.max(8)])?) } else { None };
+    let mut clock = Clock::new(warmup)?;
+    match test {
+        Test::TagLat => {
+            let mut rbuf = Vec::with_capacity(size);
+            for i in 0..total {
+                let recv = w.tag_recv(DATA_S2C, tag::EXACT, rbuf);
+                let (s, _) = ep.tag_send(DATA_C2S, payload).await;
+                s?;
+                let (r, b) = recv.await;
+                r?;
+                rbuf = b;
+                clock.tick(i)?;
+            }
+        }
+        Test::StreamLat => {
+            let mut rbuf: Box<[u8]> = vec![0u8; size].into();
+            for i in 0..total {
+                let (s, _) = ep.stream_send(payload).await;
+                s?;
+                let (r, b) = ep.stream_recv_exact(rbuf).await;
+                r?;
+                rbuf = b;
+                clock.tick(i)?;
+            }
+        }
+        Test::AmLat => {
+            let mut rbuf: Vec<u8> = Vec::with_capacity(size);
+            for i in 0..total {
+                let (s, _) = ep.am_send(AM_C2S, &[], payload).await;
+                s?;
+                let m = side.am.recv().await;
+                if m.is_rendezvous() {
+                    let (r, b) = m.recv_data(rbuf).await;
+                    r?;
+                    rbuf = b;
+                }
+                clock.tick(i)?;
+            }
+        }
+        Test::PutLat => {
+            let key = key.as_ref().ok_or("no key")?;
+            let mine = mine.as_ref().ok_or("no region")?;
+            let bufs: [&'static [u8]; 2] = [marked(size, 1), marked(size, 2)];
+            for i in 0..total {
+                let m = 1 + (i % 2) as u8;
+                let (s, _) = ep.put(bufs[(i % 2) as usize], key, 0).await;
+                s?;
+                wait_marker(w, mine, m).await;
+                clock.tick(i)?;
+            }
+        }
+        Test::TagBw | Test::StreamBw | Test::AmBw | Test::PutBw | Test::GetBw | Test::AtomicRate => {
+            let key = key.as_ref();
+            let mut inflight: VecDeque<Op> = VecDeque::with_capacity(window);
+            for i in 0..total {
+                if i == warmup {
+                    // Drain the warm-up operations before starting the clock.
+                    while let Some(f) = inflight.pop_front() {
+                        f.finish().await?;
+                    }
+                    clock.restart();
+                }
+                if inflight.len() == window {
+                    inflight.pop_front().expect("window is full").finish().await?;
+                    if i >= warmup {
+                        clock.record()?;
+                    }
+                }
+                inflight.push_back(match test {
+                    Test::TagBw => Op::Send(ep.tag_send(DATA_C2S, payload)),
+                    Test::StreamBw => Op::Send(ep.stream_send(payload)),
+                    Test::AmBw => Op::Send(ep.am_send(AM_C2S, &[], payload)),
+                    Test::PutBw => {
+                        Op::Put(ep.put(local.clone().ok_or("no region")?, key.ok_or("no key")?, 0))
+                    }
+                    Test::GetBw => {
+                        Op::Get(ep.get(local.clone().ok_or("no region")?, size, key.ok_or("no key")?, 0))
+                    }
+                    _ => Op::Atomic(ep.atomic_add(key.ok_or("no key")?, 0, 1)),
+                });
+            }
+            while let Some(f) = inflight.pop_front() {
+                f.finish().await?;
+            }
+            if matches!(test, Test::PutBw | Test::AtomicRate) {
+                // Complete at the target, not only locally.
+                ep.flush().await?;
+            }
+            if matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw) {
+                // The server acknowledges once everything arrived.
+                let (r, _) = w.tag_recv(DATA_S2C, tag::EXACT, Vec::with_capacity(8)).await;
+                r?;
+            }
+        }
+    }
+    let elapsed = clock.start.elapsed();
+    if test.needs_region() {
+        send_ctrl(ep, "fin".into()).await?;
+    }
+    let done = recv_ctrl(w).await?;
+    if done != "done" {
+        return Err(format!("server answered {done:?}").into());
+    }
+    Ok(row(test, size, iters, elapsed, &clock.hist, transport))
+}
+
+/// Times a run: one clock read per completion (bandwidth) or round trip (latency), each
+/// timed from the previous one; the run's clock starts when warm-up ends.
+struct Clock {
+    warmup: u64,
+    start: Instant,
+    last: Instant,
+    hist: Histogram<u64>,
+}
+
+impl Clock {
+    fn new(warmup: u64) -> AnyResult<Clock> {
+        let now = Instant::now();
+        Ok(Clock { warmup, start: now, last: now, hist: Histogram::new(3)? })
+    }
+
+    /// After iteration `i` of a latency test.
+    fn tick(&mut self, i: u64) -> AnyResult<()> {
+        let now = Instant::now();
+        if i >= self.warmup {
+            self.hist.record((now - self.last).as_nanos() as u64)?;
+        } else if i + 1 == self.warmup {
+            self.start = now;
+        }
+        self.last = now;
+        Ok(())
+    }
+
+    fn restart(&mut self) {
+        self.start = Instant::now();
+        self.last = self.start;
+    }
+
+    /// One measured completion of a bandwidth test.
+    fn record(&mut self) -> AnyResult<()> {
+        let now = Instant::now();
+        self.hist.record((now - self.last).as_nanos() as u64)?;
+        self.last = now;
+        Ok(())
+    }
+}
+
+/// A payload whose last byte is `marker` (put_lat).
+fn marked(size: usize, marker: u8) -> &'static [u8] {
+    let mut v = vec![0x5au8; size];
+    if let Some(b) = v.last_mut() {
+        *b = marker;
+    }
+    Vec::leak(v)
+}
+
+/// One outstanding operation of a bandwidth test.
+enum Op {
+    Send(ucxkit::transport::SendOp<&'static [u8]>),
+    Put(ucxkit::transport::Put<MemRegion>),
+    Get(ucxkit::transport::Get<MemRegion>),
+    Atomic(ucxkit::transport::Atomic),
+}
+
+impl Op {
+    async fn finish(self) -> AnyResult<()> {
+        match self {
+            Op::Send(f) => f.await.0?,
+            Op::Put(f) => f.await.0?,
+            Op::Get(f) => f.await.0?,
+            Op::Atomic(f) => {
+                f.await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn row(
+    test: Test,
+    size: usize,
+    iters: u64,
+    elapsed: Duration,
+    hist: &Histogram<u64>,
+    transport: &str,
+) -> Row {
+    let secs = elapsed.as_secs_f64().max(1e-12);
+    let n = iters.max(1) as f64;
+    let size = test.effective_size(size);
+    let (lat, p50, p99, msg_rate, bw) = if test.is_latency() {
+        // One-way latency: half the round trip; one message each way per iteration.
+        let lat = secs * 1e6 / n / 2.0;
+        let bw = size as f64 / (lat * 1e-6) / (1 << 20) as f64;
+        (
+            lat,
+            hist.value_at_quantile(0.5) as f64 / 2e3,
+            hist.value_at_quantile(0.99) as f64 / 2e3,
+            2.0 * n / secs,
+            bw,
+        )
+    } else {
+        let bw = size as f64 * n / secs / (1 << 20) as f64;
+        (
+            secs * 1e6 / n,
+            hist.value_at_quantile(0.5) as f64 / 1e3,
+            hist.value_at_quantile(0.99) as f64 / 1e3,
+            n / secs,
+            bw,
+        )
+    };
+    Row {
+        test: test.name().into(),
+        size,
+        iters,
+        lat_us: lat,
+        lat_p50_us: p50,
+        lat_p99_us: p99,
+        bw_mibps: if size == 0 { 0.0 } else { bw },
+        msg_rate,
+        transport: transport.into(),
+        source: "ucxkit".into(),
+    }
+}
+
+/// Serves one command from the client (already received as `cmd`).
+pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
+    let (w, ep) = (side.w, side.ep);
+    let parts: Vec<&str> = cmd.split_whitespace().collect();
+    let (test, size, total, window, their_key) = match parts.as_slice() {
+        [t, s, n, win, rest @ ..] if rest.len() <= 1 => (
+            Test::from_name(t).ok_or_else(|| format!("unknown test {t:?}"))?,
+            s.parse::<usize>()?,
+            n.parse::<u64>()?,
+            win.parse::<usize>()?.max(1),
+            rest.first().copied(),
+        ),
+        _ => return Err(format!("bad command {cmd:?}").into()),
+    };
+    test.check_size(size)?;
+    let region = if test.needs_region() { Some(w.context().register(vec![0u8; size.max(8)])?) } else { None };
+    let their_key = match their_key {
+        Some(k) => Some(ep.unpack_key(&unhex(k)?)?),
+        None => None,
+    };
+    match &region {
+        Some(r) => send_ctrl(ep, format!("ready {}", hex(&r.pack_key()?))).await?,
+        None => send_ctrl(ep, "ready".into()).await?,
+    }
+    let payload: &'static [u8] = Vec::leak(vec![0xa5u8; size]);
+    match test {
+        Test::TagLat => {
+            let mut rbuf = Vec::with_capacity(size);
+            for _ in 0..total {
+                let (r, b) = w.tag_recv(DATA_C2S, tag::EXACT, rbuf).await;
+                r?;
+                rbuf = b;
+                let (s, _) = ep.tag_send(DATA_S2C, payload).await;
+                s?;
+            }
+        }
+        Test::StreamLat => {
+            let mut rbuf: Box<[u8]> = vec![0u8; size].into();
+            for _ in 0..total {
+                let (r, b) = ep.stream_recv_exact(rbuf).await;
+                r?;
+                rbuf = b;
+                let (s, _) = ep.stream_send(payload).await;
+                s?;
+            }
+        }
+        Test::AmLat => {
+            let mut rbuf: Vec<u8> = Vec::with_capacity(size);
+            for _ in 0..total {
+                let m = side.am.recv().await;
+                if m.is_rendezvous() {
+                    let (r, b) = m.recv_data(rbuf).await;
+                    r?;
+                    rbuf = b;
+                }
+                let (s, _) = ep.am_send(AM_S2C, &[], payload).await;
+                s?;
+            }
+        }
+        Test::PutLat => {
+            let key = their_key.as_ref().ok_or("put_lat needs the client's key")?;
+            let region = region.as_ref().ok_or("no region")?;
+            let bufs: [&'static [u8]; 2] = [marked(size, 1), marked(size, 2)];
+            for i in 0..total {
+                let m = 1 + (i % 2) as u8;
+                wait_marker(w, region, m).await;
+                let (s, _) = ep.put(bufs[(i % 2) as usize], key, 0).await;
+                s?;
+            }
+        }
+        Test::TagBw => {
+            let mut posted = VecDeque::with_capacity(window);
+            let mut next = 0u64;
+            while next < total.min(window as u64) {
+                posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, Vec::with_capacity(size)));
+                next += 1;
+            }
+            while let Some(f) = posted.pop_front() {
+                let (r, buf) = f.await;
+                r?;
+                if next < total {
+                    posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, buf));
+                    next += 1;
+                }
+            }
+            ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
+        }
+        Test::StreamBw => {
+            let mut posted = VecDeque::with_capacity(window);
+            let mut next = 0u64;
+            while next < total.min(window as u64) {
+                posted.push_back(ep.stream_recv_exact(Box::<[u8]>::from(vec![0u8; size])));
+                next += 1;
+            }
+            while let Some(f) = posted.pop_front() {
+                let (r, buf) = f.await;
+                r?;
+                if next < total {
+                    posted.push_back(ep.stream_recv_exact(buf));
+                    next += 1;
+                }
+            }
+            ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
+        }
+        Test::AmBw => {
+            let mut fetching = VecDeque::with_capacity(window);
+            let mut spare: Vec<Vec<u8>> = Vec::new();
+            for _ in 0..total {
+                let m = side.am.recv().await;
+                if !m.is_rendezvous() {
+                    continue;
+                }
+                if fetching.len() == window {
+                    let f: ucxkit::transport::AmRecvData<Vec<u8>> = fetching.pop_front().expect("full");
+                    let (r, b) = f.await;
+                    r?;
+                    spare.push(b);
+                }
+                let buf = spare.pop().unwrap_or_else(|| Vec::with_capacity(size));
+                fetching.push_back(m.recv_data(buf));
+            }
+            while let Some(f) = fetching.pop_front() {
+                f.await.0?;
+            }
+            ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
+        }
+        Test::PutBw | Test::GetBw | Test::AtomicRate => {
+            // Passive target: wait for the client to finish.
+            let fin = recv_ctrl(w).await?;
+            if fin != "fin" {
+                return Err(format!("expected fin, got {fin:?}").into());
+            }
+        }
+    }
+    if test == Test::PutLat {
+        let fin = recv_ctrl(w).await?;
+        if fin != "fin" {
+            return Err(format!("expected fin, got {fin:?}").into());
+        }
+    }
+    send_ctrl(ep, "done".into()).await?;
+    Ok(())
+}
