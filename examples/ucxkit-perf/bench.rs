@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
 use hdrhistogram::Histogram;
-use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RemoteKey, Worker};
+use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RegionSlice, RemoteKey, Worker};
 
 use crate::report::Row;
 use crate::AnyResult;
@@ -286,10 +286,12 @@ pub(crate) async fn run_client(
                     Test::StreamBw => Op::Send(ep.stream_send(payload)),
                     Test::AmBw => Op::Send(ep.am_send(AM_C2S, &[], payload)),
                     Test::PutBw => {
-                        Op::Put(ep.put(local.clone().ok_or("no region")?, key.ok_or("no key")?, 0))
+                        let src = local.as_ref().ok_or("no region")?.slice(0..size);
+                        Op::Put(ep.put(src, key.ok_or("no key")?, 0))
                     }
                     Test::GetBw => {
-                        Op::Get(ep.get(local.clone().ok_or("no region")?, size, key.ok_or("no key")?, 0))
+                        let dst = local.as_ref().ok_or("no region")?.slice(0..size);
+                        Op::Get(ep.get(dst, size, key.ok_or("no key")?, 0))
                     }
                     _ => Op::Atomic(ep.atomic_add(key.ok_or("no key")?, 0, 1)),
                 });
@@ -372,8 +374,8 @@ fn marked(size: usize, marker: u8) -> &'static [u8] {
 /// One outstanding operation of a bandwidth test.
 enum Op {
     Send(ucxkit::transport::SendOp<&'static [u8]>),
-    Put(ucxkit::transport::Put<MemRegion>),
-    Get(ucxkit::transport::Get<MemRegion>),
+    Put(ucxkit::transport::Put<RegionSlice>),
+    Get(ucxkit::transport::Get<RegionSlice>),
     Atomic(ucxkit::transport::Atomic),
 }
 

@@ -1,9 +1,14 @@
 //! Safe, async access to UCX (UCP) for tokio programs.
 //!
 //! ucxkit-transport wraps UCX's workers, endpoints and listeners in owned, `Send + Sync`
-//! handles, drives UCX progress from tokio without burning a core, and exposes tagged
-//! messaging through futures that own their buffers, so that no dropped future can let
-//! UCX touch freed memory.
+//! handles, drives UCX progress from tokio without burning a core, and exposes UCX's
+//! point-to-point surface through futures that own their buffers, so that no dropped
+//! future can let UCX touch freed memory:
+//!
+//! - tagged messages ([`tag`]), vectored ones included ([`iov`]);
+//! - ordered byte streams and a tokio `AsyncRead + AsyncWrite` adapter ([`stream`]);
+//! - active messages with receivers, handlers and replies ([`am`]);
+//! - registered memory, remote keys, put/get and 64-bit atomics ([`mem`], [`rma`]).
 //!
 //! # Quick start
 //!
