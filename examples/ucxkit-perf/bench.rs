@@ -5,6 +5,8 @@
 //! keep `window` operations in flight and time each completion. One-sided tests (puts,
 //! gets, atomics) target a region the server registers and whose key it sends back with
 //! `ready`; `put_lat` also needs the client's region, whose key rides in the command.
+//! Regions are allocated by UCX (`Context::alloc`), as ucx_perftest does, so shared-memory
+//! transports can map them and put/get run at memory speed.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -191,7 +193,7 @@ pub(crate) async fn run_client(
     let (w, ep) = (side.w, side.ep);
     let total = iters + warmup;
     // put_lat: the server puts into a region of ours.
-    let mine = if test == Test::PutLat { Some(w.context().register(vec![0u8; size])?) } else { None };
+    let mine = if test == Test::PutLat { Some(w.context().alloc(size)?) } else { None };
     let mut cmd = format!("{} {size} {total} {recv_window}", test.name());
     if let Some(r) = &mine {
         cmd += &format!(" {}", hex(&r.pack_key()?));
@@ -212,7 +214,7 @@ pub(crate) async fn run_client(
     let payload: &'static [u8] = Vec::leak(vec![0x5au8; size]);
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
     let local =
-        if test.needs_region() { Some(w.context().register(vec![0x5au8; size.max(8)])?) } else { None };
+        if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
     let mut clock = Clock::new(warmup)?;
     match test {
         Test::TagLat => {
@@ -454,7 +456,7 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
         _ => return Err(format!("bad command {cmd:?}").into()),
     };
     test.check_size(size)?;
-    let region = if test.needs_region() { Some(w.context().register(vec![0u8; size.max(8)])?) } else { None };
+    let region = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
     let their_key = match their_key {
         Some(k) => Some(ep.unpack_key(&unhex(k)?)?),
         None => None,
