@@ -213,8 +213,7 @@ pub(crate) async fn run_client(
     // hot loop does no reference counting (as a C benchmark reuses one buffer).
     let payload: &'static [u8] = Vec::leak(vec![0x5au8; size]);
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
-    let local =
-        if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
+    let local = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
     let mut clock = Clock::new(warmup)?;
     match test {
         Test::TagLat => {

@@ -551,8 +551,12 @@ async fn serve(side: &mut Side<'_>) -> AnyResult<()> {
 /// Waits for the client's next command without spinning (even in busy-poll mode), so
 /// that an idle server leaves the CPU to `--compare`'s ucx_perftest runs.
 async fn next_command(w: &Worker) -> AnyResult<String> {
+    // Back off to 20 ms: a few wakeups a second do not disturb a ucx_perftest server
+    // pinned to the same CPU.
+    let mut nap = Duration::from_micros(50);
     while w.tag_probe(CTRL, tag::EXACT).is_none() {
-        tokio::time::sleep(Duration::from_micros(200)).await;
+        tokio::time::sleep(nap).await;
+        nap = (nap * 2).min(Duration::from_millis(20));
     }
     recv_ctrl(w).await
 }

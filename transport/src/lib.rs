@@ -56,7 +56,8 @@
 //! [`ProgressMode::Event`] (default): a driver task sleeps on the worker's event fd and
 //! progresses when woken; nothing spins while idle. [`ProgressMode::BusyPoll`]: waiting
 //! futures progress the worker themselves in a loop, for the lowest latency at the price
-//! of a core.
+//! of a core while traffic flows (an idle busy-poll worker sleeps like an event-mode one
+//! after [`BUSY_IDLE`]).
 //!
 //! # Cancel safety
 //! Every async operation documents what dropping its future means. In short: dropping
@@ -119,7 +120,7 @@ pub use iov::{PutIov, TagRecvIov, TagSendIov};
 pub use listener::{ConnectionRequest, Listener};
 pub use mem::{MemRegion, RegionSlice, RemoteKey};
 pub use op::SendOp;
-pub use progress::ProgressMode;
+pub use progress::{ProgressMode, BUSY_IDLE};
 pub use rma::{Atomic, Get, Put};
 pub use stream::{StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};

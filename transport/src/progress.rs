@@ -28,8 +28,11 @@ pub enum ProgressMode {
     #[default]
     Event,
     /// Futures progress the worker in a loop while they wait (yielding to tokio every few
-    /// hundred iterations) and the driver task spins too. Lowest latency; keeps one core
-    /// (or more, with several waiting tasks on a multi-thread runtime) at 100 %.
+    /// hundred iterations) and the driver task spins too while the worker is busy. Lowest
+    /// latency; keeps one core (or more, with several waiting tasks on a multi-thread
+    /// runtime) at 100 % while traffic flows. After [`BUSY_IDLE`] without any event and with
+    /// no future waiting, the driver sleeps on the event fd as in [`ProgressMode::Event`]
+    /// until something happens, so an idle worker costs no CPU.
     BusyPoll,
 }
 
@@ -80,63 +83,132 @@ pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
     }
 }
 
+/// How long a busy-poll driver spins without seeing an event before it sleeps on the
+/// event fd.
+pub const BUSY_IDLE: Duration = Duration::from_millis(5);
+
 /// First fallback wakeup after activity.
 const MIN_TICK: Duration = Duration::from_millis(1);
 /// Fallback wakeup period when idle (10 wakeups a second).
 const MAX_TICK: Duration = Duration::from_millis(100);
 
+fn register_efd(inner: &WorkerInner) -> std::io::Result<AsyncFd<EventFd>> {
+    // SAFETY: the event fd belongs to the worker, which `inner` keeps alive (and unchanged)
+    // for longer than the AsyncFd, dropped by the caller before it returns.
+    unsafe { AsyncFd::register_with_interest(EventFd(inner.efd), tokio::io::Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)
+}
+
+/// What one sleep on the event fd ended with.
+enum Slept {
+    /// An event, a kick or the fallback timer: go on.
+    Woken,
+    /// The fd cannot be used: spin instead.
+    Broken,
+}
+
+/// One cycle of UCX's wakeup protocol: drain, arm, sleep until the fd, a kick or the
+/// fallback timer (`tick`, backed off while nothing happens).
+async fn sleep_once(
+    inner: &WorkerInner,
+    signal: &Signal,
+    fd: &AsyncFd<EventFd>,
+    tick: &mut Duration,
+) -> Slept {
+    signal.sleeping.store(true, Ordering::Release);
+    let armed = inner.locked(|st| inner.drain_and_arm(st));
+    if armed.0 == sys::UCS_ERR_BUSY {
+        signal.sleeping.store(false, Ordering::Release);
+        tokio::task::yield_now().await;
+        return Slept::Woken;
+    }
+    if !armed.is_ok() {
+        signal.sleeping.store(false, Ordering::Release);
+        tracing::error!(status = %armed, "ucp_worker_arm failed; falling back to busy polling");
+        return Slept::Broken;
+    }
+    // UCX also queues work that no fd announces (endpoint discards after a failure,
+    // protocol steps on its progress queue): a backed-off timer makes sure it runs.
+    let r = tokio::select! {
+        r = fd.readable() => match r {
+            Ok(mut g) => {
+                g.clear_ready();
+                *tick = MIN_TICK;
+                Slept::Woken
+            }
+            Err(e) => {
+                tracing::error!("waiting on the UCX event fd failed ({e}); falling back to busy polling");
+                Slept::Broken
+            }
+        },
+        _ = signal.notify.notified() => {
+            *tick = MIN_TICK;
+            Slept::Woken
+        }
+        _ = tokio::time::sleep(*tick) => {
+            *tick = (*tick * 2).min(MAX_TICK);
+            Slept::Woken
+        }
+    };
+    signal.sleeping.store(false, Ordering::Release);
+    r
+}
+
 async fn drive_event(inner: &WorkerInner, signal: &Signal) {
     let mut tick = MIN_TICK;
-    // SAFETY: the event fd belongs to the worker, which `inner` keeps alive (and unchanged)
-    // for longer than this AsyncFd, dropped when this function returns.
-    let fd =
-        match unsafe { AsyncFd::register_with_interest(EventFd(inner.efd), tokio::io::Interest::READABLE) }
-            .map_err(|e| e.into_parts().1)
-        {
-            Ok(fd) => fd,
-            Err(e) => {
-                tracing::error!(
-                    "registering the UCX event fd with tokio failed ({e}); falling back to busy polling"
-                );
-                return drive_busy(inner, signal).await;
-            }
-        };
+    let fd = match register_efd(inner) {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::error!(
+                "registering the UCX event fd with tokio failed ({e}); falling back to busy polling"
+            );
+            return spin(inner, signal).await;
+        }
+    };
     while !signal.is_stopped() {
-        signal.sleeping.store(true, Ordering::Release);
-        let armed = inner.locked(|st| inner.drain_and_arm(st));
-        if armed.0 == sys::UCS_ERR_BUSY {
-            signal.sleeping.store(false, Ordering::Release);
-            tokio::task::yield_now().await;
-            continue;
-        }
-        if !armed.is_ok() {
-            signal.sleeping.store(false, Ordering::Release);
-            tracing::error!(status = %armed, "ucp_worker_arm failed; falling back to busy polling");
+        if let Slept::Broken = sleep_once(inner, signal, &fd, &mut tick).await {
             drop(fd);
-            return drive_busy(inner, signal).await;
+            return spin(inner, signal).await;
         }
-        // UCX also queues work that no fd announces (endpoint discards after a failure,
-        // protocol steps on its progress queue): a backed-off timer makes sure it runs.
-        tokio::select! {
-            r = fd.readable() => match r {
-                Ok(mut g) => {
-                    g.clear_ready();
-                    tick = MIN_TICK;
-                }
-                Err(e) => {
-                    tracing::error!("waiting on the UCX event fd failed ({e}); falling back to busy polling");
-                    drop(fd);
-                    return drive_busy(inner, signal).await;
-                }
-            },
-            _ = signal.notify.notified() => tick = MIN_TICK,
-            _ = tokio::time::sleep(tick) => tick = (tick * 2).min(MAX_TICK),
-        }
-        signal.sleeping.store(false, Ordering::Release);
     }
 }
 
+/// Busy-poll driver: spins while events keep coming, and sleeps on the event fd after
+/// [`BUSY_IDLE`] without any. Futures that wait in busy-poll mode progress the worker
+/// themselves, so a sleeping driver costs them nothing.
 async fn drive_busy(inner: &WorkerInner, signal: &Signal) {
+    let fd = match register_efd(inner) {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::debug!("registering the UCX event fd with tokio failed ({e}); spinning without pause");
+            return spin(inner, signal).await;
+        }
+    };
+    let mut tick = MIN_TICK;
+    let mut last_event = std::time::Instant::now();
+    let mut rounds = 0u32;
+    while !signal.is_stopped() {
+        let n = inner.locked(|st| inner.progress_locked(st));
+        if n > 0 {
+            last_event = std::time::Instant::now();
+        } else {
+            rounds += 1;
+            // Read the clock only now and then: the spin is what must stay cheap.
+            if rounds % 64 == 0 && last_event.elapsed() >= BUSY_IDLE {
+                if let Slept::Broken = sleep_once(inner, signal, &fd, &mut tick).await {
+                    drop(fd);
+                    return spin(inner, signal).await;
+                }
+                last_event = std::time::Instant::now();
+                continue;
+            }
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Progresses the worker in a loop, yielding to other tasks between calls.
+async fn spin(inner: &WorkerInner, signal: &Signal) {
     while !signal.is_stopped() {
         inner.locked(|st| inner.progress_locked(st));
         tokio::task::yield_now().await;

@@ -688,9 +688,8 @@ impl WorkerInner {
     /// After posting an operation that is still pending: make sure it will be progressed
     /// even if no fd event announces its next step.
     pub(crate) fn posted(&self) {
-        if self.mode == ProgressMode::Event {
-            self.signal.kick();
-        }
+        // Both modes: a busy-poll driver also sleeps once the worker has been idle.
+        self.signal.kick();
     }
 
     /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
