@@ -134,6 +134,19 @@ pub(crate) enum Target<'a> {
 impl Worker {
     /// Creates the UCX endpoint and registers it; no handshake yet.
     pub(crate) fn create_ep(&self, target: Target<'_>, peer: Peer, peer_mode: bool) -> Result<Endpoint> {
+        self.create_ep_with(target, peer, peer_mode, false)
+    }
+
+    /// [`Worker::create_ep`]; with `await_hello`, the endpoint is registered as waiting
+    /// for the client's hello in the same critical section that creates it, so a hello
+    /// that arrives before [`Endpoint::server_handshake`] runs is not missed.
+    pub(crate) fn create_ep_with(
+        &self,
+        target: Target<'_>,
+        peer: Peer,
+        peer_mode: bool,
+        await_hello: bool,
+    ) -> Result<Endpoint> {
         let state_ptr = self.state_ptr();
         let mut params = sys::ucp_ep_params_t {
             field_mask: (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE.0 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER.0)
@@ -180,6 +193,9 @@ impl Worker {
             let id = st.new_id();
             st.eps.insert(id, EpState::new(ep, peer_mode));
             st.by_handle.insert(ep as usize, id);
+            if await_hello {
+                st.accepts.insert(ep as usize, HsWait { waker: None, result: None, peer_mode, ep: id });
+            }
             Ok::<u64, Error>(id)
         })?;
         tracing::debug!(ep = id, %peer, peer_mode, "endpoint created");
@@ -407,11 +423,12 @@ impl Endpoint {
     }
 
     /// Server side: waits for the client's hello on this (accepted) endpoint.
+    /// The endpoint was made with `create_ep_with(.., await_hello = true)`.
     pub(crate) async fn server_handshake(&self, timeout: std::time::Duration) -> Result<()> {
         let id = self.inner.id;
         let peer_mode = self.inner.peer_mode;
         let key = self.with_handle("accept", |st, h| {
-            st.accepts.insert(h as usize, HsWait { waker: None, result: None, peer_mode, ep: id });
+            st.accepts.entry(h as usize).or_insert(HsWait { waker: None, result: None, peer_mode, ep: id });
             Ok(HsKey::Accept(h as usize))
         })?;
         let guard = HsGuard { ep: self, key };

@@ -241,8 +241,11 @@ impl ConnectionRequest {
         let local = self.client.is_some_and(|a| is_local_ip(a.ip()));
         let peer_mode = opts.error_mode.peer_mode(local);
         let peer = Peer::Accepted(self.client);
-        let ep =
-            self.listener.worker.create_ep(Target::Request(req), peer.clone(), peer_mode).map_err(|e| {
+        let ep = self
+            .listener
+            .worker
+            .create_ep_with(Target::Request(req), peer.clone(), peer_mode, opts.handshake)
+            .map_err(|e| {
                 match e.status() {
                     // UCX refuses endpoints whose error handling differs from the client's.
                     Some(s) if s == Status::UNSUPPORTED => Error::Handshake {
