@@ -187,6 +187,25 @@ async fn bad_ids_headers_and_buffers_are_errors() {
     assert_eq!(tokio::time::timeout(T, rx.recv()).await.unwrap().header(), b"again");
 }
 
+/// A receiver dropped with a rendezvous message still queued releases that sender too.
+#[tokio::test]
+async fn dropped_receiver_releases_queued_rendezvous() {
+    let (server, _c, _sep, cep) = pair("tcp,self").await;
+    let rx = server.am_recv(12).unwrap();
+    let send = cep.am_send_with(
+        12,
+        b"",
+        vec![1u8; 1 << 20],
+        AmSendOptions { proto: AmProto::Rendezvous, reply: true },
+    );
+    // Let the worker's driver queue the arrival (the receiver is not polled), then drop
+    // the receiver with the message still in its queue.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(rx);
+    tokio::time::timeout(T, send).await.expect("the sender completes once the receiver is gone").0.unwrap();
+    assert_eq!(server.am_dropped(), 0, "the message was queued, not dropped on arrival");
+}
+
 /// A rendezvous message dropped unfetched releases its sender.
 #[tokio::test]
 async fn unfetched_rendezvous_releases_sender() {

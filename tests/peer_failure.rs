@@ -129,22 +129,26 @@ async fn killed_peer_fails_pending_operations(tls: &str, mode: ErrorMode, mode_n
     // A rendezvous send the peer never receives and a receive it never answers.
     let mut send = Box::pin(ep.tag_send(NEVER_RECEIVED, vec![7u8; 8 << 20]));
     let mut recv = Box::pin(ep.tag_recv(NEVER_SENT, tag::EXACT, vec![0u8; 64]));
+    // A stream receive (UCX writes into its buffer as data arrives) waits too.
+    let mut stream = Box::pin(ep.stream_recv(Vec::with_capacity(64)));
     tokio::select! {
         _ = &mut send => panic!("the send completed although nobody received it"),
         _ = &mut recv => panic!("the receive completed although nobody sent"),
+        _ = &mut stream => panic!("the stream receive completed although nobody sent"),
         _ = tokio::time::sleep(Duration::from_millis(200)) => {}
     }
 
     child.start_kill().unwrap();
     let t0 = Instant::now();
-    let ((s, _), (r, _)) = tokio::time::timeout(BOUND, async { tokio::join!(send, recv) })
+    let ((s, _), (r, _), (st, _)) = tokio::time::timeout(BOUND, async { tokio::join!(send, recv, stream) })
         .await
         .unwrap_or_else(|_| panic!("{tls}: pending operations still hang {BOUND:?} after SIGKILL"));
     let took = t0.elapsed();
-    let (s, r) = (s.unwrap_err(), r.unwrap_err());
+    let (s, r, st) = (s.unwrap_err(), r.unwrap_err(), st.unwrap_err());
     assert_eq!(s.kind(), ErrorKind::ConnectionReset, "send: {s}");
     assert_eq!(r.kind(), ErrorKind::ConnectionReset, "recv: {r}");
-    eprintln!("{tls}: both failed {took:?} after SIGKILL: {s} / {r}");
+    assert_eq!(st.kind(), ErrorKind::ConnectionReset, "stream recv: {st}");
+    eprintln!("{tls}: all failed {took:?} after SIGKILL: {s} / {r} / {st}");
     child.wait().await.unwrap();
 
     // New operations on the dead endpoint fail at once, closing it does not wait for the

@@ -444,7 +444,11 @@ impl AmReceiver {
 
 impl Drop for AmReceiver {
     fn drop(&mut self) {
-        drop(self.worker.am_unregister(self.id));
+        // As messages, so that unfetched rendezvous payloads are released and their
+        // senders complete.
+        for inc in self.worker.am_unregister(self.id) {
+            drop(AmMessage::new(self.worker.clone(), self.id, inc));
+        }
     }
 }
 
@@ -597,8 +601,9 @@ impl AmMessage {
     ///
     /// # Errors
     /// [`Error::Truncated`] when `buf` is smaller than [`AmMessage::len`] (the payload is
-    /// then dropped); [`Error::ConnectionReset`] when the sender failed before the fetch
-    /// completed.
+    /// then dropped); [`Error::ConnectionReset`] when the sender's endpoint failed (a
+    /// fetch from a sender this worker has no endpoint to ends when UCX notices the
+    /// failure itself).
     ///
     /// # Cancel safety
     /// Memory-safe to drop at any time: a fetch in flight keeps `buf` until UCX finishes
@@ -629,6 +634,15 @@ impl AmMessage {
                     let inner = &worker.shared.inner;
                     let no_imm = inner.no_imm;
                     let posted = inner.locked(|st| {
+                        if let Some(ep) = &reply {
+                            // A sender already known failed: its fetch would never end.
+                            if let Err(e) = ep.live_handle(st, "am_recv_data") {
+                                // SAFETY: an unfetched rendezvous descriptor of this
+                                // worker, released once; the lock is held.
+                                unsafe { sys::ucp_am_data_release(st.handle, desc) };
+                                return Err(e);
+                            }
+                        }
                         let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;
                         if no_imm {
                             mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
@@ -648,12 +662,12 @@ impl AmMessage {
                         if let (Posted::Pending(r), Some(ep)) = (&posted, bind) {
                             r.bind(st, ep, OpKind::Finish);
                         }
-                        posted
+                        Ok(posted)
                     });
-                    if matches!(posted, Posted::Pending(_)) {
+                    if matches!(posted, Ok(Posted::Pending(_))) {
                         inner.posted();
                     }
-                    OpState::from_posted(Ok(posted), buf)
+                    OpState::from_posted(posted, buf)
                 }
             }
         };

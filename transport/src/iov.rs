@@ -94,6 +94,7 @@ impl Endpoint {
             parts: Vec::new(),
             keep: keep.clone(),
             failed: Some((e, bufs)),
+            status: Status::OK,
         };
         let remote = match key.target(self, "put", offset, total, 1) {
             Ok(a) => a,
@@ -129,7 +130,7 @@ impl Endpoint {
         }
         *keep.lock().unwrap_or_else(PoisonError::into_inner) = Some((bufs, key.keep()));
         let parts = posted.into_iter().map(|p| OpState::from_posted(Ok(p), ())).collect();
-        PutIov { ep: self.clone(), parts, keep, failed: None }
+        PutIov { ep: self.clone(), parts, keep, failed: None, status: Status::OK }
     }
 }
 
@@ -260,6 +261,8 @@ pub struct PutIov<B: IoBuf> {
     /// The buffers and the key, shared by every pending part until all are done.
     keep: Shared<B>,
     failed: Option<(Error, Vec<B>)>,
+    /// The first failure among the parts, kept across polls.
+    status: Status,
 }
 
 impl<B: IoBuf> Unpin for PutIov<B> {}
@@ -272,7 +275,6 @@ impl<B: IoBuf> Future for PutIov<B> {
         if let Some((e, b)) = this.failed.take() {
             return Poll::Ready((Err(e), b));
         }
-        let mut status = Status::OK;
         let mut pending = false;
         for part in &mut this.parts {
             if matches!(part, OpState::Finished) {
@@ -280,7 +282,9 @@ impl<B: IoBuf> Future for PutIov<B> {
             }
             match part.poll(Some(&this.ep.worker().shared), cx) {
                 Poll::Pending => pending = true,
-                Poll::Ready(Ok((c, ()))) if !c.status.is_ok() => status = c.status,
+                Poll::Ready(Ok((c, ()))) if !c.status.is_ok() && this.status.is_ok() => {
+                    this.status = c.status
+                }
                 Poll::Ready(_) => {}
             }
         }
@@ -288,13 +292,10 @@ impl<B: IoBuf> Future for PutIov<B> {
             return Poll::Pending;
         }
         this.parts.clear();
-        let (bufs, _key) = this
-            .keep
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .expect("invariant: a posted put_iov keeps its buffers until it resolves");
-        let r = if status.is_ok() { Ok(()) } else { Err(this.ep.error_of("put", status)) };
+        let Some((bufs, _key)) = this.keep.lock().unwrap_or_else(PoisonError::into_inner).take() else {
+            panic!("PutIov polled after completion");
+        };
+        let r = if this.status.is_ok() { Ok(()) } else { Err(this.ep.error_of("put", this.status)) };
         Poll::Ready((r, bufs))
     }
 }

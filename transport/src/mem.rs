@@ -9,8 +9,10 @@
 //! To let a peer read or write a region, pack its key ([`MemRegion::pack_key`]), send
 //! the bytes (any way you like: a tag message, an active message), and unpack them on the
 //! peer's endpoint ([`Endpoint::unpack_key`]). The packed form carries the region's
-//! address and length and a checksum, so corrupt bytes are an error, and every remote
-//! access is checked against the region's bounds before it is posted.
+//! address and length and a checksum, and UCX's key layout is walked before UCX parses
+//! it, so corrupt or truncated bytes are an error; every remote access is checked
+//! against the region's bounds before it is posted. A key grants access to memory:
+//! accept keys only from peers you trust, as UCX trusts its peers' wire data.
 //!
 //! Peers may write a region at any time, so its bytes are not exposed as Rust slices:
 //! copy in and out with [`MemRegion::read_at`] and [`MemRegion::write_at`], or use the
@@ -25,7 +27,8 @@ use ucx_sys as sys;
 use crate::buf::{IoBuf, IoBufMut};
 use crate::context::{Context, ContextInner};
 use crate::endpoint::Endpoint;
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, Peer, Result, Status};
+use crate::worker::WorkerInner;
 
 /// Memory registered with UCX. Cheap to clone; clones share the registration.
 #[derive(Clone)]
@@ -38,8 +41,10 @@ struct MemInner {
     memh: sys::ucp_mem_h,
     ptr: *mut u8,
     len: usize,
-    /// The registered buffer when the caller supplied it (dropped after unmapping).
-    _owned: Option<Box<[u8]>>,
+    /// The caller's buffer (`Box::into_raw`), freed after unmapping; None when UCX
+    /// allocated the memory. Kept raw so that moving the region never asserts unique
+    /// access to memory UCX and peers write.
+    owned: Option<*mut [u8]>,
 }
 
 // SAFETY: the memory handle is used only through context-level calls, which are
@@ -58,6 +63,11 @@ impl Drop for MemInner {
         if !st.is_ok() {
             tracing::warn!(status = %st, len = self.len, "ucp_mem_unmap failed");
         }
+        if let Some(raw) = self.owned.take() {
+            // SAFETY: raw came from Box::into_raw in `register` and is freed once, after
+            // the registration is gone.
+            drop(unsafe { Box::from_raw(raw) });
+        }
     }
 }
 
@@ -74,11 +84,20 @@ impl Context {
     /// # Errors
     /// [`Error::MemMap`] when UCX refuses the registration.
     pub fn register(&self, buf: impl Into<Box<[u8]>>) -> Result<MemRegion> {
-        let mut owned: Box<[u8]> = buf.into();
-        let (ptr, len) = (owned.as_mut_ptr(), owned.len());
-        let memh = map(self, ptr, len, 0)?;
+        let owned: Box<[u8]> = buf.into();
+        let len = owned.len();
+        let raw = Box::into_raw(owned);
+        let ptr = raw.cast::<u8>();
+        let memh = match map(self, ptr, len, 0) {
+            Ok(m) => m,
+            Err(e) => {
+                // SAFETY: raw came from Box::into_raw just above and was never registered.
+                drop(unsafe { Box::from_raw(raw) });
+                return Err(e);
+            }
+        };
         Ok(MemRegion {
-            inner: Arc::new(MemInner { ctx: self.inner.clone(), memh, ptr, len, _owned: Some(owned) }),
+            inner: Arc::new(MemInner { ctx: self.inner.clone(), memh, ptr, len, owned: Some(raw) }),
         })
     }
 
@@ -105,7 +124,7 @@ impl Context {
                 memh,
                 ptr: attr.address.cast(),
                 len: len.min(attr.length),
-                _owned: None,
+                owned: None,
             }),
         };
         st.check().map_err(|source| Error::MemMap { len, source })?;
@@ -346,7 +365,38 @@ fn decode_key(b: &[u8]) -> Result<(u64, u64, &[u8])> {
     if addr.checked_add(len).is_none() {
         return Err(bad(format!("region {addr:#x}+{len} wraps around")));
     }
-    Ok((addr, len, &b[KEY_HEADER..KEY_HEADER + klen]))
+    let ucx = &b[KEY_HEADER..KEY_HEADER + klen];
+    check_ucx_key(ucx).map_err(bad)?;
+    Ok((addr, len, ucx))
+}
+
+/// Walks UCX's packed-key layout (`ucp_rkey_pack`: the memory-domain bitmap as a u64,
+/// the memory type as a byte, then for each domain in the bitmap a size byte and that
+/// many bytes; optional device data after) and checks it stays inside `ucx`, so that
+/// UCX's parser, which trusts the sizes inside, never reads past the buffer.
+///
+/// This guards against corrupt and truncated keys. The transport keys inside are UCX's
+/// own (shared-memory segment ids, RDMA keys) and are trusted by UCX as all its wire
+/// data is: take keys only from peers you trust with your memory.
+fn check_ucx_key(ucx: &[u8]) -> std::result::Result<(), String> {
+    if ucx.len() < 9 {
+        return Err(format!("UCX key of {} bytes is too short", ucx.len()));
+    }
+    let mut map = [0u8; 8];
+    map.copy_from_slice(&ucx[..8]);
+    let md_map = u64::from_ne_bytes(map);
+    if ucx[8] as u32 >= sys::UCS_MEMORY_TYPE_LAST.0 as u32 {
+        return Err(format!("unknown memory type {} in the UCX key", ucx[8]));
+    }
+    let mut at = 9usize;
+    for _ in 0..md_map.count_ones() {
+        let size = *ucx.get(at).ok_or("UCX key ends inside its domain list")? as usize;
+        at += 1 + size;
+        if at > ucx.len() {
+            return Err("UCX key's domain sizes run past its length".into());
+        }
+    }
+    Ok(())
 }
 
 /// A peer's region as reachable through one endpoint (`ucp_rkey_h`): the target of
@@ -357,8 +407,12 @@ pub struct RemoteKey {
     pub(crate) inner: Arc<RkeyInner>,
 }
 
+/// Holds the worker weakly: a key parked with an operation UCX never completes must not
+/// keep its worker (and endpoint) alive forever.
 pub(crate) struct RkeyInner {
-    pub(crate) ep: Endpoint,
+    worker: std::sync::Weak<WorkerInner>,
+    ep_id: u64,
+    peer: Peer,
     pub(crate) rkey: sys::ucp_rkey_h,
     pub(crate) addr: u64,
     pub(crate) len: u64,
@@ -372,18 +426,21 @@ unsafe impl Sync for RkeyInner {}
 impl Drop for RkeyInner {
     fn drop(&mut self) {
         let rkey = self.rkey;
-        self.ep.worker_inner().locked(|_| {
-            // SAFETY: unpacked on this worker's endpoint, destroyed once; no operation
-            // uses it any more (each holds a clone); the lock is held.
-            unsafe { sys::ucp_rkey_destroy(rkey) }
-        });
+        // A worker already being destroyed takes its keys' memory with it.
+        if let Some(w) = self.worker.upgrade() {
+            w.locked(|_| {
+                // SAFETY: unpacked on an endpoint of this worker, destroyed once; no
+                // operation uses it any more (each holds a clone); the lock is held.
+                unsafe { sys::ucp_rkey_destroy(rkey) }
+            });
+        }
     }
 }
 
 impl std::fmt::Debug for RemoteKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteKey")
-            .field("peer", self.inner.ep.peer())
+            .field("peer", &self.inner.peer)
             .field("addr", &format_args!("{:#x}", self.inner.addr))
             .field("len", &self.inner.len)
             .finish()
@@ -406,9 +463,9 @@ impl RemoteKey {
         self.inner.addr
     }
 
-    /// The endpoint this key was unpacked on (the only one it works with).
-    pub fn endpoint(&self) -> &Endpoint {
-        &self.inner.ep
+    /// The peer whose region this is.
+    pub fn peer(&self) -> &Peer {
+        &self.inner.peer
     }
 
     /// The remote address of `len` bytes at `offset`, after checking they are inside the
@@ -421,10 +478,12 @@ impl RemoteKey {
         len: u64,
         align: u64,
     ) -> Result<u64> {
-        if !Arc::ptr_eq(&self.inner.ep.inner, &ep.inner) {
+        let same_worker =
+            std::ptr::eq(self.inner.worker.as_ptr(), Arc::as_ptr(&ep.inner.worker.shared.inner));
+        if !same_worker || self.inner.ep_id != ep.inner.id {
             return Err(Error::ApiMisuse(format!(
                 "{op}: the remote key was unpacked on another endpoint ({})",
-                self.inner.ep.peer()
+                self.inner.peer
             )));
         }
         let oob = |extra| Error::OutOfBounds { op, offset, len, region_len: self.inner.len, extra };
@@ -449,8 +508,8 @@ impl Endpoint {
     /// use on this endpoint.
     ///
     /// # Errors
-    /// [`Error::BadRemoteKey`] for bytes that are not a packed key (checked before UCX
-    /// sees them) or that UCX refuses; [`Error::ConnectionReset`] or
+    /// [`Error::BadRemoteKey`] for bytes that are not a packed key (envelope, checksum
+    /// and UCX's own layout are checked before UCX parses them) or that UCX refuses; [`Error::ConnectionReset`] or
     /// [`Error::ApiMisuse`] when the endpoint failed or was closed.
     pub fn unpack_key(&self, bytes: &[u8]) -> Result<RemoteKey> {
         let (addr, len, ucx) = decode_key(bytes)?;
@@ -463,7 +522,16 @@ impl Endpoint {
                 .map_err(|s| Error::BadRemoteKey { reason: format!("UCX refused it: {s}") })?;
             Ok(rkey)
         })?;
-        Ok(RemoteKey { inner: Arc::new(RkeyInner { ep: self.clone(), rkey, addr, len }) })
+        Ok(RemoteKey {
+            inner: Arc::new(RkeyInner {
+                worker: Arc::downgrade(&self.inner.worker.shared.inner),
+                ep_id: self.inner.id,
+                peer: self.inner.peer.clone(),
+                rkey,
+                addr,
+                len,
+            }),
+        })
     }
 }
 
@@ -473,9 +541,10 @@ mod tests {
 
     #[test]
     fn key_envelope_roundtrip_and_rejects() {
-        let k = encode_key(0x1000, 4096, b"ucx-key-bytes");
+        let key = ucx_key(&[5, 9]);
+        let k = encode_key(0x1000, 4096, &key);
         let (a, l, u) = decode_key(&k).unwrap();
-        assert_eq!((a, l, u), (0x1000, 4096, &b"ucx-key-bytes"[..]));
+        assert_eq!((a, l, u), (0x1000, 4096, &key[..]));
         assert!(decode_key(&k[..k.len() - 1]).is_err());
         assert!(decode_key(&[k.clone(), vec![0]].concat()).is_err());
         assert!(decode_key(&[]).is_err());
@@ -484,7 +553,38 @@ mod tests {
             b[i] ^= 0x40;
             assert!(decode_key(&b).is_err(), "flipped byte {i} accepted");
         }
-        let wrap = encode_key(u64::MAX - 1, 10, b"x");
+        let wrap = encode_key(u64::MAX - 1, 10, &ucx_key(&[3]));
         assert!(decode_key(&wrap).is_err());
+    }
+
+    /// A well-formed UCX key with one domain per entry of `sizes`.
+    fn ucx_key(sizes: &[u8]) -> Vec<u8> {
+        let map: u64 = (1u64 << sizes.len()) - 1;
+        let mut v = map.to_ne_bytes().to_vec();
+        v.push(0);
+        for &n in sizes {
+            v.push(n);
+            v.extend(std::iter::repeat(0xab).take(n as usize));
+        }
+        v
+    }
+
+    #[test]
+    fn ucx_key_layout_is_walked() {
+        assert!(check_ucx_key(&ucx_key(&[3, 0, 17])).is_ok());
+        // Optional device data after the domains is allowed.
+        assert!(check_ucx_key(&[ucx_key(&[3]), vec![1, 2, 3]].concat()).is_ok());
+        let k = ucx_key(&[3, 17]);
+        assert!(check_ucx_key(&k[..k.len() - 1]).is_err(), "size runs past the end");
+        assert!(check_ucx_key(&k[..8]).is_err());
+        let mut lying = k.clone();
+        lying[9] = 200;
+        assert!(check_ucx_key(&lying).is_err());
+        let mut more_domains = k.clone();
+        more_domains[0] = 0xff;
+        assert!(check_ucx_key(&more_domains).is_err());
+        let mut bad_type = k;
+        bad_type[8] = 200;
+        assert!(check_ucx_key(&bad_type).is_err());
     }
 }

@@ -137,7 +137,7 @@ impl Endpoint {
             AtomicKind::CompareSwap => "atomic_compare_swap",
         };
         // [operand, reply]: both must stay put until the operation completes.
-        let mut words: Box<[u64; 2]> = Box::new([x, z]);
+        let words = Words::new([x, z]);
         let remote = match key.target(self, op, offset, 8, 8) {
             Ok(a) => a,
             Err(e) => return Atomic { ep: self.clone(), op, state: OpState::Failed(e, words), key: None },
@@ -148,12 +148,15 @@ impl Endpoint {
             AtomicKind::Swap => sys::UCP_ATOMIC_OP_SWAP,
             AtomicKind::CompareSwap => sys::UCP_ATOMIC_OP_CSWAP,
         };
-        let operand: *const u64 = &words[0];
-        let reply: *mut u64 = &mut words[1];
-        let no_imm = self.worker_inner().no_imm;
+        let operand: *const u64 = words.0.cast::<u64>();
+        // SAFETY: in bounds of the two-word allocation.
+        let reply: *mut u64 = unsafe { words.0.cast::<u64>().add(1) };
         let id = self.inner.id;
         let posted = self.with_handle(op, |st, h| {
-            let mut param = op_param(st, no_imm);
+            // Always through a request: UCX 1.13 reports a non-fetching atomic complete at
+            // once while it may still sit in a pending queue using the key, which the
+            // caller could then destroy.
+            let mut param = op_param(st, true);
             param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE.0 as u32;
             param.datatype = sys::ucp_dt_make_contig(8);
             if fetch {
@@ -260,8 +263,36 @@ impl<B: IoBufMut> Drop for Get<B> {
 pub struct Atomic {
     ep: Endpoint,
     op: &'static str,
-    state: OpState<Box<[u64; 2]>>,
+    state: OpState<Words>,
     key: Option<RemoteKey>,
+}
+
+/// An atomic's operand and reply words, in a heap allocation held by raw pointer (UCX
+/// reads and writes it while the operation is in flight; moving the owner must not
+/// assert unique access to it).
+struct Words(*mut [u64; 2]);
+
+// SAFETY: the words are only touched by UCX under the worker lock and read by the owner
+// after completion.
+unsafe impl Send for Words {}
+
+impl Words {
+    fn new(w: [u64; 2]) -> Words {
+        Words(Box::into_raw(Box::new(w)))
+    }
+
+    /// The reply word, once UCX has completed the operation.
+    fn reply(&self) -> u64 {
+        // SAFETY: the allocation lives as long as self; UCX finished writing it.
+        unsafe { (*self.0)[1] }
+    }
+}
+
+impl Drop for Words {
+    fn drop(&mut self) {
+        // SAFETY: from Box::into_raw in `new`, freed once.
+        drop(unsafe { Box::from_raw(self.0) });
+    }
 }
 
 impl Future for Atomic {
@@ -277,7 +308,7 @@ impl Future for Atomic {
                 if !c.status.is_ok() {
                     return Poll::Ready(Err(this.ep.error_of(this.op, c.status)));
                 }
-                Poll::Ready(Ok(words[1]))
+                Poll::Ready(Ok(words.reply()))
             }
         }
     }

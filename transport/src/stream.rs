@@ -65,12 +65,16 @@ impl Endpoint {
     pub fn stream_send<B: IoBuf>(&self, buf: B) -> StreamSend<B> {
         let id = self.inner.id;
         SendOp::post(self, "stream_send", buf, None, |st, h, ptr, len, param| {
-            if let Some(e) = st.eps.get_mut(&id) {
-                e.stream_tx += len as u64;
-            }
             // SAFETY: h is live under the lock; the buffer stays valid and unmoved until
             // the request completes (IoBuf contract; parked on drop).
-            unsafe { sys::ucp_stream_send_nbx(h, ptr.cast(), len, param) }
+            let p = unsafe { sys::ucp_stream_send_nbx(h, ptr.cast(), len, param) };
+            // Count what was accepted: the peer's end of stream waits for these bytes.
+            if !sys::UCS_PTR_IS_ERR(p) {
+                if let Some(e) = st.eps.get_mut(&id) {
+                    e.stream_tx += len as u64;
+                }
+            }
+            p
         })
     }
 
@@ -399,8 +403,8 @@ impl AsyncWrite for UcxStream {
             Poll::Ready(Ok(())) => {}
             other => return other,
         }
-        this.shut = true;
         this.ep.stream_shutdown()?;
+        this.shut = true;
         Poll::Ready(Ok(()))
     }
 }

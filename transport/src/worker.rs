@@ -474,13 +474,29 @@ impl State {
     ///   discards the endpoint's lanes and completes its sends with an error on its own;
     /// - without peer mode, when ucxkit's pidfd watch saw the peer process exit
     ///   (`peer_exited` true), UCX 1.13 knows nothing, can neither force-close nor purge
-    ///   the endpoint, so its pending sends are finished here with
+    ///   the endpoint, so its pending operations are finished here with
     ///   `UCS_ERR_CONNECTION_RESET`; their futures then release the requests
     ///   (`ucp_request_free`: UCX keeps them internally and calls back no more). The peer
     ///   process is gone, so nothing will read those buffers any more: on shared memory
     ///   the data waits for the peer's progress (rendezvous, read by the peer) or for room
-    ///   in the peer's queue, neither of which can happen.
+    ///   in the peer's queue, neither of which can happen. Nothing will write them
+    ///   either: the worker is first progressed until idle, which delivers whatever the
+    ///   peer sent before it died (stream data, get replies, fetch fragments), and a dead
+    ///   process sends nothing more.
     pub(crate) fn fail_ep(&mut self, id: u64, status: Status, peer_exited: bool) {
+        if peer_exited && self.eps.get(&id).is_some_and(|e| !e.peer_mode && !e.ops.is_empty()) {
+            // Everything the dead peer ever sent is already here (in our shared-memory
+            // queues or socket buffers): let UCX deliver it now, so that no operation
+            // finished below can be written into afterwards (a stream receive, a get
+            // reply, a rendezvous fragment).
+            for _ in 0..100_000 {
+                // SAFETY: the worker is valid and the lock is held (st comes from it);
+                // this is not inside a UCX callback.
+                if unsafe { sys::ucp_worker_progress(self.handle) } == 0 {
+                    break;
+                }
+            }
+        }
         let Some(e) = self.eps.get_mut(&id) else { return };
         if e.failed.is_none() {
             e.failed = Some(status);
