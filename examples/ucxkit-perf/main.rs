@@ -31,7 +31,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use ucxkit::transport::{tag, Context, ErrorMode, ProgressMode, Worker, WorkerAddress};
+use ucxkit::transport::{tag, Context, EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerAddress};
 
 use bench::{recv_ctrl, send_ctrl, Side, Test, CTRL};
 use report::Row;
@@ -139,6 +139,10 @@ struct Args {
     /// No progress display on stderr.
     #[arg(short, long)]
     quiet: bool,
+    /// Fail unless the connection uses these UCX transports (comma-separated, e.g.
+    /// `posix` or `rc_mlx5`), instead of silently measuring whatever UCX picked.
+    #[arg(long, value_delimiter = ',')]
+    require_transport: Vec<String>,
     /// Pin this process to a CPU.
     #[arg(long)]
     cpu: Option<usize>,
@@ -236,7 +240,12 @@ fn worker(args: &Args, ctx: &Context) -> ucxkit::transport::Result<Worker> {
         ErrMode::Peer => ErrorMode::Peer,
         ErrMode::None => ErrorMode::None,
     };
-    ctx.worker().progress_mode(mode).error_mode(err).build()
+    let opts = EndpointOptions {
+        error_mode: err,
+        require_transports: args.require_transport.clone(),
+        ..Default::default()
+    };
+    ctx.worker().progress_mode(mode).endpoint_options(opts).build()
 }
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -258,6 +267,11 @@ async fn loopback(args: &Args) -> AnyResult<()> {
         .args(["--progress", if args.progress == Progress::Busy { "busy" } else { "event" }])
         .args(["--error-mode", errmode_arg(args.error_mode)])
         .args(args.tls.as_ref().map(|t| vec!["--tls".to_string(), t.clone()]).unwrap_or_default())
+        .args(if args.require_transport.is_empty() {
+            vec![]
+        } else {
+            vec!["--require-transport".to_string(), args.require_transport.join(",")]
+        })
         .args(if args.cm { vec!["--cm"] } else { vec![] })
         .stdout(Stdio::piped())
         .stdin(Stdio::null());
@@ -324,6 +338,10 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         ep
     };
     let transport = ep.transports().map(|t| t.join(",")).unwrap_or_else(|_| "?".into());
+    let lanes = ep
+        .lanes()
+        .map(|l| l.iter().map(|l| format!("{}/{}", l.transport, l.device)).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into());
     let tests: Vec<Test> = args.test.iter().flatten().copied().collect();
     for &t in &tests {
         for &size in &sizes {
@@ -332,7 +350,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     }
     if !args.json && !args.csv {
         println!(
-            "# ucxkit-perf: server {addr}, transports {transport}, progress {:?}, error mode {}, UCX {:?}",
+            "# ucxkit-perf: server {addr}, lanes {lanes}, progress {:?}, error mode {}, UCX {:?}",
             args.progress,
             if ep.uses_peer_error_mode() { "peer" } else { "none" },
             Context::ucx_version()
