@@ -705,6 +705,37 @@ impl Endpoint {
     }
 }
 
+impl Endpoint {
+    /// Posts one operation on this endpoint: under the worker lock, with the endpoint
+    /// checked live in the same critical section, `call` gets the handle and send-type
+    /// request parameters (callback and user data set; `force_request` adds
+    /// `NO_IMM_CMPL`) it may extend, and returns what the `*_nbx` call returned. A pending
+    /// request is bound to the endpoint, so that its failure ends it, and the driver is
+    /// kicked.
+    pub(crate) fn post_op(
+        &self,
+        op: &'static str,
+        force_request: bool,
+        call: impl FnOnce(&mut State, sys::ucp_ep_h, &mut sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
+    ) -> Result<Posted> {
+        let no_imm = force_request || self.worker_inner().no_imm;
+        let id = self.inner.id;
+        let posted = self.with_handle(op, |st, h| {
+            let mut param = op_param(st, no_imm);
+            let p = call(st, h, &mut param);
+            let posted = Posted::from_ptr(p, Completion::OK, false);
+            if let Posted::Pending(r) = &posted {
+                r.bind(st, id, crate::worker::OpKind::Finish);
+            }
+            Ok(posted)
+        });
+        if matches!(posted, Ok(Posted::Pending(_))) {
+            self.worker_inner().posted();
+        }
+        posted
+    }
+}
+
 /// Request parameters for a send-type operation on this worker.
 pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
     let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;

@@ -51,22 +51,15 @@ impl Endpoint {
     pub fn tag_send_iov<B: IoBuf>(&self, tag: Tag, bufs: Vec<B>) -> TagSendIov<B> {
         let iov = IovArray::new(bufs.iter().map(|b| (b.stable_ptr().cast_mut(), b.bytes_init())));
         let (ptr, count) = (iov.0.as_ptr().cast::<u8>(), iov.0.len());
-        SendOp::post_raw(
-            self,
-            "tag_send",
-            bufs,
-            ptr,
-            count,
-            Some(Box::new(iov)),
-            |_, h, ptr, count, param| {
-                param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE.0 as u32;
-                param.datatype = sys::ucp_dt_make_iov();
-                // SAFETY: h is live under the lock; ptr is an iov array of `count` entries
-                // describing the buffers, all kept (with the array) until the request
-                // completes, parked on drop.
-                unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), count, tag, param) }
-            },
-        )
+        let posted = self.post_op("tag_send", false, |_, h, param| {
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE.0 as u32;
+            param.datatype = sys::ucp_dt_make_iov();
+            // SAFETY: h is live under the lock; ptr is an iov array of `count` entries
+            // describing the buffers, all kept (with the array) until the request
+            // completes, parked on drop.
+            unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), count, tag, param) }
+        });
+        SendOp::wrap(self, "tag_send", posted, bufs, Some(Box::new(iov)))
     }
 
     /// Receives one tagged message matching `tag`/`mask`, scattered over `bufs` in order

@@ -10,10 +10,10 @@ use std::task::{Context, Poll};
 use ucx_sys as sys;
 
 use crate::buf::IoBuf;
-use crate::endpoint::{op_param, Endpoint};
+use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::request::{Completion, Posted, Request};
-use crate::worker::{OpKind, State, WorkerShared};
+use crate::worker::{State, WorkerShared};
 
 /// Where an operation stands. The buffer lives in every state, so it can be given back
 /// (or parked) whatever happens.
@@ -94,10 +94,8 @@ pub struct SendOp<B: Send + 'static> {
 }
 
 impl<B: IoBuf> SendOp<B> {
-    /// Posts an operation on `ep`. `call` gets the live endpoint handle, the buffer's
-    /// pointer and length and request parameters (callback and user data set) it may
-    /// extend, and returns what the `*_nbx` call returned. The request is bound to the
-    /// endpoint, so that the endpoint's failure ends it.
+    /// Posts an operation on `ep` ([`Endpoint::post_op`]); `call` also gets the buffer's
+    /// pointer and length.
     pub(crate) fn post(
         ep: &Endpoint,
         op: &'static str,
@@ -112,54 +110,21 @@ impl<B: IoBuf> SendOp<B> {
         ) -> sys::ucs_status_ptr_t,
     ) -> SendOp<B> {
         let (ptr, len) = (buf.stable_ptr(), buf.bytes_init());
-        Self::post_raw(ep, op, buf, ptr, len, extra, call)
+        let posted = ep.post_op(op, false, |st, h, param| call(st, h, ptr, len, param));
+        SendOp::wrap(ep, op, posted, buf, extra)
     }
 }
 
 impl<B: Send + 'static> SendOp<B> {
-    /// [`SendOp::post`] with the pointer and count to pass given explicitly (an iov
-    /// array and its length for vectored operations).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn post_raw(
-        ep: &Endpoint,
-        op: &'static str,
-        buf: B,
-        ptr: *const u8,
-        len: usize,
-        extra: Option<Box<dyn Any + Send>>,
-        call: impl FnOnce(
-            &mut State,
-            sys::ucp_ep_h,
-            *const u8,
-            usize,
-            &mut sys::ucp_request_param_t,
-        ) -> sys::ucs_status_ptr_t,
-    ) -> SendOp<B> {
-        let no_imm = ep.worker_inner().no_imm;
-        let id = ep.inner.id;
-        let posted = ep.with_handle(op, |st, h| {
-            let mut param = op_param(st, no_imm);
-            let p = call(st, h, ptr, len, &mut param);
-            let posted = Posted::from_ptr(p, Completion::OK, false);
-            if let Posted::Pending(r) = &posted {
-                r.bind(st, id, OpKind::Finish);
-            }
-            Ok(posted)
-        });
-        Self::from_posted(ep, op, posted, buf, extra)
-    }
-
-    /// Wraps a posting result.
-    pub(crate) fn from_posted(
+    /// Wraps what [`Endpoint::post_op`] returned; `extra` is what else UCX uses until
+    /// completion (kept with the buffer).
+    pub(crate) fn wrap(
         ep: &Endpoint,
         op: &'static str,
         posted: Result<Posted>,
         buf: B,
         extra: Option<Box<dyn Any + Send>>,
     ) -> SendOp<B> {
-        if matches!(posted, Ok(Posted::Pending(_))) {
-            ep.worker_inner().posted();
-        }
         let state = OpState::from_posted(posted, buf);
         let ep = match state {
             OpState::Done(c, _) if c.status.is_ok() => None,

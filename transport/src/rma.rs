@@ -23,7 +23,7 @@ use crate::error::Result;
 use crate::mem::RemoteKey;
 use crate::op::{OpState, SendOp};
 use crate::request::{Completion, Posted};
-use crate::worker::{OpKind, Worker};
+use crate::worker::Worker;
 
 /// Future of [`Endpoint::put`]: resolves to `(Result<()>, buffer)` once the buffer may be
 /// reused.
@@ -89,23 +89,12 @@ impl Endpoint {
         };
         let rkey = key.inner.rkey;
         let ptr = buf.stable_mut_ptr();
-        let no_imm = self.worker_inner().no_imm;
-        let id = self.inner.id;
-        let posted = self.with_handle("get", |st, h| {
-            let param = op_param(st, no_imm);
+        let posted = self.post_op("get", false, |_, h, param| {
             // SAFETY: h is live under the lock; buf is valid for len bytes and kept, with
             // the rkey, until the request completes (parked on drop); the remote range
             // was checked.
-            let p = unsafe { sys::ucp_get_nbx(h, ptr.cast(), len, remote, rkey, &param) };
-            let posted = Posted::from_ptr(p, Completion::OK, false);
-            if let Posted::Pending(r) = &posted {
-                r.bind(st, id, OpKind::Finish);
-            }
-            Ok(posted)
+            unsafe { sys::ucp_get_nbx(h, ptr.cast(), len, remote, rkey, param) }
         });
-        if matches!(posted, Ok(Posted::Pending(_))) {
-            self.worker_inner().posted();
-        }
         Get { ep: self.clone(), len, state: OpState::from_posted(posted, buf), key: Some(key.clone()) }
     }
 
@@ -151,12 +140,10 @@ impl Endpoint {
         let operand: *const u64 = words.0.cast::<u64>();
         // SAFETY: in bounds of the two-word allocation.
         let reply: *mut u64 = unsafe { words.0.cast::<u64>().add(1) };
-        let id = self.inner.id;
-        let posted = self.with_handle(op, |st, h| {
-            // Always through a request: UCX 1.13 reports a non-fetching atomic complete at
-            // once while it may still sit in a pending queue using the key, which the
-            // caller could then destroy.
-            let mut param = op_param(st, true);
+        // Always through a request (`force_request`): UCX 1.13 reports a non-fetching
+        // atomic complete at once while it may still sit in a pending queue using the key,
+        // which the caller could then destroy.
+        let posted = self.post_op(op, true, |_, h, param| {
             param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE.0 as u32;
             param.datatype = sys::ucp_dt_make_contig(8);
             if fetch {
@@ -166,16 +153,8 @@ impl Endpoint {
             // SAFETY: h is live under the lock; operand and reply point into a heap
             // allocation kept, with the rkey, until the request completes (parked on
             // drop); the remote word was checked for bounds and alignment.
-            let p = unsafe { sys::ucp_atomic_op_nbx(h, opcode, operand.cast(), 1, remote, rkey, &param) };
-            let posted = Posted::from_ptr(p, Completion::OK, false);
-            if let Posted::Pending(r) = &posted {
-                r.bind(st, id, OpKind::Finish);
-            }
-            Ok(posted)
+            unsafe { sys::ucp_atomic_op_nbx(h, opcode, operand.cast(), 1, remote, rkey, param) }
         });
-        if matches!(posted, Ok(Posted::Pending(_))) {
-            self.worker_inner().posted();
-        }
         Atomic { ep: self.clone(), op, state: OpState::from_posted(posted, words), key: Some(key.clone()) }
     }
 }
