@@ -200,7 +200,13 @@ async fn dropped_receiver_releases_queued_rendezvous() {
     );
     // Let the worker's driver queue the arrival (the receiver is not polled), then drop
     // the receiver with the message still in its queue.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(T, async {
+        while rx.queued() == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .expect("the message is queued");
     drop(rx);
     tokio::time::timeout(T, send).await.expect("the sender completes once the receiver is gone").0.unwrap();
     assert_eq!(server.am_dropped(), 0, "the message was queued, not dropped on arrival");

@@ -123,24 +123,26 @@ async fn bad_config_is_an_error() {
 }
 
 /// A required transport that UCX did not pick fails the connection loudly, on both
-/// sides; one it did pick passes, and the lanes name transport and device.
+/// sides; one it did pick passes, and the lanes name transport and device. Over shared
+/// memory with tcp allowed, UCX picks posix for data, so requiring tcp must fail.
 #[tokio::test]
 async fn required_transport_missing_is_an_error() {
-    let c = ctx("tcp,self");
+    let c = ctx("posix,cma,tcp,self");
     let server = c.create_worker().unwrap();
     let client = c.create_worker().unwrap();
-    let strict = EndpointOptions { require_transports: vec!["posix".into()], ..Default::default() };
+    let strict = EndpointOptions { require_transports: vec!["tcp".into()], ..Default::default() };
     let l = server.listen_with(loopback(), strict.clone()).unwrap();
     let (a, b) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), strict));
     for r in [a, b] {
         let e = r.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
-        assert!(e.to_string().contains("posix"), "{e}");
+        assert!(e.to_string().contains("\"tcp\""), "{e}");
     }
-    let ok = EndpointOptions { require_transports: vec!["tcp".into()], ..Default::default() };
+    let ok = EndpointOptions { require_transports: vec!["posix".into()], ..Default::default() };
     let l = server.listen_with(loopback(), ok.clone()).unwrap();
     let (a, b) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), ok));
     let (_a, b) = (a.unwrap(), b.unwrap());
     let lanes = b.lanes().unwrap();
-    assert!(lanes.iter().any(|l| l.transport == "tcp" && l.device == "lo"), "{lanes:?}");
+    assert!(lanes.iter().any(|l| l.transport == "posix" && l.device == "memory"), "{lanes:?}");
+    assert!(lanes.iter().all(|l| l.transport != "tcp"), "no tcp data lane: {lanes:?}");
 }

@@ -91,10 +91,14 @@ async fn put_iov(tls: &str) {
     let mut got = vec![0u8; whole.len()];
     region.read_at(1000, &mut got);
     assert!(got == whole);
-    // The whole vector is checked against the bounds before anything is posted.
+    // The whole vector is checked against the bounds before anything is posted: the
+    // first part would fit, but nothing of it is written.
     let (r, back) = cep.put_iov(vec![vec![0u8; 2 << 20], vec![0u8; 2 << 20]], &key, 0).await;
     assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
     assert_eq!(back.len(), 2);
+    cep.flush().await.unwrap();
+    region.read_at(1000, &mut got);
+    assert!(got == whole, "a refused put_iov wrote into the region");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -80,7 +80,7 @@ async fn bad_keys_and_bounds_are_errors() {
     let (_s, _c, sep, cep, region) = setup("tcp,self", 4096, false).await;
     let packed = region.pack_key().unwrap();
     // Corrupt bytes: every single flipped byte is caught before UCX sees it.
-    for i in (0..packed.len()).step_by(7) {
+    for i in 0..packed.len() {
         let mut b = packed.clone();
         b[i] ^= 0x5a;
         assert_eq!(cep.unpack_key(&b).unwrap_err().kind(), ErrorKind::InvalidInput, "byte {i}");

@@ -9,6 +9,7 @@
 //! transports can map them and put/get run at memory speed.
 
 use std::collections::VecDeque;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
@@ -139,7 +140,23 @@ pub(crate) async fn send_ctrl(ep: &Endpoint, msg: String) -> AnyResult<()> {
 
 pub(crate) async fn recv_ctrl(w: &Worker) -> AnyResult<String> {
     let (_, buf) = w.tag_recv_any(CTRL, tag::EXACT).await?;
-    Ok(String::from_utf8(buf)?)
+    let msg = String::from_utf8(buf)?;
+    match msg.strip_prefix("error ") {
+        Some(e) => Err(format!("the peer failed: {e}").into()),
+        None => Ok(msg),
+    }
+}
+
+/// Receives the peer's next control message on `ep`: bound to the endpoint, so a peer
+/// that dies ends the wait with an error instead of leaving it forever.
+pub(crate) async fn recv_ctrl_from(ep: &Endpoint) -> AnyResult<String> {
+    let (r, buf) = ep.tag_recv(CTRL, tag::EXACT, Vec::with_capacity(64 * 1024)).await;
+    r?;
+    let msg = String::from_utf8(buf)?;
+    match msg.strip_prefix("error ") {
+        Some(e) => Err(format!("the peer failed: {e}").into()),
+        None => Ok(msg),
+    }
 }
 
 fn hex(b: &[u8]) -> String {
@@ -199,7 +216,7 @@ pub(crate) async fn run_client(
         cmd += &format!(" {}", hex(&r.pack_key()?));
     }
     send_ctrl(ep, cmd).await?;
-    let ready = recv_ctrl(w).await?;
+    let ready = recv_ctrl_from(ep).await?;
     let mut words = ready.split_whitespace();
     if words.next() != Some("ready") {
         return Err(format!("server answered {ready:?}").into());
@@ -209,9 +226,7 @@ pub(crate) async fn run_client(
         None if test.needs_region() => return Err("server sent no key".into()),
         None => None,
     };
-    // The payload lives for the whole run: sends borrow it as `&'static [u8]`, so the
-    // hot loop does no reference counting (as a C benchmark reuses one buffer).
-    let payload: &'static [u8] = Vec::leak(vec![0x5au8; size]);
+    let payload = payload(size, 0x5a, 0x5a);
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
     let local = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
     let mut clock = Clock::new(warmup)?;
@@ -305,8 +320,9 @@ pub(crate) async fn run_client(
                 ep.flush().await?;
             }
             if matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw) {
-                // The server acknowledges once everything arrived.
-                let (r, _) = w.tag_recv(DATA_S2C, tag::EXACT, Vec::with_capacity(8)).await;
+                // The server acknowledges once everything arrived (bound to the endpoint:
+                // a server that died ends the wait).
+                let (r, _) = ep.tag_recv(DATA_S2C, tag::EXACT, Vec::with_capacity(8)).await;
                 r?;
             }
         }
@@ -315,7 +331,7 @@ pub(crate) async fn run_client(
     if test.needs_region() {
         send_ctrl(ep, "fin".into()).await?;
     }
-    let done = recv_ctrl(w).await?;
+    let done = recv_ctrl_from(ep).await?;
     if done != "done" {
         return Err(format!("server answered {done:?}").into());
     }
@@ -363,13 +379,28 @@ impl Clock {
     }
 }
 
-/// A payload whose last byte is `marker` (put_lat).
-fn marked(size: usize, marker: u8) -> &'static [u8] {
-    let mut v = vec![0x5au8; size];
-    if let Some(b) = v.last_mut() {
-        *b = marker;
+/// A payload of `size` bytes of `fill` whose last byte is `last`, made once per process
+/// and kept: sends borrow it as `&'static [u8]`, so the hot loop does no reference
+/// counting (as a C benchmark reuses one buffer), and a long-lived server does not grow.
+fn payload(size: usize, fill: u8, last: u8) -> &'static [u8] {
+    type Key = (usize, u8, u8);
+    static CACHE: Mutex<Vec<(Key, &'static [u8])>> = Mutex::new(Vec::new());
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, p)) = cache.iter().find(|(k, _)| *k == (size, fill, last)) {
+        return p;
     }
-    Vec::leak(v)
+    let mut v = vec![fill; size];
+    if let Some(b) = v.last_mut() {
+        *b = last;
+    }
+    let p: &'static [u8] = Vec::leak(v);
+    cache.push(((size, fill, last), p));
+    p
+}
+
+/// A put_lat payload whose last byte is `marker`.
+fn marked(size: usize, marker: u8) -> &'static [u8] {
+    payload(size, 0x5a, marker)
 }
 
 /// One outstanding operation of a bandwidth test.
@@ -455,7 +486,12 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
         _ => return Err(format!("bad command {cmd:?}").into()),
     };
     test.check_size(size)?;
-    let region = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
+    // put_lat polls the last byte the client's put writes: exactly `size` bytes.
+    let region = match test {
+        Test::PutLat => Some(w.context().alloc(size)?),
+        t if t.needs_region() => Some(w.context().alloc(size.max(8))?),
+        _ => None,
+    };
     let their_key = match their_key {
         Some(k) => Some(ep.unpack_key(&unhex(k)?)?),
         None => None,
@@ -464,7 +500,7 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
         Some(r) => send_ctrl(ep, format!("ready {}", hex(&r.pack_key()?))).await?,
         None => send_ctrl(ep, "ready".into()).await?,
     }
-    let payload: &'static [u8] = Vec::leak(vec![0xa5u8; size]);
+    let payload = payload(size, 0xa5, 0xa5);
     match test {
         Test::TagLat => {
             let mut rbuf = Vec::with_capacity(size);
@@ -568,14 +604,14 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
         }
         Test::PutBw | Test::GetBw | Test::AtomicRate => {
             // Passive target: wait for the client to finish.
-            let fin = recv_ctrl(w).await?;
+            let fin = recv_ctrl_from(ep).await?;
             if fin != "fin" {
                 return Err(format!("expected fin, got {fin:?}").into());
             }
         }
     }
     if test == Test::PutLat {
-        let fin = recv_ctrl(w).await?;
+        let fin = recv_ctrl_from(ep).await?;
         if fin != "fin" {
             return Err(format!("expected fin, got {fin:?}").into());
         }

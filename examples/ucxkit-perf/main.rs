@@ -31,7 +31,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use ucxkit::transport::{tag, Context, EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerAddress};
+use ucxkit::transport::{
+    tag, Context, Endpoint, EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerAddress,
+};
 
 use bench::{recv_ctrl, send_ctrl, Side, Test, CTRL};
 use report::Row;
@@ -191,6 +193,12 @@ fn main() {
         if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
             die(format!("cannot pin to CPU {cpu}"));
         }
+    }
+    if args.compare && args.client.is_some() {
+        die("--compare runs ucx_perftest over loopback; use it without --client");
+    }
+    if args.iters == Some(0) {
+        die("--iters must be at least 1");
     }
     if !args.server {
         let sizes = size::parse_sizes(&args.sizes).unwrap_or_else(|e| die(e));
@@ -441,7 +449,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         rows.extend(out);
     }
     send_ctrl(&ep, "bye".into()).await?;
-    let _ = recv_ctrl(&w).await?;
+    let _ = bench::recv_ctrl_from(&ep).await?;
     ep.close().await?;
     if let Some(path) = &args.plot {
         let title = format!("ucxkit-perf over {transport} ({:?} progress)", args.progress);
@@ -477,7 +485,9 @@ async fn calibrate(
 ) -> AnyResult<(u64, u64)> {
     let trial = 20u64.max(args.window as u64);
     let t0 = Instant::now();
-    bench::run_client(test, size, trial, 0, args.window, args.window, side, "").await?;
+    let recv_window =
+        args.recv_window.unwrap_or(if size <= 8192 { args.window } else { args.window.min(4) }).max(1);
+    bench::run_client(test, size, trial, 0, args.window, recv_window, side, "").await?;
     let per = t0.elapsed().as_secs_f64() / trial as f64;
     let n = ((d.as_secs_f64() / per.max(1e-9)) as u64).clamp(10, 50_000_000);
     Ok((n, args.warmup.unwrap_or((n / 10).max(10))))
@@ -494,12 +504,13 @@ async fn server(args: &Args) -> AnyResult<()> {
         std::io::stdout().flush()?;
         loop {
             let ep = listener.accept().await?;
-            if let Err(e) = serve(&mut Side { w: &w, ep: &ep, am: &mut am }).await {
+            let r = serve(&mut Side { w: &w, ep: &ep, am: &mut am }).await;
+            if let Err(e) = &r {
                 eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
             }
             drop(ep);
             if args.once {
-                return Ok(());
+                return r;
             }
         }
     }
@@ -520,11 +531,11 @@ async fn server(args: &Args) -> AnyResult<()> {
             Ok::<(), Box<dyn std::error::Error>>(())
         }
         .await;
-        if let Err(e) = r {
+        if let Err(e) = &r {
             eprintln!("ucxkit-perf server: client {peer}: {e}");
         }
         if args.once {
-            return Ok(());
+            return r;
         }
     }
 }
@@ -555,24 +566,31 @@ async fn read_frame(sock: &mut tokio::net::TcpStream) -> AnyResult<Vec<u8>> {
 /// Serves one client's commands until it says `bye`.
 async fn serve(side: &mut Side<'_>) -> AnyResult<()> {
     loop {
-        let cmd = next_command(side.w).await?;
+        let cmd = next_command(side.w, side.ep).await?;
         if cmd == "bye" {
             send_ctrl(side.ep, "bye".into()).await?;
             // Let the reply leave before the client closes.
             side.ep.flush().await?;
             return Ok(());
         }
-        bench::serve_one(&cmd, side).await?;
+        if let Err(e) = bench::serve_one(&cmd, side).await {
+            // Tell the client instead of leaving it waiting; it stops on `error`.
+            let _ = send_ctrl(side.ep, format!("error {e}")).await;
+            return Err(e);
+        }
     }
 }
 
 /// Waits for the client's next command without spinning (even in busy-poll mode), so
 /// that an idle server leaves the CPU to `--compare`'s ucx_perftest runs.
-async fn next_command(w: &Worker) -> AnyResult<String> {
+async fn next_command(w: &Worker, ep: &Endpoint) -> AnyResult<String> {
     // Back off to 20 ms: a few wakeups a second do not disturb a ucx_perftest server
     // pinned to the same CPU.
     let mut nap = Duration::from_micros(50);
     while w.tag_probe(CTRL, tag::EXACT).is_none() {
+        if let Some(s) = ep.failure() {
+            return Err(format!("the client went away ({s})").into());
+        }
         tokio::time::sleep(nap).await;
         nap = (nap * 2).min(Duration::from_millis(20));
     }

@@ -37,6 +37,47 @@ fn command(cpu: Option<usize>, setup: &Setup<'_>) -> Command {
     c
 }
 
+/// How long one ucx_perftest client may run before it is killed.
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Runs `cmd` to completion or until `limit`, then kills it; returns its exit status
+/// (None when killed), stdout and stderr.
+fn run_bounded(
+    cmd: &mut Command,
+    limit: Duration,
+) -> AnyResult<(Option<std::process::ExitStatus>, Vec<u8>, Vec<u8>)> {
+    use std::io::Read;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    // Drain the pipes on their own threads so a chatty child cannot block on a full pipe.
+    let mut out = child.stdout.take().ok_or("no stdout")?;
+    let mut err = child.stderr.take().ok_or("no stderr")?;
+    let t_out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break Some(s);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = t_out.join().unwrap_or_default();
+    let stderr = t_err.join().unwrap_or_default();
+    Ok((status, stdout, stderr))
+}
+
 fn free_port() -> AnyResult<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -61,19 +102,23 @@ pub(crate) fn run(test: Test, size: usize, iters: u64, warmup: u64, setup: &Setu
         if !test.is_latency() {
             client.args(["-O", &setup.window.to_string()]);
         }
-        let out = client.args(["-f", "-v"]).stdin(Stdio::null()).output()?;
+        let out = run_bounded(client.args(["-f", "-v"]).stdin(Stdio::null()), LIMIT);
         let _ = server.kill();
         let _ = server.wait();
-        let text = String::from_utf8_lossy(&out.stdout);
+        let (status, stdout, stderr) = out?;
+        let text = String::from_utf8_lossy(&stdout);
         match parse(&text) {
-            Some(v) if out.status.success() => return Ok(row(test, size, v)),
+            Some(v) if status.as_ref().is_some_and(|s| s.success()) => return Ok(row(test, size, v)),
             _ => {
                 last_err = format!(
-                    "ucx_perftest -t {} failed ({}): {}{}",
+                    "ucx_perftest -t {} {}: {}{}",
                     test.perftest_name(),
-                    out.status,
+                    match status {
+                        Some(s) => format!("failed ({s})"),
+                        None => format!("did not finish within {LIMIT:?}"),
+                    },
                     text.trim(),
-                    String::from_utf8_lossy(&out.stderr).trim()
+                    String::from_utf8_lossy(&stderr).trim()
                 );
             }
         }

@@ -404,6 +404,12 @@ impl AmReceiver {
         self.id
     }
 
+    /// Messages queued for this receiver and not yet taken.
+    pub fn queued(&self) -> usize {
+        let id = self.id;
+        self.worker.shared.inner.locked(|st| st.am.get(&id).map_or(0, |r| r.queue.len()))
+    }
+
     /// Waits for the next message.
     ///
     /// # Cancel safety
