@@ -654,8 +654,10 @@ impl Endpoint {
                         },
                     )
                 };
+                // The connection-manager lane (UCX reports it by its component, "tcp",
+                // with no device) carries no data: leave it out, as print_info's "cm".
                 let lane = Lane { transport: t, device: d };
-                if lane.transport != "cm" && !out.contains(&lane) {
+                if !lane.device.is_empty() && lane.transport != "cm" && !out.contains(&lane) {
                     out.push(lane);
                 }
             }
