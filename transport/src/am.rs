@@ -131,16 +131,28 @@ impl Endpoint {
         if opts.reply {
             flags |= sys::UCP_AM_SEND_FLAG_REPLY.0;
         }
-        // UCX 1.13 reads the header until the send completes: keep a copy with the
-        // operation.
-        let header: Option<Box<[u8]>> = (!header.is_empty()).then(|| header.into());
-        let (hptr, hlen) = header.as_ref().map_or((std::ptr::null(), 0), |h| (h.as_ptr(), h.len()));
-        let extra = header.map(|h| Box::new(h) as Box<dyn Any + Send>);
+        // UCX 1.14 and newer copy the header during the call (`COPY_HEADER`); 1.13 reads
+        // it until the send completes, so a copy stays with the operation (a Vec: its
+        // heap buffer does not move with it).
+        #[cfg(ucx_ge_1_14)]
+        let (hptr, hlen, extra): (*const u8, usize, Option<Box<dyn Any + Send>>) = {
+            flags |= sys::UCP_AM_SEND_FLAG_COPY_HEADER.0;
+            (if header.is_empty() { std::ptr::null() } else { header.as_ptr() }, header.len(), None)
+        };
+        #[cfg(not(ucx_ge_1_14))]
+        let (hptr, hlen, extra): (*const u8, usize, Option<Box<dyn Any + Send>>) = if header.is_empty() {
+            (std::ptr::null(), 0, None)
+        } else {
+            let copy = header.to_vec();
+            (copy.as_ptr(), copy.len(), Some(Box::new(copy)))
+        };
         SendOp::post(self, "am_send", payload, extra, |_, h, ptr, len, param| {
             param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS.0 as u32;
             param.flags = flags as u32;
-            // SAFETY: h is live under the lock; header and payload stay valid and unmoved
-            // until the request completes (kept by the operation, parked on drop).
+            // SAFETY: h is live under the lock; the payload, and on UCX 1.13 the header
+            // copy, stay valid and unmoved until the request completes (kept by the
+            // operation, parked on drop); with COPY_HEADER UCX reads the caller's header
+            // during this call only.
             unsafe { sys::ucp_am_send_nbx(h, id as u32, hptr.cast(), hlen, ptr.cast(), len, param) }
         })
     }
