@@ -416,7 +416,9 @@ impl Op {
         match self {
             Op::Send(f) => f.await.0?,
             Op::Put(f) => f.await.0?,
-            Op::Get(f) => f.await.0?,
+            Op::Get(f) => {
+                f.await.0?;
+            }
             Op::Atomic(f) => {
                 f.await?;
             }

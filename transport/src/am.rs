@@ -22,9 +22,7 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::ffi::c_void;
-use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, Waker};
 
@@ -32,9 +30,9 @@ use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::{Endpoint, EndpointInner};
-use crate::error::{Error, Peer, Result, Status};
+use crate::error::{Error, Result, Status};
 use crate::handshake;
-use crate::op::{OpState, SendOp};
+use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{len_cb, Completion, Posted};
 use crate::worker::{OpKind, State, Worker};
 
@@ -689,7 +687,7 @@ impl AmMessage {
                 }
             }
         };
-        AmRecvData { worker, reply, len, state }
+        RecvOp::new(worker, reply, "am_recv_data", Some(len), state, None)
     }
 
     /// [`AmMessage::recv_data`] into a new `Vec` of exactly the payload's length.
@@ -716,42 +714,4 @@ impl Drop for AmMessage {
 /// # Cancel safety
 /// Memory-safe to drop at any time; a fetch in flight keeps the buffer until UCX is done
 /// with it, and the payload is lost.
-#[must_use = "a fetch future does nothing useful unless awaited"]
-pub struct AmRecvData<B: IoBufMut> {
-    worker: Worker,
-    reply: Option<Endpoint>,
-    len: usize,
-    state: OpState<B>,
-}
-
-impl<B: IoBufMut> Unpin for AmRecvData<B> {}
-
-impl<B: IoBufMut> Future for AmRecvData<B> {
-    type Output = (Result<usize>, B);
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        match this.state.poll(Some(&this.worker.shared), cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
-            Poll::Ready(Ok((c, mut b))) => {
-                if !c.status.is_ok() {
-                    let e = match &this.reply {
-                        Some(ep) => ep.error_of("am_recv_data", c.status),
-                        None => Error::from_op("am_recv_data", &Peer::Any, c.status),
-                    };
-                    return Poll::Ready((Err(e), b));
-                }
-                // SAFETY: the payload's len bytes were written at the start of b.
-                unsafe { b.set_init(this.len) };
-                Poll::Ready((Ok(this.len), b))
-            }
-        }
-    }
-}
-
-impl<B: IoBufMut> Drop for AmRecvData<B> {
-    fn drop(&mut self) {
-        self.state.park(Some(&self.worker.shared), None);
-    }
-}
+pub type AmRecvData<B> = RecvOp<B>;

@@ -119,7 +119,7 @@ pub use identity::ProcessIdentity;
 pub use iov::{PutIov, TagRecvIov, TagSendIov};
 pub use listener::{ConnectionRequest, Listener};
 pub use mem::{MemRegion, RegionSlice, RemoteKey};
-pub use op::SendOp;
+pub use op::{RecvOp, SendOp};
 pub use progress::{ProgressMode, BUSY_IDLE};
 pub use rma::{Atomic, Get, Put};
 pub use stream::{StreamRecv, StreamSend, UcxStream};

@@ -505,7 +505,7 @@ impl RemoteKey {
         Ok(addr)
     }
 
-    pub(crate) fn keep(&self) -> Box<dyn Any + Send> {
+    pub(crate) fn keep(&self) -> Box<dyn Any + Send + Sync> {
         Box::new(self.inner.clone())
     }
 }

@@ -1,6 +1,7 @@
-//! The state machine every buffer-owning operation future shares, and [`SendOp`], the
-//! future of the operations that read an owned buffer and report only success (tag and
-//! stream sends, active-message sends, puts).
+//! The state machine every buffer-owning operation future shares; [`SendOp`], the future
+//! of the operations that read an owned buffer and report only success (tag and stream
+//! sends, active-message sends, puts); and [`RecvOp`], the future of those that write
+//! into one and report a length (stream receives, gets, active-message fetches).
 
 use std::any::Any;
 use std::future::Future;
@@ -9,11 +10,11 @@ use std::task::{Context, Poll};
 
 use ucx_sys as sys;
 
-use crate::buf::IoBuf;
+use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
-use crate::error::{Error, Result};
+use crate::error::{Error, Peer, Result};
 use crate::request::{Completion, Posted, Request};
-use crate::worker::{State, WorkerShared};
+use crate::worker::{State, Worker, WorkerShared};
 
 /// Where an operation stands. The buffer lives in every state, so it can be given back
 /// (or parked) whatever happens.
@@ -168,5 +169,73 @@ impl<B: Send + 'static> Drop for SendOp<B> {
         let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
         let extra = self.extra.take();
         self.state.park(worker, extra);
+    }
+}
+
+/// Future of an operation that writes into `buf` and reports how many bytes it wrote:
+/// [`Endpoint::stream_recv`], [`Endpoint::get`], [`crate::AmMessage::recv_data`].
+/// Resolves to `(Result<len>, buffer)`; on success the buffer's length is set to `len`.
+///
+/// # Cancel safety
+/// Memory-safe to drop at any time: the buffer (and anything else the operation needs,
+/// such as a remote key) is kept until UCX has finished writing it. What lands there is
+/// lost; see each operation for what that means.
+#[must_use = "a receive-type operation does nothing useful unless awaited"]
+pub struct RecvOp<B: IoBufMut> {
+    worker: Worker,
+    /// For error messages (a failed endpoint becomes `ConnectionReset`).
+    ep: Option<Endpoint>,
+    op: &'static str,
+    /// The length on success: fixed (a get, a fetch) or, when None, what UCX reported.
+    len: Option<usize>,
+    state: OpState<B>,
+    extra: Option<Box<dyn Any + Send + Sync>>,
+}
+
+impl<B: IoBufMut> RecvOp<B> {
+    pub(crate) fn new(
+        worker: Worker,
+        ep: Option<Endpoint>,
+        op: &'static str,
+        len: Option<usize>,
+        state: OpState<B>,
+        extra: Option<Box<dyn Any + Send + Sync>>,
+    ) -> RecvOp<B> {
+        RecvOp { worker, ep, op, len, state, extra }
+    }
+}
+
+impl<B: IoBufMut> Unpin for RecvOp<B> {}
+
+impl<B: IoBufMut> Future for RecvOp<B> {
+    type Output = (Result<usize>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match this.state.poll(Some(&this.worker.shared), cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Ok((c, mut b))) => {
+                this.extra = None;
+                if !c.status.is_ok() {
+                    let e = match &this.ep {
+                        Some(ep) => ep.error_of(this.op, c.status),
+                        None => Error::from_op(this.op, &Peer::Any, c.status),
+                    };
+                    return Poll::Ready((Err(e), b));
+                }
+                let n = this.len.unwrap_or(c.len).min(b.bytes_total());
+                // SAFETY: UCX wrote n bytes at the start of the buffer.
+                unsafe { b.set_init(n) };
+                Poll::Ready((Ok(n), b))
+            }
+        }
+    }
+}
+
+impl<B: IoBufMut> Drop for RecvOp<B> {
+    fn drop(&mut self) {
+        let extra = self.extra.take().map(|x| x as Box<dyn Any + Send>);
+        self.state.park(Some(&self.worker.shared), extra);
     }
 }

@@ -21,7 +21,7 @@ use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::{op_param, Endpoint};
 use crate::error::Result;
 use crate::mem::RemoteKey;
-use crate::op::{OpState, SendOp};
+use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{Completion, Posted};
 use crate::worker::Worker;
 
@@ -75,7 +75,16 @@ impl Endpoint {
     /// # Cancel safety
     /// Memory-safe to drop at any time: the buffer is kept until UCX finishes writing it.
     pub fn get<B: IoBufMut>(&self, mut buf: B, len: usize, key: &RemoteKey, offset: u64) -> Get<B> {
-        let fail = |e, buf| Get { ep: self.clone(), len, state: OpState::Failed(e, buf), key: None };
+        let fail = |e, buf| {
+            RecvOp::new(
+                self.worker().clone(),
+                Some(self.clone()),
+                "get",
+                Some(len),
+                OpState::Failed(e, buf),
+                None,
+            )
+        };
         if buf.bytes_total() < len {
             let e = crate::Error::ApiMisuse(format!(
                 "get of {len} bytes into a {} byte buffer",
@@ -95,7 +104,8 @@ impl Endpoint {
             // was checked.
             unsafe { sys::ucp_get_nbx(h, ptr.cast(), len, remote, rkey, param) }
         });
-        Get { ep: self.clone(), len, state: OpState::from_posted(posted, buf), key: Some(key.clone()) }
+        let state = OpState::from_posted(posted, buf);
+        RecvOp::new(self.worker().clone(), Some(self.clone()), "get", Some(len), state, Some(key.keep()))
     }
 
     /// Adds `value` to the 64-bit word at `offset` (`UCP_ATOMIC_OP_ADD`, no fetch).
@@ -191,47 +201,12 @@ impl Worker {
     }
 }
 
-/// Future of [`Endpoint::get`]: resolves to `(Result<()>, buffer)`.
+/// Future of [`Endpoint::get`]: resolves to `(Result<len>, buffer)`.
 ///
 /// # Cancel safety
-/// Memory-safe to drop at any time: the buffer is kept until UCX finishes writing it.
-#[must_use = "a get does nothing useful unless awaited"]
-pub struct Get<B: IoBufMut> {
-    ep: Endpoint,
-    len: usize,
-    state: OpState<B>,
-    key: Option<RemoteKey>,
-}
-
-impl<B: IoBufMut> Unpin for Get<B> {}
-
-impl<B: IoBufMut> Future for Get<B> {
-    type Output = (Result<()>, B);
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        match this.state.poll(Some(&this.ep.worker().shared), cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
-            Poll::Ready(Ok((c, mut b))) => {
-                this.key = None;
-                if !c.status.is_ok() {
-                    return Poll::Ready((Err(this.ep.error_of("get", c.status)), b));
-                }
-                // SAFETY: UCX wrote len bytes at the start of b.
-                unsafe { b.set_init(this.len) };
-                Poll::Ready((Ok(()), b))
-            }
-        }
-    }
-}
-
-impl<B: IoBufMut> Drop for Get<B> {
-    fn drop(&mut self) {
-        let key = self.key.take().map(|k| k.keep());
-        self.state.park(Some(&self.ep.worker().shared), key);
-    }
-}
+/// Memory-safe to drop at any time: the buffer and the key are kept until UCX finishes
+/// writing the buffer.
+pub type Get<B> = RecvOp<B>;
 
 /// Future of the atomic operations: resolves to the word's previous value (0 for
 /// [`Endpoint::atomic_add`], which does not fetch).
@@ -295,7 +270,7 @@ impl Future for Atomic {
 
 impl Drop for Atomic {
     fn drop(&mut self) {
-        let key = self.key.take().map(|k| k.keep());
+        let key = self.key.take().map(|k| k.keep() as Box<dyn std::any::Any + Send>);
         self.state.park(Some(&self.ep.worker().shared), key);
     }
 }

@@ -29,7 +29,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::handshake::{Kind, Message};
 use crate::identity::ProcessIdentity;
-use crate::op::{OpState, SendOp};
+use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{stream_recv_cb, Completion, Posted};
 use crate::worker::{OpKind, State};
 
@@ -49,11 +49,7 @@ pub type StreamSend<B> = SendOp<B>;
 /// receive, so the buffer stays with the worker and whatever bytes UCX puts there are
 /// discarded. To read without losing bytes across cancellation, use [`UcxStream`], which
 /// keeps its pending receive between reads.
-#[must_use = "a receive future does nothing unless awaited"]
-pub struct StreamRecv<B: IoBufMut> {
-    ep: Endpoint,
-    state: OpState<B>,
-}
+pub type StreamRecv<B> = RecvOp<B>;
 
 impl Endpoint {
     /// Sends the bytes of `buf` on this endpoint's stream (`ucp_stream_send_nbx`). They
@@ -126,7 +122,14 @@ impl Endpoint {
         if matches!(posted, Ok(Posted::Pending(_))) {
             self.worker_inner().posted();
         }
-        StreamRecv { ep: self.clone(), state: OpState::from_posted(posted, buf) }
+        RecvOp::new(
+            self.worker().clone(),
+            Some(self.clone()),
+            "stream_recv",
+            None,
+            OpState::from_posted(posted, buf),
+            None,
+        )
     }
 
     /// Tells the peer that this side's stream ends after the bytes sent so far, so that
@@ -195,35 +198,6 @@ fn stream_param(st: &mut State, wait_all: bool) -> sys::ucp_request_param_t {
         p.flags = sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32;
     }
     p
-}
-
-impl<B: IoBufMut> Unpin for StreamRecv<B> {}
-
-impl<B: IoBufMut> Future for StreamRecv<B> {
-    type Output = (Result<usize>, B);
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        match this.state.poll(Some(&this.ep.worker().shared), cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
-            Poll::Ready(Ok((c, mut b))) => {
-                if !c.status.is_ok() {
-                    return Poll::Ready((Err(this.ep.error_of("stream_recv", c.status)), b));
-                }
-                let n = c.len.min(b.bytes_total());
-                // SAFETY: UCX wrote n bytes at the start of the buffer.
-                unsafe { b.set_init(n) };
-                Poll::Ready((Ok(n), b))
-            }
-        }
-    }
-}
-
-impl<B: IoBufMut> Drop for StreamRecv<B> {
-    fn drop(&mut self) {
-        self.state.park(Some(&self.ep.worker().shared), None);
-    }
 }
 
 /// Receive chunk of a [`UcxStream`] unless set otherwise.
