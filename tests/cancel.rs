@@ -1,6 +1,8 @@
 //! Cancel safety: dropping a pending operation's future is memory-safe. An unmatched
 //! receive is canceled and its buffer is never written; a dropped send keeps its buffer
-//! alive until UCX is done with it. `.ci/run` also runs this file under valgrind.
+//! alive until UCX is done with it; a dropped stream receive or active-message fetch
+//! keeps its buffer until UCX has written it. `.ci/run` also runs this file under
+//! valgrind.
 
 mod common;
 
@@ -197,4 +199,56 @@ async fn dropped_recv_any_after_match() {
     let next = server.tag_recv(22, tag::EXACT, vec![0u8; 2]);
     ep.tag_send(22, b"ok".to_vec()).await.0.unwrap();
     assert_eq!(next.await.1, b"ok");
+}
+
+/// Waits until `state` leaves NOT_DROPPED and returns it.
+async fn dropped_state(state: &AtomicU8) -> u8 {
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let s = state.load(Ordering::SeqCst);
+            if s != NOT_DROPPED {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .expect("the parked buffer is released once UCX is done")
+}
+
+/// A stream receive dropped while pending cannot be canceled in UCX: its buffer is kept
+/// and UCX writes the next bytes into it (they are lost), and only then is it freed.
+#[tokio::test]
+async fn dropped_stream_recv_keeps_its_buffer_until_written() {
+    let (_s, _c, sep, cep) = pair("tcp,self").await;
+    let (s, state) = Sentinel::new(16, 0xAA);
+    let mut dropped = sep.stream_recv(s);
+    assert!(poll_once(&mut dropped).await.is_pending());
+    drop(dropped);
+    assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "still owned by UCX");
+    cep.stream_send(vec![0x55u8; 16]).await.0.unwrap();
+    assert_eq!(dropped_state(&state).await, DIRTY, "UCX wrote into the kept buffer");
+    // The stream goes on with the next bytes.
+    cep.stream_send(b"after".to_vec()).await.0.unwrap();
+    let (r, b) = sep.stream_recv_exact(vec![0u8; 5].into_boxed_slice()).await;
+    assert_eq!(r.unwrap(), 5);
+    assert_eq!(&b[..], b"after");
+}
+
+/// An active-message fetch dropped in flight keeps its buffer until UCX completes it;
+/// the sender completes too.
+#[tokio::test]
+async fn dropped_am_fetch_keeps_its_buffer_until_done() {
+    use ucxkit::transport::{AmProto, AmSendOptions};
+    let (server, _c, _sep, cep) = pair("tcp,self").await;
+    let mut rx = server.am_recv(30).unwrap();
+    let opts = AmSendOptions { proto: AmProto::Rendezvous, reply: true };
+    let send = cep.am_send_with(30, b"", vec![0x55u8; 1 << 20], opts);
+    let m = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.unwrap();
+    let (s, state) = Sentinel::new(1 << 20, 0xAA);
+    let mut fetch = m.recv_data(s);
+    let _ = poll_once(&mut fetch).await;
+    drop(fetch);
+    tokio::time::timeout(Duration::from_secs(20), send).await.unwrap().0.unwrap();
+    assert_eq!(dropped_state(&state).await, DIRTY, "the fetch finished into the kept buffer");
 }
