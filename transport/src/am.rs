@@ -634,7 +634,7 @@ impl AmMessage {
         let state = if capacity < len {
             self.payload = payload;
             drop(self);
-            OpState::Failed(Error::Truncated { capacity, len, tag: id as u64 }, buf)
+            OpState::failed(Error::Truncated { capacity, len, tag: id as u64 }, buf)
         } else {
             match payload {
                 Payload::Eager(v) => {

@@ -5,6 +5,7 @@
 use std::ffi::c_void;
 use std::future::poll_fn;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
@@ -23,6 +24,8 @@ pub(crate) struct EndpointInner {
     pub(crate) id: u64,
     pub(crate) peer: Peer,
     pub(crate) peer_mode: bool,
+    /// The handle while usable, NULL once closed or failed (see `EpState::usable`).
+    usable: Arc<AtomicPtr<sys::ucp_ep>>,
     identity: Mutex<Option<ProcessIdentity>>,
     watch: Mutex<Option<tokio::task::AbortHandle>>,
 }
@@ -180,6 +183,7 @@ impl Worker {
                 params.conn_request = r;
             }
         }
+        let usable = Arc::new(AtomicPtr::new(std::ptr::null_mut()));
         let id = self.shared.inner.locked(|st| {
             let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
             // SAFETY: the worker is valid under the lock; params and what they point to
@@ -191,7 +195,8 @@ impl Worker {
                 s => Error::Connect { peer: peer.clone(), source: s },
             })?;
             let id = st.new_id();
-            st.eps.insert(id, EpState::new(ep, peer_mode));
+            usable.store(ep, Ordering::Relaxed);
+            st.eps.insert(id, EpState::new(ep, peer_mode, usable.clone()));
             st.by_handle.insert(ep as usize, id);
             if await_hello {
                 st.accepts.insert(ep as usize, HsWait { waker: None, result: None, peer_mode, ep: id });
@@ -204,6 +209,7 @@ impl Worker {
             id,
             peer,
             peer_mode,
+            usable,
             identity: Mutex::new(None),
             watch: Mutex::new(None),
         });
@@ -370,6 +376,11 @@ impl Endpoint {
     /// The live UCX endpoint handle, or the reason it is gone (under the worker lock, so
     /// the answer holds for whatever the caller posts in the same critical section).
     pub(crate) fn live_handle(&self, st: &State, op: &'static str) -> Result<sys::ucp_ep_h> {
+        // Written only under the worker lock, which the caller holds (`st`).
+        let h = self.inner.usable.load(Ordering::Relaxed);
+        if !h.is_null() {
+            return Ok(h);
+        }
         let (h, failed) = match st.eps.get(&self.inner.id) {
             Some(e) => (e.handle, e.failed),
             None => (std::ptr::null_mut(), None),

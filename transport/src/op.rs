@@ -21,7 +21,9 @@ use crate::worker::{State, Worker, WorkerShared};
 pub(crate) enum OpState<B> {
     Pending(Request, B),
     Done(Completion, B),
-    Failed(Error, B),
+    /// Refused before posting. Boxed: errors are rare and large, and every future
+    /// carrying an `OpState` is moved on the hot path.
+    Failed(Box<Error>, B),
     Finished,
 }
 
@@ -31,8 +33,13 @@ impl<B: Send + 'static> OpState<B> {
         match posted {
             Ok(Posted::Done(c)) => OpState::Done(c, buf),
             Ok(Posted::Pending(r)) => OpState::Pending(r, buf),
-            Err(e) => OpState::Failed(e, buf),
+            Err(e) => OpState::failed(e, buf),
         }
+    }
+
+    /// The state of an operation refused before posting.
+    pub(crate) fn failed(e: Error, buf: B) -> OpState<B> {
+        OpState::Failed(Box::new(e), buf)
     }
 
     /// Drives the operation to its completion. Returns, once, the completion (or the
@@ -55,7 +62,7 @@ impl<B: Send + 'static> OpState<B> {
             OpState::Finished => panic!("operation future polled after completion"),
         };
         Poll::Ready(match std::mem::replace(self, OpState::Finished) {
-            OpState::Failed(e, b) => Err((e, b)),
+            OpState::Failed(e, b) => Err((*e, b)),
             OpState::Pending(_, b) | OpState::Done(_, b) => Ok((c, b)),
             OpState::Finished => unreachable!("checked above"),
         })
@@ -136,7 +143,7 @@ impl<B: Send + 'static> SendOp<B> {
 
     /// An operation refused before posting.
     pub(crate) fn failed(ep: &Endpoint, op: &'static str, e: Error, buf: B) -> SendOp<B> {
-        SendOp { ep: Some(ep.clone()), op, state: OpState::Failed(e, buf), extra: None }
+        SendOp { ep: Some(ep.clone()), op, state: OpState::failed(e, buf), extra: None }
     }
 }
 

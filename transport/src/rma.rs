@@ -81,7 +81,7 @@ impl Endpoint {
                 Some(self.clone()),
                 "get",
                 Some(len),
-                OpState::Failed(e, buf),
+                OpState::failed(e, buf),
                 None,
             )
         };
@@ -139,7 +139,7 @@ impl Endpoint {
         let words = Words::new([x, z]);
         let remote = match key.target(self, op, offset, 8, 8) {
             Ok(a) => a,
-            Err(e) => return Atomic { ep: self.clone(), op, state: OpState::Failed(e, words), key: None },
+            Err(e) => return Atomic { ep: self.clone(), op, state: OpState::failed(e, words), key: None },
         };
         let rkey = key.inner.rkey;
         let opcode = match kind {

@@ -231,7 +231,7 @@ fn post_recv<B: IoBufMut>(
         Ok((posted, false))
     });
     let state = match posted {
-        Err(e) => OpState::Failed(e, buf),
+        Err(e) => OpState::failed(e, buf),
         Ok((Posted::Done(c), _)) => OpState::Done(c, buf),
         Ok((Posted::Pending(r), kick)) => {
             if kick {

@@ -14,7 +14,7 @@ use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::RawFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::Duration;
@@ -322,6 +322,10 @@ pub(crate) struct EpState {
     /// NULL once closed.
     pub(crate) handle: sys::ucp_ep_h,
     pub(crate) failed: Option<Status>,
+    /// The handle while the endpoint is usable (open and not failed), NULL after; shared
+    /// with the [`crate::Endpoint`] so that posting needs no table lookup. Written and
+    /// read only under the worker lock.
+    pub(crate) usable: Arc<AtomicPtr<sys::ucp_ep>>,
     /// Whether UCX peer error handling is on (UCX then purges requests on failure).
     pub(crate) peer_mode: bool,
     /// Pending operations bound to this endpoint: request address → what its failure
@@ -340,10 +344,15 @@ pub(crate) struct EpState {
 }
 
 impl EpState {
-    pub(crate) fn new(handle: sys::ucp_ep_h, peer_mode: bool) -> EpState {
+    pub(crate) fn new(
+        handle: sys::ucp_ep_h,
+        peer_mode: bool,
+        usable: Arc<AtomicPtr<sys::ucp_ep>>,
+    ) -> EpState {
         EpState {
             handle,
             failed: None,
+            usable,
             peer_mode,
             ops: IdMap::default(),
             stream_tx: 0,
@@ -501,6 +510,7 @@ impl State {
         if e.failed.is_none() {
             e.failed = Some(status);
         }
+        e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         tracing::debug!(ep = id, %status, "endpoint failed");
         let peer_mode = e.peer_mode;
         let ops: Vec<(usize, OpKind)> = e.ops.iter().map(|(&r, &k)| (r, k)).collect();
@@ -534,6 +544,7 @@ impl State {
     pub(crate) fn close_ep(&mut self, id: u64, force: bool) -> Option<request::Posted> {
         let e = self.eps.get_mut(&id)?;
         let h = std::mem::replace(&mut e.handle, std::ptr::null_mut());
+        e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         if h.is_null() {
             return None;
         }
