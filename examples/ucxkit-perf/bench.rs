@@ -231,42 +231,48 @@ pub(crate) async fn run_client(
     let local = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
     let mut clock = Clock::new(warmup)?;
     match test {
+        // Each iteration posts its message first (as ucx_perftest does) and reads the
+        // clock for the previous iteration only then, so that the clock read is not on
+        // the round trip's critical path; the time between reads is still one round trip.
         Test::TagLat => {
             let mut rbuf = Vec::with_capacity(size);
             for i in 0..total {
+                let send = ep.tag_send(DATA_C2S, payload);
                 let recv = w.tag_recv(DATA_S2C, tag::EXACT, rbuf);
-                let (s, _) = ep.tag_send(DATA_C2S, payload).await;
-                s?;
+                clock.tick_before(i)?;
+                send.await.0?;
                 let (r, b) = recv.await;
                 r?;
                 rbuf = b;
-                clock.tick(i)?;
             }
+            clock.tick_before(total)?;
         }
         Test::StreamLat => {
             let mut rbuf: Box<[u8]> = vec![0u8; size].into();
             for i in 0..total {
-                let (s, _) = ep.stream_send(payload).await;
-                s?;
+                let send = ep.stream_send(payload);
+                clock.tick_before(i)?;
+                send.await.0?;
                 let (r, b) = ep.stream_recv_exact(rbuf).await;
                 r?;
                 rbuf = b;
-                clock.tick(i)?;
             }
+            clock.tick_before(total)?;
         }
         Test::AmLat => {
             let mut rbuf: Vec<u8> = Vec::with_capacity(size);
             for i in 0..total {
-                let (s, _) = ep.am_send(AM_C2S, &[], payload).await;
-                s?;
+                let send = ep.am_send(AM_C2S, &[], payload);
+                clock.tick_before(i)?;
+                send.await.0?;
                 let m = side.am.recv().await;
                 if m.is_rendezvous() {
                     let (r, b) = m.recv_data(rbuf).await;
                     r?;
                     rbuf = b;
                 }
-                clock.tick(i)?;
             }
+            clock.tick_before(total)?;
         }
         Test::PutLat => {
             let key = key.as_ref().ok_or("no key")?;
@@ -274,11 +280,12 @@ pub(crate) async fn run_client(
             let bufs: [&'static [u8]; 2] = [marked(size, 1), marked(size, 2)];
             for i in 0..total {
                 let m = 1 + (i % 2) as u8;
-                let (s, _) = ep.put(bufs[(i % 2) as usize], key, 0).await;
-                s?;
+                let send = ep.put(bufs[(i % 2) as usize], key, 0);
+                clock.tick_before(i)?;
+                send.await.0?;
                 wait_marker(w, mine, m).await;
-                clock.tick(i)?;
             }
+            clock.tick_before(total)?;
         }
         Test::TagBw | Test::StreamBw | Test::AmBw | Test::PutBw | Test::GetBw | Test::AtomicRate => {
             let key = key.as_ref();
@@ -351,6 +358,15 @@ impl Clock {
     fn new(warmup: u64) -> AnyResult<Clock> {
         let now = Instant::now();
         Ok(Clock { warmup, start: now, last: now, hist: Histogram::new(3)? })
+    }
+
+    /// At the start of iteration `i` of a latency test (after posting its message), or
+    /// with `i` = the iteration count after the last one: ends iteration `i - 1`.
+    fn tick_before(&mut self, i: u64) -> AnyResult<()> {
+        match i.checked_sub(1) {
+            Some(prev) => self.tick(prev),
+            None => Ok(()),
+        }
     }
 
     /// After iteration `i` of a latency test.

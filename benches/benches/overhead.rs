@@ -1,0 +1,115 @@
+//! What ucxkit adds to raw UCX per operation, with the network taken out: one worker
+//! sends to itself over UCX's `self` transport, so a receive posted before the send
+//! completes inside the send call and no progress or other core is involved. Each
+//! group times the same exchange through ucxkit's API and through raw `ucp_*` calls on
+//! the same worker and endpoint; the difference is ucxkit's bookkeeping (locking,
+//! request slots, futures).
+//!
+//! `cargo bench -p ucxkit-benches --bench overhead`
+
+use std::ffi::c_void;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use ucx_sys as sys;
+use ucxkit_transport::{tag, Context, EndpointOptions, ErrorMode, ProgressMode, Worker};
+
+const T: u64 = 42;
+
+struct Loop {
+    rt: tokio::runtime::Runtime,
+    w: Worker,
+    ep: ucxkit_transport::Endpoint,
+}
+
+fn setup(mode: ProgressMode) -> Loop {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let (w, ep) = rt.block_on(async {
+        let ctx = Context::builder().transports("posix,self").build().expect("context");
+        let w = ctx.worker().progress_mode(mode).build().expect("worker");
+        let addr = w.address().expect("address");
+        let opts =
+            EndpointOptions { handshake: false, error_mode: ErrorMode::None, ..EndpointOptions::default() };
+        let ep = w.connect_address_with(&addr, opts).await.expect("connect to self");
+        (w, ep)
+    });
+    Loop { rt, w, ep }
+}
+
+unsafe extern "C" fn raw_recv_cb(
+    _req: *mut c_void,
+    _status: sys::ucs_status_t,
+    _info: *const sys::ucp_tag_recv_info_t,
+    user: *mut c_void,
+) {
+    // SAFETY: user is the `done` flag of the loop below, alive across the call.
+    unsafe { *user.cast::<bool>() = true };
+}
+
+unsafe extern "C" fn raw_send_cb(_req: *mut c_void, _status: sys::ucs_status_t, _user: *mut c_void) {}
+
+/// One receive posted, then the matching send, both finished: raw UCX.
+fn raw_exchange(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, sbuf: &[u8], rbuf: &mut [u8]) {
+    let mut done = false;
+    let rparam = sys::ucp_request_param_t {
+        op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(raw_recv_cb) },
+        user_data: (&mut done as *mut bool).cast(),
+        ..Default::default()
+    };
+    let sparam = sys::ucp_request_param_t {
+        op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
+        ..Default::default()
+    };
+    // SAFETY: worker and endpoint stay valid (held by the ucxkit handles, which make no
+    // call meanwhile); both buffers outlive the requests, which finish before return.
+    unsafe {
+        let r = sys::ucp_tag_recv_nbx(w, rbuf.as_mut_ptr().cast(), rbuf.len(), T, u64::MAX, &rparam);
+        let s = sys::ucp_tag_send_nbx(ep, sbuf.as_ptr().cast(), sbuf.len(), T, &sparam);
+        if sys::UCS_PTR_IS_PTR(s) {
+            while sys::ucp_request_check_status(s) == sys::UCS_INPROGRESS {
+                sys::ucp_worker_progress(w);
+            }
+            sys::ucp_request_free(s);
+        }
+        if sys::UCS_PTR_IS_PTR(r) {
+            while !std::ptr::read_volatile(&done) {
+                sys::ucp_worker_progress(w);
+            }
+            sys::ucp_request_free(r);
+        }
+    }
+}
+
+fn tag_exchange(c: &mut Criterion) {
+    for (name, mode) in [("busy", ProgressMode::BusyPoll), ("event", ProgressMode::Event)] {
+        let l = setup(mode);
+        let mut g = c.benchmark_group(format!("tag_self_8B_{name}"));
+        let payload: &'static [u8] = &[5u8; 8];
+        g.bench_function("ucxkit", |b| {
+            b.iter_custom(|iters| {
+                l.rt.block_on(async {
+                    let mut buf = Vec::with_capacity(8);
+                    let t = std::time::Instant::now();
+                    for _ in 0..iters {
+                        let r = l.w.tag_recv(T, tag::EXACT, buf);
+                        l.ep.tag_send(T, payload).await.0.expect("send");
+                        let (res, b) = r.await;
+                        res.expect("recv");
+                        buf = b;
+                    }
+                    t.elapsed()
+                })
+            })
+        });
+        let (w, ep) = (l.w.as_raw(), l.ep.as_raw());
+        g.bench_function("raw", |b| {
+            let mut rbuf = [0u8; 8];
+            b.iter(|| raw_exchange(w, ep, payload, &mut rbuf))
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, tag_exchange);
+criterion_main!(benches);
