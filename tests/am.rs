@@ -12,6 +12,9 @@ use std::time::Duration;
 use common::{pair, payload};
 use ucxkit::transport::{AmProto, AmSendOptions, ErrorKind};
 
+/// Messages the receiver can answer.
+const REPLY: AmSendOptions = AmSendOptions { proto: AmProto::Auto, reply: true };
+
 const T: Duration = Duration::from_secs(20);
 
 async fn eager_and_rendezvous(tls: &str) {
@@ -82,7 +85,7 @@ async fn reply_round_trip() {
     for i in 0..50u64 {
         let len = [1usize, 5000, 100_000][i as usize % 3];
         let p = payload(i, len);
-        cep.am_send(1, &i.to_le_bytes(), p.clone()).await.0.unwrap();
+        cep.am_send_with(1, &i.to_le_bytes(), p.clone(), REPLY).await.0.unwrap();
         let m = tokio::time::timeout(T, answers.recv()).await.unwrap();
         assert_eq!(m.header(), b"re");
         let (r, back) = m.into_vec().await;
@@ -115,7 +118,7 @@ async fn handlers_reply_and_survive_panics() {
         .unwrap();
     let mut replies = client.am_recv(4).unwrap();
     for i in 0..20u64 {
-        cep.am_send(3, &i.to_le_bytes(), vec![0u8; 32]).await.0.unwrap();
+        cep.am_send_with(3, &i.to_le_bytes(), vec![0u8; 32], REPLY).await.0.unwrap();
     }
     for i in (0..20u64).filter(|&i| i != 5) {
         let m = tokio::time::timeout(T, replies.recv()).await.unwrap();

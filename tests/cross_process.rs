@@ -13,7 +13,7 @@ use common::{ctx, loopback, payload};
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::AsyncWriteExt;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
-use ucxkit::transport::{Endpoint, UcxStream};
+use ucxkit::transport::{AmSendOptions, Endpoint, UcxStream};
 
 const T: Duration = Duration::from_secs(30);
 const AM_ECHO: u16 = 20;
@@ -104,7 +104,8 @@ async fn cross_process(tls: &str) {
     // 2. Active messages, eager and rendezvous.
     for (i, len) in [0usize, 10, 8000, 64 * 1024, 3 << 20].into_iter().enumerate() {
         let p = payload(100 + i as u64, len);
-        let send = ep.am_send(AM_ECHO, b"", p.clone());
+        let send =
+            ep.am_send_with(AM_ECHO, b"", p.clone(), AmSendOptions { reply: true, ..Default::default() });
         let m = tokio::time::timeout(T, echo_back.recv()).await.unwrap();
         let (r, back) = m.into_vec().await;
         r.unwrap();

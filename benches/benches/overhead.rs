@@ -111,5 +111,177 @@ fn tag_exchange(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, tag_exchange);
+unsafe extern "C" fn raw_am_cb(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_len: usize,
+    _data: *mut c_void,
+    _len: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: arg is the `AtomicU64` counter registered below, alive while registered.
+    unsafe {
+        (*arg.cast::<std::sync::atomic::AtomicU64>()).fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    };
+    sys::UCS_OK
+}
+
+/// An 8-byte active message sent to this worker and received: ucxkit's `AmReceiver`
+/// against a raw callback on another id that only counts.
+fn am_exchange(c: &mut Criterion) {
+    let l = setup(ProgressMode::BusyPoll);
+    let mut g = c.benchmark_group("am_self_8B_busy");
+    let payload: &'static [u8] = &[5u8; 8];
+    let mut rx = l.w.am_recv(1).expect("am_recv");
+    g.bench_function("ucxkit", |b| {
+        b.iter_custom(|iters| {
+            l.rt.block_on(async {
+                let t = std::time::Instant::now();
+                for _ in 0..iters {
+                    l.ep.am_send(1, &[], payload).await.0.expect("send");
+                    let m = rx.recv().await;
+                    std::hint::black_box(m.data());
+                }
+                t.elapsed()
+            })
+        })
+    });
+    let count = Box::new(std::sync::atomic::AtomicU64::new(0));
+    let (w, ep) = (l.w.as_raw(), l.ep.as_raw());
+    let hp = sys::ucp_am_handler_param_t {
+        field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64,
+        id: 2,
+        cb: Some(raw_am_cb),
+        arg: (&*count as *const std::sync::atomic::AtomicU64).cast_mut().cast(),
+        ..Default::default()
+    };
+    // SAFETY: the worker is valid and no ucxkit call runs meanwhile; the counter outlives
+    // the registration (unregistered below).
+    assert_eq!(unsafe { sys::ucp_worker_set_am_recv_handler(w, &hp) }, sys::UCS_OK);
+    g.bench_function("raw", |b| {
+        let sparam = sys::ucp_request_param_t {
+            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
+            ..Default::default()
+        };
+        b.iter(|| {
+            let before = count.load(std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: as in raw_exchange.
+            unsafe {
+                let s = sys::ucp_am_send_nbx(ep, 2, std::ptr::null(), 0, payload.as_ptr().cast(), 8, &sparam);
+                if sys::UCS_PTR_IS_PTR(s) {
+                    while sys::ucp_request_check_status(s) == sys::UCS_INPROGRESS {
+                        sys::ucp_worker_progress(w);
+                    }
+                    sys::ucp_request_free(s);
+                }
+                while count.load(std::sync::atomic::Ordering::Relaxed) == before {
+                    sys::ucp_worker_progress(w);
+                }
+            }
+        })
+    });
+    let off = sys::ucp_am_handler_param_t { cb: None, ..hp };
+    // SAFETY: as above.
+    assert_eq!(unsafe { sys::ucp_worker_set_am_recv_handler(w, &off) }, sys::UCS_OK);
+    g.finish();
+}
+
+unsafe extern "C" fn raw_stream_cb(
+    _req: *mut c_void,
+    _status: sys::ucs_status_t,
+    _len: usize,
+    user: *mut c_void,
+) {
+    // SAFETY: user is the `done` flag of the loop below, alive across the call.
+    unsafe { *user.cast::<bool>() = true };
+}
+
+/// 8 bytes written to this endpoint's own stream and read back exactly.
+fn stream_exchange(c: &mut Criterion) {
+    let l = setup(ProgressMode::BusyPoll);
+    let mut g = c.benchmark_group("stream_self_8B_busy");
+    let payload: &'static [u8] = &[5u8; 8];
+    g.bench_function("ucxkit", |b| {
+        b.iter_custom(|iters| {
+            l.rt.block_on(async {
+                let mut buf: Box<[u8]> = vec![0u8; 8].into();
+                let t = std::time::Instant::now();
+                for _ in 0..iters {
+                    l.ep.stream_send(payload).await.0.expect("send");
+                    let (r, b) = l.ep.stream_recv_exact(buf).await;
+                    r.expect("recv");
+                    buf = b;
+                }
+                t.elapsed()
+            })
+        })
+    });
+    let (w, ep) = (l.w.as_raw(), l.ep.as_raw());
+    g.bench_function("raw", |b| {
+        let mut rbuf = [0u8; 8];
+        let sparam = sys::ucp_request_param_t {
+            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
+            ..Default::default()
+        };
+        b.iter(|| {
+            let mut done = false;
+            let rparam = sys::ucp_request_param_t {
+                op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
+                    | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
+                    | sys::UCP_OP_ATTR_FIELD_FLAGS.0) as u32,
+                flags: sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32,
+                cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_stream: Some(raw_stream_cb) },
+                user_data: (&mut done as *mut bool).cast(),
+                ..Default::default()
+            };
+            // SAFETY: as in raw_exchange.
+            unsafe {
+                let s = sys::ucp_stream_send_nbx(ep, payload.as_ptr().cast(), 8, &sparam);
+                if sys::UCS_PTR_IS_PTR(s) {
+                    while sys::ucp_request_check_status(s) == sys::UCS_INPROGRESS {
+                        sys::ucp_worker_progress(w);
+                    }
+                    sys::ucp_request_free(s);
+                }
+                let mut len = 0usize;
+                let r = sys::ucp_stream_recv_nbx(ep, rbuf.as_mut_ptr().cast(), 8, &mut len, &rparam);
+                if sys::UCS_PTR_IS_PTR(r) {
+                    while !std::ptr::read_volatile(&done) {
+                        sys::ucp_worker_progress(w);
+                    }
+                    sys::ucp_request_free(r);
+                }
+            }
+        })
+    });
+    g.finish();
+}
+
+/// An 8-byte put into this worker's own region, awaited (ucxkit only: the raw key is not
+/// exposed).
+fn put_local(c: &mut Criterion) {
+    let l = setup(ProgressMode::BusyPoll);
+    let mut g = c.benchmark_group("put_self_8B_busy");
+    let region = l.w.context().alloc(64).expect("alloc");
+    let key = l.ep.unpack_key(&region.pack_key().expect("pack")).expect("unpack");
+    let payload: &'static [u8] = &[5u8; 8];
+    g.bench_function("ucxkit", |b| {
+        b.iter_custom(|iters| {
+            l.rt.block_on(async {
+                let t = std::time::Instant::now();
+                for _ in 0..iters {
+                    l.ep.put(payload, &key, 0).await.0.expect("put");
+                }
+                t.elapsed()
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, tag_exchange, am_exchange, stream_exchange, put_local);
 criterion_main!(benches);

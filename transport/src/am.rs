@@ -6,8 +6,8 @@
 //! [`AmReceiver`]) or through a closure ([`Worker::am_handler`]). Eager payloads arrive
 //! with the message; rendezvous payloads (large ones, or when the sender forces it) stay
 //! with the sender until [`AmMessage::recv_data`] fetches them into an owned buffer, so
-//! the receiver decides where they land. A message can be answered with
-//! [`AmMessage::reply`].
+//! the receiver decides where they land. A message sent with
+//! [`AmSendOptions::reply`] can be answered with [`AmMessage::reply`].
 //!
 //! Handlers run after the worker's lock is released, on the thread that progressed the
 //! worker, one message at a time per id, in arrival order. They may call any ucxkit API.
@@ -60,14 +60,16 @@ pub enum AmProto {
 pub struct AmSendOptions {
     /// Eager, rendezvous, or UCX's choice (default).
     pub proto: AmProto,
-    /// Let the receiver reply (`UCP_AM_SEND_FLAG_REPLY`, default true): the message
-    /// carries the sender's endpoint id.
+    /// Let the receiver reply (`UCP_AM_SEND_FLAG_REPLY`, default false, as in UCX): the
+    /// message carries the sender's endpoint id, which the receiver looks up on every
+    /// arrival, so it costs a little on each message; without it,
+    /// [`AmMessage::reply_endpoint`] is `None`.
     pub reply: bool,
 }
 
 impl Default for AmSendOptions {
     fn default() -> Self {
-        AmSendOptions { proto: AmProto::Auto, reply: true }
+        AmSendOptions { proto: AmProto::Auto, reply: false }
     }
 }
 
@@ -133,16 +135,16 @@ impl Endpoint {
         // it until the send completes, so a copy stays with the operation (a Vec: its
         // heap buffer does not move with it).
         #[cfg(ucx_ge_1_14)]
-        let (hptr, hlen, extra): (*const u8, usize, Option<Box<dyn Any + Send>>) = {
+        let (hptr, hlen, extra): (*const u8, usize, Option<crate::op::Extra>) = {
             flags |= sys::UCP_AM_SEND_FLAG_COPY_HEADER.0;
             (if header.is_empty() { std::ptr::null() } else { header.as_ptr() }, header.len(), None)
         };
         #[cfg(not(ucx_ge_1_14))]
-        let (hptr, hlen, extra): (*const u8, usize, Option<Box<dyn Any + Send>>) = if header.is_empty() {
+        let (hptr, hlen, extra): (*const u8, usize, Option<crate::op::Extra>) = if header.is_empty() {
             (std::ptr::null(), 0, None)
         } else {
             let copy = header.to_vec();
-            (copy.as_ptr(), copy.len(), Some(Box::new(copy)))
+            (copy.as_ptr(), copy.len(), Some(Arc::new(copy)))
         };
         SendOp::post(self, "am_send", payload, extra, |_, h, ptr, len, param| {
             param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS.0 as u32;
@@ -321,8 +323,8 @@ impl Worker {
     /// # Errors
     /// [`Error::ApiMisuse`] for a reserved id or one already registered on this worker.
     pub fn am_recv(&self, id: u16) -> Result<AmReceiver> {
-        self.am_register(id, None)?;
-        Ok(AmReceiver { worker: self.clone(), id })
+        let reg = self.am_register(id, None)?;
+        Ok(AmReceiver { worker: self.clone(), id, reg })
     }
 
     /// Calls `f` for each active message with `id`, after the worker's lock is released
@@ -345,7 +347,9 @@ impl Worker {
         Ok(AmHandler { cell })
     }
 
-    fn am_register(&self, id: u16, handler: Option<Arc<HandlerCell>>) -> Result<()> {
+    /// Registers `id`; returns its registration, which stays at the same address until
+    /// the worker is destroyed (boxed, never removed from the worker's table).
+    fn am_register(&self, id: u16, handler: Option<Arc<HandlerCell>>) -> Result<*mut AmReg> {
         check_id(id)?;
         let state = self.state_ptr().cast::<State>();
         self.shared.inner.locked(|st| {
@@ -356,7 +360,7 @@ impl Worker {
                 // Reuse the UCX registration that drops arrivals.
                 reg.closed = false;
                 reg.handler = handler;
-                return Ok(());
+                return Ok(&mut **reg as *mut AmReg);
             }
             let mut reg =
                 Box::new(AmReg { state, queue: VecDeque::new(), waker: None, handler, closed: false });
@@ -375,8 +379,9 @@ impl Worker {
             Status(unsafe { sys::ucp_worker_set_am_recv_handler(st.handle, &param) })
                 .check()
                 .map_err(|source| Error::Worker { op: "ucp_worker_set_am_recv_handler", source })?;
+            let ptr = &mut *reg as *mut AmReg;
             st.am.insert(id, reg);
-            Ok(())
+            Ok(ptr)
         })
     }
 
@@ -400,7 +405,16 @@ impl Worker {
 pub struct AmReceiver {
     worker: Worker,
     id: u16,
+    /// This id's registration in the worker's table (see `am_register`), read only under
+    /// the worker lock: polling needs no table lookup.
+    reg: *mut AmReg,
 }
+
+// SAFETY: `reg` is only dereferenced under the worker lock, and the worker (kept alive by
+// `worker`) keeps the registration at that address until it is destroyed.
+unsafe impl Send for AmReceiver {}
+// SAFETY: as above; `&AmReceiver` only reads the queue length, under the lock.
+unsafe impl Sync for AmReceiver {}
 
 impl std::fmt::Debug for AmReceiver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -416,8 +430,9 @@ impl AmReceiver {
 
     /// Messages queued for this receiver and not yet taken.
     pub fn queued(&self) -> usize {
-        let id = self.id;
-        self.worker.shared.inner.locked(|st| st.am.get(&id).map_or(0, |r| r.queue.len()))
+        let reg = self.reg;
+        // SAFETY: under the worker lock; see the field.
+        self.worker.shared.inner.locked(|_| unsafe { (*reg).queue.len() })
     }
 
     /// Waits for the next message.
@@ -430,27 +445,28 @@ impl AmReceiver {
 
     /// Takes the next message if one is queued, progressing the worker once first.
     pub fn try_recv(&mut self) -> Option<AmMessage> {
-        let id = self.id;
+        let (id, reg) = (self.id, self.reg);
         let inner = &self.worker.shared.inner;
         let inc = inner.locked(|st| {
             inner.progress_locked(st);
-            st.am.get_mut(&id).and_then(|r| r.queue.pop_front())
+            // SAFETY: under the worker lock; see the field.
+            unsafe { (*reg).queue.pop_front() }
         });
         inc.map(|inc| AmMessage::new(self.worker.clone(), id, inc))
     }
 
     /// Polls for the next message.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<AmMessage> {
-        let id = self.id;
+        let (id, reg) = (self.id, self.reg);
         let inc = self.worker.shared.inner.poll_until(
             cx,
-            |st| st.am.get_mut(&id).and_then(|r| r.queue.pop_front()),
-            |st, waker| {
-                if let Some(r) = st.am.get_mut(&id) {
-                    match &r.waker {
-                        Some(w) if w.will_wake(waker) => {}
-                        _ => r.waker = Some(waker.clone()),
-                    }
+            // SAFETY (both closures): run under the worker lock; see the field.
+            |_| unsafe { (*reg).queue.pop_front() },
+            |_, waker| {
+                let r = unsafe { &mut *reg };
+                match &r.waker {
+                    Some(w) if w.will_wake(waker) => {}
+                    _ => r.waker = Some(waker.clone()),
                 }
             },
         );

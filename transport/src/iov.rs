@@ -5,7 +5,6 @@
 //! On the wire a vectored tag message is an ordinary one: a peer may receive it into a
 //! single buffer, and a single-buffer message may be received into several.
 
-use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -28,6 +27,8 @@ struct IovArray(Box<[sys::ucp_dt_iov_t]>);
 // SAFETY: the array only describes buffers owned by the same operation; it is read by
 // UCX under the worker lock and never dereferenced by Rust.
 unsafe impl Send for IovArray {}
+// SAFETY: as above; `&IovArray` gives Rust code nothing to read or write through.
+unsafe impl Sync for IovArray {}
 
 impl IovArray {
     fn new(parts: impl Iterator<Item = (*mut u8, usize)>) -> IovArray {
@@ -59,7 +60,7 @@ impl Endpoint {
             // completes, parked on drop.
             unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), count, tag, param) }
         });
-        SendOp::wrap(self, "tag_send", posted, bufs, Some(Box::new(iov)))
+        SendOp::wrap(self, "tag_send", posted, bufs, Some(Arc::new(iov)))
     }
 
     /// Receives one tagged message matching `tag`/`mask`, scattered over `bufs` in order
@@ -240,7 +241,7 @@ impl<B: IoBufMut> Drop for TagRecvIov<B> {
 }
 
 /// The buffers of a [`PutIov`] and its key, shared by its pending parts.
-type Shared<B> = Arc<Mutex<Option<(Vec<B>, Box<dyn Any + Send>)>>>;
+type Shared<B> = Arc<Mutex<Option<(Vec<B>, crate::op::Extra)>>>;
 
 /// Future of [`Endpoint::put_iov`]: resolves to `(Result<()>, buffers)`.
 ///
@@ -298,7 +299,7 @@ impl<B: IoBuf> Drop for PutIov<B> {
         let worker = &self.ep.worker().shared;
         for part in &mut self.parts {
             if let OpState::Pending(..) = part {
-                part.park(Some(worker), Some(Box::new(self.keep.clone())));
+                part.park(Some(worker), Some(self.keep.clone()));
             }
         }
     }

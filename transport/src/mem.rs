@@ -18,7 +18,6 @@
 //! copy in and out with [`MemRegion::read_at`] and [`MemRegion::write_at`], or use the
 //! region (or a [`RegionSlice`] of it) as the buffer of an operation.
 
-use std::any::Any;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -505,8 +504,8 @@ impl RemoteKey {
         Ok(addr)
     }
 
-    pub(crate) fn keep(&self) -> Box<dyn Any + Send + Sync> {
-        Box::new(self.inner.clone())
+    pub(crate) fn keep(&self) -> crate::op::Extra {
+        self.inner.clone()
     }
 }
 

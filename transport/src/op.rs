@@ -6,6 +6,7 @@
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use ucx_sys as sys;
@@ -15,6 +16,11 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result};
 use crate::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker, WorkerShared};
+
+/// What else UCX reads or writes until an operation completes (a remote key, a header
+/// copy, an iov array), kept with the operation. An `Arc` so that keeping a remote key is
+/// a reference-count increment, not an allocation.
+pub(crate) type Extra = Arc<dyn Any + Send + Sync>;
 
 /// Where an operation stands. The buffer lives in every state, so it can be given back
 /// (or parked) whatever happens.
@@ -71,7 +77,7 @@ impl<B: Send + 'static> OpState<B> {
     /// For the owning future's `Drop`: a pending operation's buffer, and `extra` (what
     /// else UCX reads or writes: a header, a remote key, an iov array), stay with the
     /// worker until UCX completes the request.
-    pub(crate) fn park(&mut self, worker: Option<&WorkerShared>, extra: Option<Box<dyn Any + Send>>) {
+    pub(crate) fn park(&mut self, worker: Option<&WorkerShared>, extra: Option<Extra>) {
         if let OpState::Pending(r, b) = std::mem::replace(self, OpState::Finished) {
             let worker = worker.expect("invariant: a pending operation keeps its worker");
             let keep: Box<dyn Any + Send> = match extra {
@@ -98,7 +104,7 @@ pub struct SendOp<B: Send + 'static> {
     ep: Option<Endpoint>,
     op: &'static str,
     state: OpState<B>,
-    extra: Option<Box<dyn Any + Send>>,
+    extra: Option<Extra>,
 }
 
 impl<B: IoBuf> SendOp<B> {
@@ -108,7 +114,7 @@ impl<B: IoBuf> SendOp<B> {
         ep: &Endpoint,
         op: &'static str,
         buf: B,
-        extra: Option<Box<dyn Any + Send>>,
+        extra: Option<Extra>,
         call: impl FnOnce(
             &mut State,
             sys::ucp_ep_h,
@@ -131,7 +137,7 @@ impl<B: Send + 'static> SendOp<B> {
         op: &'static str,
         posted: Result<Posted>,
         buf: B,
-        extra: Option<Box<dyn Any + Send>>,
+        extra: Option<Extra>,
     ) -> SendOp<B> {
         let state = OpState::from_posted(posted, buf);
         let ep = match state {
@@ -196,7 +202,7 @@ pub struct RecvOp<B: IoBufMut> {
     /// The length on success: fixed (a get, a fetch) or, when None, what UCX reported.
     len: Option<usize>,
     state: OpState<B>,
-    extra: Option<Box<dyn Any + Send + Sync>>,
+    extra: Option<Extra>,
 }
 
 impl<B: IoBufMut> RecvOp<B> {
@@ -206,7 +212,7 @@ impl<B: IoBufMut> RecvOp<B> {
         op: &'static str,
         len: Option<usize>,
         state: OpState<B>,
-        extra: Option<Box<dyn Any + Send + Sync>>,
+        extra: Option<Extra>,
     ) -> RecvOp<B> {
         RecvOp { worker, ep, op, len, state, extra }
     }
@@ -242,7 +248,7 @@ impl<B: IoBufMut> Future for RecvOp<B> {
 
 impl<B: IoBufMut> Drop for RecvOp<B> {
     fn drop(&mut self) {
-        let extra = self.extra.take().map(|x| x as Box<dyn Any + Send>);
+        let extra = self.extra.take();
         self.state.park(Some(&self.worker.shared), extra);
     }
 }

@@ -270,7 +270,7 @@ impl Future for Atomic {
 
 impl Drop for Atomic {
     fn drop(&mut self) {
-        let key = self.key.take().map(|k| k.keep() as Box<dyn std::any::Any + Send>);
+        let key = self.key.take().map(|k| k.keep());
         self.state.park(Some(&self.ep.worker().shared), key);
     }
 }
