@@ -460,9 +460,10 @@ impl AmReceiver {
         let (id, reg) = (self.id, self.reg);
         let inc = self.worker.shared.inner.poll_until(
             cx,
-            // SAFETY (both closures): run under the worker lock; see the field.
+            // SAFETY: run under the worker lock; see the field.
             |_| unsafe { (*reg).queue.pop_front() },
             |_, waker| {
+                // SAFETY: as above.
                 let r = unsafe { &mut *reg };
                 match &r.waker {
                     Some(w) if w.will_wake(waker) => {}
@@ -699,7 +700,7 @@ impl AmMessage {
                     if matches!(posted, Ok(Posted::Pending(_))) {
                         inner.posted();
                     }
-                    OpState::from_posted(posted, buf)
+                    OpState::from_posted(posted.map_err(Box::new), buf)
                 }
             }
         };

@@ -373,6 +373,22 @@ impl Endpoint {
         })
     }
 
+    /// Runs `f` with the live UCX endpoint handle under the worker lock, or fails with the
+    /// reason it is gone. The error is boxed: this is the posting path of every
+    /// operation, and a small `Result` keeps it cheap to return.
+    pub(crate) fn with_live<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut State, sys::ucp_ep_h) -> R,
+    ) -> std::result::Result<R, Box<Error>> {
+        self.worker_inner().locked(|st| match self.inner.usable.load(Ordering::Relaxed) {
+            h if !h.is_null() => Ok(f(st, h)),
+            _ => Err(Box::new(self.live_handle(st, op).err().unwrap_or_else(|| {
+                Error::ApiMisuse(format!("{op}: endpoint handle unavailable ({})", self.inner.peer))
+            }))),
+        })
+    }
+
     /// The live UCX endpoint handle, or the reason it is gone (under the worker lock, so
     /// the answer holds for whatever the caller posts in the same critical section).
     pub(crate) fn live_handle(&self, st: &State, op: &'static str) -> Result<sys::ucp_ep_h> {
@@ -730,17 +746,17 @@ impl Endpoint {
         op: &'static str,
         force_request: bool,
         call: impl FnOnce(&mut State, sys::ucp_ep_h, &mut sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
-    ) -> Result<Posted> {
+    ) -> std::result::Result<Posted, Box<Error>> {
         let no_imm = force_request || self.worker_inner().no_imm;
         let id = self.inner.id;
-        let posted = self.with_handle(op, |st, h| {
+        let posted = self.with_live(op, |st, h| {
             let mut param = op_param(st, no_imm);
             let p = call(st, h, &mut param);
             let posted = Posted::from_ptr(p, Completion::OK, false);
             if let Posted::Pending(r) = &posted {
                 r.bind(st, id, crate::worker::OpKind::Finish);
             }
-            Ok(posted)
+            posted
         });
         if matches!(posted, Ok(Posted::Pending(_))) {
             self.worker_inner().posted();

@@ -35,11 +35,11 @@ pub(crate) enum OpState<B> {
 
 impl<B: Send + 'static> OpState<B> {
     /// The state for what a posting call returned.
-    pub(crate) fn from_posted(posted: Result<Posted>, buf: B) -> OpState<B> {
+    pub(crate) fn from_posted(posted: std::result::Result<Posted, Box<Error>>, buf: B) -> OpState<B> {
         match posted {
             Ok(Posted::Done(c)) => OpState::Done(c, buf),
             Ok(Posted::Pending(r)) => OpState::Pending(r, buf),
-            Err(e) => OpState::failed(e, buf),
+            Err(e) => OpState::Failed(e, buf),
         }
     }
 
@@ -135,7 +135,7 @@ impl<B: Send + 'static> SendOp<B> {
     pub(crate) fn wrap(
         ep: &Endpoint,
         op: &'static str,
-        posted: Result<Posted>,
+        posted: std::result::Result<Posted, Box<Error>>,
         buf: B,
         extra: Option<Extra>,
     ) -> SendOp<B> {

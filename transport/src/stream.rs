@@ -101,10 +101,10 @@ impl Endpoint {
         let capacity = buf.bytes_total();
         let ptr = buf.stable_mut_ptr();
         let id = self.inner.id;
-        let posted = self.with_handle("stream_recv", |st, h| {
+        let posted = self.with_live("stream_recv", |st, h| {
             let ended = st.eps.get(&id).is_some_and(|e| e.stream_ended());
             if capacity == 0 || ended {
-                return Ok(Posted::Done(Completion::OK));
+                return Posted::Done(Completion::OK);
             }
             let mut length = 0usize;
             let param = stream_param(st, wait_all);
@@ -117,7 +117,7 @@ impl Endpoint {
                 Posted::Pending(r) => r.bind(st, id, OpKind::Finish),
                 Posted::Done(_) => {}
             }
-            Ok(posted)
+            posted
         });
         if matches!(posted, Ok(Posted::Pending(_))) {
             self.worker_inner().posted();

@@ -210,7 +210,7 @@ fn post_recv<B: IoBufMut>(
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
         if let Some(ep) = &ep {
-            ep.live_handle(st, "tag_recv")?;
+            ep.live_handle(st, "tag_recv").map_err(Box::new)?;
         }
         let param = recv_param(st, true);
         // SAFETY: the worker is valid under the lock; buf's memory is valid for
@@ -231,7 +231,7 @@ fn post_recv<B: IoBufMut>(
         Ok((posted, false))
     });
     let state = match posted {
-        Err(e) => OpState::failed(e, buf),
+        Err(e) => OpState::Failed(e, buf),
         Ok((Posted::Done(c), _)) => OpState::Done(c, buf),
         Ok((Posted::Pending(r), kick)) => {
             if kick {
