@@ -231,3 +231,65 @@ async fn unfetched_rendezvous_releases_sender() {
     drop(m);
     tokio::time::timeout(T, send).await.unwrap().0.unwrap();
 }
+
+/// Messages for an id the receiver has not registered are held, not lost: eager and
+/// rendezvous ones sent before the registration arrive, in order, at the first receiver
+/// (the rendezvous sender waits until then). Past the worker's limit they are dropped
+/// and each is reported as a clear error naming the id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregistered_ids_are_held_then_reported() {
+    use ucxkit::transport::{am, Error};
+    let (server, _c, _sep, cep) = pair("tcp,self").await;
+    // 1. Sent before anyone registered id 21: three eager messages and a rendezvous one.
+    for i in 0..3u64 {
+        cep.am_send(21, &i.to_le_bytes(), payload(i, 100 + i as usize)).await.0.unwrap();
+    }
+    let rndv = cep.am_send_with(
+        21,
+        &3u64.to_le_bytes(),
+        payload(3, 300_000),
+        AmSendOptions { proto: AmProto::Rendezvous, reply: false },
+    );
+    let deadline = tokio::time::Instant::now() + T;
+    while server.am_unclaimed() != [(21, 4)] {
+        assert!(tokio::time::Instant::now() < deadline, "held: {:?}", server.am_unclaimed());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(server.am_dropped(), 0);
+    let mut rx = server.am_recv(21).unwrap();
+    assert!(server.am_unclaimed().is_empty(), "handed to the receiver");
+    for i in 0..4u64 {
+        let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
+        assert_eq!(m.header(), i.to_le_bytes(), "arrival order");
+        let len = if i == 3 { 300_000 } else { 100 + i as usize };
+        let (r, data) = m.into_vec().await;
+        assert_eq!(r.unwrap(), len);
+        assert!(data == payload(i, len), "message {i} intact");
+    }
+    tokio::time::timeout(T, rndv).await.unwrap().0.unwrap();
+
+    // 2. An id nobody ever registers: the worker holds up to its limit, then drops and
+    // reports each message with the id.
+    let extra = 5;
+    for i in 0..am::UNCLAIMED_MAX_MESSAGES + extra {
+        cep.am_send(22, b"", vec![i as u8]).await.0.unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + T;
+    while server.am_dropped() < extra as u64 {
+        assert!(tokio::time::Instant::now() < deadline, "dropped {}", server.am_dropped());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(server.am_unclaimed(), [(22, am::UNCLAIMED_MAX_MESSAGES)]);
+    let errs = server.take_am_errors();
+    assert_eq!(errs.len(), extra, "{errs:?}");
+    for e in &errs {
+        assert!(matches!(e, Error::AmUnclaimed { id: 22, len: 1 }), "{e}");
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("id 22"), "{e}");
+    }
+    assert!(server.take_am_errors().is_empty(), "taken");
+    // The worker goes on: a registered id still works.
+    cep.am_send(21, b"after", vec![7u8; 3]).await.0.unwrap();
+    let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
+    assert_eq!(m.header(), b"after");
+}

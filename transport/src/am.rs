@@ -16,8 +16,13 @@
 //! as [`Error::HandlerPanicked`] by [`AmHandler::take_errors`].
 //!
 //! Ids are 0 to 4094 (4095 carries ucxkit's connection handshake). A message for an id
-//! nobody registered is dropped by UCX on the receiving side; a message for an id whose
-//! receiver was dropped is dropped by ucxkit and counted ([`Worker::am_dropped`]).
+//! nobody registered yet is held by the receiving worker (up to
+//! [`UNCLAIMED_MAX_MESSAGES`] messages and [`UNCLAIMED_MAX_BYTES`] eager bytes; a held
+//! rendezvous message keeps its sender waiting) and goes to the first receiver or handler
+//! registered for it, so a peer that sends before this side registered loses nothing.
+//! [`Worker::am_unclaimed`] lists what is held; a message beyond those limits is dropped
+//! and reported as [`Error::AmUnclaimed`] by [`Worker::take_am_errors`]. A message for an
+//! id whose receiver was dropped is dropped and counted ([`Worker::am_dropped`]).
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -236,6 +241,65 @@ fn panic_message(p: &(dyn Any + Send)) -> String {
     }
 }
 
+/// Builds the queued form of an arriving message and the status to return to UCX
+/// (`UCS_INPROGRESS` keeps a rendezvous descriptor for a later fetch or release).
+///
+/// # Safety
+/// Called from a UCX active-message callback with its arguments, under the worker lock.
+unsafe fn incoming(
+    st: &State,
+    header: *const c_void,
+    header_len: usize,
+    data: *mut c_void,
+    len: usize,
+    param: &sys::ucp_am_recv_param_t,
+) -> (Incoming, sys::ucs_status_t) {
+    let rndv = param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
+    let header = if header_len == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: UCX passes header_len readable bytes, valid during the callback.
+        unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_len) }.to_vec()
+    };
+    let reply = if param.recv_attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0 as u64 != 0 {
+        st.by_handle
+            .get(&(param.reply_ep as usize))
+            .and_then(|id| st.eps.get(id))
+            .map_or_else(Weak::new, |e| e.endpoint.clone())
+    } else {
+        Weak::new()
+    };
+    let (payload, ret) = if rndv {
+        (Payload::Rndv { desc: data, len }, sys::UCS_INPROGRESS)
+    } else if len == 0 {
+        (Payload::Eager(Vec::new()), sys::UCS_OK)
+    } else {
+        // SAFETY: eager data is readable for len bytes during the callback.
+        (Payload::Eager(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()), sys::UCS_OK)
+    };
+    (Incoming { header, payload, reply }, ret)
+}
+
+impl AmReg {
+    /// Hands a message to the receiver's queue or the handler's.
+    fn deliver(&mut self, st: &mut State, inc: Incoming) {
+        match &self.handler {
+            Some(h) => {
+                h.queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(inc);
+                if !st.am_ready.iter().any(|c| Arc::ptr_eq(c, h)) {
+                    st.am_ready.push(h.clone());
+                }
+            }
+            None => {
+                self.queue.push_back(inc);
+                if let Some(w) = self.waker.take() {
+                    st.wake.push(w);
+                }
+            }
+        }
+    }
+}
+
 /// UCX's active-message callback for every registered id; `arg` is the id's [`AmReg`].
 unsafe extern "C" fn am_cb(
     arg: *mut c_void,
@@ -249,57 +313,178 @@ unsafe extern "C" fn am_cb(
     // unwinding into UCX.
     catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: UCX calls this inside progress, under the worker lock; arg is the boxed
-        // AmReg registered with this callback (alive until unregistered under the lock),
-        // and its state pointer is the worker's State; param is valid for the call.
+        // AmReg registered with this callback (alive until the worker is destroyed), and
+        // its state pointer is the worker's State; param is valid for the call.
         let (reg, param) = unsafe { (&mut *arg.cast::<AmReg>(), &*param) };
         // SAFETY: as above.
         let st = unsafe { &mut *reg.state };
-        let rndv = param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
         if reg.closed {
             st.am_dropped += 1;
             // For a rendezvous message, UCS_OK tells UCX to drop it and release the sender.
             return sys::UCS_OK;
         }
-        let header = if header_len == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: UCX passes header_len readable bytes, valid during the callback.
-            unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_len) }.to_vec()
+        // SAFETY: forwarded from UCX, under the lock.
+        let (inc, ret) = unsafe { incoming(st, header, header_len, data, len, param) };
+        reg.deliver(st, inc);
+        ret
+    }))
+    .unwrap_or(sys::UCS_OK)
+}
+
+/// How many messages for ids nobody registered a worker holds, at most, waiting for a
+/// receiver or handler; later ones are dropped and reported ([`Worker::take_am_errors`]).
+pub const UNCLAIMED_MAX_MESSAGES: usize = 4096;
+/// How many payload bytes of eager messages for unregistered ids a worker holds, at most
+/// (rendezvous payloads stay with their senders and count 0).
+pub const UNCLAIMED_MAX_BYTES: usize = 64 << 20;
+/// How many dropped-message errors a worker keeps until taken; later ones are only
+/// counted ([`Worker::am_dropped`]).
+const MAX_KEPT_ERRORS: usize = 1024;
+
+/// The callback arguments that route messages for unregistered ids: one `u16` per id,
+/// holding that id, so that UCX's argument for id `i` (`&ids[i]`) tells the callback both
+/// the id and, by its offset, where this table (and the worker's State) is.
+#[repr(C)]
+pub(crate) struct IdTable {
+    state: *mut State,
+    ids: [u16; MAX_ID as usize + 1],
+}
+
+/// Messages for ids nobody registered yet, held for a later [`Worker::am_recv`] or
+/// [`Worker::am_handler`].
+#[derive(Default)]
+pub(crate) struct Unclaimed {
+    queues: crate::worker::IdMap<u16, VecDeque<Incoming>>,
+    messages: usize,
+    bytes: usize,
+    errors: Vec<Error>,
+}
+
+impl Unclaimed {
+    fn take(&mut self, id: u16) -> VecDeque<Incoming> {
+        let q = self.queues.remove(&id).unwrap_or_default();
+        self.messages -= q.len();
+        self.bytes -= q.iter().map(Incoming::eager_len).sum::<usize>();
+        q
+    }
+}
+
+impl Incoming {
+    fn eager_len(&self) -> usize {
+        match &self.payload {
+            Payload::Eager(v) => v.len(),
+            _ => 0,
+        }
+    }
+}
+
+/// Registers ucxkit's catch-all callback for every application id on a new worker, so
+/// that no message is dropped by UCX unseen. Returns the table to free with
+/// [`free_id_table`] after the worker is destroyed.
+///
+/// # Safety
+/// `handle` is a new worker whose State is at `state`, which outlives it.
+pub(crate) unsafe fn register_catch_all(
+    handle: sys::ucp_worker_h,
+    state: *mut State,
+) -> std::result::Result<*mut IdTable, Status> {
+    let table = Box::into_raw(Box::new(IdTable { state, ids: std::array::from_fn(|i| i as u16) }));
+    for id in 0..=MAX_ID {
+        let param = sys::ucp_am_handler_param_t {
+            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
+            id: id as u32,
+            flags: sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32,
+            cb: Some(unclaimed_cb),
+            // SAFETY: id is within the array; the pointer keeps the whole table's
+            // provenance (derived from the raw Box pointer).
+            arg: unsafe { std::ptr::addr_of_mut!((*table).ids[id as usize]) }.cast(),
         };
-        let reply = if param.recv_attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0 as u64 != 0 {
-            st.by_handle
-                .get(&(param.reply_ep as usize))
-                .and_then(|id| st.eps.get(id))
-                .map_or_else(Weak::new, |e| e.endpoint.clone())
-        } else {
-            Weak::new()
+        // SAFETY: the worker is valid; the table lives until after the worker.
+        let st = Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &param) });
+        if let Err(e) = st.check() {
+            // SAFETY: the worker is destroyed by the caller on error; the table was never
+            // handed out otherwise.
+            unsafe { free_id_table(table) };
+            return Err(e);
+        }
+    }
+    Ok(table)
+}
+
+/// Frees a table from [`register_catch_all`].
+///
+/// # Safety
+/// The worker it was registered on is destroyed (or never used it), and this runs once.
+pub(crate) unsafe fn free_id_table(table: *mut IdTable) {
+    // SAFETY: per contract, the Box from register_catch_all, no longer referenced.
+    drop(unsafe { Box::from_raw(table) });
+}
+
+/// UCX's callback for ids no application code registered: holds the message (bounded)
+/// until a receiver or handler for its id appears; `arg` points at the id's entry of the
+/// worker's [`IdTable`].
+unsafe extern "C" fn unclaimed_cb(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_len: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    catch_unwind(AssertUnwindSafe(|| {
+        let entry = arg.cast::<u16>();
+        // SAFETY: entry points into the ids array of a live IdTable (registered by
+        // register_catch_all, freed only after the worker); entry i holds i, so stepping
+        // back i entries and then over the table's first field finds the table.
+        let st = unsafe {
+            let id = *entry;
+            let ids = entry.sub(id as usize);
+            let table = ids.cast::<u8>().sub(std::mem::offset_of!(IdTable, ids)).cast::<IdTable>();
+            &mut *(*table).state
         };
-        let (payload, ret) = if rndv {
-            (Payload::Rndv { desc: data, len }, sys::UCS_INPROGRESS)
-        } else if len == 0 {
-            (Payload::Eager(Vec::new()), sys::UCS_OK)
-        } else {
-            // SAFETY: eager data is readable for len bytes during the callback.
-            (
-                Payload::Eager(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()),
-                sys::UCS_OK,
-            )
-        };
-        let inc = Incoming { header, payload, reply };
-        match &reg.handler {
-            Some(h) => {
-                h.queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(inc);
-                if !st.am_ready.iter().any(|c| Arc::ptr_eq(c, h)) {
-                    st.am_ready.push(h.clone());
+        // SAFETY: as above.
+        let (id, param) = unsafe { (*entry, &*param) };
+        let rndv = param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
+        let held = if rndv { 0 } else { len };
+        // SAFETY: forwarded from UCX, under the lock.
+        if let Some(reg) = st.am.get_mut(&id) {
+            // Registered since (the registration replaces this callback; a message UCX
+            // had already routed here still goes to it).
+            let reg: *mut AmReg = &mut **reg;
+            // SAFETY: forwarded from UCX, under the lock; reg is boxed in st.am, which
+            // `deliver` does not touch.
+            unsafe {
+                if (*reg).closed {
+                    st.am_dropped += 1;
+                    return sys::UCS_OK;
                 }
-            }
-            None => {
-                reg.queue.push_back(inc);
-                if let Some(w) = reg.waker.take() {
-                    st.wake.push(w);
-                }
+                let (inc, ret) = incoming(st, header, header_len, data, len, param);
+                (*reg).deliver(st, inc);
+                return ret;
             }
         }
+        let u = &mut st.am_unclaimed;
+        if u.messages >= UNCLAIMED_MAX_MESSAGES || u.bytes + held > UNCLAIMED_MAX_BYTES {
+            st.am_dropped += 1;
+            if u.errors.len() < MAX_KEPT_ERRORS {
+                u.errors.push(Error::AmUnclaimed { id, len });
+            }
+            tracing::warn!(id, len, "active message for an id nobody registered dropped: too many held");
+            // Releases a rendezvous sender.
+            return sys::UCS_OK;
+        }
+        if !u.queues.contains_key(&id) {
+            tracing::debug!(id, "holding active messages for an id nobody registered yet");
+        }
+        // SAFETY: forwarded from UCX, under the lock.
+        let (inc, ret) = unsafe { incoming(st, header, header_len, data, len, param) };
+        let u = &mut st.am_unclaimed;
+        u.messages += 1;
+        u.bytes += held;
+        u.queues.entry(id).or_default().push_back(inc);
         ret
     }))
     .unwrap_or(sys::UCS_OK)
@@ -312,13 +497,35 @@ impl Worker {
         self.shared.inner.max_am_header
     }
 
-    /// Active messages dropped because their id's receiver or handler was gone.
+    /// Active messages dropped: their id's receiver or handler was gone, or nobody
+    /// registered their id and the worker already held as many such messages as it
+    /// keeps ([`UNCLAIMED_MAX_MESSAGES`], [`UNCLAIMED_MAX_BYTES`]).
     pub fn am_dropped(&self) -> u64 {
         self.shared.inner.locked(|st| st.am_dropped)
     }
 
-    /// Receives active messages with `id` as an async stream. Register before peers
-    /// send: UCX drops messages for ids nobody registered.
+    /// Ids that received messages nobody registered for, with how many of them the worker
+    /// holds for a later [`Worker::am_recv`] or [`Worker::am_handler`], by id.
+    pub fn am_unclaimed(&self) -> Vec<(u16, usize)> {
+        let mut v: Vec<(u16, usize)> = self
+            .shared
+            .inner
+            .locked(|st| st.am_unclaimed.queues.iter().map(|(&id, q)| (id, q.len())).collect());
+        v.sort_unstable();
+        v
+    }
+
+    /// Errors about arriving active messages so far, oldest first: [`Error::AmUnclaimed`]
+    /// for each message dropped because nobody registered its id and the worker held too
+    /// many such messages already (the first 1,024; later ones are only counted by
+    /// [`Worker::am_dropped`]). Taking them clears the list.
+    pub fn take_am_errors(&self) -> Vec<Error> {
+        self.shared.inner.locked(|st| std::mem::take(&mut st.am_unclaimed.errors))
+    }
+
+    /// Receives active messages with `id` as an async stream. Messages that arrived for
+    /// `id` before anyone registered it come first, in arrival order (see
+    /// [`Worker::am_unclaimed`]).
     ///
     /// # Errors
     /// [`Error::ApiMisuse`] for a reserved id or one already registered on this worker.
@@ -379,6 +586,10 @@ impl Worker {
             Status(unsafe { sys::ucp_worker_set_am_recv_handler(st.handle, &param) })
                 .check()
                 .map_err(|source| Error::Worker { op: "ucp_worker_set_am_recv_handler", source })?;
+            // Messages that arrived before the registration come first.
+            for inc in st.am_unclaimed.take(id) {
+                reg.deliver(st, inc);
+            }
             let ptr = &mut *reg as *mut AmReg;
             st.am.insert(id, reg);
             Ok(ptr)

@@ -298,6 +298,17 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+    /// An active message arrived for an id nobody registered on this worker, and the
+    /// worker already held as many such messages as it keeps for a later registration
+    /// ([`crate::am::UNCLAIMED_MAX_MESSAGES`], [`crate::am::UNCLAIMED_MAX_BYTES`]); the
+    /// message was dropped (a rendezvous sender is released).
+    #[error("active message for id {id} ({len} bytes) dropped: no receiver or handler is registered for the id, and the worker already holds the most messages it keeps for unregistered ids")]
+    AmUnclaimed {
+        /// The active-message id.
+        id: u16,
+        /// Payload length in bytes.
+        len: usize,
+    },
     /// An endpoint does not use a transport the caller required
     /// ([`crate::EndpointOptions::require_transports`]).
     #[error("{peer}: required transport {required:?} is not in use (the endpoint uses {selected:?})")]
@@ -360,6 +371,7 @@ impl Error {
             | Error::BadRemoteKey { .. }
             | Error::OutOfBounds { .. }
             | Error::Handshake { .. }
+            | Error::AmUnclaimed { .. }
             | Error::ApiMisuse(_) => ErrorKind::InvalidInput,
             _ => ErrorKind::Other,
         }

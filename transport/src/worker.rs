@@ -193,6 +193,10 @@ impl WorkerBuilder {
         Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &am) })
             .check()
             .map_err(Error::CreateWorker)?;
+        // SAFETY: the worker is new and not yet shared; the State outlives it.
+        let ids = unsafe { crate::am::register_catch_all(handle, state_ptr.cast()) }
+            .map_err(Error::CreateWorker)?;
+        inner.locked(|st| st.am_ids = ids);
         rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));
         let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(worker = id, mode = ?self.mode, "worker created");
@@ -420,6 +424,10 @@ pub(crate) struct State {
     pub(crate) am_ready: Vec<Arc<crate::am::HandlerCell>>,
     /// Active messages dropped because their id was unregistered.
     pub(crate) am_dropped: u64,
+    /// Active messages held for ids nobody registered yet.
+    pub(crate) am_unclaimed: crate::am::Unclaimed,
+    /// The catch-all routing table for unregistered ids (freed after the worker).
+    pub(crate) am_ids: *mut crate::am::IdTable,
 }
 
 impl State {
@@ -443,6 +451,8 @@ impl State {
             am: IdMap::default(),
             am_ready: Vec::new(),
             am_dropped: 0,
+            am_unclaimed: crate::am::Unclaimed::default(),
+            am_ids: std::ptr::null_mut(),
         }
     }
 
@@ -802,6 +812,10 @@ impl Drop for WorkerInner {
         // left except parked requests, whose memory UCX reclaims here; the event fd's
         // AsyncFd was dropped with the driver before this runs.
         unsafe { sys::ucp_worker_destroy(st.handle) };
+        if !st.am_ids.is_null() {
+            // SAFETY: the worker that used the table is destroyed; freed once.
+            unsafe { crate::am::free_id_table(st.am_ids) };
+        }
         drop(std::mem::take(&mut st.graveyard));
     }
 }
