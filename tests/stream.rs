@@ -12,6 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use ucxkit::transport::{ErrorKind, UcxStream};
 
+const T: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Many sends of varied sizes arrive in order and byte for byte, whatever the receive
 /// sizes.
 async fn raw_stream_in_order(tls: &str) {
@@ -167,4 +169,57 @@ async fn pending_recv_fails_on_close() {
     let (r, _) = tokio::time::timeout(std::time::Duration::from_secs(10), recv).await.unwrap();
     let e = r.unwrap_err();
     assert!(matches!(e.kind(), ErrorKind::Canceled | ErrorKind::ConnectionReset), "{e}");
+}
+
+/// Zero-copy receive: pieces borrowed from UCX's buffers add up to every byte sent, in
+/// order; after the sender's shutdown the next call reports the end; an endpoint closed
+/// while a piece is held keeps the piece readable and closes once it is dropped.
+async fn zero_copy_receive(tls: &str) {
+    let (_s, _c, sep, cep) = pair(tls).await;
+    let sizes = [1usize, 100, 8192, 65536, 1 << 20, 3, 4 << 20];
+    let total: usize = sizes.iter().sum();
+    let mut expect = Vec::with_capacity(total);
+    let mut sends = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let p = payload(50 + i as u64, n);
+        expect.extend_from_slice(&p);
+        sends.push(cep.stream_send(p));
+    }
+    let mut got = Vec::with_capacity(total);
+    let mut pieces = 0;
+    while got.len() < total {
+        let d =
+            tokio::time::timeout(T, sep.stream_recv_data()).await.expect("data").unwrap().expect("not ended");
+        assert!(!d.is_empty());
+        got.extend_from_slice(&d);
+        pieces += 1;
+    }
+    for s in sends {
+        s.await.0.unwrap();
+    }
+    assert!(got == expect, "{tls}: zero-copy bytes differ ({pieces} pieces)");
+    // End of stream.
+    cep.stream_send(vec![9u8; 10]).await.0.unwrap();
+    cep.stream_shutdown().unwrap();
+    let held = tokio::time::timeout(T, sep.stream_recv_data()).await.unwrap().unwrap().expect("last bytes");
+    assert_eq!(&held[..], &[9u8; 10]);
+    let end = tokio::time::timeout(T, sep.stream_recv_data()).await.unwrap().unwrap();
+    assert!(end.is_none(), "{tls}: end of stream after the shutdown");
+    // Closing while a piece is held: the close completes, the piece stays readable, and
+    // the endpoint is closed for new operations.
+    let sep2 = sep.clone();
+    tokio::time::timeout(T, sep.close()).await.unwrap().unwrap();
+    assert_eq!(&held[..], &[9u8; 10], "still readable after close");
+    assert!(sep2.stream_recv_data().await.is_err(), "closed endpoint");
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_copy_receive_tcp() {
+    zero_copy_receive("tcp,self").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_copy_receive_shm() {
+    zero_copy_receive("posix,cma,tcp,self").await;
 }

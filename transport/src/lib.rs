@@ -122,7 +122,7 @@ pub use mem::{MemRegion, RegionSlice, RemoteKey};
 pub use op::{RecvOp, SendOp};
 pub use progress::{ProgressMode, BUSY_IDLE};
 pub use rma::{Atomic, Get, Put};
-pub use stream::{StreamRecv, StreamSend, UcxStream};
+pub use stream::{StreamData, StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};
 pub use worker::{EndpointOptions, ErrorMode, Worker, WorkerBuilder};
 

@@ -51,7 +51,118 @@ pub type StreamSend<B> = SendOp<B>;
 /// keeps its pending receive between reads.
 pub type StreamRecv<B> = RecvOp<B>;
 
+/// Bytes received on an endpoint's stream, still in UCX's receive buffer: read through
+/// `Deref<Target = [u8]>` without a copy, and given back to UCX
+/// (`ucp_stream_data_release`) when dropped. From [`Endpoint::stream_recv_data`].
+///
+/// Holding one keeps its endpoint from closing: [`Endpoint::close`] (or a failure) then
+/// finishes the close once every piece is dropped.
+pub struct StreamData {
+    ep: Endpoint,
+    handle: sys::ucp_ep_h,
+    data: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the bytes are UCX's receive buffer, owned by this value until it is released,
+// which happens under the worker lock (any thread may hold it); reading them needs no
+// lock (UCX does not touch data handed out until it is released).
+unsafe impl Send for StreamData {}
+// SAFETY: as above; `&StreamData` only reads the bytes.
+unsafe impl Sync for StreamData {}
+
+impl std::ops::Deref for StreamData {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: UCX handed out `len` readable bytes at `data`, valid until released in
+        // drop.
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+}
+
+impl std::fmt::Debug for StreamData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamData").field("len", &self.len).finish()
+    }
+}
+
+impl Drop for StreamData {
+    fn drop(&mut self) {
+        let (id, h, data) = (self.ep.inner.id, self.handle, self.data);
+        // SAFETY: handle and data come from one ucp_stream_recv_data_nb on this endpoint
+        // and are released once, here, under the lock.
+        self.ep.worker_inner().locked(|st| unsafe { st.release_stream_data(id, h, data.cast()) });
+    }
+}
+
 impl Endpoint {
+    /// Takes the bytes UCX has already received on this endpoint's stream, as much as one
+    /// receive buffer holds, without copying them (`ucp_stream_recv_data_nb`); waits if
+    /// none has arrived. Resolves to `Ok(None)` once the peer has ended its stream and
+    /// everything it wrote was received.
+    ///
+    /// The fastest way to consume a stream: nothing is copied, and no receive buffer
+    /// needs to be posted in advance. Drop the [`StreamData`] promptly: UCX's buffer is
+    /// held until then.
+    ///
+    /// # Errors
+    /// [`Error::ConnectionReset`] when the endpoint failed, [`Error::ApiMisuse`] when it
+    /// was closed.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: bytes are taken off the stream only when this resolves.
+    pub async fn stream_recv_data(&self) -> Result<Option<StreamData>> {
+        let id = self.inner.id;
+        let inner = self.worker_inner();
+        std::future::poll_fn(|cx| {
+            inner.poll_until(
+                cx,
+                |st| {
+                    let h = match self.live_handle(st, "stream_recv_data") {
+                        Ok(h) => h,
+                        Err(e) => return Some(Err(e)),
+                    };
+                    let mut len = 0usize;
+                    // SAFETY: h is live under the lock; len is a valid out-pointer.
+                    let p = unsafe { sys::ucp_stream_recv_data_nb(h, &mut len) };
+                    if sys::UCS_PTR_IS_ERR(p) {
+                        return Some(Err(
+                            self.error_of("stream_recv_data", crate::error::Status(sys::UCS_PTR_STATUS(p)))
+                        ));
+                    }
+                    if !p.is_null() {
+                        st.stream_received(id, len);
+                        if let Some(e) = st.eps.get_mut(&id) {
+                            e.data_out += 1;
+                        }
+                        return Some(Ok(Some(StreamData {
+                            ep: self.clone(),
+                            handle: h,
+                            data: p.cast(),
+                            len,
+                        })));
+                    }
+                    if st.eps.get(&id).is_some_and(|e| e.stream_ended()) {
+                        return Some(Ok(None));
+                    }
+                    None
+                },
+                |st, waker| {
+                    // Woken by any progress that handled events, and by the endpoint's
+                    // failure or end of stream.
+                    st.probe_waiters.push(waker.clone());
+                    if let Some(e) = st.eps.get_mut(&id) {
+                        if !e.stream_waiters.iter().any(|w| w.will_wake(waker)) {
+                            e.stream_waiters.push(waker.clone());
+                        }
+                    }
+                },
+            )
+        })
+        .await
+    }
+
     /// Sends the bytes of `buf` on this endpoint's stream (`ucp_stream_send_nbx`). They
     /// are posted before this returns, so sends are ordered by call; await the future to
     /// learn when the buffer is free again.

@@ -345,6 +345,11 @@ pub(crate) struct EpState {
     pub(crate) stream_waiters: Vec<Waker>,
     /// The endpoint's handle, for active-message replies.
     pub(crate) endpoint: std::sync::Weak<crate::endpoint::EndpointInner>,
+    /// Zero-copy stream data ([`crate::StreamData`]) handed out and not yet released.
+    pub(crate) data_out: usize,
+    /// A close requested while stream data was out: the UCX handle and whether to
+    /// force; done when the last piece is released.
+    pub(crate) deferred_close: Option<(sys::ucp_ep_h, bool)>,
 }
 
 impl EpState {
@@ -362,6 +367,8 @@ impl EpState {
             stream_tx: 0,
             stream_rx: 0,
             stream_end: None,
+            data_out: 0,
+            deferred_close: None,
             stream_waiters: Vec::new(),
             endpoint: std::sync::Weak::new(),
         }
@@ -558,13 +565,45 @@ impl State {
         if h.is_null() {
             return None;
         }
+        if e.data_out > 0 {
+            // Borrowed stream data still points into UCX's buffers of this endpoint: close
+            // once it is all released (`release_stream_data`).
+            e.deferred_close = Some((h, force));
+        }
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
+        if self.eps.get(&id).is_some_and(|e| e.deferred_close.is_some()) {
+            return None;
+        }
+        Some(self.close_handle(h, force))
+    }
+
+    /// `ucp_ep_close_nbx` on a handle already taken out of the tables.
+    fn close_handle(&mut self, h: sys::ucp_ep_h, force: bool) -> request::Posted {
         let param = self.flagged_param(if force { sys::UCP_EP_CLOSE_FLAG_FORCE.0 as u32 } else { 0 });
         // SAFETY: h is a live endpoint of this worker, closed once (its handle was just
         // taken out of the table); the lock is held.
         let p = unsafe { sys::ucp_ep_close_nbx(h, &param) };
-        Some(request::Posted::from_ptr(p, request::Completion::OK, false))
+        request::Posted::from_ptr(p, request::Completion::OK, false)
+    }
+
+    /// Gives a piece of zero-copy stream data back to UCX (`ucp_stream_data_release`) and
+    /// finishes a close that waited for it.
+    ///
+    /// # Safety
+    /// `h` and `data` come from one `ucp_stream_recv_data_nb` on endpoint `id` of this
+    /// worker, released once; the lock is held.
+    pub(crate) unsafe fn release_stream_data(&mut self, id: u64, h: sys::ucp_ep_h, data: *mut c_void) {
+        // SAFETY: per contract; the endpoint is not closed while data is out.
+        unsafe { sys::ucp_stream_data_release(h, data) };
+        let Some(e) = self.eps.get_mut(&id) else { return };
+        e.data_out -= 1;
+        if e.data_out == 0 {
+            if let Some((h, force)) = e.deferred_close.take() {
+                let p = self.close_handle(h, force);
+                self.release(p);
+            }
+        }
     }
 
     /// Releases a request that owns no memory and that nobody waits for.
