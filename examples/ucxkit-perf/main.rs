@@ -92,8 +92,10 @@ struct Args {
     window: usize,
     /// Receives the bandwidth server keeps posted, each with its own buffer. Default: the
     /// window for messages up to 8 KiB (eager sizes, which would otherwise be copied out
-    /// of UCX's unexpected queue), 4 above (rendezvous messages simply wait for a receive,
-    /// and 32 distinct large buffers would stream through memory instead of cache).
+    /// of UCX's unexpected queue), 4 up to 4 MiB (rendezvous messages simply wait for a
+    /// receive, and 32 distinct large buffers would stream through memory instead of
+    /// cache), 1 above (one receive buffer and the sender's buffer fit the last-level
+    /// cache together, as with ucx_perftest's single receive buffer).
     #[arg(long)]
     recv_window: Option<usize>,
     /// UCX transports to use.
@@ -399,8 +401,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
             }
         };
         let window = args.window;
-        let recv_window =
-            args.recv_window.unwrap_or(if size <= 8192 { window } else { window.min(4) }).max(1);
+        let recv_window = recv_window(args, size);
         let row =
             bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport).await?;
         let theirs = if args.compare {
@@ -485,13 +486,26 @@ async fn calibrate(
 ) -> AnyResult<(u64, u64)> {
     let trial = 20u64.max(args.window as u64);
     let t0 = Instant::now();
-    let recv_window =
-        args.recv_window.unwrap_or(if size <= 8192 { args.window } else { args.window.min(4) }).max(1);
-    bench::run_client(test, size, trial, 0, args.window, recv_window, side, "").await?;
+    bench::run_client(test, size, trial, 0, args.window, recv_window(args, size), side, "").await?;
     let per = t0.elapsed().as_secs_f64() / trial as f64;
     let n = ((d.as_secs_f64() / per.max(1e-9)) as u64).clamp(10, 50_000_000);
     Ok((n, args.warmup.unwrap_or((n / 10).max(10))))
 }
+
+/// The receives a bandwidth server keeps posted for `size` (see `Args::recv_window`).
+fn recv_window(args: &Args, size: usize) -> usize {
+    let default = match size {
+        0..=8192 => args.window,
+        8193..=RECV_ONE_ABOVE => args.window.min(4),
+        _ => 1,
+    };
+    args.recv_window.unwrap_or(default).max(1)
+}
+
+/// Above this size the bandwidth server receives into one buffer at a time, so that
+/// the receive buffer and the client's source buffer stay in the last-level cache
+/// together, as ucx_perftest's single receive buffer does.
+const RECV_ONE_ABOVE: usize = 4 << 20;
 
 async fn server(args: &Args) -> AnyResult<()> {
     let ctx = context(args)?;
