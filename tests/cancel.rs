@@ -144,6 +144,14 @@ async fn dropped_matched_receive_finishes_in_background() {
     let len = 4 << 20;
     let (s, state) = Sentinel::new(len, 0x55);
     let send = ep.tag_send(12, payload(12, len));
+    // Wait until the message is there, so that the receive matches it when posted (an
+    // unmatched receive would be canceled on drop instead).
+    for _ in 0..10_000 {
+        if server.tag_probe(12, tag::EXACT).is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let mut recv = server.tag_recv(12, tag::EXACT, s);
     // Let the rendezvous start, then drop the receive while UCX may be writing into it.
     let _ = poll_once(&mut recv).await;

@@ -120,7 +120,7 @@ pub use iov::{PutIov, TagRecvIov, TagSendIov};
 pub use listener::{ConnectionRequest, Listener};
 pub use mem::{MemRegion, RegionSlice, RemoteKey};
 pub use op::{RecvOp, SendOp};
-pub use progress::{ProgressMode, BUSY_IDLE};
+pub use progress::{ProgressMode, BUSY_IDLE, DEFAULT_LINGER};
 pub use rma::{Atomic, Get, Put};
 pub use stream::{StreamData, StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};

@@ -23,8 +23,11 @@ use crate::worker::WorkerInner;
 pub enum ProgressMode {
     /// The default. The driver task sleeps on the worker's event fd and progresses the
     /// worker when woken; a pending operation's future also progresses once when polled.
-    /// Costs no CPU while idle; adds the kernel's wakeup latency (a few µs) to each
-    /// message that arrives while everything sleeps.
+    /// After traffic the driver keeps polling for a short linger
+    /// ([`crate::WorkerBuilder::event_linger`]) before it sleeps again, so request-reply
+    /// traffic is not slowed by a sleep and a wake-up per message. Costs no CPU while
+    /// idle; a message that arrives while everything sleeps pays the kernel's wake-up
+    /// latency (a few µs).
     #[default]
     Event,
     /// Futures progress the worker in a loop while they wait (yielding to tokio every few
@@ -87,6 +90,10 @@ pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
 /// event fd.
 pub const BUSY_IDLE: Duration = Duration::from_millis(5);
 
+/// Default event-mode linger ([`crate::WorkerBuilder::event_linger`]): longer than a
+/// round trip over TCP loopback, so that request-reply traffic keeps the driver polling.
+pub const DEFAULT_LINGER: Duration = Duration::from_micros(50);
+
 /// First fallback wakeup after activity.
 const MIN_TICK: Duration = Duration::from_millis(1);
 /// Fallback wakeup period when idle (10 wakeups a second).
@@ -116,15 +123,18 @@ async fn sleep_once(
     tick: &mut Duration,
 ) -> Slept {
     signal.sleeping.store(true, Ordering::Release);
-    let armed = inner.locked(|st| inner.drain_and_arm(st));
-    if armed.0 == sys::UCS_ERR_BUSY {
+    let status = inner.locked(|st| {
+        while inner.progress_locked(st) != 0 {}
+        inner.arm(st)
+    });
+    if status.0 == sys::UCS_ERR_BUSY {
         signal.sleeping.store(false, Ordering::Release);
         tokio::task::yield_now().await;
         return Slept::Woken;
     }
-    if !armed.is_ok() {
+    if !status.is_ok() {
         signal.sleeping.store(false, Ordering::Release);
-        tracing::error!(status = %armed, "ucp_worker_arm failed; falling back to busy polling");
+        tracing::error!(%status, "ucp_worker_arm failed; falling back to busy polling");
         return Slept::Broken;
     }
     // UCX also queues work that no fd announces (endpoint discards after a failure,
@@ -166,10 +176,28 @@ async fn drive_event(inner: &WorkerInner, signal: &Signal) {
         }
     };
     while !signal.is_stopped() {
+        linger(inner).await;
         if let Slept::Broken = sleep_once(inner, signal, &fd, &mut tick).await {
             drop(fd);
             return spin(inner, signal).await;
         }
+    }
+}
+
+/// Event mode, after a wake-up: keeps progressing the worker, yielding to other tasks
+/// between calls, until `inner.linger` passes without an event.
+async fn linger(inner: &WorkerInner) {
+    if inner.linger.is_zero() {
+        return;
+    }
+    let mut last = std::time::Instant::now();
+    loop {
+        if inner.locked(|st| inner.progress_locked(st)) > 0 {
+            last = std::time::Instant::now();
+        } else if last.elapsed() >= inner.linger {
+            return;
+        }
+        tokio::task::yield_now().await;
     }
 }
 

@@ -101,11 +101,28 @@ pub struct WorkerBuilder {
     mode: ProgressMode,
     endpoint: EndpointOptions,
     no_imm: bool,
+    linger: Duration,
 }
 
 impl WorkerBuilder {
     pub(crate) fn new(ctx: Context) -> Self {
-        WorkerBuilder { ctx, mode: ProgressMode::Event, endpoint: EndpointOptions::default(), no_imm: false }
+        WorkerBuilder {
+            ctx,
+            mode: ProgressMode::Event,
+            endpoint: EndpointOptions::default(),
+            no_imm: false,
+            linger: progress::DEFAULT_LINGER,
+        }
+    }
+
+    /// Event mode: how long the driver keeps progressing the worker after the last event
+    /// before it arms the event fd and sleeps (default [`crate::DEFAULT_LINGER`]; zero
+    /// sleeps at once). An answer that arrives within the linger is picked up without a
+    /// sleep and a wake-up, which cost several microseconds each; the price is at most
+    /// this much CPU time after each burst of traffic. An idle worker uses no CPU.
+    pub fn event_linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
+        self
     }
 
     /// How the worker makes progress (default [`ProgressMode::Event`]).
@@ -174,6 +191,7 @@ impl WorkerBuilder {
             lock: Mutex::new(()),
             state: UnsafeCell::new(State::new(handle)),
             mode: self.mode,
+            linger: self.linger,
             efd,
             no_imm: self.no_imm,
             signal: Arc::default(),
@@ -679,6 +697,8 @@ pub(crate) struct WorkerInner {
     lock: Mutex<()>,
     state: UnsafeCell<State>,
     pub(crate) mode: ProgressMode,
+    /// Event mode: how long the driver polls after the last event before sleeping.
+    pub(crate) linger: Duration,
     pub(crate) efd: RawFd,
     pub(crate) no_imm: bool,
     pub(crate) signal: Arc<progress::Signal>,
@@ -751,12 +771,11 @@ impl WorkerInner {
         n
     }
 
-    /// Progresses until nothing is left, then tries to arm the event fd
-    /// (`ucp_worker_arm`). OK: armed, the fd signals the next event. `UCS_ERR_BUSY`: UCX
-    /// cannot sleep yet (events arrived in between, or sends wait for the peer to make
-    /// room): the caller must let other tasks run and try again, not spin under the lock.
-    pub(crate) fn drain_and_arm(&self, st: &mut State) -> Status {
-        while self.progress_locked(st) != 0 {}
+    /// Arms the worker's event fd (`ucp_worker_arm`). OK: armed, the fd signals the next
+    /// event. `UCS_ERR_BUSY`: UCX cannot sleep yet (events arrived in between, or sends
+    /// wait for the peer to make room): the caller must let other tasks run and try again,
+    /// not spin under the lock.
+    pub(crate) fn arm(&self, st: &mut State) -> Status {
         // SAFETY: the worker is valid under the lock and has UCP_FEATURE_WAKEUP.
         Status(unsafe { sys::ucp_worker_arm(st.handle) })
     }
@@ -807,17 +826,18 @@ impl WorkerInner {
                 if let Some(t) = check(st) {
                     return Poll::Ready(t);
                 }
-                // Follow the wakeup protocol here too, so that the worker is left armed
-                // with nothing unprocessed before this task sleeps.
-                let armed = self.drain_and_arm(st);
-                if let Some(t) = check(st) {
-                    return Poll::Ready(t);
+                // One progress call, then sleep. Arming the worker is left to the driver,
+                // which does it right before it sleeps: an armed worker makes every
+                // sender signal it (a syscall on each side per message), so arming on
+                // every poll, as the plain wakeup protocol would, costs several syscalls
+                // per message. The driver's arm stays in force while it sleeps: whatever
+                // arrives after it makes the event fd readable, whoever progresses it.
+                if self.progress_locked(st) != 0 {
+                    if let Some(t) = check(st) {
+                        return Poll::Ready(t);
+                    }
                 }
                 register(st, cx.waker());
-                if armed.0 == sys::UCS_ERR_BUSY {
-                    // UCX cannot sleep yet: come back after other tasks ran.
-                    cx.waker().wake_by_ref();
-                }
                 Poll::Pending
             }),
         }
