@@ -104,6 +104,11 @@ impl Test {
         }
     }
 
+    /// One-sided (RMA) tests: the target makes no call per operation.
+    pub(crate) fn is_one_sided(self) -> bool {
+        self.needs_region()
+    }
+
     fn needs_region(self) -> bool {
         matches!(self, Test::PutLat | Test::PutBw | Test::GetBw | Test::AtomicRate)
     }

@@ -373,6 +373,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     let compare = perftest::Setup {
         tls: tls.as_deref(),
         peer_mode: ep.uses_peer_error_mode(),
+        sleep: args.progress == Progress::Event,
         cpu: args.cpu,
         server_cpu: args.server_cpu,
         window: args.window,

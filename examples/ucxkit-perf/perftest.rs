@@ -1,5 +1,6 @@
 //! `--compare`: runs `ucx_perftest` with the same test, size, iterations, window,
-//! transports and pinning, and reads its result as a [`Row`].
+//! transports, pinning and wait mode (`-E sleep` for ucxkit's event progress mode), and
+//! reads its result as a [`Row`].
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -14,12 +15,14 @@ pub(crate) struct Setup<'a> {
     pub(crate) tls: Option<&'a str>,
     /// Peer error handling (`-e`).
     pub(crate) peer_mode: bool,
+    /// Event-driven waiting (`-E sleep`), matching ucxkit's event progress mode.
+    pub(crate) sleep: bool,
     pub(crate) cpu: Option<usize>,
     pub(crate) server_cpu: Option<usize>,
     pub(crate) window: usize,
 }
 
-fn command(cpu: Option<usize>, setup: &Setup<'_>) -> Command {
+fn command(cpu: Option<usize>, setup: &Setup<'_>, test: Test) -> Command {
     let mut c = match cpu {
         Some(cpu) => {
             let mut c = Command::new("taskset");
@@ -33,6 +36,11 @@ fn command(cpu: Option<usize>, setup: &Setup<'_>) -> Command {
     }
     if setup.peer_mode {
         c.arg("-e");
+    }
+    // One-sided tests wait by polling memory, which no event announces: ucx_perftest
+    // would sleep through them.
+    if setup.sleep && !test.is_one_sided() {
+        c.args(["-E", "sleep"]);
     }
     c
 }
@@ -89,14 +97,14 @@ pub(crate) fn run(test: Test, size: usize, iters: u64, warmup: u64, setup: &Setu
     // The server needs a moment to listen; retry the client a few times.
     for attempt in 0..5u64 {
         let port = free_port()?;
-        let mut server = command(setup.server_cpu, setup)
+        let mut server = command(setup.server_cpu, setup, test)
             .args(["-p", &port.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| format!("starting ucx_perftest (apt-get install ucx-utils): {e}"))?;
         std::thread::sleep(Duration::from_millis(200 + 200 * attempt));
-        let mut client = command(setup.cpu, setup);
+        let mut client = command(setup.cpu, setup, test);
         client.args(["127.0.0.1", "-p", &port.to_string(), "-t", test.perftest_name()]);
         client.args(["-s", &size.to_string(), "-n", &iters.to_string(), "-w", &warmup.to_string()]);
         if !test.is_latency() {
@@ -110,6 +118,7 @@ pub(crate) fn run(test: Test, size: usize, iters: u64, warmup: u64, setup: &Setu
         match parse(&text) {
             Some(v) if status.as_ref().is_some_and(|s| s.success()) => return Ok(row(test, size, v)),
             _ => {
+                let timed_out = status.is_none();
                 last_err = format!(
                     "ucx_perftest -t {} {}: {}{}",
                     test.perftest_name(),
@@ -120,6 +129,10 @@ pub(crate) fn run(test: Test, size: usize, iters: u64, warmup: u64, setup: &Setu
                     text.trim(),
                     String::from_utf8_lossy(&stderr).trim()
                 );
+                if timed_out {
+                    // A run that hangs will hang again; retries are for failed starts.
+                    break;
+                }
             }
         }
     }
