@@ -378,6 +378,37 @@ impl Incoming {
     }
 }
 
+/// The callback type UCX calls for an active message.
+type AmCallback = unsafe extern "C" fn(
+    *mut c_void,
+    *const c_void,
+    usize,
+    *mut c_void,
+    usize,
+    *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t;
+
+/// Routes active-message id `id` of worker `handle` to `cb` with `arg`
+/// (`ucp_worker_set_am_recv_handler`, whole messages).
+///
+/// # Safety
+/// `handle` is a valid worker used by no other thread during the call; `arg` stays valid
+/// for `cb` as long as the registration lasts.
+unsafe fn set_am_handler(handle: sys::ucp_worker_h, id: u16, cb: AmCallback, arg: *mut c_void) -> Status {
+    let param = sys::ucp_am_handler_param_t {
+        field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
+        id: id as u32,
+        flags: sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32,
+        cb: Some(cb),
+        arg,
+    };
+    // SAFETY: per contract.
+    Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &param) })
+}
+
 /// Registers ucxkit's catch-all callback for every application id on a new worker, so
 /// that no message is dropped by UCX unseen. Returns the table to free with
 /// [`free_id_table`] after the worker is destroyed.
@@ -390,20 +421,13 @@ pub(crate) unsafe fn register_catch_all(
 ) -> std::result::Result<*mut IdTable, Status> {
     let table = Box::into_raw(Box::new(IdTable { state, ids: std::array::from_fn(|i| i as u16) }));
     for id in 0..=MAX_ID {
-        let param = sys::ucp_am_handler_param_t {
-            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
-            id: id as u32,
-            flags: sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32,
-            cb: Some(unclaimed_cb),
-            // SAFETY: id is within the array; the pointer keeps the whole table's
-            // provenance (derived from the raw Box pointer).
-            arg: unsafe { std::ptr::addr_of_mut!((*table).ids[id as usize]) }.cast(),
+        // SAFETY: id is within the array; the pointer keeps the whole table's provenance
+        // (derived from the raw Box pointer); the worker is new and the table lives until
+        // after it.
+        let st = unsafe {
+            let arg = std::ptr::addr_of_mut!((*table).ids[id as usize]).cast();
+            set_am_handler(handle, id, unclaimed_cb, arg)
         };
-        // SAFETY: the worker is valid; the table lives until after the worker.
-        let st = Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &param) });
         if let Err(e) = st.check() {
             // SAFETY: the worker is destroyed by the caller on error; the table was never
             // handed out otherwise.
@@ -571,19 +595,9 @@ impl Worker {
             }
             let mut reg =
                 Box::new(AmReg { state, queue: VecDeque::new(), waker: None, handler, closed: false });
-            let param = sys::ucp_am_handler_param_t {
-                field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
-                    | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-                    | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
-                    | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
-                id: id as u32,
-                flags: sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32,
-                cb: Some(am_cb),
-                arg: (&mut *reg as *mut AmReg).cast(),
-            };
             // SAFETY: the worker is valid under the lock; arg points into a Box kept in
             // the worker's table until the worker is destroyed.
-            Status(unsafe { sys::ucp_worker_set_am_recv_handler(st.handle, &param) })
+            unsafe { set_am_handler(st.handle, id, am_cb, (&mut *reg as *mut AmReg).cast()) }
                 .check()
                 .map_err(|source| Error::Worker { op: "ucp_worker_set_am_recv_handler", source })?;
             // Messages that arrived before the registration come first.
