@@ -178,6 +178,22 @@ async fn forced_request_path() {
     }
 }
 
+/// Event mode without the linger (the driver arms and sleeps as soon as it has drained
+/// the worker): every size still arrives, over shared memory and TCP.
+#[tokio::test]
+async fn event_mode_without_linger() {
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        let c = ctx(tls);
+        let a = c.worker().event_linger(std::time::Duration::ZERO).build().unwrap();
+        let b = c.worker().event_linger(std::time::Duration::ZERO).build().unwrap();
+        let l = a.listen(common::loopback()).unwrap();
+        let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
+        let (acc, ep) = (acc.unwrap(), ep.unwrap());
+        exchange_sizes(&a, &ep).await;
+        exchange_sizes(&b, &acc).await;
+    }
+}
+
 /// A message larger than 4 GiB (lengths past `u32`) over shared memory, and an empty one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_gib_message() {
