@@ -208,7 +208,7 @@ impl<B: IoBufMut> Future for TagRecvIov<B> {
         let this = self.get_mut();
         let (c, mut bufs) = match this.state.poll(Some(&this.worker.shared), cx) {
             Poll::Pending => return Poll::Pending,
-            Poll::Ready(Err((e, (b, _)))) => return Poll::Ready((Err(e), b)),
+            Poll::Ready(Err((e, (b, _)))) => return Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, (b, _)))) => (c, b),
         };
         if c.status.is_ok() {

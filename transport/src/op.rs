@@ -22,6 +22,10 @@ use crate::worker::{State, Worker, WorkerShared};
 /// a reference-count increment, not an allocation.
 pub(crate) type Extra = Arc<dyn Any + Send + Sync>;
 
+/// How an operation ended: its completion, or the error found when posting (boxed, as
+/// it travels through every poll), each with the buffer.
+pub(crate) type Finish<B> = std::result::Result<(Completion, B), (Box<Error>, B)>;
+
 /// Where an operation stands. The buffer lives in every state, so it can be given back
 /// (or parked) whatever happens.
 pub(crate) enum OpState<B> {
@@ -51,11 +55,7 @@ impl<B: Send + 'static> OpState<B> {
     /// Drives the operation to its completion. Returns, once, the completion (or the
     /// error found when posting) together with the buffer. `worker` is needed only while
     /// the operation is pending.
-    pub(crate) fn poll(
-        &mut self,
-        worker: Option<&WorkerShared>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::result::Result<(Completion, B), (Error, B)>> {
+    pub(crate) fn poll(&mut self, worker: Option<&WorkerShared>, cx: &mut Context<'_>) -> Poll<Finish<B>> {
         let c = match self {
             OpState::Pending(r, _) => {
                 match r.poll(worker.expect("invariant: a pending operation keeps its worker"), cx) {
@@ -68,7 +68,7 @@ impl<B: Send + 'static> OpState<B> {
             OpState::Finished => panic!("operation future polled after completion"),
         };
         Poll::Ready(match std::mem::replace(self, OpState::Finished) {
-            OpState::Failed(e, b) => Err((*e, b)),
+            OpState::Failed(e, b) => Err((e, b)),
             OpState::Pending(_, b) | OpState::Done(_, b) => Ok((c, b)),
             OpState::Finished => unreachable!("checked above"),
         })
@@ -77,7 +77,12 @@ impl<B: Send + 'static> OpState<B> {
     /// For the owning future's `Drop`: a pending operation's buffer, and `extra` (what
     /// else UCX reads or writes: a header, a remote key, an iov array), stay with the
     /// worker until UCX completes the request.
+    #[inline]
     pub(crate) fn park(&mut self, worker: Option<&WorkerShared>, extra: Option<Extra>) {
+        // The common case, a finished operation, has nothing to move or drop.
+        if !matches!(self, OpState::Pending(..)) {
+            return;
+        }
         if let OpState::Pending(r, b) = std::mem::replace(self, OpState::Finished) {
             let worker = worker.expect("invariant: a pending operation keeps its worker");
             let keep: Box<dyn Any + Send> = match extra {
@@ -164,7 +169,7 @@ impl<B: Send + 'static> Future for SendOp<B> {
         let worker = this.ep.as_ref().map(|e| &*e.worker().shared);
         match this.state.poll(worker, cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, b))) => {
                 this.extra = None;
                 let r = match &this.ep {
@@ -227,7 +232,7 @@ impl<B: IoBufMut> Future for RecvOp<B> {
         let this = self.get_mut();
         match this.state.poll(Some(&this.worker.shared), cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
                 this.extra = None;
                 if !c.status.is_ok() {

@@ -256,7 +256,7 @@ impl Future for Atomic {
         let this = self.get_mut();
         match this.state.poll(Some(&this.ep.worker().shared), cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, _))) => Poll::Ready(Err(e)),
+            Poll::Ready(Err((e, _))) => Poll::Ready(Err(*e)),
             Poll::Ready(Ok((c, words))) => {
                 this.key = None;
                 if !c.status.is_ok() {

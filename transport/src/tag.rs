@@ -273,7 +273,7 @@ impl<B: IoBufMut> Future for TagRecv<B> {
         let this = self.get_mut();
         match this.state.poll(Some(&this.worker.shared), cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(e), b)),
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
                 let r = this.finish(c, &mut b);
                 Poll::Ready((r, b))
