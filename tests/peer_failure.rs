@@ -131,18 +131,25 @@ async fn killed_peer_fails_pending_operations(tls: &str, mode: ErrorMode, mode_n
     let mut recv = Box::pin(ep.tag_recv(NEVER_SENT, tag::EXACT, vec![0u8; 64]));
     // A stream receive (UCX writes into its buffer as data arrives) waits too.
     let mut stream = Box::pin(ep.stream_recv(Vec::with_capacity(64)));
+    // And a watch for the endpoint's failure.
+    let mut failed = Box::pin(ep.failed());
     tokio::select! {
         _ = &mut send => panic!("the send completed although nobody received it"),
         _ = &mut recv => panic!("the receive completed although nobody sent"),
         _ = &mut stream => panic!("the stream receive completed although nobody sent"),
+        s = &mut failed => panic!("the endpoint failed while the peer lives: {s}"),
         _ = tokio::time::sleep(Duration::from_millis(200)) => {}
     }
+    assert!(ep.failure().is_none());
 
     child.start_kill().unwrap();
     let t0 = Instant::now();
-    let ((s, _), (r, _), (st, _)) = tokio::time::timeout(BOUND, async { tokio::join!(send, recv, stream) })
-        .await
-        .unwrap_or_else(|_| panic!("{tls}: pending operations still hang {BOUND:?} after SIGKILL"));
+    let ((s, _), (r, _), (st, _), why) =
+        tokio::time::timeout(BOUND, async { tokio::join!(send, recv, stream, failed) })
+            .await
+            .unwrap_or_else(|_| panic!("{tls}: pending operations still hang {BOUND:?} after SIGKILL"));
+    assert!(!why.is_ok(), "{tls}: failure reason {why}");
+    assert_eq!(ep.failure(), Some(why));
     let took = t0.elapsed();
     let (s, r, st) = (s.unwrap_err(), r.unwrap_err(), st.unwrap_err());
     assert_eq!(s.kind(), ErrorKind::ConnectionReset, "send: {s}");

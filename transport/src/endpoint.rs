@@ -361,6 +361,35 @@ impl Endpoint {
         self.worker_inner().locked(|st| st.eps.get(&id).and_then(|e| e.failed))
     }
 
+    /// Waits until this endpoint fails (the peer died or the connection broke) and
+    /// returns UCX's reason; stays pending while the endpoint works, and forever on one
+    /// closed without failing. Useful to end work that waits on the peer through
+    /// worker-level operations, which a failed endpoint does not end by itself.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: it only watches.
+    pub async fn failed(&self) -> Status {
+        let id = self.inner.id;
+        let inner = self.worker_inner();
+        std::future::poll_fn(|cx| {
+            inner.locked(|st| match st.eps.get_mut(&id) {
+                Some(e) => match e.failed {
+                    Some(s) => Poll::Ready(s),
+                    None => {
+                        // Woken by the endpoint's failure (and by stream events; then
+                        // this looks again).
+                        if !e.stream_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                            e.stream_waiters.push(cx.waker().clone());
+                        }
+                        Poll::Pending
+                    }
+                },
+                None => Poll::Pending,
+            })
+        })
+        .await
+    }
+
     /// Runs `f` with the live UCX endpoint handle, or fails with the reason it is gone.
     pub(crate) fn with_handle<R>(
         &self,

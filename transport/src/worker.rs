@@ -359,7 +359,8 @@ pub(crate) struct EpState {
     pub(crate) stream_rx: u64,
     /// The peer's stream writer shut down after this many bytes.
     pub(crate) stream_end: Option<u64>,
-    /// Tasks waiting for stream progress (end of stream, failure).
+    /// Tasks waiting for stream progress (end of stream, failure) or for the endpoint's
+    /// failure ([`crate::Endpoint::failed`]).
     pub(crate) stream_waiters: Vec<Waker>,
     /// The endpoint's handle, for active-message replies.
     pub(crate) endpoint: std::sync::Weak<crate::endpoint::EndpointInner>,
