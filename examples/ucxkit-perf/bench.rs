@@ -200,29 +200,21 @@ async fn wait_marker(w: &Worker, region: &MemRegion, marker: u8) {
     }
 }
 
-/// Runs one (test, size) from the client side and returns its row. Ends with an error
-/// if the connection to the server fails meanwhile: the hot loops receive on the worker,
-/// which a dead server would otherwise leave waiting forever.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn run_client(
-    test: Test,
-    size: usize,
-    iters: u64,
-    warmup: u64,
-    window: usize,
-    recv_window: usize,
-    side: &mut Side<'_>,
-    transport: &str,
-) -> AnyResult<Row> {
-    let ep = side.ep;
+/// Runs `f` unless the connection `ep` fails first, which ends it with an error: the hot
+/// loops receive on the worker, which a dead server would otherwise leave waiting forever.
+pub(crate) async fn unless_failed<T>(
+    ep: &Endpoint,
+    f: impl std::future::Future<Output = AnyResult<T>>,
+) -> AnyResult<T> {
     tokio::select! {
-        r = client_run(test, size, iters, warmup, window, recv_window, side, transport) => r,
+        r = f => r,
         status = ep.failed() => Err(format!("the connection to the server failed: {status}").into()),
     }
 }
 
+/// Runs one (test, size) from the client side and returns its row.
 #[allow(clippy::too_many_arguments)]
-async fn client_run(
+pub(crate) async fn run_client(
     test: Test,
     size: usize,
     iters: u64,

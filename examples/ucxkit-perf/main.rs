@@ -403,8 +403,9 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         };
         let window = args.window;
         let recv_window = recv_window(args, size);
-        let row =
-            bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport).await?;
+        let ep = side.ep;
+        let run = bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport);
+        let row = bench::unless_failed(ep, run).await?;
         let theirs = if args.compare {
             if progress {
                 eprint!(
@@ -487,7 +488,9 @@ async fn calibrate(
 ) -> AnyResult<(u64, u64)> {
     let trial = 20u64.max(args.window as u64);
     let t0 = Instant::now();
-    bench::run_client(test, size, trial, 0, args.window, recv_window(args, size), side, "").await?;
+    let ep = side.ep;
+    let run = bench::run_client(test, size, trial, 0, args.window, recv_window(args, size), side, "");
+    bench::unless_failed(ep, run).await?;
     let per = t0.elapsed().as_secs_f64() / trial as f64;
     let n = ((d.as_secs_f64() / per.max(1e-9)) as u64).clamp(10, 50_000_000);
     Ok((n, args.warmup.unwrap_or((n / 10).max(10))))
