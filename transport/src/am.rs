@@ -281,6 +281,33 @@ unsafe fn incoming(
 }
 
 impl AmReg {
+    /// Takes an arriving message for this id: dropped and counted when the id was
+    /// unregistered, else queued for the receiver or handler. Returns the status for UCX.
+    ///
+    /// # Safety
+    /// Called from a UCX active-message callback with its arguments, under the worker
+    /// lock; `self.state` is the worker's State.
+    unsafe fn receive(
+        &mut self,
+        header: *const c_void,
+        header_len: usize,
+        data: *mut c_void,
+        len: usize,
+        param: &sys::ucp_am_recv_param_t,
+    ) -> sys::ucs_status_t {
+        // SAFETY: per contract.
+        let st = unsafe { &mut *self.state };
+        if self.closed {
+            st.am_dropped += 1;
+            // For a rendezvous message, UCS_OK tells UCX to drop it and release the sender.
+            return sys::UCS_OK;
+        }
+        // SAFETY: per contract.
+        let (inc, ret) = unsafe { incoming(st, header, header_len, data, len, param) };
+        self.deliver(st, inc);
+        ret
+    }
+
     /// Hands a message to the receiver's queue or the handler's.
     fn deliver(&mut self, st: &mut State, inc: Incoming) {
         match &self.handler {
@@ -316,17 +343,8 @@ unsafe extern "C" fn am_cb(
         // AmReg registered with this callback (alive until the worker is destroyed), and
         // its state pointer is the worker's State; param is valid for the call.
         let (reg, param) = unsafe { (&mut *arg.cast::<AmReg>(), &*param) };
-        // SAFETY: as above.
-        let st = unsafe { &mut *reg.state };
-        if reg.closed {
-            st.am_dropped += 1;
-            // For a rendezvous message, UCS_OK tells UCX to drop it and release the sender.
-            return sys::UCS_OK;
-        }
-        // SAFETY: forwarded from UCX, under the lock.
-        let (inc, ret) = unsafe { incoming(st, header, header_len, data, len, param) };
-        reg.deliver(st, inc);
-        ret
+        // SAFETY: as above; forwarded from UCX.
+        unsafe { reg.receive(header, header_len, data, len, param) }
     }))
     .unwrap_or(sys::UCS_OK)
 }
@@ -473,22 +491,12 @@ unsafe extern "C" fn unclaimed_cb(
         let (id, param) = unsafe { (*entry, &*param) };
         let rndv = param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
         let held = if rndv { 0 } else { len };
-        // SAFETY: forwarded from UCX, under the lock.
-        if let Some(reg) = st.am.get_mut(&id) {
-            // Registered since (the registration replaces this callback; a message UCX
-            // had already routed here still goes to it).
-            let reg: *mut AmReg = &mut **reg;
-            // SAFETY: forwarded from UCX, under the lock; reg is boxed in st.am, which
-            // `deliver` does not touch.
-            unsafe {
-                if (*reg).closed {
-                    st.am_dropped += 1;
-                    return sys::UCS_OK;
-                }
-                let (inc, ret) = incoming(st, header, header_len, data, len, param);
-                (*reg).deliver(st, inc);
-                return ret;
-            }
+        if let Some(reg) = st.am.get_mut(&id).map(|r| &mut **r as *mut AmReg) {
+            // Registered since (a registration replaces this callback; should UCX still
+            // route a message here, it goes to the registration all the same).
+            // SAFETY: forwarded from UCX, under the lock; the registration is boxed (its
+            // own allocation, not part of `st`) and its state is this worker's State.
+            return unsafe { (*reg).receive(header, header_len, data, len, param) };
         }
         let u = &mut st.am_unclaimed;
         if u.messages >= UNCLAIMED_MAX_MESSAGES || u.bytes + held > UNCLAIMED_MAX_BYTES {
