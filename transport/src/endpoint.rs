@@ -411,10 +411,8 @@ impl Endpoint {
         f: impl FnOnce(&mut State, sys::ucp_ep_h) -> R,
     ) -> std::result::Result<R, Box<Error>> {
         self.worker_inner().locked(|st| match self.inner.usable.load(Ordering::Relaxed) {
-            h if !h.is_null() => Ok(f(st, h)),
-            _ => Err(Box::new(self.live_handle(st, op).err().unwrap_or_else(|| {
-                Error::ApiMisuse(format!("{op}: endpoint handle unavailable ({})", self.inner.peer))
-            }))),
+            h if h.is_null() => Err(Box::new(self.unusable(st, op))),
+            h => Ok(f(st, h)),
         })
     }
 
@@ -423,20 +421,20 @@ impl Endpoint {
     pub(crate) fn live_handle(&self, st: &State, op: &'static str) -> Result<sys::ucp_ep_h> {
         // Written only under the worker lock, which the caller holds (`st`).
         let h = self.inner.usable.load(Ordering::Relaxed);
-        if !h.is_null() {
-            return Ok(h);
-        }
-        let (h, failed) = match st.eps.get(&self.inner.id) {
-            Some(e) => (e.handle, e.failed),
-            None => (std::ptr::null_mut(), None),
-        };
-        if let Some(s) = failed {
-            return Err(Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: s });
-        }
         if h.is_null() {
-            return Err(Error::ApiMisuse(format!("{op} on a closed endpoint ({})", self.inner.peer)));
+            return Err(self.unusable(st, op));
         }
         Ok(h)
+    }
+
+    /// Why `op` cannot run on this endpoint, whose handle is no longer usable: it failed,
+    /// or it was closed.
+    #[cold]
+    fn unusable(&self, st: &State, op: &'static str) -> Error {
+        match st.eps.get(&self.inner.id).and_then(|e| e.failed) {
+            Some(s) => Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: s },
+            None => Error::ApiMisuse(format!("{op} on a closed endpoint ({})", self.inner.peer)),
+        }
     }
 
     /// Maps a completion of an operation on this endpoint to a result; a cancellation
