@@ -81,8 +81,8 @@ impl AsRawFd for EventFd {
 pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
     let span = tracing::debug_span!("ucx_progress", mode = ?inner.mode);
     match inner.mode {
-        ProgressMode::Event => drive_event(&inner, &signal).instrument(span).await,
-        ProgressMode::BusyPoll => drive_busy(&inner, &signal).instrument(span).await,
+        ProgressMode::Event => drive_sleeping(&inner, &signal, inner.linger).instrument(span).await,
+        ProgressMode::BusyPoll => drive_sleeping(&inner, &signal, BUSY_IDLE).instrument(span).await,
     }
 }
 
@@ -164,7 +164,11 @@ async fn sleep_once(
     r
 }
 
-async fn drive_event(inner: &WorkerInner, signal: &Signal) {
+/// Both modes: poll the worker while events keep coming (`poll_for`: the event mode's
+/// linger, [`BUSY_IDLE`] in busy-poll mode), then sleep on the event fd until something
+/// happens. In busy-poll mode the waiting futures progress the worker themselves, so a
+/// sleeping driver costs them nothing.
+async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration) {
     let mut tick = MIN_TICK;
     let fd = match register_efd(inner) {
         Ok(fd) => fd,
@@ -176,7 +180,7 @@ async fn drive_event(inner: &WorkerInner, signal: &Signal) {
         }
     };
     while !signal.is_stopped() {
-        linger(inner).await;
+        poll_while_busy(inner, signal, poll_for).await;
         if let Slept::Broken = sleep_once(inner, signal, &fd, &mut tick).await {
             drop(fd);
             return spin(inner, signal).await;
@@ -184,51 +188,22 @@ async fn drive_event(inner: &WorkerInner, signal: &Signal) {
     }
 }
 
-/// Event mode, after a wake-up: keeps progressing the worker, yielding to other tasks
-/// between calls, until `inner.linger` passes without an event.
-async fn linger(inner: &WorkerInner) {
-    if inner.linger.is_zero() {
+/// Keeps progressing the worker, yielding to other tasks between calls, until
+/// `idle` passes without an event (or the driver is stopped).
+async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) {
+    if idle.is_zero() {
         return;
     }
     let mut last = std::time::Instant::now();
-    loop {
-        if inner.locked(|st| inner.progress_locked(st)) > 0 {
-            last = std::time::Instant::now();
-        } else if last.elapsed() >= inner.linger {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-}
-
-/// Busy-poll driver: spins while events keep coming, and sleeps on the event fd after
-/// [`BUSY_IDLE`] without any. Futures that wait in busy-poll mode progress the worker
-/// themselves, so a sleeping driver costs them nothing.
-async fn drive_busy(inner: &WorkerInner, signal: &Signal) {
-    let fd = match register_efd(inner) {
-        Ok(fd) => fd,
-        Err(e) => {
-            tracing::debug!("registering the UCX event fd with tokio failed ({e}); spinning without pause");
-            return spin(inner, signal).await;
-        }
-    };
-    let mut tick = MIN_TICK;
-    let mut last_event = std::time::Instant::now();
     let mut rounds = 0u32;
     while !signal.is_stopped() {
-        let n = inner.locked(|st| inner.progress_locked(st));
-        if n > 0 {
-            last_event = std::time::Instant::now();
+        if inner.locked(|st| inner.progress_locked(st)) > 0 {
+            last = std::time::Instant::now();
         } else {
-            rounds += 1;
+            rounds = rounds.wrapping_add(1);
             // Read the clock only now and then: the spin is what must stay cheap.
-            if rounds % 64 == 0 && last_event.elapsed() >= BUSY_IDLE {
-                if let Slept::Broken = sleep_once(inner, signal, &fd, &mut tick).await {
-                    drop(fd);
-                    return spin(inner, signal).await;
-                }
-                last_event = std::time::Instant::now();
-                continue;
+            if rounds % 16 == 0 && last.elapsed() >= idle {
+                return;
             }
         }
         tokio::task::yield_now().await;

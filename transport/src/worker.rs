@@ -584,17 +584,15 @@ impl State {
         if h.is_null() {
             return None;
         }
-        if e.data_out > 0 {
-            // Borrowed stream data still points into UCX's buffers of this endpoint: close
-            // once it is all released (`release_stream_data`).
+        // Borrowed stream data still points into UCX's buffers of this endpoint: close
+        // once it is all released (`release_stream_data`).
+        let defer = e.data_out > 0;
+        if defer {
             e.deferred_close = Some((h, force));
         }
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
-        if self.eps.get(&id).is_some_and(|e| e.deferred_close.is_some()) {
-            return None;
-        }
-        Some(self.close_handle(h, force))
+        (!defer).then(|| self.close_handle(h, force))
     }
 
     /// `ucp_ep_close_nbx` on a handle already taken out of the tables.
