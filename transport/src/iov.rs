@@ -14,7 +14,7 @@ use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::{op_param, Endpoint};
-use crate::error::{Error, Peer, Result, Status};
+use crate::error::{Error, Result, Status};
 use crate::mem::RemoteKey;
 use crate::op::{OpState, SendOp};
 use crate::request::{tag_recv_cb, Completion, Posted};
@@ -225,10 +225,7 @@ impl<B: IoBufMut> Future for TagRecvIov<B> {
         let e = if c.status == Status::TRUNCATED {
             Error::Truncated { capacity: this.capacity, len: c.len.max(this.capacity), tag: c.sender_tag }
         } else {
-            match &this.ep {
-                Some(ep) => ep.error_of("tag_recv", c.status),
-                None => Error::from_op("tag_recv", &Peer::Any, c.status),
-            }
+            crate::op::op_error(this.ep.as_ref(), "tag_recv", c.status)
         };
         Poll::Ready((Err(e), bufs))
     }

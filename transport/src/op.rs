@@ -17,6 +17,16 @@ use crate::error::{Error, Peer, Result};
 use crate::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker, WorkerShared};
 
+/// The error for an operation that completed with a failed `status`: named after its
+/// endpoint when it has one (a failed endpoint becomes `ConnectionReset`), else after
+/// any peer (a worker-level receive).
+pub(crate) fn op_error(ep: Option<&Endpoint>, op: &'static str, status: crate::error::Status) -> Error {
+    match ep {
+        Some(ep) => ep.error_of(op, status),
+        None => Error::from_op(op, &Peer::Any, status),
+    }
+}
+
 /// What else UCX reads or writes until an operation completes (a remote key, a header
 /// copy, an iov array), kept with the operation. An `Arc` so that keeping a remote key is
 /// a reference-count increment, not an allocation.
@@ -236,11 +246,7 @@ impl<B: IoBufMut> Future for RecvOp<B> {
             Poll::Ready(Ok((c, mut b))) => {
                 this.extra = None;
                 if !c.status.is_ok() {
-                    let e = match &this.ep {
-                        Some(ep) => ep.error_of(this.op, c.status),
-                        None => Error::from_op(this.op, &Peer::Any, c.status),
-                    };
-                    return Poll::Ready((Err(e), b));
+                    return Poll::Ready((Err(op_error(this.ep.as_ref(), this.op, c.status)), b));
                 }
                 let n = this.len.unwrap_or(c.len).min(b.bytes_total());
                 // SAFETY: UCX wrote n bytes at the start of the buffer.

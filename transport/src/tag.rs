@@ -17,7 +17,7 @@ use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
-use crate::error::{Error, Peer, Result, Status};
+use crate::error::{Error, Result, Status};
 use crate::op::{OpState, SendOp};
 use crate::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{OpKind, State, Worker};
@@ -259,10 +259,7 @@ impl<B: IoBufMut> TagRecv<B> {
                 tag: c.sender_tag,
             });
         }
-        Err(match &self.ep {
-            Some(ep) => ep.error_of("tag_recv", c.status),
-            None => Error::from_op("tag_recv", &Peer::Any, c.status),
-        })
+        Err(crate::op::op_error(self.ep.as_ref(), "tag_recv", c.status))
     }
 }
 
