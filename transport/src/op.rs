@@ -65,6 +65,7 @@ impl<B: Send + 'static> OpState<B> {
     /// Drives the operation to its completion. Returns, once, the completion (or the
     /// error found when posting) together with the buffer. `worker` is needed only while
     /// the operation is pending.
+    #[inline(always)]
     pub(crate) fn poll(&mut self, worker: Option<&WorkerShared>, cx: &mut Context<'_>) -> Poll<Finish<B>> {
         let c = match self {
             OpState::Pending(r, _) => {

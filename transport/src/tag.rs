@@ -266,6 +266,7 @@ impl<B: IoBufMut> TagRecv<B> {
 impl<B: IoBufMut> Future for TagRecv<B> {
     type Output = (Result<TagInfo>, B);
 
+    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         match this.state.poll(Some(&this.worker.shared), cx) {

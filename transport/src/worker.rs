@@ -789,6 +789,7 @@ impl WorkerInner {
     /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
     /// the worker is progressed (a bounded spin in busy-poll mode, once in event mode)
     /// and `register` stores the task's waker.
+    #[inline]
     pub(crate) fn poll_until<T>(
         &self,
         cx: &mut TaskContext<'_>,
