@@ -54,7 +54,9 @@
 //!
 //! # Progress modes
 //! [`ProgressMode::Event`] (default): a driver task sleeps on the worker's event fd and
-//! progresses when woken; nothing spins while idle. [`ProgressMode::BusyPoll`]: waiting
+//! progresses when woken, and a waiting future polls the worker for up to
+//! [`EVENT_SPIN`] first, which catches a reply already on its way; nothing spins while
+//! idle. [`ProgressMode::BusyPoll`]: waiting
 //! futures progress the worker themselves in a loop, for the lowest latency at the price
 //! of a core while traffic flows (an idle busy-poll worker sleeps like an event-mode one
 //! after [`BUSY_IDLE`]).
@@ -120,7 +122,7 @@ pub use iov::{PutIov, TagRecvIov, TagSendIov};
 pub use listener::{ConnectionRequest, Listener};
 pub use mem::{MemRegion, RegionSlice, RemoteKey};
 pub use op::{RecvOp, SendOp};
-pub use progress::{ProgressMode, BUSY_IDLE, DEFAULT_LINGER};
+pub use progress::{ProgressMode, BUSY_IDLE, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET};
 pub use rma::{Atomic, Get, Put};
 pub use stream::{StreamData, StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};

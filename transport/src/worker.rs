@@ -17,7 +17,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context as TaskContext, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ucx_sys as sys;
 
@@ -454,6 +454,8 @@ pub(crate) struct State {
     pub(crate) am_unclaimed: crate::am::Unclaimed,
     /// The catch-all routing table for unregistered ids (freed after the worker).
     pub(crate) am_ids: *mut crate::am::IdTable,
+    /// Event mode: no waiting future spins before this (set after a spin found nothing).
+    spin_quiet_until: Option<Instant>,
 }
 
 impl State {
@@ -479,6 +481,7 @@ impl State {
             am_dropped: 0,
             am_unclaimed: crate::am::Unclaimed::default(),
             am_ids: std::ptr::null_mut(),
+            spin_quiet_until: None,
         }
     }
 
@@ -826,16 +829,43 @@ impl WorkerInner {
                 if let Some(t) = check(st) {
                     return Poll::Ready(t);
                 }
-                // One progress call, then sleep. Arming the worker is left to the driver,
-                // which does it right before it sleeps: an armed worker makes every
-                // sender signal it (a syscall on each side per message), so arming on
-                // every poll, as the plain wakeup protocol would, costs several syscalls
-                // per message. The driver's arm stays in force while it sleeps: whatever
+                // Progress, then sleep. Arming the worker is left to the driver, which
+                // does it right before it sleeps: an armed worker makes every sender
+                // signal it (a syscall on each side per message), so arming on every
+                // poll, as the plain wakeup protocol would, costs several syscalls per
+                // message. The driver's arm stays in force while it sleeps: whatever
                 // arrives after it makes the event fd readable, whoever progresses it.
-                if self.progress_locked(st) != 0 {
-                    if let Some(t) = check(st) {
-                        return Poll::Ready(t);
+                //
+                // A short spin catches a reply that is already on its way (a round trip
+                // over shared memory is well under a microsecond) without a sleep and a
+                // wake-up. After a spin that found nothing, the next ones are skipped for a
+                // while, so that many futures polled in turn (a `join_all`) or a slow peer
+                // cost one spin, not one each.
+                let now = Instant::now();
+                if st.spin_quiet_until.map_or(true, |q| now >= q) {
+                    let end = now + progress::EVENT_SPIN;
+                    loop {
+                        for _ in 0..8 {
+                            if self.progress_locked(st) != 0 {
+                                if let Some(t) = check(st) {
+                                    return Poll::Ready(t);
+                                }
+                            }
+                        }
+                        let now = Instant::now();
+                        if now >= end {
+                            st.spin_quiet_until = Some(now + progress::EVENT_SPIN_QUIET);
+                            break;
+                        }
                     }
+                } else {
+                    self.progress_locked(st);
+                }
+                // Checked again whatever the progress calls returned: one that reports no
+                // event may still have finished what this future waits for, and no wake-up
+                // would follow.
+                if let Some(t) = check(st) {
+                    return Poll::Ready(t);
                 }
                 register(st, cx.waker());
                 Poll::Pending
