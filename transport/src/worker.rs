@@ -790,8 +790,9 @@ impl WorkerInner {
     }
 
     /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
-    /// the worker is progressed (a bounded spin in busy-poll mode, once in event mode)
-    /// and `register` stores the task's waker.
+    /// the worker is progressed (a bounded spin in busy-poll mode; in event mode a spin of
+    /// at most [`progress::EVENT_SPIN`], or one call during a quiet period) and
+    /// `register` stores the task's waker.
     #[inline]
     pub(crate) fn poll_until<T>(
         &self,
