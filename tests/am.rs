@@ -293,3 +293,39 @@ async fn unregistered_ids_are_held_then_reported() {
     let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
     assert_eq!(m.header(), b"after");
 }
+
+/// Messages held for an id nobody registered can be let go: a held rendezvous message
+/// keeps its sender waiting until then, and the receiver registered afterwards sees only
+/// what arrived after the discard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unclaimed_messages_can_be_discarded() {
+    let (server, _c, _sep, cep) = pair("tcp,self").await;
+    cep.am_send(23, b"eager", vec![1u8; 10]).await.0.unwrap();
+    let mut rndv = Box::pin(cep.am_send_with(
+        23,
+        b"rndv",
+        payload(1, 300_000),
+        AmSendOptions { proto: AmProto::Rendezvous, reply: false },
+    ));
+    let deadline = tokio::time::Instant::now() + T;
+    while server.am_unclaimed() != [(23, 2)] {
+        assert!(tokio::time::Instant::now() < deadline, "held: {:?}", server.am_unclaimed());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), &mut rndv).await.is_err(),
+        "a held rendezvous message keeps its sender waiting"
+    );
+    assert_eq!(server.am_discard_unclaimed(23), 2);
+    tokio::time::timeout(T, rndv).await.expect("the sender is released").0.unwrap();
+    assert!(server.am_unclaimed().is_empty());
+    assert_eq!(server.am_dropped(), 2);
+    assert_eq!(server.am_discard_unclaimed(23), 0, "nothing left");
+    assert!(server.take_am_errors().is_empty(), "a discard asked for is not an error");
+
+    let mut rx = server.am_recv(23).unwrap();
+    cep.am_send(23, b"new", vec![2u8; 4]).await.0.unwrap();
+    let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
+    assert_eq!(m.header(), b"new", "discarded messages are gone");
+    assert_eq!(m.data(), Some(&[2u8; 4][..]));
+}

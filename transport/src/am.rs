@@ -20,7 +20,8 @@
 //! [`UNCLAIMED_MAX_MESSAGES`] messages and [`UNCLAIMED_MAX_BYTES`] eager bytes; a held
 //! rendezvous message keeps its sender waiting) and goes to the first receiver or handler
 //! registered for it, so a peer that sends before this side registered loses nothing.
-//! [`Worker::am_unclaimed`] lists what is held; a message beyond those limits is dropped
+//! [`Worker::am_unclaimed`] lists what is held and [`Worker::am_discard_unclaimed`] lets
+//! it go (releasing waiting senders); a message beyond those limits is dropped
 //! and reported as [`Error::AmUnclaimed`] by [`Worker::take_am_errors`]. A message for an
 //! id whose receiver was dropped is dropped and counted ([`Worker::am_dropped`]).
 
@@ -351,6 +352,8 @@ unsafe extern "C" fn am_cb(
 
 /// How many messages for ids nobody registered a worker holds, at most, waiting for a
 /// receiver or handler; later ones are dropped and reported ([`Worker::take_am_errors`]).
+/// A held rendezvous message keeps its sender's send pending until the id is registered
+/// or [`Worker::am_discard_unclaimed`] lets it go.
 pub const UNCLAIMED_MAX_MESSAGES: usize = 4096;
 /// How many payload bytes of eager messages for unregistered ids a worker holds, at most
 /// (rendezvous payloads stay with their senders and count 0).
@@ -545,6 +548,26 @@ impl Worker {
             .locked(|st| st.am_unclaimed.queues.iter().map(|(&id, q)| (id, q.len())).collect());
         v.sort_unstable();
         v
+    }
+
+    /// Drops the messages held for `id` (see [`Worker::am_unclaimed`]) and returns how
+    /// many there were. Their rendezvous payloads are released, so the senders' sends
+    /// complete (successfully: UCX does not tell a sender that its payload was not
+    /// fetched). They are counted in [`Worker::am_dropped`]. Messages that arrive later
+    /// are held again.
+    pub fn am_discard_unclaimed(&self, id: u16) -> usize {
+        let held = self.shared.inner.locked(|st| {
+            let q = st.am_unclaimed.take(id);
+            st.am_dropped += q.len() as u64;
+            q
+        });
+        let n = held.len();
+        // Dropped as messages, outside the lock: a rendezvous descriptor is released
+        // under the lock it takes.
+        for inc in held {
+            drop(AmMessage::new(self.clone(), id, inc));
+        }
+        n
     }
 
     /// Errors about arriving active messages so far, oldest first: [`Error::AmUnclaimed`]
