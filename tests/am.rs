@@ -250,11 +250,7 @@ async fn unregistered_ids_are_held_then_reported() {
         payload(3, 300_000),
         AmSendOptions { proto: AmProto::Rendezvous, reply: false },
     );
-    let deadline = tokio::time::Instant::now() + T;
-    while server.am_unclaimed() != [(21, 4)] {
-        assert!(tokio::time::Instant::now() < deadline, "held: {:?}", server.am_unclaimed());
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until(|| server.am_unclaimed() == [(21, 4)], || format!("held: {:?}", server.am_unclaimed())).await;
     assert_eq!(server.am_dropped(), 0);
     let mut rx = server.am_recv(21).unwrap();
     assert!(server.am_unclaimed().is_empty(), "handed to the receiver");
@@ -274,11 +270,7 @@ async fn unregistered_ids_are_held_then_reported() {
     for i in 0..am::UNCLAIMED_MAX_MESSAGES + extra {
         cep.am_send(22, b"", vec![i as u8]).await.0.unwrap();
     }
-    let deadline = tokio::time::Instant::now() + T;
-    while server.am_dropped() < extra as u64 {
-        assert!(tokio::time::Instant::now() < deadline, "dropped {}", server.am_dropped());
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until(|| server.am_dropped() >= extra as u64, || format!("dropped {}", server.am_dropped())).await;
     assert_eq!(server.am_unclaimed(), [(22, am::UNCLAIMED_MAX_MESSAGES)]);
     let errs = server.take_am_errors();
     assert_eq!(errs.len(), extra, "{errs:?}");
@@ -294,6 +286,15 @@ async fn unregistered_ids_are_held_then_reported() {
     assert_eq!(m.header(), b"after");
 }
 
+/// Waits up to `T` for `done`, failing with `what` when it does not come.
+async fn wait_until(done: impl Fn() -> bool, what: impl Fn() -> String) {
+    let deadline = tokio::time::Instant::now() + T;
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "{}", what());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Messages held for an id nobody registered can be let go: a held rendezvous message
 /// keeps its sender waiting until then, and the receiver registered afterwards sees only
 /// what arrived after the discard.
@@ -307,11 +308,7 @@ async fn unclaimed_messages_can_be_discarded() {
         payload(1, 300_000),
         AmSendOptions { proto: AmProto::Rendezvous, reply: false },
     ));
-    let deadline = tokio::time::Instant::now() + T;
-    while server.am_unclaimed() != [(23, 2)] {
-        assert!(tokio::time::Instant::now() < deadline, "held: {:?}", server.am_unclaimed());
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until(|| server.am_unclaimed() == [(23, 2)], || format!("held: {:?}", server.am_unclaimed())).await;
     assert!(
         tokio::time::timeout(Duration::from_millis(200), &mut rndv).await.is_err(),
         "a held rendezvous message keeps its sender waiting"
