@@ -65,6 +65,55 @@ async fn eager_and_rendezvous_shm() {
     eager_and_rendezvous("posix,cma,tcp,self").await;
 }
 
+/// Many eager payloads read in place (held in UCX's receive buffers, from 2 KiB on) and
+/// kept alive together, then dropped in an order unlike arrival: every one keeps its
+/// bytes until dropped, and the worker goes on receiving afterwards.
+async fn eager_payloads_kept(tls: &str) {
+    let (server, _c, _sep, cep) = pair(tls).await;
+    let mut rx = server.am_recv(9).unwrap();
+    let eager = AmSendOptions { proto: AmProto::Eager, reply: false };
+    let lens: Vec<usize> = (0..300).map(|i| [100, 2047, 2048, 4096, 8000, 20_000][i % 6]).collect();
+    for round in 0..2u64 {
+        let sends: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| cep.am_send_with(9, &[], payload(round * 1000 + i as u64, len), eager))
+            .collect();
+        let mut kept = Vec::new();
+        for _ in &lens {
+            kept.push(tokio::time::timeout(T, rx.recv()).await.expect("message"));
+        }
+        for s in sends {
+            s.await.0.unwrap();
+        }
+        // Odd ones first, then the even ones from the back.
+        let (odd, even): (Vec<_>, Vec<_>) = kept.into_iter().enumerate().partition(|(i, _)| i % 2 == 1);
+        for (i, msg) in odd.into_iter().chain(even.into_iter().rev()) {
+            assert!(!msg.is_rendezvous());
+            let data = msg.data().expect("eager payload");
+            assert!(
+                data == &payload(round * 1000 + i as u64, lens[i])[..],
+                "round {round} message {i} differs"
+            );
+            if i % 3 == 0 {
+                let (r, buf) = msg.into_vec().await;
+                assert_eq!(r.unwrap(), lens[i]);
+                assert!(buf == payload(round * 1000 + i as u64, lens[i]));
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_payloads_kept_tcp() {
+    eager_payloads_kept("tcp,self").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_payloads_kept_shm() {
+    eager_payloads_kept("posix,cma,tcp,self").await;
+}
+
 /// The receiver answers each message on the sender's endpoint.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reply_round_trip() {

@@ -4,7 +4,9 @@
 //!
 //! Receive messages of one id either as an async stream ([`Worker::am_recv`] gives an
 //! [`AmReceiver`]) or through a closure ([`Worker::am_handler`]). Eager payloads arrive
-//! with the message; rendezvous payloads (large ones, or when the sender forces it) stay
+//! with the message (read them in place with [`AmMessage::data`]: from 2 KiB on, where
+//! UCX allows it, the message keeps UCX's receive buffer instead of copying it, and gives
+//! it back when dropped); rendezvous payloads (large ones, or when the sender forces it) stay
 //! with the sender until [`AmMessage::recv_data`] fetches them into an owned buffer, so
 //! the receiver decides where they land. A message sent with
 //! [`AmSendOptions::reply`] can be answered with [`AmMessage::reply`].
@@ -164,10 +166,19 @@ impl Endpoint {
     }
 }
 
+/// Eager payloads at least this long stay in UCX's receive buffer (when UCX lets them,
+/// `UCP_AM_RECV_ATTR_FLAG_DATA`) until the message is dropped or its payload copied out,
+/// instead of being copied in the callback; shorter ones are copied, which costs less
+/// than releasing a descriptor under the worker lock later.
+const HOLD_MIN: usize = 2048;
+
 /// A payload as it arrived.
 enum Payload {
     /// Copied out of UCX's receive buffer.
     Eager(Vec<u8>),
+    /// Eager, still in UCX's receive buffer: `len` bytes at `desc`, released with
+    /// `ucp_am_data_release`.
+    Held { desc: *mut c_void, len: usize },
     /// Still at the sender: a UCX data descriptor to fetch or release.
     Rndv { desc: *mut c_void, len: usize },
     /// Fetched or released.
@@ -181,8 +192,8 @@ pub(crate) struct Incoming {
     reply: Weak<EndpointInner>,
 }
 
-// SAFETY: the rendezvous descriptor is only handed back to UCX under the worker lock
-// (`AmMessage::drop`, `recv_data`), whichever thread holds it.
+// SAFETY: a held or rendezvous descriptor is only handed back to UCX under the worker
+// lock (`AmMessage::drop`, `recv_data`), whichever thread holds it.
 unsafe impl Send for Incoming {}
 
 /// One registered id, boxed so that UCX's callback argument stays put.
@@ -272,6 +283,8 @@ unsafe fn incoming(
     };
     let (payload, ret) = if rndv {
         (Payload::Rndv { desc: data, len }, sys::UCS_INPROGRESS)
+    } else if len >= HOLD_MIN && param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_DATA.0 as u64 != 0 {
+        (Payload::Held { desc: data, len }, sys::UCS_INPROGRESS)
     } else if len == 0 {
         (Payload::Eager(Vec::new()), sys::UCS_OK)
     } else {
@@ -394,6 +407,7 @@ impl Incoming {
     fn eager_len(&self) -> usize {
         match &self.payload {
             Payload::Eager(v) => v.len(),
+            Payload::Held { len, .. } => *len,
             _ => 0,
         }
     }
@@ -789,9 +803,9 @@ pub struct AmMessage {
     reply: Option<Endpoint>,
 }
 
-// SAFETY: the rendezvous descriptor is only handed back to UCX under the worker lock
-// (`recv_data`, `drop`), which take the message by value; `&AmMessage` gives no access
-// to it.
+// SAFETY: a held or rendezvous descriptor is only handed back to UCX under the worker
+// lock (`recv_data`, `drop`), which take the message by value; `&AmMessage` only reads a
+// held buffer, which UCX leaves alone until it is released.
 unsafe impl Send for AmMessage {}
 // SAFETY: as above.
 unsafe impl Sync for AmMessage {}
@@ -836,7 +850,7 @@ impl AmMessage {
     pub fn len(&self) -> usize {
         match &self.payload {
             Payload::Eager(v) => v.len(),
-            Payload::Rndv { len, .. } => *len,
+            Payload::Held { len, .. } | Payload::Rndv { len, .. } => *len,
             Payload::Gone => 0,
         }
     }
@@ -852,10 +866,15 @@ impl AmMessage {
         matches!(self.payload, Payload::Rndv { .. })
     }
 
-    /// The payload, when it arrived with the message (eager).
+    /// The payload, when it arrived with the message (eager), read in place.
     pub fn data(&self) -> Option<&[u8]> {
         match &self.payload {
             Payload::Eager(v) => Some(v),
+            Payload::Held { desc, len } => {
+                // SAFETY: UCX keeps the held buffer readable until it is released, which
+                // takes the message by value (`recv_data`, `drop`).
+                Some(unsafe { std::slice::from_raw_parts(desc.cast::<u8>(), *len) })
+            }
             _ => None,
         }
     }
@@ -916,6 +935,13 @@ impl AmMessage {
                     unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), buf.stable_mut_ptr(), len) };
                     OpState::Done(Completion { len, ..Completion::OK }, buf)
                 }
+                Payload::Held { desc, len } => {
+                    // SAFETY: buf has room for `capacity >= len` bytes; the held buffer
+                    // is UCX's, readable for len bytes until released just below.
+                    unsafe { std::ptr::copy_nonoverlapping(desc.cast::<u8>(), buf.stable_mut_ptr(), len) };
+                    release_data(&worker, desc);
+                    OpState::Done(Completion { len, ..Completion::OK }, buf)
+                }
                 Payload::Gone => OpState::Done(Completion::OK, buf),
                 Payload::Rndv { desc, len } => {
                     let ptr = buf.stable_mut_ptr();
@@ -972,14 +998,21 @@ impl AmMessage {
 
 impl Drop for AmMessage {
     fn drop(&mut self) {
-        if let Payload::Rndv { desc, .. } = std::mem::replace(&mut self.payload, Payload::Gone) {
-            self.worker.shared.inner.locked(|st| {
-                // SAFETY: an unfetched rendezvous descriptor of this worker, released
-                // once; the lock is held.
-                unsafe { sys::ucp_am_data_release(st.handle, desc) }
-            });
+        if let Payload::Rndv { desc, .. } | Payload::Held { desc, .. } =
+            std::mem::replace(&mut self.payload, Payload::Gone)
+        {
+            release_data(&self.worker, desc);
         }
     }
+}
+
+/// Hands a held eager buffer or an unfetched rendezvous descriptor back to UCX.
+fn release_data(worker: &Worker, desc: *mut c_void) {
+    worker.shared.inner.locked(|st| {
+        // SAFETY: callers pass a descriptor this worker's callback kept (returned
+        // UCS_INPROGRESS for) and that was not released or fetched yet; the lock is held.
+        unsafe { sys::ucp_am_data_release(st.handle, desc) }
+    });
 }
 
 /// Future of [`AmMessage::recv_data`]: resolves to `(Result<usize>, buffer)`.
