@@ -13,6 +13,11 @@
 //!   may still touch) moved into the slot; unmatched tag receives were canceled. The
 //!   callback moves the parked value to the worker's graveyard (dropped after the lock is
 //!   released) and frees the request. `ucp_request_free` is never used as a cancel.
+//!
+//! A request bound to an endpoint (whose failure must end it) is also linked, through
+//! its slot, into the worker's list of bound requests: binding and unbinding cost a few
+//! pointer writes and no lookup, and [`free`] always unlinks, so the list never holds a
+//! request given back to UCX.
 
 use std::any::Any;
 use std::ffi::c_void;
@@ -34,11 +39,17 @@ pub(crate) enum SlotState {
 /// What ucxkit keeps inside each UCX request.
 pub(crate) struct Slot {
     state: SlotState,
+    /// What the failure of `bound_ep` does to this request.
+    pub(crate) kind: OpKind,
     status: sys::ucs_status_t,
     len: usize,
     sender_tag: u64,
-    /// Endpoint whose failure cancels this receive (0: none).
+    /// Endpoint whose failure ends this request (0: none). A bound request is in the
+    /// worker's list of bound requests ([`State::bound`]), linked through `prev` and
+    /// `next`, from [`Request::bind`] until [`free`].
     pub(crate) bound_ep: u64,
+    prev: *mut Slot,
+    pub(crate) next: *mut Slot,
     waker: Option<Waker>,
     parked: Option<Box<dyn Any + Send>>,
 }
@@ -46,10 +57,13 @@ pub(crate) struct Slot {
 impl Slot {
     const EMPTY: Slot = Slot {
         state: SlotState::Pending,
+        kind: OpKind::Finish,
         status: sys::UCS_INPROGRESS,
         len: 0,
         sender_tag: 0,
         bound_ep: 0,
+        prev: ptr::null_mut(),
+        next: ptr::null_mut(),
         waker: None,
         parked: None,
     };
@@ -135,15 +149,12 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
     let (slot, st) = unsafe { (&mut *req.cast::<Slot>(), &mut *user.cast::<State>()) };
     match slot.state {
         SlotState::Parked => {
-            if slot.bound_ep != 0 {
-                st.unbind_op(slot.bound_ep, req as usize);
-            }
             if let Some(p) = slot.parked.take() {
                 st.graveyard.push(p);
             }
             st.parked -= 1;
             // SAFETY: req is ours, completed, and nothing refers to it any more.
-            unsafe { free(req.cast()) };
+            unsafe { free(st, req.cast()) };
         }
         SlotState::Pending => {
             slot.state = SlotState::Done;
@@ -160,16 +171,38 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
     }
 }
 
-/// Resets a slot and releases its request to UCX.
+/// Unbinds a slot, resets it and releases its request to UCX.
 ///
 /// # Safety
 /// `slot` is a completed request of ours that nothing else refers to, and the worker lock
-/// is held.
-pub(crate) unsafe fn free(slot: *mut Slot) {
+/// is held (`st` comes from it).
+pub(crate) unsafe fn free(st: &mut State, slot: *mut Slot) {
     // SAFETY: per contract; dropping the old value releases any waker left behind.
     unsafe {
+        if (*slot).bound_ep != 0 {
+            unlink(st, slot);
+        }
         drop(ptr::replace(slot, Slot::EMPTY));
         sys::ucp_request_free(slot.cast());
+    }
+}
+
+/// Takes a bound slot out of the worker's list of bound requests.
+///
+/// # Safety
+/// `slot` is a live request of ours in that list; the worker lock is held.
+unsafe fn unlink(st: &mut State, slot: *mut Slot) {
+    // SAFETY: per contract: the slot and its neighbours are live bound requests.
+    unsafe {
+        let (prev, next) = ((*slot).prev, (*slot).next);
+        if prev.is_null() {
+            st.bound = next;
+        } else {
+            (*prev).next = next;
+        }
+        if !next.is_null() {
+            (*next).prev = prev;
+        }
     }
 }
 
@@ -179,11 +212,11 @@ pub(crate) unsafe fn free(slot: *mut Slot) {
 ///
 /// # Safety
 /// `slot` is a request of ours (pending or done) that nothing else refers to, and the
-/// worker lock is held.
-pub(crate) unsafe fn release(slot: *mut Slot) {
+/// worker lock is held (`st` comes from it).
+pub(crate) unsafe fn release(st: &mut State, slot: *mut Slot) {
     // SAFETY: per contract; resetting first because UCX will reuse the memory without
     // calling request_init again and without calling our callback for this request.
-    unsafe { free(slot) }
+    unsafe { free(st, slot) }
 }
 
 /// Hands `keep` to a pending request's slot; the completion callback drops it.
@@ -268,11 +301,25 @@ impl Request {
         unsafe { (*self.slot).state == SlotState::Done }
     }
 
-    /// Marks this receive as bound to an endpoint: the endpoint's failure cancels it.
+    /// Binds this request to endpoint `ep`: the endpoint's failure ends it as `kind`
+    /// says ([`State::fail_ep`]). Puts it at the head of the worker's list of bound
+    /// requests, which [`free`] takes it out of.
     pub(crate) fn bind(&self, st: &mut State, ep: u64, kind: OpKind) {
-        // SAFETY: under the worker lock (st is borrowed from it); the slot is live.
-        unsafe { (*self.slot).bound_ep = ep };
-        st.bind_op(ep, self.slot as usize, kind);
+        let slot = self.slot;
+        // SAFETY: under the worker lock (st is borrowed from it); the slot is live and
+        // not bound yet (bound once, right after posting), and the list's head is a live
+        // bound request.
+        unsafe {
+            let s = &mut *slot;
+            s.bound_ep = ep;
+            s.kind = kind;
+            s.prev = ptr::null_mut();
+            s.next = st.bound;
+            if !st.bound.is_null() {
+                (*st.bound).prev = slot;
+            }
+        }
+        st.bound = slot;
     }
 
     /// Checks for completion; in busy-poll mode progresses the worker a bounded number of
@@ -293,12 +340,9 @@ impl Request {
                 if s.state != SlotState::Done {
                     return None;
                 }
-                if s.bound_ep != 0 {
-                    st.unbind_op(s.bound_ep, slot as usize);
-                }
                 let c = Completion { status: Status(s.status), len: s.len, sender_tag: s.sender_tag };
                 // SAFETY: completed and no longer referenced.
-                unsafe { free(slot) };
+                unsafe { free(st, slot) };
                 Some(c)
             },
             |_, waker| {
@@ -327,11 +371,8 @@ impl Request {
             // SAFETY: under the worker lock; the slot is ours.
             let s = unsafe { &mut *slot };
             if s.state == SlotState::Done {
-                if s.bound_ep != 0 {
-                    st.unbind_op(s.bound_ep, slot as usize);
-                }
                 // SAFETY: completed, unreferenced.
-                unsafe { free(slot) };
+                unsafe { free(st, slot) };
                 return Some(keep);
             }
             // SAFETY: pending, ours, under the lock.

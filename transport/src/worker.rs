@@ -350,9 +350,6 @@ pub(crate) struct EpState {
     pub(crate) usable: Arc<AtomicPtr<sys::ucp_ep>>,
     /// Whether UCX peer error handling is on (UCX then purges requests on failure).
     pub(crate) peer_mode: bool,
-    /// Pending operations bound to this endpoint: request address → what its failure
-    /// does to it.
-    pub(crate) ops: IdMap<usize, OpKind>,
     /// Stream bytes written (posted) on this endpoint.
     pub(crate) stream_tx: u64,
     /// Stream bytes received on this endpoint.
@@ -382,7 +379,6 @@ impl EpState {
             failed: None,
             usable,
             peer_mode,
-            ops: IdMap::default(),
             stream_tx: 0,
             stream_rx: 0,
             stream_end: None,
@@ -456,6 +452,9 @@ pub(crate) struct State {
     pub(crate) am_ids: *mut crate::am::IdTable,
     /// Event mode: no waiting future spins before this (set after a spin found nothing).
     spin_quiet_until: Option<Instant>,
+    /// Head of the list of pending requests bound to an endpoint (linked through their
+    /// slots; see [`request::Request::bind`]).
+    pub(crate) bound: *mut Slot,
 }
 
 impl State {
@@ -482,19 +481,25 @@ impl State {
             am_unclaimed: crate::am::Unclaimed::default(),
             am_ids: std::ptr::null_mut(),
             spin_quiet_until: None,
+            bound: std::ptr::null_mut(),
         }
     }
 
-    pub(crate) fn bind_op(&mut self, ep: u64, req: usize, kind: OpKind) {
-        if let Some(e) = self.eps.get_mut(&ep) {
-            e.ops.insert(req, kind);
+    /// The pending requests bound to endpoint `id` ([`request::Request::bind`]), with
+    /// what its failure does to each.
+    fn bound_to(&self, id: u64) -> Vec<(*mut Slot, OpKind)> {
+        let mut v = Vec::new();
+        let mut s = self.bound;
+        while !s.is_null() {
+            // SAFETY: the list holds live bound requests (taken out before they are
+            // freed); the lock is held (&self comes from it).
+            let slot = unsafe { &*s };
+            if slot.bound_ep == id {
+                v.push((s, slot.kind));
+            }
+            s = slot.next;
         }
-    }
-
-    pub(crate) fn unbind_op(&mut self, ep: u64, req: usize) {
-        if let Some(e) = self.eps.get_mut(&ep) {
-            e.ops.remove(&req);
-        }
+        v
     }
 
     /// Counts `n` stream bytes received on endpoint `ep`.
@@ -532,7 +537,7 @@ impl State {
     ///   peer sent before it died (stream data, get replies, fetch fragments), and a dead
     ///   process sends nothing more.
     pub(crate) fn fail_ep(&mut self, id: u64, status: Status, peer_exited: bool) {
-        if peer_exited && self.eps.get(&id).is_some_and(|e| !e.peer_mode && !e.ops.is_empty()) {
+        if peer_exited && self.eps.get(&id).is_some_and(|e| !e.peer_mode) && !self.bound_to(id).is_empty() {
             // Everything the dead peer ever sent is already here (in our shared-memory
             // queues or socket buffers): let UCX deliver it now, so that no operation
             // finished below can be written into afterwards (a stream receive, a get
@@ -552,17 +557,17 @@ impl State {
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         tracing::debug!(ep = id, %status, "endpoint failed");
         let peer_mode = e.peer_mode;
-        let ops: Vec<(usize, OpKind)> = e.ops.iter().map(|(&r, &k)| (r, k)).collect();
         let waiters = std::mem::take(&mut e.stream_waiters);
         self.wake.extend(waiters);
-        for (r, kind) in ops {
+        for (r, kind) in self.bound_to(id) {
             if kind == OpKind::Cancel {
                 // SAFETY: r is a live pending tag receive of this worker (bound requests
-                // are unbound before they are freed); the lock is held.
-                unsafe { sys::ucp_request_cancel(self.handle, r as *mut c_void) };
+                // are unbound before they are freed, and canceling one completes only
+                // that one); the lock is held.
+                unsafe { sys::ucp_request_cancel(self.handle, r.cast()) };
             } else if !peer_mode && peer_exited {
                 // SAFETY: as above, for a bound send.
-                unsafe { request::fail_pending(r as *mut Slot, Status::CONNECTION_RESET, self) };
+                unsafe { request::fail_pending(r, Status::CONNECTION_RESET, self) };
             }
         }
         for w in self.connects.values_mut().filter(|w| w.ep == id) {
@@ -630,7 +635,7 @@ impl State {
     pub(crate) fn release(&mut self, posted: request::Posted) {
         if let request::Posted::Pending(r) = posted {
             // SAFETY: our request, nothing parked in it, under the lock.
-            unsafe { request::release(r.raw().cast::<Slot>()) };
+            unsafe { request::release(self, r.raw().cast::<Slot>()) };
         }
     }
 
