@@ -172,8 +172,14 @@ impl Endpoint {
 /// than releasing a descriptor under the worker lock later.
 const HOLD_MIN: usize = 2048;
 
+/// Eager payloads up to this long are copied into the message itself, not into a heap
+/// buffer.
+const INLINE_MAX: usize = 48;
+
 /// A payload as it arrived.
 enum Payload {
+    /// Short, copied out of UCX's receive buffer into the message: the first `len` bytes.
+    Inline { len: u8, bytes: [u8; INLINE_MAX] },
     /// Copied out of UCX's receive buffer.
     Eager(Vec<u8>),
     /// Eager, still in UCX's receive buffer: `len` bytes at `desc`, released with
@@ -224,7 +230,7 @@ impl HandlerCell {
             loop {
                 let next = self.queue.lock().unwrap_or_else(PoisonError::into_inner).pop_front();
                 let Some(inc) = next else { break };
-                let msg = AmMessage::new(self.worker.clone(), self.id, inc);
+                let msg = AmMessage::new(&self.worker, self.id, inc);
                 if let Err(p) = catch_unwind(AssertUnwindSafe(|| (f)(msg))) {
                     let message = panic_message(&*p);
                     tracing::error!(id = self.id, %message, "active-message handler panicked");
@@ -285,8 +291,11 @@ unsafe fn incoming(
         (Payload::Rndv { desc: data, len }, sys::UCS_INPROGRESS)
     } else if len >= HOLD_MIN && param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_DATA.0 as u64 != 0 {
         (Payload::Held { desc: data, len }, sys::UCS_INPROGRESS)
-    } else if len == 0 {
-        (Payload::Eager(Vec::new()), sys::UCS_OK)
+    } else if len <= INLINE_MAX {
+        let mut bytes = [0u8; INLINE_MAX];
+        // SAFETY: eager data is readable for len bytes during the callback; len fits.
+        unsafe { std::ptr::copy_nonoverlapping(data.cast::<u8>(), bytes.as_mut_ptr(), len) };
+        (Payload::Inline { len: len as u8, bytes }, sys::UCS_OK)
     } else {
         // SAFETY: eager data is readable for len bytes during the callback.
         (Payload::Eager(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()), sys::UCS_OK)
@@ -408,6 +417,7 @@ impl Incoming {
         match &self.payload {
             Payload::Eager(v) => v.len(),
             Payload::Held { len, .. } => *len,
+            Payload::Inline { len, .. } => *len as usize,
             _ => 0,
         }
     }
@@ -579,7 +589,7 @@ impl Worker {
         // Dropped as messages, outside the lock: a rendezvous descriptor is released
         // under the lock it takes.
         for inc in held {
-            drop(AmMessage::new(self.clone(), id, inc));
+            drop(AmMessage::new(self, id, inc));
         }
         n
     }
@@ -722,7 +732,7 @@ impl AmReceiver {
             // SAFETY: under the worker lock; see the field.
             unsafe { (*reg).queue.pop_front() }
         });
-        inc.map(|inc| AmMessage::new(self.worker.clone(), id, inc))
+        inc.map(|inc| AmMessage::new(&self.worker, id, inc))
     }
 
     /// Polls for the next message.
@@ -741,7 +751,7 @@ impl AmReceiver {
                 }
             },
         );
-        inc.map(|inc| AmMessage::new(self.worker.clone(), id, inc))
+        inc.map(|inc| AmMessage::new(&self.worker, id, inc))
     }
 }
 
@@ -750,7 +760,7 @@ impl Drop for AmReceiver {
         // As messages, so that unfetched rendezvous payloads are released and their
         // senders complete.
         for inc in self.worker.am_unregister(self.id) {
-            drop(AmMessage::new(self.worker.clone(), self.id, inc));
+            drop(AmMessage::new(&self.worker, self.id, inc));
         }
     }
 }
@@ -786,7 +796,7 @@ impl Drop for AmHandler {
             self.cell.queue.lock().unwrap_or_else(PoisonError::into_inner).drain(..).collect();
         rest.extend(queued);
         for inc in rest {
-            drop(AmMessage::new(self.cell.worker.clone(), self.cell.id, inc));
+            drop(AmMessage::new(&self.cell.worker, self.cell.id, inc));
         }
     }
 }
@@ -796,7 +806,8 @@ impl Drop for AmHandler {
 /// Dropping a message whose rendezvous payload was not fetched releases it (the sender's
 /// send then completes).
 pub struct AmMessage {
-    worker: Worker,
+    /// Held only while the payload is UCX's (held eager or rendezvous), to give it back.
+    worker: Option<Worker>,
     id: u16,
     header: Vec<u8>,
     payload: Payload,
@@ -831,8 +842,12 @@ impl std::fmt::Debug for AmMessage {
 }
 
 impl AmMessage {
-    fn new(worker: Worker, id: u16, inc: Incoming) -> AmMessage {
+    fn new(worker: &Worker, id: u16, inc: Incoming) -> AmMessage {
         let reply = inc.reply.upgrade().map(|inner| Endpoint { inner });
+        let worker = match inc.payload {
+            Payload::Held { .. } | Payload::Rndv { .. } => Some(worker.clone()),
+            _ => None,
+        };
         AmMessage { worker, id, header: inc.header, payload: inc.payload, reply }
     }
 
@@ -849,6 +864,7 @@ impl AmMessage {
     /// Payload length in bytes.
     pub fn len(&self) -> usize {
         match &self.payload {
+            Payload::Inline { len, .. } => *len as usize,
             Payload::Eager(v) => v.len(),
             Payload::Held { len, .. } | Payload::Rndv { len, .. } => *len,
             Payload::Gone => 0,
@@ -869,6 +885,7 @@ impl AmMessage {
     /// The payload, when it arrived with the message (eager), read in place.
     pub fn data(&self) -> Option<&[u8]> {
         match &self.payload {
+            Payload::Inline { len, bytes } => Some(&bytes[..*len as usize]),
             Payload::Eager(v) => Some(v),
             Payload::Held { desc, len } => {
                 // SAFETY: UCX keeps the held buffer readable until it is released, which
@@ -929,6 +946,11 @@ impl AmMessage {
             OpState::failed(Error::Truncated { capacity, len, tag: id as u64 }, buf)
         } else {
             match payload {
+                Payload::Inline { bytes, .. } => {
+                    // SAFETY: buf has room for `capacity >= len` bytes; bytes is ours.
+                    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.stable_mut_ptr(), len) };
+                    OpState::Done(Completion { len, ..Completion::OK }, buf)
+                }
                 Payload::Eager(v) => {
                     // SAFETY: buf has room for `capacity >= len` bytes; v is a separate
                     // allocation.
@@ -939,14 +961,20 @@ impl AmMessage {
                     // SAFETY: buf has room for `capacity >= len` bytes; the held buffer
                     // is UCX's, readable for len bytes until released just below.
                     unsafe { std::ptr::copy_nonoverlapping(desc.cast::<u8>(), buf.stable_mut_ptr(), len) };
-                    release_data(&worker, desc);
+                    if let Some(w) = &worker {
+                        release_data(w, desc);
+                    }
                     OpState::Done(Completion { len, ..Completion::OK }, buf)
                 }
                 Payload::Gone => OpState::Done(Completion::OK, buf),
                 Payload::Rndv { desc, len } => {
                     let ptr = buf.stable_mut_ptr();
                     let bind = reply.as_ref().map(|e| e.inner.id);
-                    let inner = &worker.shared.inner;
+                    let inner = &worker
+                        .as_ref()
+                        .expect("invariant: a rendezvous message keeps its worker")
+                        .shared
+                        .inner;
                     let no_imm = inner.no_imm;
                     let posted = inner.locked(|st| {
                         if let Some(ep) = &reply {
@@ -1001,7 +1029,9 @@ impl Drop for AmMessage {
         if let Payload::Rndv { desc, .. } | Payload::Held { desc, .. } =
             std::mem::replace(&mut self.payload, Payload::Gone)
         {
-            release_data(&self.worker, desc);
+            if let Some(w) = &self.worker {
+                release_data(w, desc);
+            }
         }
     }
 }

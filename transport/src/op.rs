@@ -211,7 +211,8 @@ impl<B: Send + 'static> Drop for SendOp<B> {
 /// lost; see each operation for what that means.
 #[must_use = "a receive-type operation does nothing useful unless awaited"]
 pub struct RecvOp<B: IoBufMut> {
-    worker: Worker,
+    /// Needed only while the operation may be pending (None for one finished at once).
+    worker: Option<Worker>,
     /// For error messages (a failed endpoint becomes `ConnectionReset`).
     ep: Option<Endpoint>,
     op: &'static str,
@@ -223,7 +224,7 @@ pub struct RecvOp<B: IoBufMut> {
 
 impl<B: IoBufMut> RecvOp<B> {
     pub(crate) fn new(
-        worker: Worker,
+        worker: Option<Worker>,
         ep: Option<Endpoint>,
         op: &'static str,
         len: Option<usize>,
@@ -241,7 +242,7 @@ impl<B: IoBufMut> Future for RecvOp<B> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        match this.state.poll(Some(&this.worker.shared), cx) {
+        match this.state.poll(this.worker.as_ref().map(|w| &*w.shared), cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
@@ -261,6 +262,6 @@ impl<B: IoBufMut> Future for RecvOp<B> {
 impl<B: IoBufMut> Drop for RecvOp<B> {
     fn drop(&mut self) {
         let extra = self.extra.take();
-        self.state.park(Some(&self.worker.shared), extra);
+        self.state.park(self.worker.as_ref().map(|w| &*w.shared), extra);
     }
 }

@@ -77,7 +77,7 @@ impl Endpoint {
     pub fn get<B: IoBufMut>(&self, mut buf: B, len: usize, key: &RemoteKey, offset: u64) -> Get<B> {
         let fail = |e, buf| {
             RecvOp::new(
-                self.worker().clone(),
+                Some(self.worker().clone()),
                 Some(self.clone()),
                 "get",
                 Some(len),
@@ -105,7 +105,14 @@ impl Endpoint {
             unsafe { sys::ucp_get_nbx(h, ptr.cast(), len, remote, rkey, param) }
         });
         let state = OpState::from_posted(posted, buf);
-        RecvOp::new(self.worker().clone(), Some(self.clone()), "get", Some(len), state, Some(key.keep()))
+        RecvOp::new(
+            Some(self.worker().clone()),
+            Some(self.clone()),
+            "get",
+            Some(len),
+            state,
+            Some(key.keep()),
+        )
     }
 
     /// Adds `value` to the 64-bit word at `offset` (`UCP_ATOMIC_OP_ADD`, no fetch).

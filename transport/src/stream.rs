@@ -234,7 +234,7 @@ impl Endpoint {
             self.worker_inner().posted();
         }
         RecvOp::new(
-            self.worker().clone(),
+            Some(self.worker().clone()),
             Some(self.clone()),
             "stream_recv",
             None,
