@@ -101,6 +101,7 @@ mod identity;
 pub mod iov;
 mod listener;
 pub mod liveness;
+mod lock;
 pub mod mem;
 mod op;
 mod progress;

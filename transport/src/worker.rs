@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,7 @@ use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Status};
 use crate::handshake::{self, Kind, Message, NackReason};
 use crate::identity::ProcessIdentity;
+use crate::lock::RawLock;
 use crate::progress::{self, ProgressMode};
 use crate::request::{self, Slot};
 
@@ -188,7 +189,7 @@ impl WorkerBuilder {
         let inner = Arc::new(WorkerInner {
             max_am_header,
             ctx: self.ctx.inner.clone(),
-            lock: Mutex::new(()),
+            lock: RawLock::new(),
             state: UnsafeCell::new(State::new(handle)),
             mode: self.mode,
             linger: self.linger,
@@ -701,7 +702,7 @@ impl State {
 pub(crate) struct WorkerInner {
     /// Keeps the context alive until the worker is destroyed.
     ctx: Arc<ContextInner>,
-    lock: Mutex<()>,
+    lock: RawLock,
     state: UnsafeCell<State>,
     pub(crate) mode: ProgressMode,
     /// Event mode: how long the driver polls after the last event before sleeping.
@@ -729,7 +730,7 @@ impl WorkerInner {
     /// Runs `f` under the worker lock, then wakes the wakers and drops the parked values
     /// it collected, after releasing the lock.
     pub(crate) fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
-        let guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        let guard = self.lock.lock();
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
