@@ -140,20 +140,21 @@ impl Endpoint {
             flags |= sys::UCP_AM_SEND_FLAG_REPLY.0;
         }
         // UCX 1.14 and newer copy the header during the call (`COPY_HEADER`); 1.13 reads
-        // it until the send completes, so a copy stays with the operation (a Vec: its
-        // heap buffer does not move with it).
+        // it until the send completes, so a copy stays with an operation left pending (a
+        // Vec: its heap buffer does not move with it; dropped after the call otherwise).
         #[cfg(ucx_ge_1_14)]
-        let (hptr, hlen, extra): (*const u8, usize, Option<crate::op::Extra>) = {
+        let (hptr, hlen, copy): (*const u8, usize, Option<Vec<u8>>) = {
             flags |= sys::UCP_AM_SEND_FLAG_COPY_HEADER.0;
             (if header.is_empty() { std::ptr::null() } else { header.as_ptr() }, header.len(), None)
         };
         #[cfg(not(ucx_ge_1_14))]
-        let (hptr, hlen, extra): (*const u8, usize, Option<crate::op::Extra>) = if header.is_empty() {
+        let (hptr, hlen, copy): (*const u8, usize, Option<Vec<u8>>) = if header.is_empty() {
             (std::ptr::null(), 0, None)
         } else {
             let copy = header.to_vec();
-            (copy.as_ptr(), copy.len(), Some(Arc::new(copy)))
+            (copy.as_ptr(), copy.len(), Some(copy))
         };
+        let extra = move || copy.map(|c| Arc::new(c) as crate::op::Extra);
         SendOp::post(self, "am_send", payload, extra, |_, h, ptr, len, param| {
             param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS.0 as u32;
             param.flags = flags as u32;

@@ -60,7 +60,7 @@ impl Endpoint {
             // completes, parked on drop.
             unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), count, tag, param) }
         });
-        SendOp::wrap(self, "tag_send", posted, bufs, Some(Arc::new(iov)))
+        SendOp::wrap(self, "tag_send", posted, bufs, || Some(Arc::new(iov)))
     }
 
     /// Receives one tagged message matching `tag`/`mask`, scattered over `bufs` in order

@@ -476,6 +476,7 @@ impl RemoteKey {
 
     /// The remote address of `len` bytes at `offset`, after checking they are inside the
     /// region, that the key belongs to `ep`, and (for atomics) 8-byte alignment.
+    #[inline]
     pub(crate) fn target(
         &self,
         ep: &Endpoint,

@@ -125,12 +125,14 @@ pub struct SendOp<B: Send + 'static> {
 
 impl<B: IoBuf> SendOp<B> {
     /// Posts an operation on `ep` ([`Endpoint::post_op`]); `call` also gets the buffer's
-    /// pointer and length.
+    /// pointer and length. `extra` is called only if the operation is left pending (see
+    /// [`SendOp::wrap`]).
+    #[inline]
     pub(crate) fn post(
         ep: &Endpoint,
         op: &'static str,
         buf: B,
-        extra: Option<Extra>,
+        extra: impl FnOnce() -> Option<Extra>,
         call: impl FnOnce(
             &mut State,
             sys::ucp_ep_h,
@@ -146,19 +148,23 @@ impl<B: IoBuf> SendOp<B> {
 }
 
 impl<B: Send + 'static> SendOp<B> {
-    /// Wraps what [`Endpoint::post_op`] returned; `extra` is what else UCX uses until
-    /// completion (kept with the buffer).
+    /// Wraps what [`Endpoint::post_op`] returned. `extra` gives what else UCX uses until
+    /// completion, kept with the buffer; it is called only for an operation left pending,
+    /// so one that finished at once (a short put over shared memory, say) neither clones
+    /// a remote key nor allocates.
+    #[inline]
     pub(crate) fn wrap(
         ep: &Endpoint,
         op: &'static str,
         posted: std::result::Result<Posted, Box<Error>>,
         buf: B,
-        extra: Option<Extra>,
+        extra: impl FnOnce() -> Option<Extra>,
     ) -> SendOp<B> {
         let state = OpState::from_posted(posted, buf);
-        let ep = match state {
-            OpState::Done(c, _) if c.status.is_ok() => None,
-            _ => Some(ep.clone()),
+        let (ep, extra) = match state {
+            OpState::Done(c, _) if c.status.is_ok() => (None, None),
+            OpState::Pending(..) => (Some(ep.clone()), extra()),
+            _ => (Some(ep.clone()), None),
         };
         SendOp { ep, op, state, extra }
     }

@@ -56,12 +56,18 @@ impl Endpoint {
             Err(e) => return SendOp::failed(self, "put", e, buf),
         };
         let rkey = key.inner.rkey;
-        SendOp::post(self, "put", buf, Some(key.keep()), |_, h, ptr, len, param| {
-            // SAFETY: h is live under the lock; the buffer and the rkey stay valid until
-            // the request completes (kept by the operation, parked on drop); the remote
-            // range was checked against the key's region.
-            unsafe { sys::ucp_put_nbx(h, ptr.cast(), len, remote, rkey, param) }
-        })
+        SendOp::post(
+            self,
+            "put",
+            buf,
+            || Some(key.keep()),
+            |_, h, ptr, len, param| {
+                // SAFETY: h is live under the lock; the buffer and the rkey stay valid until
+                // the request completes (kept by the operation, parked on drop); the remote
+                // range was checked against the key's region.
+                unsafe { sys::ucp_put_nbx(h, ptr.cast(), len, remote, rkey, param) }
+            },
+        )
     }
 
     /// Reads `len` bytes of the peer's region at `offset` into `buf` (`ucp_get_nbx`);

@@ -171,18 +171,24 @@ impl Endpoint {
     /// Dropping the returned future is memory-safe at any time; the bytes are still sent.
     pub fn stream_send<B: IoBuf>(&self, buf: B) -> StreamSend<B> {
         let id = self.inner.id;
-        SendOp::post(self, "stream_send", buf, None, |st, h, ptr, len, param| {
-            // SAFETY: h is live under the lock; the buffer stays valid and unmoved until
-            // the request completes (IoBuf contract; parked on drop).
-            let p = unsafe { sys::ucp_stream_send_nbx(h, ptr.cast(), len, param) };
-            // Count what was accepted: the peer's end of stream waits for these bytes.
-            if !sys::UCS_PTR_IS_ERR(p) {
-                if let Some(e) = st.eps.get_mut(&id) {
-                    e.stream_tx += len as u64;
+        SendOp::post(
+            self,
+            "stream_send",
+            buf,
+            || None,
+            |st, h, ptr, len, param| {
+                // SAFETY: h is live under the lock; the buffer stays valid and unmoved until
+                // the request completes (IoBuf contract; parked on drop).
+                let p = unsafe { sys::ucp_stream_send_nbx(h, ptr.cast(), len, param) };
+                // Count what was accepted: the peer's end of stream waits for these bytes.
+                if !sys::UCS_PTR_IS_ERR(p) {
+                    if let Some(e) = st.eps.get_mut(&id) {
+                        e.stream_tx += len as u64;
+                    }
                 }
-            }
-            p
-        })
+                p
+            },
+        )
     }
 
     /// Receives at least one byte and at most the buffer's capacity from this endpoint's

@@ -72,11 +72,17 @@ impl Endpoint {
     /// with the worker until UCX has finished with it, and the message may still be
     /// delivered.
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
-        SendOp::post(self, "tag_send", buf, None, |_, h, ptr, len, param| {
-            // SAFETY: h is live under the lock; the buffer's memory stays valid and
-            // unmoved until the request completes (IoBuf contract; parked on drop).
-            unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), len, tag, param) }
-        })
+        SendOp::post(
+            self,
+            "tag_send",
+            buf,
+            || None,
+            |_, h, ptr, len, param| {
+                // SAFETY: h is live under the lock; the buffer's memory stays valid and
+                // unmoved until the request completes (IoBuf contract; parked on drop).
+                unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), len, tag, param) }
+            },
+        )
     }
 
     /// Receives a message matching `tag`/`mask` into `buf`, bound to this endpoint: if
