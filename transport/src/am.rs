@@ -337,14 +337,12 @@ impl AmReg {
         match &self.handler {
             Some(h) => {
                 h.queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(inc);
-                if !st.am_ready.iter().any(|c| Arc::ptr_eq(c, h)) {
-                    st.am_ready.push(h.clone());
-                }
+                st.after.run_handler(h);
             }
             None => {
                 self.queue.push_back(inc);
                 if let Some(w) = self.waker.take() {
-                    st.wake.push(w);
+                    st.after.wake(w);
                 }
             }
         }

@@ -82,7 +82,7 @@ unsafe extern "C" fn conn_cb(req: sys::ucp_conn_request_h, arg: *mut c_void) {
     if let Some(ls) = st.listeners.get_mut(&id) {
         ls.queue.push_back(req);
         if let Some(w) = ls.waker.take() {
-            st.wake.push(w);
+            st.after.wake(w);
         }
     }
 }

@@ -138,10 +138,7 @@ async fn sleep_once(
         // Probes (`tag_recv_any`) are woken when a progress call reports events; a
         // message that became visible in a call reporting none would leave them asleep,
         // so they look again before the driver sleeps.
-        if !st.probe_waiters.is_empty() {
-            let w = std::mem::take(&mut st.probe_waiters);
-            st.wake.extend(w);
-        }
+        st.wake_probes();
         inner.arm(st)
     });
     if status.0 == sys::UCS_ERR_BUSY {

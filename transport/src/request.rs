@@ -150,7 +150,7 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
     match slot.state {
         SlotState::Parked => {
             if let Some(p) = slot.parked.take() {
-                st.graveyard.push(p);
+                st.after.bury(p);
             }
             st.parked -= 1;
             // SAFETY: req is ours, completed, and nothing refers to it any more.
@@ -162,7 +162,7 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             slot.len = len;
             slot.sender_tag = tag;
             if let Some(w) = slot.waker.take() {
-                st.wake.push(w);
+                st.after.wake(w);
             }
         }
         // ucxkit already finished it (`fail_pending`: the peer process died); the owner
@@ -177,12 +177,18 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
 /// `slot` is a completed request of ours that nothing else refers to, and the worker lock
 /// is held (`st` comes from it).
 pub(crate) unsafe fn free(st: &mut State, slot: *mut Slot) {
-    // SAFETY: per contract; dropping the old value releases any waker left behind.
+    // SAFETY: per contract.
     unsafe {
-        if (*slot).bound_ep != 0 {
+        let s = &mut *slot;
+        if s.bound_ep != 0 {
             unlink(st, slot);
+            s.bound_ep = 0;
         }
-        drop(ptr::replace(slot, Slot::EMPTY));
+        // Back to `Slot::EMPTY` where it matters: the fields not reset here are written
+        // before they are read again (the result by the callback, the links by `bind`).
+        s.state = SlotState::Pending;
+        s.waker = None;
+        s.parked = None;
         sys::ucp_request_free(slot.cast());
     }
 }
@@ -245,8 +251,10 @@ pub(crate) unsafe fn fail_pending(slot: *mut Slot, status: Status, st: &mut Stat
     if s.state == SlotState::Pending {
         s.state = SlotState::Done;
         s.status = status.0;
+        s.len = 0;
+        s.sender_tag = 0;
         if let Some(w) = s.waker.take() {
-            st.wake.push(w);
+            st.after.wake(w);
         }
     }
 }

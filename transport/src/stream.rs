@@ -151,7 +151,7 @@ impl Endpoint {
                 |st, waker| {
                     // Woken by any progress that handled events, and by the endpoint's
                     // failure or end of stream.
-                    st.probe_waiters.push(waker.clone());
+                    st.add_probe_waiter(waker);
                     if let Some(e) = st.eps.get_mut(&id) {
                         if !e.stream_waiters.iter().any(|w| w.will_wake(waker)) {
                             e.stream_waiters.push(waker.clone());

@@ -158,7 +158,7 @@ impl Worker {
                         Completion { status: Status::OK, len: info.length, sender_tag: info.sender_tag };
                     Some((info, Posted::from_ptr(p, imm, false), buf))
                 },
-                |st, waker| st.probe_waiters.push(waker.clone()),
+                |st, waker| st.add_probe_waiter(waker),
             )
         })
         .await;

@@ -422,13 +422,68 @@ pub(crate) struct ListenerState {
     pub(crate) waker: Option<Waker>,
 }
 
+/// Work collected under the worker lock and done by [`WorkerInner::locked`] after it
+/// releases the lock: tasks to wake, values to drop (parked buffers whose drop may run
+/// user code), a driver kick, active-message handlers to run. `any` says whether there
+/// is something, so that the common case costs one test.
+#[derive(Default)]
+pub(crate) struct Deferred {
+    any: bool,
+    wake: Vec<Waker>,
+    graveyard: Vec<Box<dyn Any + Send>>,
+    kick: bool,
+    handlers: Vec<Arc<crate::am::HandlerCell>>,
+}
+
+impl Deferred {
+    /// Wakes `w` after the lock is released.
+    pub(crate) fn wake(&mut self, w: Waker) {
+        self.wake.push(w);
+        self.any = true;
+    }
+
+    /// Wakes every waker in `ws` (emptied) after the lock is released.
+    pub(crate) fn wake_all(&mut self, ws: &mut Vec<Waker>) {
+        if !ws.is_empty() {
+            self.wake.append(ws);
+            self.any = true;
+        }
+    }
+
+    /// Drops `v` after the lock is released.
+    pub(crate) fn bury(&mut self, v: Box<dyn Any + Send>) {
+        self.graveyard.push(v);
+        self.any = true;
+    }
+
+    /// Kicks the progress driver after the lock is released: work was queued that no fd
+    /// event will announce.
+    pub(crate) fn kick(&mut self) {
+        self.kick = true;
+        self.any = true;
+    }
+
+    /// Runs handler `h` over its queued messages after the lock is released (once, however
+    /// often it is asked).
+    pub(crate) fn run_handler(&mut self, h: &Arc<crate::am::HandlerCell>) {
+        if !self.handlers.iter().any(|c| Arc::ptr_eq(c, h)) {
+            self.handlers.push(h.clone());
+        }
+        self.any = true;
+    }
+}
+
 /// Everything under the worker lock.
 pub(crate) struct State {
     pub(crate) handle: sys::ucp_worker_h,
-    pub(crate) wake: Vec<Waker>,
-    pub(crate) graveyard: Vec<Box<dyn Any + Send>>,
+    /// What to do once the lock is released.
+    pub(crate) after: Deferred,
     pub(crate) parked: usize,
-    pub(crate) probe_waiters: Vec<Waker>,
+    /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
+    probe_waiters: Vec<Waker>,
+    /// Whether `probe_waiters`, `outbox` or `failed` may hold something for
+    /// [`WorkerInner::progress_locked`] to do after a progress call.
+    chores: bool,
     pub(crate) eps: IdMap<u64, EpState>,
     pub(crate) by_handle: IdMap<usize, u64>,
     pub(crate) next_id: u64,
@@ -438,13 +493,8 @@ pub(crate) struct State {
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
     pub(crate) listeners: IdMap<u64, ListenerState>,
     pub(crate) bad_handshakes: u64,
-    /// Set when work was queued that no fd event will announce; the driver is kicked
-    /// after the lock is released.
-    pub(crate) kick: bool,
     /// Registered active-message ids.
     pub(crate) am: IdMap<u16, Box<crate::am::AmReg>>,
-    /// Handlers with queued messages, run after the lock is released.
-    pub(crate) am_ready: Vec<Arc<crate::am::HandlerCell>>,
     /// Active messages dropped because their id was unregistered.
     pub(crate) am_dropped: u64,
     /// Active messages held for ids nobody registered yet.
@@ -462,10 +512,10 @@ impl State {
     fn new(handle: sys::ucp_worker_h) -> State {
         State {
             handle,
-            wake: Vec::new(),
-            graveyard: Vec::new(),
+            after: Deferred::default(),
             parked: 0,
             probe_waiters: Vec::new(),
+            chores: false,
             eps: IdMap::default(),
             by_handle: IdMap::default(),
             next_id: 1,
@@ -475,9 +525,7 @@ impl State {
             outbox: Vec::new(),
             listeners: IdMap::default(),
             bad_handshakes: 0,
-            kick: false,
             am: IdMap::default(),
-            am_ready: Vec::new(),
             am_dropped: 0,
             am_unclaimed: crate::am::Unclaimed::default(),
             am_ids: std::ptr::null_mut(),
@@ -503,13 +551,26 @@ impl State {
         v
     }
 
+    /// Wakes `waker` after the next progress call that finds an event (probes wait for
+    /// any arrival).
+    pub(crate) fn add_probe_waiter(&mut self, waker: &Waker) {
+        self.probe_waiters.push(waker.clone());
+        self.chores = true;
+    }
+
+    /// Wakes every waiting probe now (after the lock is released), whatever progress
+    /// found: the driver does before it sleeps, as a message may have become visible in a
+    /// progress call that reported no event.
+    pub(crate) fn wake_probes(&mut self) {
+        self.after.wake_all(&mut self.probe_waiters);
+    }
+
     /// Counts `n` stream bytes received on endpoint `ep`.
     pub(crate) fn stream_received(&mut self, ep: u64, n: usize) {
         if let Some(e) = self.eps.get_mut(&ep) {
             e.stream_rx += n as u64;
             if e.stream_ended() {
-                let w = std::mem::take(&mut e.stream_waiters);
-                self.wake.extend(w);
+                self.after.wake_all(&mut e.stream_waiters);
             }
         }
     }
@@ -558,8 +619,7 @@ impl State {
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         tracing::debug!(ep = id, %status, "endpoint failed");
         let peer_mode = e.peer_mode;
-        let waiters = std::mem::take(&mut e.stream_waiters);
-        self.wake.extend(waiters);
+        self.after.wake_all(&mut e.stream_waiters);
         for (r, kind) in self.bound_to(id) {
             if kind == OpKind::Cancel {
                 // SAFETY: r is a live pending tag receive of this worker (bound requests
@@ -573,7 +633,7 @@ impl State {
         }
         for w in self.connects.values_mut().filter(|w| w.ep == id) {
             if let Some(k) = w.waker.take() {
-                self.wake.push(k);
+                self.after.wake(k);
             }
         }
         if peer_mode {
@@ -581,7 +641,7 @@ impl State {
                 self.release(p);
             }
         }
-        self.kick = true;
+        self.after.kick();
     }
 
     /// Starts closing an endpoint (`ucp_ep_close_nbx`); the close request, if any, is
@@ -643,7 +703,7 @@ impl State {
     /// Parks a request whose owner does not wait for it.
     pub(crate) fn park(&mut self, posted: request::Posted, keep: Box<dyn Any + Send>) {
         match posted {
-            request::Posted::Done(_) => self.graveyard.push(keep),
+            request::Posted::Done(_) => self.after.bury(keep),
             request::Posted::Pending(r) => {
                 let slot = r.raw().cast::<Slot>();
                 // SAFETY: a pending request of ours, under the lock.
@@ -656,6 +716,7 @@ impl State {
     /// Queues a handshake message to send on `ep` after the current progress call.
     fn reply(&mut self, ep: sys::ucp_ep_h, m: Message) {
         self.outbox.push((ep, m.encode()));
+        self.chores = true;
     }
 
     /// Parameters for a send-type request of this worker with operation flags.
@@ -734,24 +795,21 @@ impl WorkerInner {
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
-        if st.wake.is_empty() && st.graveyard.is_empty() && !st.kick && st.am_ready.is_empty() {
+        if !st.after.any {
             // The common case on the hot path: nothing to do after unlocking.
             drop(guard);
             return r;
         }
-        let wake = std::mem::take(&mut st.wake);
-        let grave = std::mem::take(&mut st.graveyard);
-        let kick = std::mem::take(&mut st.kick);
-        let handlers = std::mem::take(&mut st.am_ready);
+        let after = std::mem::take(&mut st.after);
         drop(guard);
-        if kick {
+        if after.kick {
             self.signal.kick();
         }
-        for w in wake {
+        for w in after.wake {
             w.wake();
         }
-        drop(grave);
-        for h in handlers {
+        drop(after.graveyard);
+        for h in after.handlers {
             h.run();
         }
         r
@@ -762,9 +820,18 @@ impl WorkerInner {
     pub(crate) fn progress_locked(&self, st: &mut State) -> u32 {
         // SAFETY: the worker is valid and the lock is held.
         let n = unsafe { sys::ucp_worker_progress(st.handle) };
-        if n > 0 && !st.probe_waiters.is_empty() {
-            let w = std::mem::take(&mut st.probe_waiters);
-            st.wake.extend(w);
+        if st.chores {
+            self.chores(st, n);
+        }
+        n
+    }
+
+    /// After a progress call that found `n` events: wakes waiting probes (when `n > 0`),
+    /// sends queued handshake replies, fails endpoints UCX reported.
+    #[cold]
+    fn chores(&self, st: &mut State, n: u32) {
+        if n > 0 {
+            st.after.wake_all(&mut st.probe_waiters);
         }
         if !st.outbox.is_empty() {
             for (ep, bytes) in std::mem::take(&mut st.outbox) {
@@ -776,7 +843,8 @@ impl WorkerInner {
                 st.fail_ep(id, status, false);
             }
         }
-        n
+        // Replies and failures are handled; probes wait for an event.
+        st.chores = !st.probe_waiters.is_empty();
     }
 
     /// Arms the worker's event fd (`ucp_worker_arm`). OK: armed, the fd signals the next
@@ -912,7 +980,7 @@ impl Drop for WorkerInner {
             // SAFETY: the worker that used the table is destroyed; freed once.
             unsafe { crate::am::free_id_table(st.am_ids) };
         }
-        drop(std::mem::take(&mut st.graveyard));
+        drop(std::mem::take(&mut st.after));
     }
 }
 
@@ -924,6 +992,7 @@ pub(crate) unsafe extern "C" fn ep_err_cb(arg: *mut c_void, ep: sys::ucp_ep_h, s
         // Handled after the progress call returns: canceling and closing from inside a
         // UCX callback is not allowed.
         st.failed.push((id, Status(status)));
+        st.chores = true;
     }
 }
 
@@ -962,7 +1031,7 @@ unsafe extern "C" fn handshake_am_cb(
             if let Some(w) = waiting {
                 w.result = Some(Err(format!("the peer sent a malformed handshake: {reason}")));
                 if let Some(k) = w.waker.take() {
-                    st.wake.push(k);
+                    st.after.wake(k);
                 }
             }
             if !reply_ep.is_null() {
@@ -994,7 +1063,7 @@ unsafe extern "C" fn handshake_am_cb(
                         w.result = Some(Ok(m.identity));
                     }
                     if let Some(k) = w.waker.take() {
-                        st.wake.push(k);
+                        st.after.wake(k);
                     }
                 }
                 let peer_mode = m.peer_mode;
@@ -1005,7 +1074,7 @@ unsafe extern "C" fn handshake_am_cb(
                 match id.and_then(|id| st.eps.get_mut(&id)) {
                     Some(e) => {
                         e.stream_end = Some(m.nonce);
-                        st.wake.append(&mut e.stream_waiters);
+                        st.after.wake_all(&mut e.stream_waiters);
                     }
                     None => tracing::debug!("stream end notice for no known endpoint"),
                 }
@@ -1022,7 +1091,7 @@ unsafe extern "C" fn handshake_am_cb(
                         _ => Ok(m.identity),
                     });
                     if let Some(k) = w.waker.take() {
-                        st.wake.push(k);
+                        st.after.wake(k);
                     }
                 } else {
                     tracing::debug!(nonce = m.nonce, "handshake reply for no pending connect");
