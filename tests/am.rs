@@ -30,7 +30,8 @@ async fn eager_and_rendezvous(tls: &str) {
         (200_000, AmProto::Eager),
     ];
     for (i, &(len, proto)) in cases.iter().enumerate() {
-        let header = format!("hdr-{i}");
+        // Headers from empty through short (kept in the message) to longer ones.
+        let header = format!("hdr-{i}-").repeat(i * 3);
         let data = payload(i as u64, len);
         let send = cep.am_send_with(7, header.as_bytes(), data.clone(), AmSendOptions { proto, reply: true });
         let msg = tokio::time::timeout(T, rx.recv()).await.expect("message");

@@ -86,12 +86,22 @@ pub const MAX_ID: u16 = handshake::AM_ID as u16 - 1;
 
 fn check_id(id: u16) -> Result<()> {
     if id > MAX_ID {
-        return Err(Error::ApiMisuse(format!(
-            "active-message id {id} is out of range (0..={MAX_ID}; {} is reserved for the handshake)",
-            handshake::AM_ID
-        )));
+        return Err(bad_id(id));
     }
     Ok(())
+}
+
+#[cold]
+fn bad_id(id: u16) -> Error {
+    Error::ApiMisuse(format!(
+        "active-message id {id} is out of range (0..={MAX_ID}; {} is reserved for the handshake)",
+        handshake::AM_ID
+    ))
+}
+
+#[cold]
+fn header_too_long(len: usize, max: usize) -> Error {
+    Error::ApiMisuse(format!("active-message header of {len} bytes exceeds this worker's limit of {max}"))
 }
 
 impl Endpoint {
@@ -120,15 +130,11 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        if let Err(e) = check_id(id) {
-            return SendOp::failed(self, "am_send", e, payload);
+        if id > MAX_ID {
+            return SendOp::failed(self, "am_send", bad_id(id), payload);
         }
-        let max = self.worker().max_am_header();
-        if header.len() > max {
-            let e = Error::ApiMisuse(format!(
-                "active-message header of {} bytes exceeds this worker's limit of {max}",
-                header.len()
-            ));
+        if !header.is_empty() && header.len() > self.worker().max_am_header() {
+            let e = header_too_long(header.len(), self.worker().max_am_header());
             return SendOp::failed(self, "am_send", e, payload);
         }
         let mut flags = match opts.proto {
@@ -173,14 +179,56 @@ impl Endpoint {
 /// than releasing a descriptor under the worker lock later.
 const HOLD_MIN: usize = 2048;
 
-/// Eager payloads up to this long are copied into the message itself, not into a heap
-/// buffer.
-const INLINE_MAX: usize = 48;
+/// Headers and eager payloads up to this long are copied into the message itself, not
+/// into a heap buffer (22: a [`Small`] then takes no more room than a `Vec`).
+const INLINE_MAX: usize = 22;
+
+/// Up to [`INLINE_MAX`] bytes kept in place.
+#[derive(Clone, Copy)]
+struct Small {
+    len: u8,
+    bytes: [u8; INLINE_MAX],
+}
+
+impl Small {
+    /// A copy of `src` (at most [`INLINE_MAX`] bytes).
+    ///
+    /// # Safety
+    /// `src` is readable for `len <= INLINE_MAX` bytes (it may be null when `len` is 0).
+    #[inline]
+    unsafe fn copy(src: *const u8, len: usize) -> Small {
+        let mut bytes = [0u8; INLINE_MAX];
+        if len > 0 {
+            // SAFETY: per contract; `bytes` has room for len.
+            unsafe { std::ptr::copy_nonoverlapping(src, bytes.as_mut_ptr(), len) };
+        }
+        Small { len: len as u8, bytes }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
+/// A received header: in place when short.
+enum Header {
+    Small(Small),
+    Heap(Vec<u8>),
+}
+
+impl Header {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Header::Small(s) => s.as_slice(),
+            Header::Heap(v) => v,
+        }
+    }
+}
 
 /// A payload as it arrived.
 enum Payload {
-    /// Short, copied out of UCX's receive buffer into the message: the first `len` bytes.
-    Inline { len: u8, bytes: [u8; INLINE_MAX] },
+    /// Short, copied out of UCX's receive buffer into the message.
+    Inline(Small),
     /// Copied out of UCX's receive buffer.
     Eager(Vec<u8>),
     /// Eager, still in UCX's receive buffer: `len` bytes at `desc`, released with
@@ -194,7 +242,7 @@ enum Payload {
 
 /// A message as queued by the UCX callback.
 pub(crate) struct Incoming {
-    header: Vec<u8>,
+    header: Header,
     payload: Payload,
     reply: Weak<EndpointInner>,
 }
@@ -274,11 +322,12 @@ unsafe fn incoming(
     param: &sys::ucp_am_recv_param_t,
 ) -> (Incoming, sys::ucs_status_t) {
     let rndv = param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
-    let header = if header_len == 0 {
-        Vec::new()
-    } else {
+    let header = if header_len <= INLINE_MAX {
         // SAFETY: UCX passes header_len readable bytes, valid during the callback.
-        unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_len) }.to_vec()
+        Header::Small(unsafe { Small::copy(header.cast(), header_len) })
+    } else {
+        // SAFETY: as above.
+        Header::Heap(unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_len) }.to_vec())
     };
     let reply = if param.recv_attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0 as u64 != 0 {
         st.by_handle
@@ -293,10 +342,8 @@ unsafe fn incoming(
     } else if len >= HOLD_MIN && param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_DATA.0 as u64 != 0 {
         (Payload::Held { desc: data, len }, sys::UCS_INPROGRESS)
     } else if len <= INLINE_MAX {
-        let mut bytes = [0u8; INLINE_MAX];
-        // SAFETY: eager data is readable for len bytes during the callback; len fits.
-        unsafe { std::ptr::copy_nonoverlapping(data.cast::<u8>(), bytes.as_mut_ptr(), len) };
-        (Payload::Inline { len: len as u8, bytes }, sys::UCS_OK)
+        // SAFETY: eager data is readable for len bytes during the callback.
+        (Payload::Inline(unsafe { Small::copy(data.cast(), len) }), sys::UCS_OK)
     } else {
         // SAFETY: eager data is readable for len bytes during the callback.
         (Payload::Eager(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()), sys::UCS_OK)
@@ -416,7 +463,7 @@ impl Incoming {
         match &self.payload {
             Payload::Eager(v) => v.len(),
             Payload::Held { len, .. } => *len,
-            Payload::Inline { len, .. } => *len as usize,
+            Payload::Inline(s) => s.len as usize,
             _ => 0,
         }
     }
@@ -808,7 +855,7 @@ pub struct AmMessage {
     /// Held only while the payload is UCX's (held eager or rendezvous), to give it back.
     worker: Option<Worker>,
     id: u16,
-    header: Vec<u8>,
+    header: Header,
     payload: Payload,
     reply: Option<Endpoint>,
 }
@@ -833,7 +880,7 @@ impl std::fmt::Debug for AmMessage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmMessage")
             .field("id", &self.id)
-            .field("header_len", &self.header.len())
+            .field("header_len", &self.header.as_slice().len())
             .field("len", &self.len())
             .field("rendezvous", &self.is_rendezvous())
             .finish()
@@ -857,13 +904,13 @@ impl AmMessage {
 
     /// The header.
     pub fn header(&self) -> &[u8] {
-        &self.header
+        self.header.as_slice()
     }
 
     /// Payload length in bytes.
     pub fn len(&self) -> usize {
         match &self.payload {
-            Payload::Inline { len, .. } => *len as usize,
+            Payload::Inline(s) => s.len as usize,
             Payload::Eager(v) => v.len(),
             Payload::Held { len, .. } | Payload::Rndv { len, .. } => *len,
             Payload::Gone => 0,
@@ -884,7 +931,7 @@ impl AmMessage {
     /// The payload, when it arrived with the message (eager), read in place.
     pub fn data(&self) -> Option<&[u8]> {
         match &self.payload {
-            Payload::Inline { len, bytes } => Some(&bytes[..*len as usize]),
+            Payload::Inline(s) => Some(s.as_slice()),
             Payload::Eager(v) => Some(v),
             Payload::Held { desc, len } => {
                 // SAFETY: UCX keeps the held buffer readable until it is released, which
@@ -945,9 +992,9 @@ impl AmMessage {
             OpState::failed(Error::Truncated { capacity, len, tag: id as u64 }, buf)
         } else {
             match payload {
-                Payload::Inline { bytes, .. } => {
-                    // SAFETY: buf has room for `capacity >= len` bytes; bytes is ours.
-                    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.stable_mut_ptr(), len) };
+                Payload::Inline(s) => {
+                    // SAFETY: buf has room for `capacity >= len` bytes; s is ours.
+                    unsafe { std::ptr::copy_nonoverlapping(s.bytes.as_ptr(), buf.stable_mut_ptr(), len) };
                     OpState::Done(Completion { len, ..Completion::OK }, buf)
                 }
                 Payload::Eager(v) => {
