@@ -10,10 +10,11 @@
 //! tokio runtime.
 
 use std::any::Any;
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::RawFd;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Waker};
@@ -340,6 +341,92 @@ impl std::hash::Hasher for IdHasher {
 /// `HashMap` keyed by integers, with [`IdHasher`].
 pub(crate) type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
 
+/// The worker's endpoints by id. Each [`EpState`] has its own allocation, so the last one
+/// looked up is remembered by address: the stream operations of one endpoint, which look
+/// it up on every send, receive and completion, find it without hashing.
+pub(crate) struct EpTable {
+    map: IdMap<u64, NonNull<EpState>>,
+    /// The last id looked up and its state (id 0, which no endpoint has, for none).
+    last: Cell<(u64, Option<NonNull<EpState>>)>,
+}
+
+// SAFETY: the table owns its states (allocated by `insert`, freed by `remove` or drop)
+// as a map of boxes would; it is only used under the worker lock.
+unsafe impl Send for EpTable {}
+
+impl Default for EpTable {
+    fn default() -> Self {
+        EpTable { map: IdMap::default(), last: Cell::new((0, None)) }
+    }
+}
+
+impl EpTable {
+    #[inline]
+    fn find(&self, id: u64) -> Option<NonNull<EpState>> {
+        match self.last.get() {
+            (last, p @ Some(_)) if last == id => p,
+            _ => {
+                let p = self.map.get(&id).copied();
+                if p.is_some() {
+                    self.last.set((id, p));
+                }
+                p
+            }
+        }
+    }
+
+    /// The state of endpoint `id`.
+    #[inline]
+    pub(crate) fn get(&self, id: &u64) -> Option<&EpState> {
+        // SAFETY: the pointer is one of the table's live allocations (removed ones are
+        // forgotten by `remove`); `&self` keeps them from being freed or written.
+        self.find(*id).map(|p| unsafe { p.as_ref() })
+    }
+
+    /// The state of endpoint `id`, to change.
+    #[inline]
+    pub(crate) fn get_mut(&mut self, id: &u64) -> Option<&mut EpState> {
+        // SAFETY: as in `get`; `&mut self` makes the access exclusive.
+        self.find(*id).map(|mut p| unsafe { p.as_mut() })
+    }
+
+    /// Adds endpoint `id` (a new id: ids are never reused).
+    pub(crate) fn insert(&mut self, id: u64, e: EpState) {
+        let p = NonNull::from(Box::leak(Box::new(e)));
+        if let Some(old) = self.map.insert(id, p) {
+            self.last.set((0, None));
+            // SAFETY: the replaced allocation is the table's, no longer referenced.
+            drop(unsafe { Box::from_raw(old.as_ptr()) });
+        }
+    }
+
+    /// Removes endpoint `id`.
+    pub(crate) fn remove(&mut self, id: &u64) {
+        if let Some(p) = self.map.remove(id) {
+            if self.last.get().0 == *id {
+                self.last.set((0, None));
+            }
+            // SAFETY: the table's allocation, out of the map and the cache.
+            drop(unsafe { Box::from_raw(p.as_ptr()) });
+        }
+    }
+
+    /// Every endpoint with its id.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&u64, &EpState)> {
+        // SAFETY: as in `get`.
+        self.map.iter().map(|(id, p)| (id, unsafe { p.as_ref() }))
+    }
+}
+
+impl Drop for EpTable {
+    fn drop(&mut self) {
+        for (_, p) in self.map.drain() {
+            // SAFETY: the table's allocations, freed once.
+            drop(unsafe { Box::from_raw(p.as_ptr()) });
+        }
+    }
+}
+
 /// Per-endpoint bookkeeping, under the worker lock.
 pub(crate) struct EpState {
     /// NULL once closed.
@@ -484,7 +571,7 @@ pub(crate) struct State {
     /// Whether `probe_waiters`, `outbox` or `failed` may hold something for
     /// [`WorkerInner::progress_locked`] to do after a progress call.
     chores: bool,
-    pub(crate) eps: IdMap<u64, EpState>,
+    pub(crate) eps: EpTable,
     pub(crate) by_handle: IdMap<usize, u64>,
     pub(crate) next_id: u64,
     failed: Vec<(u64, Status)>,
@@ -516,7 +603,7 @@ impl State {
             parked: 0,
             probe_waiters: Vec::new(),
             chores: false,
-            eps: IdMap::default(),
+            eps: EpTable::default(),
             by_handle: IdMap::default(),
             next_id: 1,
             failed: Vec::new(),
