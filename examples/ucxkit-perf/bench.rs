@@ -10,12 +10,13 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::ValueEnum;
 use hdrhistogram::Histogram;
 use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RegionSlice, RemoteKey, Worker};
 
+use crate::clock::Clock;
 use crate::report::Row;
 use crate::AnyResult;
 
@@ -359,57 +360,7 @@ pub(crate) async fn run_client(
     if done != "done" {
         return Err(format!("server answered {done:?}").into());
     }
-    Ok(row(test, size, iters, elapsed, &clock.hist, transport))
-}
-
-/// Times a run: one clock read per completion (bandwidth) or round trip (latency), each
-/// timed from the previous one; the run's clock starts when warm-up ends.
-struct Clock {
-    warmup: u64,
-    start: Instant,
-    last: Instant,
-    hist: Histogram<u64>,
-}
-
-impl Clock {
-    fn new(warmup: u64) -> AnyResult<Clock> {
-        let now = Instant::now();
-        Ok(Clock { warmup, start: now, last: now, hist: Histogram::new(3)? })
-    }
-
-    /// At the start of iteration `i` of a latency test (after posting its message), or
-    /// with `i` = the iteration count after the last one: ends iteration `i - 1`.
-    fn tick_before(&mut self, i: u64) -> AnyResult<()> {
-        match i.checked_sub(1) {
-            Some(prev) => self.tick(prev),
-            None => Ok(()),
-        }
-    }
-
-    /// After iteration `i` of a latency test.
-    fn tick(&mut self, i: u64) -> AnyResult<()> {
-        let now = Instant::now();
-        if i >= self.warmup {
-            self.hist.record((now - self.last).as_nanos() as u64)?;
-        } else if i + 1 == self.warmup {
-            self.start = now;
-        }
-        self.last = now;
-        Ok(())
-    }
-
-    fn restart(&mut self) {
-        self.start = Instant::now();
-        self.last = self.start;
-    }
-
-    /// One measured completion of a bandwidth test.
-    fn record(&mut self) -> AnyResult<()> {
-        let now = Instant::now();
-        self.hist.record((now - self.last).as_nanos() as u64)?;
-        self.last = now;
-        Ok(())
-    }
+    Ok(row(test, size, iters, elapsed, clock.histogram()?, transport))
 }
 
 /// A payload of `size` bytes of `fill` whose last byte is `last`, made once per process

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod clock;
 mod perftest;
 mod plot;
 mod report;

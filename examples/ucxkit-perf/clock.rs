@@ -1,0 +1,137 @@
+//! The run clock: one cheap read per iteration (latency) or completion (bandwidth).
+//!
+//! A latency loop reads the clock between posting its message and waiting for the reply,
+//! and over shared memory a reply can arrive within 100 ns, so whatever the read costs
+//! beyond the clock itself sits on the round trip. The intervals are therefore only
+//! appended to a buffer, and put into the histogram when the buffer is full or the run
+//! ends.
+
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+
+use crate::AnyResult;
+
+/// Intervals buffered before they go into the histogram.
+const BUFFERED: usize = 1 << 20;
+
+/// Times a run: one clock read per completion (bandwidth) or round trip (latency), each
+/// timed from the previous one; the run's clock starts when warm-up ends.
+pub(crate) struct Clock {
+    warmup: u64,
+    /// When the measured part began (for the run's total time).
+    pub(crate) start: Instant,
+    /// What reads count from.
+    epoch: Instant,
+    /// The previous read, in nanoseconds since `epoch`.
+    last: u64,
+    /// Intervals in nanoseconds, not yet in `hist`.
+    pending: Vec<u64>,
+    hist: Histogram<u64>,
+}
+
+impl Clock {
+    pub(crate) fn new(warmup: u64) -> AnyResult<Clock> {
+        let now = Instant::now();
+        Ok(Clock {
+            warmup,
+            start: now,
+            epoch: now,
+            last: 0,
+            pending: Vec::with_capacity(BUFFERED),
+            hist: Histogram::new(3)?,
+        })
+    }
+
+    #[inline]
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// At the start of iteration `i` of a latency test (after posting its message), or
+    /// with `i` = the iteration count after the last one: ends iteration `i - 1`.
+    #[inline]
+    pub(crate) fn tick_before(&mut self, i: u64) -> AnyResult<()> {
+        match i.checked_sub(1) {
+            Some(prev) => self.tick(prev),
+            None => Ok(()),
+        }
+    }
+
+    /// After iteration `i` of a latency test.
+    #[inline]
+    fn tick(&mut self, i: u64) -> AnyResult<()> {
+        let now = self.now();
+        if i >= self.warmup {
+            self.push(now - self.last)?;
+        } else if i + 1 == self.warmup {
+            self.start = Instant::now();
+        }
+        self.last = now;
+        Ok(())
+    }
+
+    /// Starts the measured part now (bandwidth tests, after the warm-up drained).
+    pub(crate) fn restart(&mut self) {
+        self.start = Instant::now();
+        self.last = self.now();
+    }
+
+    /// One measured completion of a bandwidth test.
+    #[inline]
+    pub(crate) fn record(&mut self) -> AnyResult<()> {
+        let now = self.now();
+        self.push(now - self.last)?;
+        self.last = now;
+        Ok(())
+    }
+
+    #[inline]
+    fn push(&mut self, ns: u64) -> AnyResult<()> {
+        self.pending.push(ns);
+        if self.pending.len() == BUFFERED {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> AnyResult<()> {
+        for ns in self.pending.drain(..) {
+            self.hist.record(ns)?;
+        }
+        Ok(())
+    }
+
+    /// The intervals so far, in nanoseconds.
+    pub(crate) fn histogram(&mut self) -> AnyResult<&Histogram<u64>> {
+        self.flush()?;
+        Ok(&self.hist)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Intervals come out in nanoseconds, buffered ones included: a 2 ms sleep between two
+    /// reads is recorded as about 2 ms, and a latency run's warm-up is left out.
+    #[test]
+    fn records_intervals_in_nanoseconds() {
+        let mut c = Clock::new(0).expect("clock");
+        c.restart();
+        std::thread::sleep(Duration::from_millis(2));
+        c.record().expect("record");
+        let h = c.histogram().expect("histogram");
+        assert_eq!(h.len(), 1);
+        assert!((1_900_000..50_000_000).contains(&h.max()), "2 ms recorded as {} ns", h.max());
+
+        let mut c = Clock::new(2).expect("clock");
+        for i in 0..=5 {
+            c.tick_before(i).expect("tick");
+        }
+        // Iterations 0 and 1 are warm-up; 2, 3 and 4 are measured.
+        assert_eq!(c.histogram().expect("histogram").len(), 3);
+    }
+}
