@@ -225,19 +225,34 @@ impl Header {
     }
 }
 
-/// A payload as it arrived.
-enum Payload {
+/// A payload as it arrived. `W` is what a UCX descriptor is given back through: nothing
+/// while the message is queued inside the worker, the [`Worker`] once it is handed out
+/// as an [`AmMessage`].
+enum Payload<W = ()> {
     /// Short, copied out of UCX's receive buffer into the message.
     Inline(Small),
     /// Copied out of UCX's receive buffer.
     Eager(Vec<u8>),
     /// Eager, still in UCX's receive buffer: `len` bytes at `desc`, released with
     /// `ucp_am_data_release`.
-    Held { desc: *mut c_void, len: usize },
+    Held { desc: *mut c_void, len: usize, owner: W },
     /// Still at the sender: a UCX data descriptor to fetch or release.
-    Rndv { desc: *mut c_void, len: usize },
+    Rndv { desc: *mut c_void, len: usize, owner: W },
     /// Fetched or released.
     Gone,
+}
+
+impl Payload {
+    /// The payload of a message handed out by `worker`.
+    fn owned_by(self, worker: &Worker) -> Payload<Worker> {
+        match self {
+            Payload::Inline(s) => Payload::Inline(s),
+            Payload::Eager(v) => Payload::Eager(v),
+            Payload::Held { desc, len, .. } => Payload::Held { desc, len, owner: worker.clone() },
+            Payload::Rndv { desc, len, .. } => Payload::Rndv { desc, len, owner: worker.clone() },
+            Payload::Gone => Payload::Gone,
+        }
+    }
 }
 
 /// A message as queued by the UCX callback.
@@ -338,9 +353,9 @@ unsafe fn incoming(
         Weak::new()
     };
     let (payload, ret) = if rndv {
-        (Payload::Rndv { desc: data, len }, sys::UCS_INPROGRESS)
+        (Payload::Rndv { desc: data, len, owner: () }, sys::UCS_INPROGRESS)
     } else if len >= HOLD_MIN && param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_DATA.0 as u64 != 0 {
-        (Payload::Held { desc: data, len }, sys::UCS_INPROGRESS)
+        (Payload::Held { desc: data, len, owner: () }, sys::UCS_INPROGRESS)
     } else if len <= INLINE_MAX {
         // SAFETY: eager data is readable for len bytes during the callback.
         (Payload::Inline(unsafe { Small::copy(data.cast(), len) }), sys::UCS_OK)
@@ -852,11 +867,9 @@ impl Drop for AmHandler {
 /// Dropping a message whose rendezvous payload was not fetched releases it (the sender's
 /// send then completes).
 pub struct AmMessage {
-    /// Held only while the payload is UCX's (held eager or rendezvous), to give it back.
-    worker: Option<Worker>,
     id: u16,
     header: Header,
-    payload: Payload,
+    payload: Payload<Worker>,
     reply: Option<Endpoint>,
 }
 
@@ -890,11 +903,7 @@ impl std::fmt::Debug for AmMessage {
 impl AmMessage {
     fn new(worker: &Worker, id: u16, inc: Incoming) -> AmMessage {
         let reply = inc.reply.upgrade().map(|inner| Endpoint { inner });
-        let worker = match inc.payload {
-            Payload::Held { .. } | Payload::Rndv { .. } => Some(worker.clone()),
-            _ => None,
-        };
-        AmMessage { worker, id, header: inc.header, payload: inc.payload, reply }
+        AmMessage { id, header: inc.header, payload: inc.payload.owned_by(worker), reply }
     }
 
     /// The id it was sent with.
@@ -933,7 +942,7 @@ impl AmMessage {
         match &self.payload {
             Payload::Inline(s) => Some(s.as_slice()),
             Payload::Eager(v) => Some(v),
-            Payload::Held { desc, len } => {
+            Payload::Held { desc, len, .. } => {
                 // SAFETY: UCX keeps the held buffer readable until it is released, which
                 // takes the message by value (`recv_data`, `drop`).
                 Some(unsafe { std::slice::from_raw_parts(desc.cast::<u8>(), *len) })
@@ -983,9 +992,10 @@ impl AmMessage {
         let len = self.len();
         let capacity = buf.bytes_total();
         let payload = std::mem::replace(&mut self.payload, Payload::Gone);
-        let worker = self.worker.clone();
         let reply = self.reply.take();
         let id = self.id;
+        // The worker, kept by the operation while a fetch may be pending.
+        let mut worker = None;
         let state = if capacity < len {
             self.payload = payload;
             drop(self);
@@ -1003,24 +1013,18 @@ impl AmMessage {
                     unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), buf.stable_mut_ptr(), len) };
                     OpState::Done(Completion { len, ..Completion::OK }, buf)
                 }
-                Payload::Held { desc, len } => {
+                Payload::Held { desc, len, owner } => {
                     // SAFETY: buf has room for `capacity >= len` bytes; the held buffer
                     // is UCX's, readable for len bytes until released just below.
                     unsafe { std::ptr::copy_nonoverlapping(desc.cast::<u8>(), buf.stable_mut_ptr(), len) };
-                    if let Some(w) = &worker {
-                        release_data(w, desc);
-                    }
+                    release_data(&owner, desc);
                     OpState::Done(Completion { len, ..Completion::OK }, buf)
                 }
                 Payload::Gone => OpState::Done(Completion::OK, buf),
-                Payload::Rndv { desc, len } => {
+                Payload::Rndv { desc, len, owner } => {
                     let ptr = buf.stable_mut_ptr();
                     let bind = reply.as_ref().map(|e| e.inner.id);
-                    let inner = &worker
-                        .as_ref()
-                        .expect("invariant: a rendezvous message keeps its worker")
-                        .shared
-                        .inner;
+                    let inner = &worker.insert(owner).shared.inner;
                     let no_imm = inner.no_imm;
                     let posted = inner.locked(|st| {
                         if let Some(ep) = &reply {
@@ -1072,12 +1076,10 @@ impl AmMessage {
 
 impl Drop for AmMessage {
     fn drop(&mut self) {
-        if let Payload::Rndv { desc, .. } | Payload::Held { desc, .. } =
+        if let Payload::Rndv { desc, owner, .. } | Payload::Held { desc, owner, .. } =
             std::mem::replace(&mut self.payload, Payload::Gone)
         {
-            if let Some(w) = &self.worker {
-                release_data(w, desc);
-            }
+            release_data(&owner, desc);
         }
     }
 }
