@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use hdrhistogram::Histogram;
-use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RegionSlice, RemoteKey, Worker};
+use ucxkit::transport::{tag, AmReceiver, Endpoint, IoBufMut, MemRegion, RegionSlice, RemoteKey, Worker};
 
 use crate::clock::Clock;
 use crate::report::Row;
@@ -457,6 +457,62 @@ fn row(
     }
 }
 
+/// Up to this size each receive of a bandwidth server has its own buffer (eager messages
+/// are copied out of UCX's unexpected queue otherwise); larger messages all land in one
+/// registered buffer, as with ucx_perftest's receiver, so that a deep window of posted
+/// receives does not stream distinct large buffers through memory.
+const OWN_BUFFERS_MAX: usize = 8192;
+
+/// Receives `total` tagged messages, keeping `window` receives posted, into buffers
+/// from `buf` (each reused as its receive completes).
+async fn tag_recvs<B: IoBufMut>(
+    w: &Worker,
+    total: u64,
+    window: usize,
+    mut buf: impl FnMut() -> B,
+) -> AnyResult<()> {
+    let mut posted = VecDeque::with_capacity(window);
+    let mut next = 0u64;
+    while next < total.min(window as u64) {
+        posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, buf()));
+        next += 1;
+    }
+    while let Some(f) = posted.pop_front() {
+        let (r, b) = f.await;
+        r?;
+        if next < total {
+            posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, b));
+            next += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Receives `total` stream messages of the buffers' size, keeping `window` receives
+/// posted, into buffers from `buf` (each reused as its receive completes).
+async fn stream_recvs<B: IoBufMut>(
+    ep: &Endpoint,
+    total: u64,
+    window: usize,
+    mut buf: impl FnMut() -> B,
+) -> AnyResult<()> {
+    let mut posted = VecDeque::with_capacity(window);
+    let mut next = 0u64;
+    while next < total.min(window as u64) {
+        posted.push_back(ep.stream_recv_exact(buf()));
+        next += 1;
+    }
+    while let Some(f) = posted.pop_front() {
+        let (r, b) = f.await;
+        r?;
+        if next < total {
+            posted.push_back(ep.stream_recv_exact(b));
+            next += 1;
+        }
+    }
+    Ok(())
+}
+
 /// Serves one command from the client (already received as `cmd`).
 pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
     let (w, ep) = (side.w, side.ep);
@@ -533,55 +589,37 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
             }
         }
         Test::TagBw => {
-            let mut posted = VecDeque::with_capacity(window);
-            let mut next = 0u64;
-            while next < total.min(window as u64) {
-                posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, Vec::with_capacity(size)));
-                next += 1;
-            }
-            while let Some(f) = posted.pop_front() {
-                let (r, buf) = f.await;
-                r?;
-                if next < total {
-                    posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, buf));
-                    next += 1;
-                }
+            if size > OWN_BUFFERS_MAX {
+                let shared = w.context().alloc(size)?;
+                tag_recvs(w, total, window, || shared.slice(0..size)).await?;
+            } else {
+                tag_recvs(w, total, window, || Vec::with_capacity(size)).await?;
             }
             ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
         }
         Test::StreamBw => {
-            let mut posted = VecDeque::with_capacity(window);
-            let mut next = 0u64;
-            while next < total.min(window as u64) {
-                posted.push_back(ep.stream_recv_exact(Box::<[u8]>::from(vec![0u8; size])));
-                next += 1;
-            }
-            while let Some(f) = posted.pop_front() {
-                let (r, buf) = f.await;
-                r?;
-                if next < total {
-                    posted.push_back(ep.stream_recv_exact(buf));
-                    next += 1;
-                }
+            if size > OWN_BUFFERS_MAX {
+                let shared = w.context().alloc(size)?;
+                stream_recvs(ep, total, window, || shared.slice(0..size)).await?;
+            } else {
+                stream_recvs(ep, total, window, || Box::<[u8]>::from(vec![0u8; size])).await?;
             }
             ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
         }
         Test::AmBw => {
+            // Rendezvous payloads are all fetched into one registered buffer.
+            let shared = w.context().alloc(size.max(1))?;
             let mut fetching = VecDeque::with_capacity(window);
-            let mut spare: Vec<Vec<u8>> = Vec::new();
             for _ in 0..total {
                 let m = side.am.recv().await;
                 if !m.is_rendezvous() {
                     continue;
                 }
                 if fetching.len() == window {
-                    let f: ucxkit::transport::AmRecvData<Vec<u8>> = fetching.pop_front().expect("full");
-                    let (r, b) = f.await;
-                    r?;
-                    spare.push(b);
+                    let f: ucxkit::transport::AmRecvData<RegionSlice> = fetching.pop_front().expect("full");
+                    f.await.0?;
                 }
-                let buf = spare.pop().unwrap_or_else(|| Vec::with_capacity(size));
-                fetching.push_back(m.recv_data(buf));
+                fetching.push_back(m.recv_data(shared.slice(0..size)));
             }
             while let Some(f) = fetching.pop_front() {
                 f.await.0?;

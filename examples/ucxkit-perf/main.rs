@@ -91,12 +91,10 @@ struct Args {
     /// Outstanding messages in bandwidth tests.
     #[arg(long, default_value_t = 32)]
     window: usize,
-    /// Receives the bandwidth server keeps posted, each with its own buffer. Default: the
-    /// window for messages up to 8 KiB (eager sizes, which would otherwise be copied out
-    /// of UCX's unexpected queue), 4 up to 4 MiB (rendezvous messages simply wait for a
-    /// receive, and 32 distinct large buffers would stream through memory instead of
-    /// cache), 1 above (one receive buffer and the sender's buffer fit the last-level
-    /// cache together, as with ucx_perftest's single receive buffer).
+    /// Receives (and active-message fetches) the bandwidth server keeps posted; default:
+    /// the window. Messages up to 8 KiB are received each into its own buffer; larger
+    /// ones all land in one registered buffer, as with ucx_perftest's receiver, so that
+    /// a deep window does not stream distinct large buffers through memory.
     #[arg(long)]
     recv_window: Option<usize>,
     /// UCX transports to use.
@@ -403,7 +401,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
             }
         };
         let window = args.window;
-        let recv_window = recv_window(args, size);
+        let recv_window = recv_window(args);
         let ep = side.ep;
         let run = bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport);
         let row = bench::unless_failed(ep, run).await?;
@@ -490,27 +488,17 @@ async fn calibrate(
     let trial = 20u64.max(args.window as u64);
     let t0 = Instant::now();
     let ep = side.ep;
-    let run = bench::run_client(test, size, trial, 0, args.window, recv_window(args, size), side, "");
+    let run = bench::run_client(test, size, trial, 0, args.window, recv_window(args), side, "");
     bench::unless_failed(ep, run).await?;
     let per = t0.elapsed().as_secs_f64() / trial as f64;
     let n = ((d.as_secs_f64() / per.max(1e-9)) as u64).clamp(10, 50_000_000);
     Ok((n, args.warmup.unwrap_or((n / 10).max(10))))
 }
 
-/// The receives a bandwidth server keeps posted for `size` (see `Args::recv_window`).
-fn recv_window(args: &Args, size: usize) -> usize {
-    let default = match size {
-        0..=8192 => args.window,
-        8193..=RECV_ONE_ABOVE => args.window.min(4),
-        _ => 1,
-    };
-    args.recv_window.unwrap_or(default).max(1)
+/// The receives a bandwidth server keeps posted (see `Args::recv_window`).
+fn recv_window(args: &Args) -> usize {
+    args.recv_window.unwrap_or(args.window).max(1)
 }
-
-/// Above this size the bandwidth server receives into one buffer at a time, so that
-/// the receive buffer and the client's source buffer stay in the last-level cache
-/// together, as ucx_perftest's single receive buffer does.
-const RECV_ONE_ABOVE: usize = 4 << 20;
 
 async fn server(args: &Args) -> AnyResult<()> {
     let ctx = context(args)?;
