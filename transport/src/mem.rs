@@ -16,7 +16,10 @@
 //!
 //! Peers may write a region at any time, so its bytes are not exposed as Rust slices:
 //! copy in and out with [`MemRegion::read_at`] and [`MemRegion::write_at`], or use the
-//! region (or a [`RegionSlice`] of it) as the buffer of an operation.
+//! region (or a [`RegionSlice`] of it) as the buffer of an operation. For the same
+//! reason several operations may use one region, or overlapping slices of it, at once
+//! (receives into one scratch buffer, say): that is memory-safe, and what the bytes hold
+//! afterwards is up to the order in which the transfers land.
 
 use std::ops::Range;
 use std::sync::Arc;
