@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use hdrhistogram::Histogram;
-use ucxkit::transport::{tag, AmReceiver, Endpoint, IoBufMut, MemRegion, RegionSlice, RemoteKey, Worker};
+use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RegionSlice, RemoteKey, Worker};
 
 use crate::clock::Clock;
 use crate::report::Row;
@@ -463,50 +463,29 @@ fn row(
 /// receives does not stream distinct large buffers through memory.
 const OWN_BUFFERS_MAX: usize = 8192;
 
-/// Receives `total` tagged messages, keeping `window` receives posted, into buffers
-/// from `buf` (each reused as its receive completes).
-async fn tag_recvs<B: IoBufMut>(
-    w: &Worker,
+/// Receives `total` messages, keeping `window` receives posted with `post`, into
+/// buffers from `buf` (each reposted as its receive completes).
+async fn keep_posted<B, T, E, F>(
     total: u64,
     window: usize,
     mut buf: impl FnMut() -> B,
-) -> AnyResult<()> {
+    post: impl Fn(B) -> F,
+) -> AnyResult<()>
+where
+    F: std::future::Future<Output = (Result<T, E>, B)>,
+    E: std::error::Error + Send + Sync + 'static,
+{
     let mut posted = VecDeque::with_capacity(window);
     let mut next = 0u64;
     while next < total.min(window as u64) {
-        posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, buf()));
+        posted.push_back(post(buf()));
         next += 1;
     }
     while let Some(f) = posted.pop_front() {
         let (r, b) = f.await;
         r?;
         if next < total {
-            posted.push_back(w.tag_recv(DATA_C2S, tag::EXACT, b));
-            next += 1;
-        }
-    }
-    Ok(())
-}
-
-/// Receives `total` stream messages of the buffers' size, keeping `window` receives
-/// posted, into buffers from `buf` (each reused as its receive completes).
-async fn stream_recvs<B: IoBufMut>(
-    ep: &Endpoint,
-    total: u64,
-    window: usize,
-    mut buf: impl FnMut() -> B,
-) -> AnyResult<()> {
-    let mut posted = VecDeque::with_capacity(window);
-    let mut next = 0u64;
-    while next < total.min(window as u64) {
-        posted.push_back(ep.stream_recv_exact(buf()));
-        next += 1;
-    }
-    while let Some(f) = posted.pop_front() {
-        let (r, b) = f.await;
-        r?;
-        if next < total {
-            posted.push_back(ep.stream_recv_exact(b));
+            posted.push_back(post(b));
             next += 1;
         }
     }
@@ -591,18 +570,31 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
         Test::TagBw => {
             if size > OWN_BUFFERS_MAX {
                 let shared = w.context().alloc(size)?;
-                tag_recvs(w, total, window, || shared.slice(0..size)).await?;
+                keep_posted(total, window, || shared.slice(0..size), |b| w.tag_recv(DATA_C2S, tag::EXACT, b))
+                    .await?;
             } else {
-                tag_recvs(w, total, window, || Vec::with_capacity(size)).await?;
+                keep_posted(
+                    total,
+                    window,
+                    || Vec::with_capacity(size),
+                    |b| w.tag_recv(DATA_C2S, tag::EXACT, b),
+                )
+                .await?;
             }
             ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
         }
         Test::StreamBw => {
             if size > OWN_BUFFERS_MAX {
                 let shared = w.context().alloc(size)?;
-                stream_recvs(ep, total, window, || shared.slice(0..size)).await?;
+                keep_posted(total, window, || shared.slice(0..size), |b| ep.stream_recv_exact(b)).await?;
             } else {
-                stream_recvs(ep, total, window, || Box::<[u8]>::from(vec![0u8; size])).await?;
+                keep_posted(
+                    total,
+                    window,
+                    || Box::<[u8]>::from(vec![0u8; size]),
+                    |b| ep.stream_recv_exact(b),
+                )
+                .await?;
             }
             ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
         }
