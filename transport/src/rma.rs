@@ -111,14 +111,9 @@ impl Endpoint {
             unsafe { sys::ucp_get_nbx(h, ptr.cast(), len, remote, rkey, param) }
         });
         let state = OpState::from_posted(posted, buf);
-        RecvOp::new(
-            Some(self.worker().clone()),
-            Some(self.clone()),
-            "get",
-            Some(len),
-            state,
-            Some(key.keep()),
-        )
+        // The remote key is needed only while the get may still be reading through it.
+        let keep = matches!(state, OpState::Pending(..)).then(|| key.keep());
+        RecvOp::new(Some(self.worker().clone()), Some(self.clone()), "get", Some(len), state, keep)
     }
 
     /// Adds `value` to the 64-bit word at `offset` (`UCP_ATOMIC_OP_ADD`, no fetch).
