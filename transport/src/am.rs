@@ -84,6 +84,7 @@ impl Default for AmSendOptions {
 /// The highest id available to applications.
 pub const MAX_ID: u16 = handshake::AM_ID as u16 - 1;
 
+#[inline]
 fn check_id(id: u16) -> Result<()> {
     if id > MAX_ID {
         return Err(bad_id(id));
@@ -130,8 +131,8 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        if id > MAX_ID {
-            return SendOp::failed(self, "am_send", bad_id(id), payload);
+        if let Err(e) = check_id(id) {
+            return SendOp::failed(self, "am_send", e, payload);
         }
         if !header.is_empty() && header.len() > self.worker().max_am_header() {
             let e = header_too_long(header.len(), self.worker().max_am_header());
@@ -865,7 +866,8 @@ impl Drop for AmHandler {
 /// One received active message.
 ///
 /// Dropping a message whose rendezvous payload was not fetched releases it (the sender's
-/// send then completes).
+/// send then completes); dropping one whose eager payload is still in UCX's receive
+/// buffer gives that buffer back.
 pub struct AmMessage {
     id: u16,
     header: Header,
