@@ -623,19 +623,21 @@ impl State {
 
     /// The pending requests bound to endpoint `id` ([`request::Request::bind`]), with
     /// what its failure does to each.
-    fn bound_to(&self, id: u64) -> Vec<(*mut Slot, OpKind)> {
-        let mut v = Vec::new();
+    fn bound_to(&self, id: u64) -> impl Iterator<Item = (*mut Slot, OpKind)> + '_ {
         let mut s = self.bound;
-        while !s.is_null() {
-            // SAFETY: the list holds live bound requests (taken out before they are
-            // freed); the lock is held (&self comes from it).
-            let slot = unsafe { &*s };
-            if slot.bound_ep == id {
-                v.push((s, slot.kind));
+        std::iter::from_fn(move || {
+            while !s.is_null() {
+                // SAFETY: the list holds live bound requests (taken out before they are
+                // freed); the lock is held (&self comes from it).
+                let slot = unsafe { &*s };
+                let this = s;
+                s = slot.next;
+                if slot.bound_ep == id {
+                    return Some((this, slot.kind));
+                }
             }
-            s = slot.next;
-        }
-        v
+            None
+        })
     }
 
     /// Wakes `waker` after the next progress call that finds an event (probes wait for
@@ -686,7 +688,10 @@ impl State {
     ///   peer sent before it died (stream data, get replies, fetch fragments), and a dead
     ///   process sends nothing more.
     pub(crate) fn fail_ep(&mut self, id: u64, status: Status, peer_exited: bool) {
-        if peer_exited && self.eps.get(&id).is_some_and(|e| !e.peer_mode) && !self.bound_to(id).is_empty() {
+        if peer_exited
+            && self.eps.get(&id).is_some_and(|e| !e.peer_mode)
+            && self.bound_to(id).next().is_some()
+        {
             // Everything the dead peer ever sent is already here (in our shared-memory
             // queues or socket buffers): let UCX deliver it now, so that no operation
             // finished below can be written into afterwards (a stream receive, a get
@@ -707,7 +712,9 @@ impl State {
         tracing::debug!(ep = id, %status, "endpoint failed");
         let peer_mode = e.peer_mode;
         self.after.wake_all(&mut e.stream_waiters);
-        for (r, kind) in self.bound_to(id) {
+        // Collected first: canceling one can complete and unlink it.
+        let bound: Vec<_> = self.bound_to(id).collect();
+        for (r, kind) in bound {
             if kind == OpKind::Cancel {
                 // SAFETY: r is a live pending tag receive of this worker (bound requests
                 // are unbound before they are freed, and canceling one completes only
