@@ -183,6 +183,19 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(v * mult))
 }
 
+/// `println!` that returns the error instead of panicking, so that a closed stdout (the
+/// reader of a pipe went away, as `| head` does) ends the run through the caller's `?`.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout(), $($arg)*)
+    };
+}
+
+/// Whether `e` is a write to a pipe whose reader has gone.
+fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
 fn die(msg: impl std::fmt::Display) -> ! {
     eprintln!("ucxkit-perf: {msg}");
     std::process::exit(1);
@@ -221,8 +234,11 @@ fn main() {
             loopback(&args).await
         }
     });
-    if let Err(e) = code {
-        die(e);
+    match code {
+        // Whoever read the output stopped reading (`| head`): not an error of the run.
+        Err(e) if is_broken_pipe(&*e) => {}
+        Err(e) => die(e),
+        Ok(()) => {}
     }
 }
 
@@ -358,15 +374,15 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         }
     }
     if !args.json && !args.csv {
-        println!(
+        out!(
             "# ucxkit-perf: server {addr}, lanes {lanes}, progress {:?}, error mode {}, UCX {:?}",
             args.progress,
             if ep.uses_peer_error_mode() { "peer" } else { "none" },
             Context::ucx_version()
-        );
-        println!("{}", report::header_line());
+        )?;
+        out!("{}", report::header_line())?;
     } else if args.csv {
-        println!("{}", report::CSV_HEADER);
+        out!("{}", report::CSV_HEADER)?;
     }
     let tls = effective_tls(args);
     let compare = perftest::Setup {
@@ -430,11 +446,11 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
                 if let (Some(t), "ucxkit") = (&theirs, r.source.as_str()) {
                     v["ratio"] = serde_json::json!(perftest::ratio(test, r, t));
                 }
-                println!("{v}");
+                out!("{v}")?;
             } else if args.csv {
-                println!("{}", r.csv());
+                out!("{}", r.csv())?;
             } else {
-                println!("{}", report::table_line(r));
+                out!("{}", report::table_line(r))?;
             }
         }
         if let (Some(t), false, false) = (&theirs, args.json, args.csv) {
@@ -445,7 +461,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
             } else {
                 "bandwidth"
             };
-            println!("{}", report::ratio_line(what, perftest::ratio(test, &row, t)));
+            out!("{}", report::ratio_line(what, perftest::ratio(test, &row, t)))?;
         }
         std::io::stdout().flush()?;
         rows.extend(out);
@@ -458,7 +474,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         let svg = plot::render(&rows, &title, &|name| Test::from_name(name).is_some_and(Test::is_latency));
         std::fs::write(path, svg).map_err(|e| format!("writing {}: {e}", path.display()))?;
         if !args.json && !args.csv {
-            println!("# plot written to {}", path.display());
+            out!("# plot written to {}", path.display())?;
         }
     }
     Ok(())
@@ -507,7 +523,7 @@ async fn server(args: &Args) -> AnyResult<()> {
     let bind = SocketAddr::new(args.bind, args.port);
     if args.cm {
         let listener = w.listen(bind)?;
-        println!("listening on port {}", listener.local_addr().port());
+        out!("listening on port {}", listener.local_addr().port())?;
         std::io::stdout().flush()?;
         loop {
             let ep = listener.accept().await?;
@@ -522,7 +538,7 @@ async fn server(args: &Args) -> AnyResult<()> {
         }
     }
     let listener = tokio::net::TcpListener::bind(bind).await?;
-    println!("listening on port {}", listener.local_addr()?.port());
+    out!("listening on port {}", listener.local_addr()?.port())?;
     std::io::stdout().flush()?;
     loop {
         let (mut sock, peer) = listener.accept().await?;
