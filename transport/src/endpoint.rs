@@ -40,9 +40,7 @@ impl Drop for EndpointInner {
             let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
             if open {
                 tracing::debug!(ep = id, "endpoint dropped without close(): closing in the background");
-                if let Some(p) = st.close_ep(id, false) {
-                    st.release(p);
-                }
+                st.close_unwaited(id);
             }
             st.eps.remove(&id);
         });
@@ -600,16 +598,12 @@ impl Endpoint {
     pub async fn close(self) -> Result<()> {
         let id = self.inner.id;
         let posted = self.worker_inner().locked(|st| {
-            let failed = st.eps.get(&id).is_some_and(|e| e.failed.is_some());
-            let p = st.close_ep(id, false);
-            if failed {
-                // A failed peer will not answer: let UCX finish the close on its own.
-                if let Some(p) = p {
-                    st.release(p);
-                }
+            if st.eps.get(&id).is_some_and(|e| e.failed.is_some()) {
+                // A failed peer will not answer: nothing to wait for.
+                st.close_unwaited(id);
                 return None;
             }
-            p
+            st.close_ep(id, false)
         });
         match posted {
             None => Ok(()),
@@ -740,9 +734,7 @@ impl Endpoint {
         if let Some(missing) = required.iter().find(|r| !selected.contains(r)) {
             let id = self.inner.id;
             self.worker_inner().locked(|st| {
-                if let Some(p) = st.close_ep(id, false) {
-                    st.release(p);
-                }
+                st.close_unwaited(id);
             });
             return Err(Error::MissingTransport {
                 peer: self.inner.peer.clone(),

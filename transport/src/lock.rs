@@ -44,6 +44,14 @@ impl RawLock {
         LockGuard { lock: self }
     }
 
+    /// Takes the lock if it is free.
+    pub(crate) fn try_lock(&self) -> Option<LockGuard<'_>> {
+        self.state
+            .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| LockGuard { lock: self })
+    }
+
     #[cold]
     fn lock_contended(&self) {
         // A holder usually lets go within a few hundred nanoseconds: look again a while
@@ -164,6 +172,19 @@ mod tests {
             panic!("inside");
         }));
         assert!(r.is_err());
+        drop(lock.lock());
+    }
+
+    /// `try_lock` takes a free lock only, and what it takes is released like any other.
+    #[test]
+    fn try_lock_takes_only_a_free_lock() {
+        let lock = RawLock::new();
+        let g = lock.lock();
+        assert!(lock.try_lock().is_none());
+        drop(g);
+        let g = lock.try_lock().expect("free");
+        assert!(lock.try_lock().is_none());
+        drop(g);
         drop(lock.lock());
     }
 }

@@ -52,6 +52,8 @@ pub(crate) struct Slot {
     pub(crate) next: *mut Slot,
     waker: Option<Waker>,
     parked: Option<Box<dyn Any + Send>>,
+    /// A parked close request, listed in `State::closes`.
+    close: bool,
 }
 
 impl Slot {
@@ -66,6 +68,7 @@ impl Slot {
         next: ptr::null_mut(),
         waker: None,
         parked: None,
+        close: false,
     };
 }
 
@@ -153,6 +156,9 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
                 st.after.bury(p);
             }
             st.parked -= 1;
+            if slot.close {
+                st.closes.retain(|&c| c != req.cast::<Slot>());
+            }
             // SAFETY: req is ours, completed, and nothing refers to it any more.
             unsafe { free(st, req.cast()) };
         }
@@ -189,6 +195,7 @@ pub(crate) unsafe fn free(st: &mut State, slot: *mut Slot) {
         s.state = SlotState::Pending;
         s.waker = None;
         s.parked = None;
+        s.close = false;
         sys::ucp_request_free(slot.cast());
     }
 }
@@ -236,6 +243,44 @@ pub(crate) unsafe fn park_slot(slot: *mut Slot, keep: Box<dyn Any + Send>) {
     s.state = SlotState::Parked;
     s.waker = None;
     s.parked = Some(keep);
+}
+
+/// Parks a pending close request that nobody waits for: it counts in `State::parked`
+/// and is listed in `State::closes`, so that a worker being destroyed lets it finish
+/// (bounded), then gives back any still running ([`give_up_closes`]).
+///
+/// # Safety
+/// `slot` is a pending close request of ours with nothing parked; the worker lock is
+/// held (`st` comes from it).
+pub(crate) unsafe fn park_close(st: &mut State, slot: *mut Slot) {
+    // SAFETY: per contract.
+    unsafe {
+        park_slot(slot, Box::new(()));
+        (*slot).close = true;
+    }
+    st.parked += 1;
+    st.closes.push(slot);
+}
+
+/// Gives the close requests still running back to UCX (`ucp_request_free`), right before
+/// the worker is destroyed: UCX requires that of a close request it finds pending when
+/// it destroys the endpoint. The slots are marked done, so that a callback UCX still
+/// makes while destroying finds nothing to do.
+///
+/// # Safety
+/// The worker lock is held (`st` comes from it), or the worker is being dropped.
+pub(crate) unsafe fn give_up_closes(st: &mut State) {
+    for slot in std::mem::take(&mut st.closes) {
+        // SAFETY: listed slots are parked, pending close requests of ours.
+        unsafe {
+            let s = &mut *slot;
+            s.state = SlotState::Done;
+            s.close = false;
+            drop(s.parked.take());
+            st.parked -= 1;
+            sys::ucp_request_free(slot.cast());
+        }
+    }
 }
 
 /// Finishes a pending request with `status` on UCX's behalf (its endpoint failed and UCX

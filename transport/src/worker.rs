@@ -16,7 +16,7 @@ use std::ffi::c_void;
 use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, Weak};
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -27,7 +27,7 @@ use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Status};
 use crate::handshake::{self, Kind, Message, NackReason};
 use crate::identity::ProcessIdentity;
-use crate::lock::RawLock;
+use crate::lock::{LockGuard, RawLock};
 use crate::progress::{self, ProgressMode};
 use crate::request::{self, Slot};
 
@@ -198,6 +198,7 @@ impl WorkerBuilder {
             no_imm: self.no_imm,
             signal: Arc::default(),
         });
+        register_live(&inner);
         let state_ptr = inner.state.get().cast::<c_void>();
         let am = sys::ucp_am_handler_param_t {
             field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
@@ -229,8 +230,10 @@ static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// A UCX worker: the unit of progress, with its endpoints, listeners and tag queue.
 ///
 /// Cheap to clone. The worker's progress driver runs on the tokio runtime that created
-/// it until the last clone, endpoint, listener and pending operation are gone; the worker
-/// is then destroyed after its in-flight requests drain.
+/// it until the last clone, endpoint, listener and pending operation are gone. The worker
+/// is then destroyed once its in-flight requests, and the closes of endpoints dropped
+/// without [`crate::Endpoint::close`], have finished, or after 2 s; while it waits, the thread
+/// dropping it also progresses the other workers of the process, which may be the peers.
 #[derive(Clone)]
 pub struct Worker {
     pub(crate) shared: Arc<WorkerShared>,
@@ -297,7 +300,8 @@ impl Worker {
         self.shared.inner.locked(|st| st.bad_handshakes)
     }
 
-    /// Operations whose futures were dropped while UCX still owned their buffers.
+    /// Operations whose futures were dropped while UCX still owned their buffers, and
+    /// closes of endpoints dropped without [`crate::Endpoint::close`], still running.
     pub fn parked_requests(&self) -> usize {
         self.shared.inner.locked(|st| st.parked)
     }
@@ -566,6 +570,9 @@ pub(crate) struct State {
     /// What to do once the lock is released.
     pub(crate) after: Deferred,
     pub(crate) parked: usize,
+    /// Close requests of endpoints nobody waits for, parked until they finish
+    /// ([`request::park_close`]).
+    pub(crate) closes: Vec<*mut Slot>,
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     probe_waiters: Vec<Waker>,
     /// Whether `probe_waiters`, `outbox` or `failed` may hold something for
@@ -601,6 +608,7 @@ impl State {
             handle,
             after: Deferred::default(),
             parked: 0,
+            closes: Vec::new(),
             probe_waiters: Vec::new(),
             chores: false,
             eps: EpTable::default(),
@@ -732,7 +740,7 @@ impl State {
         }
         if peer_mode {
             if let Some(p) = self.close_ep(id, true) {
-                self.release(p);
+                self.close_in_background(p);
             }
         }
         self.after.kick();
@@ -780,8 +788,15 @@ impl State {
         e.data_out -= 1;
         if e.data_out == 0 {
             if let Some((h, force)) = e.deferred_close.take() {
+                // As in `close_unwaited`: a flushing close to a peer that failed without
+                // peer error handling may never finish.
+                let hopeless = e.failed.is_some() && !e.peer_mode;
                 let p = self.close_handle(h, force);
-                self.release(p);
+                if hopeless {
+                    self.release(p);
+                } else {
+                    self.close_in_background(p);
+                }
             }
         }
     }
@@ -791,6 +806,36 @@ impl State {
         if let request::Posted::Pending(r) = posted {
             // SAFETY: our request, nothing parked in it, under the lock.
             unsafe { request::release(self, r.raw().cast::<Slot>()) };
+        }
+    }
+
+    /// Closes endpoint `id` for an owner that does not wait: flushing, or forcibly when
+    /// the endpoint failed in peer mode (a dead peer will not answer a flush). The close
+    /// finishes in the background ([`State::close_in_background`]), except that of a
+    /// failed endpoint without peer error handling, which UCX neither lets us force nor
+    /// may ever finish: that one is released to UCX at once.
+    pub(crate) fn close_unwaited(&mut self, id: u64) {
+        let Some(e) = self.eps.get(&id) else { return };
+        let (failed, peer_mode) = (e.failed.is_some(), e.peer_mode);
+        if let Some(p) = self.close_ep(id, failed && peer_mode) {
+            if failed && !peer_mode {
+                self.release(p);
+            } else {
+                self.close_in_background(p);
+            }
+        }
+    }
+
+    /// Lets a close request nobody waits for finish in the background
+    /// ([`request::park_close`]), so that destroying the worker does not cut it off
+    /// inside UCX, which reports such a close as failed and its request as leaked.
+    pub(crate) fn close_in_background(&mut self, posted: request::Posted) {
+        match posted {
+            request::Posted::Pending(r) if !r.is_done(self) => {
+                // SAFETY: a pending close request of ours, under the lock.
+                unsafe { request::park_close(self, r.raw().cast::<Slot>()) }
+            }
+            done => self.release(done),
         }
     }
 
@@ -886,6 +931,18 @@ impl WorkerInner {
     /// it collected, after releasing the lock.
     pub(crate) fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let guard = self.lock.lock();
+        self.run_locked(guard, f)
+    }
+
+    /// [`WorkerInner::locked`] if the lock is free, else None at once.
+    fn try_locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> Option<R> {
+        let guard = self.lock.try_lock()?;
+        Some(self.run_locked(guard, f))
+    }
+
+    /// Runs `f` under the lock `guard` holds, then lets it go and does the deferred work.
+    #[inline(always)]
+    fn run_locked<R>(&self, guard: LockGuard<'_>, f: impl FnOnce(&mut State) -> R) -> R {
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
@@ -1043,18 +1100,47 @@ impl WorkerInner {
     }
 }
 
+/// Every worker of this process, for a worker being dropped to progress the others
+/// while it waits for its last operations ([`WorkerInner`]'s `Drop`).
+static LIVE: std::sync::Mutex<Vec<Weak<WorkerInner>>> = std::sync::Mutex::new(Vec::new());
+
+/// Adds a new worker to [`LIVE`], forgetting the destroyed ones.
+fn register_live(w: &Arc<WorkerInner>) {
+    let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+    live.retain(|w| w.strong_count() > 0);
+    live.push(Arc::downgrade(w));
+}
+
+/// The workers of this process still alive (not the one being dropped, whose count is
+/// already zero).
+fn live_workers() -> Vec<Arc<WorkerInner>> {
+    // Collected under the lock, dropped after it: dropping the last handle of a worker
+    // runs its `Drop`, which takes this lock.
+    LIVE.lock().unwrap_or_else(PoisonError::into_inner).iter().filter_map(Weak::upgrade).collect()
+}
+
 impl Drop for WorkerInner {
     fn drop(&mut self) {
         let st = self.state.get_mut();
-        // Let parked operations (sends to slow peers, close requests) finish, bounded.
+        // Let parked operations (sends to slow peers, closes of dropped endpoints)
+        // finish, bounded. Their peer may be another worker of this process that only
+        // this thread would progress (a single-thread runtime, blocked here): other live
+        // workers are progressed too, when free.
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        let others = if st.parked > 0 { live_workers() } else { Vec::new() };
         while st.parked > 0 && std::time::Instant::now() < deadline {
             // SAFETY: exclusive access (we are in drop); the worker is valid.
-            let n = unsafe { sys::ucp_worker_progress(st.handle) };
+            let mut n = unsafe { sys::ucp_worker_progress(st.handle) };
+            for w in &others {
+                n += w.try_locked(|st| w.progress_locked(st)).unwrap_or(0);
+            }
             if n == 0 {
                 std::thread::yield_now();
             }
         }
+        drop(others);
+        // SAFETY: we are in drop, the worker not yet destroyed.
+        unsafe { request::give_up_closes(st) };
         if st.parked > 0 {
             tracing::warn!(
                 parked = st.parked,

@@ -1,0 +1,61 @@
+//! Shutting down without explicit closes: endpoints dropped, then their workers at once.
+//! Each close must finish before its worker is destroyed, with no error or leak report
+//! from UCX. UCX reports to stderr, so the scenario runs in a child process (this test
+//! binary again, with `UCXKIT_SHUTDOWN_CHILD` set) whose stderr the parent reads.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{ctx, loopback};
+use ucxkit::transport::tag;
+
+/// The child: per transport, two workers of one single-thread runtime connect through a
+/// listener, exchange an eager and a rendezvous message each way, and are dropped right after their endpoints.
+#[tokio::test]
+#[ignore = "the child half of drop_without_close_is_clean; the parent runs it"]
+async fn shutdown_child() {
+    if std::env::var_os("UCXKIT_SHUTDOWN_CHILD").is_none() {
+        return;
+    }
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        let c = ctx(tls);
+        // No linger: the driver sleeps as soon as the worker is idle.
+        let a = c.worker().event_linger(Duration::ZERO).build().unwrap();
+        let b = c.worker().event_linger(Duration::ZERO).build().unwrap();
+        let l = a.listen(loopback()).unwrap();
+        let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
+        let (acc, ep) = (acc.unwrap(), ep.unwrap());
+        for len in [64, 1 << 20] {
+            let recv = a.tag_recv(1, tag::EXACT, Vec::with_capacity(len));
+            ep.tag_send(1, vec![7u8; len]).await.0.unwrap();
+            assert_eq!(recv.await.1, vec![7u8; len]);
+            let recv = b.tag_recv(2, tag::EXACT, Vec::with_capacity(len));
+            acc.tag_send(2, vec![9u8; len]).await.0.unwrap();
+            assert_eq!(recv.await.1, vec![9u8; len]);
+        }
+        // The peer of each close is the other worker, which only this thread progresses.
+        drop((acc, ep, l));
+        drop(b);
+        drop(a);
+    }
+}
+
+#[test]
+fn drop_without_close_is_clean() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "shutdown_child", "--ignored", "--nocapture"])
+        .env("UCXKIT_SHUTDOWN_CHILD", "1")
+        .output()
+        .unwrap();
+    // UCX logs to stdout unless told otherwise.
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child failed: {}\n{text}", out.status);
+    assert!(text.contains("1 passed"), "the child ran nothing:\n{text}");
+    let reports: Vec<&str> =
+        text.lines().filter(|l| l.contains("UCX  ERROR") || l.contains("UCX  WARN")).collect();
+    assert!(reports.is_empty(), "UCX reported problems at shutdown:\n{}", reports.join("\n"));
+}
