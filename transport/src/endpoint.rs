@@ -608,7 +608,7 @@ impl Endpoint {
         match posted {
             None => Ok(()),
             Some(p) => {
-                let c = self.wait(p).await;
+                let c = wait_unbuffered(&self.inner.worker, p, true).await;
                 if c.status.is_ok() || c.status.is_peer_failure() {
                     Ok(())
                 } else {
@@ -618,9 +618,9 @@ impl Endpoint {
         }
     }
 
-    /// Waits for a posted request that owns no buffer.
+    /// Waits for a posted request that owns no buffer (not a close).
     pub(crate) async fn wait(&self, posted: Posted) -> Completion {
-        wait_unbuffered(&self.inner.worker, posted).await
+        wait_unbuffered(&self.inner.worker, posted, false).await
     }
 
     /// Prints which transports and devices UCX chose for this endpoint
@@ -798,13 +798,14 @@ pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t
     }
 }
 
-/// Waits for a posted request of `worker` that owns no buffer (flush, close).
-pub(crate) async fn wait_unbuffered(worker: &Worker, posted: Posted) -> Completion {
+/// Waits for a posted request of `worker` that owns no buffer: a flush, or a close
+/// (`close`), which goes on in the background if the wait is dropped.
+pub(crate) async fn wait_unbuffered(worker: &Worker, posted: Posted, close: bool) -> Completion {
     match posted {
         Posted::Done(c) => c,
         Posted::Pending(req) => {
             worker.shared.inner.posted();
-            let mut op = Unbuffered { req: Some(req), worker: worker.clone() };
+            let mut op = Unbuffered { req: Some(req), worker: worker.clone(), close };
             poll_fn(|cx| op.poll(cx)).await
         }
     }
@@ -814,6 +815,9 @@ pub(crate) async fn wait_unbuffered(worker: &Worker, posted: Posted) -> Completi
 struct Unbuffered {
     req: Option<Request>,
     worker: Worker,
+    /// A close: finished in the background when dropped, so that the worker's
+    /// destruction does not cut it off.
+    close: bool,
 }
 
 impl Unbuffered {
@@ -834,7 +838,14 @@ impl Unbuffered {
 impl Drop for Unbuffered {
     fn drop(&mut self) {
         if let Some(req) = self.req.take() {
-            self.worker.shared.inner.locked(|st| st.release(crate::request::Posted::Pending(req)));
+            let p = crate::request::Posted::Pending(req);
+            self.worker.shared.inner.locked(|st| {
+                if self.close {
+                    st.close_in_background(p)
+                } else {
+                    st.release(p)
+                }
+            });
         }
     }
 }

@@ -274,6 +274,8 @@ pub(crate) unsafe fn give_up_closes(st: &mut State) {
         // SAFETY: listed slots are parked, pending close requests of ours.
         unsafe {
             let s = &mut *slot;
+            // Done while UCX may still call back during the destruction, which then does
+            // nothing (`complete`); the memory goes with the worker's request pool.
             s.state = SlotState::Done;
             s.close = false;
             drop(s.parked.take());

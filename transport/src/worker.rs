@@ -27,7 +27,7 @@ use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Status};
 use crate::handshake::{self, Kind, Message, NackReason};
 use crate::identity::ProcessIdentity;
-use crate::lock::{LockGuard, RawLock};
+use crate::lock::RawLock;
 use crate::progress::{self, ProgressMode};
 use crate::request::{self, Slot};
 
@@ -198,7 +198,6 @@ impl WorkerBuilder {
             no_imm: self.no_imm,
             signal: Arc::default(),
         });
-        register_live(&inner);
         let state_ptr = inner.state.get().cast::<c_void>();
         let am = sys::ucp_am_handler_param_t {
             field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
@@ -218,6 +217,8 @@ impl WorkerBuilder {
         let ids = unsafe { crate::am::register_catch_all(handle, state_ptr.cast()) }
             .map_err(Error::CreateWorker)?;
         inner.locked(|st| st.am_ids = ids);
+        // Only now may another thread progress it (see `live_workers`).
+        register_live(&inner);
         rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));
         let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(worker = id, mode = ?self.mode, "worker created");
@@ -931,18 +932,6 @@ impl WorkerInner {
     /// it collected, after releasing the lock.
     pub(crate) fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let guard = self.lock.lock();
-        self.run_locked(guard, f)
-    }
-
-    /// [`WorkerInner::locked`] if the lock is free, else None at once.
-    fn try_locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> Option<R> {
-        let guard = self.lock.try_lock()?;
-        Some(self.run_locked(guard, f))
-    }
-
-    /// Runs `f` under the lock `guard` holds, then lets it go and does the deferred work.
-    #[inline(always)]
-    fn run_locked<R>(&self, guard: LockGuard<'_>, f: impl FnOnce(&mut State) -> R) -> R {
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
@@ -964,6 +953,35 @@ impl WorkerInner {
             h.run();
         }
         r
+    }
+
+    /// Progresses the worker once if its lock is free, for another worker's drop (see
+    /// `live_workers`). Wakes what the progress finished, but leaves active-message
+    /// handlers, which run user code, to this worker's own driver, which it kicks.
+    fn progress_if_free(&self) -> u32 {
+        let Some(guard) = self.lock.try_lock() else { return 0 };
+        // SAFETY: the lock is held, so this is the only reference to the state.
+        let st = unsafe { &mut *self.state.get() };
+        let n = self.progress_locked(st);
+        if !st.after.any {
+            return n;
+        }
+        let handlers = std::mem::take(&mut st.after.handlers);
+        let after = std::mem::take(&mut st.after);
+        if !handlers.is_empty() {
+            st.after.handlers = handlers;
+            st.after.any = true;
+        }
+        let kick = after.kick || st.after.any;
+        drop(guard);
+        if kick {
+            self.signal.kick();
+        }
+        for w in after.wake {
+            w.wake();
+        }
+        drop(after.graveyard);
+        n
     }
 
     /// `ucp_worker_progress` plus the work that must happen outside UCX callbacks
@@ -1132,13 +1150,12 @@ impl Drop for WorkerInner {
             // SAFETY: exclusive access (we are in drop); the worker is valid.
             let mut n = unsafe { sys::ucp_worker_progress(st.handle) };
             for w in &others {
-                n += w.try_locked(|st| w.progress_locked(st)).unwrap_or(0);
+                n += w.progress_if_free();
             }
             if n == 0 {
                 std::thread::yield_now();
             }
         }
-        drop(others);
         // SAFETY: we are in drop, the worker not yet destroyed.
         unsafe { request::give_up_closes(st) };
         if st.parked > 0 {
@@ -1160,6 +1177,9 @@ impl Drop for WorkerInner {
             // SAFETY: the worker that used the table is destroyed; freed once.
             unsafe { crate::am::free_id_table(st.am_ids) };
         }
+        // Dropped only now: a worker whose last handle this was is dropped here, and any
+        // close it has to this worker finishes at once, now that this one is gone.
+        drop(others);
         drop(std::mem::take(&mut st.after));
     }
 }
