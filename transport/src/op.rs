@@ -57,6 +57,13 @@ impl<B: Send + 'static> OpState<B> {
         }
     }
 
+    /// Whether the operation is no longer in flight: it completed during the call that
+    /// posted it (or was refused), or it has been awaited.
+    #[inline]
+    pub(crate) fn completed_immediately(&self) -> bool {
+        !matches!(self, OpState::Pending(..))
+    }
+
     /// The state of an operation refused before posting.
     pub(crate) fn failed(e: Error, buf: B) -> OpState<B> {
         OpState::Failed(Box::new(e), buf)
@@ -169,6 +176,18 @@ impl<B: Send + 'static> SendOp<B> {
         SendOp { ep, op, state, extra }
     }
 
+    /// Whether UCX completed the operation during the call that posted it (no request
+    /// was left in flight), as it does for short messages and for puts into memory it
+    /// maps directly; a refused operation counts too. Awaiting such an operation then
+    /// returns at once, without progressing the worker. `false` means it was left in
+    /// flight, though it may have finished since: only awaiting tells.
+    ///
+    /// This lets a sender keep a window of operations in flight the way UCX programs
+    /// do, counting only those that did not complete immediately.
+    pub fn completed_immediately(&self) -> bool {
+        self.state.completed_immediately()
+    }
+
     /// An operation refused before posting.
     pub(crate) fn failed(ep: &Endpoint, op: &'static str, e: Error, buf: B) -> SendOp<B> {
         SendOp { ep: Some(ep.clone()), op, state: OpState::failed(e, buf), extra: None }
@@ -238,6 +257,13 @@ impl<B: IoBufMut> RecvOp<B> {
         extra: Option<Extra>,
     ) -> RecvOp<B> {
         RecvOp { worker, ep, op, len, state, extra }
+    }
+
+    /// Whether UCX completed the operation during the call that posted it (a get from
+    /// memory it maps directly, say), or refused it; as for
+    /// [`SendOp::completed_immediately`].
+    pub fn completed_immediately(&self) -> bool {
+        self.state.completed_immediately()
     }
 }
 

@@ -257,6 +257,14 @@ impl Drop for Words {
     }
 }
 
+impl Atomic {
+    /// Whether UCX completed the operation during the call that posted it, or refused
+    /// it; as for [`SendOp::completed_immediately`].
+    pub fn completed_immediately(&self) -> bool {
+        self.state.completed_immediately()
+    }
+}
+
 impl Future for Atomic {
     type Output = Result<u64>;
 
