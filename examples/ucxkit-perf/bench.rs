@@ -247,6 +247,16 @@ pub(crate) async fn run_client(
     let payload = payload(size, 0x5a, 0x5a);
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
     let local = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
+    // Large messages of the two-sided bandwidth tests are sent from memory UCX
+    // allocated, as ucx_perftest sends from its mapped buffer (UCX may back it with huge
+    // pages, which copies of many MiB feel).
+    let big_source = if matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw) && size > OWN_BUFFERS_MAX {
+        let r = w.context().alloc(size)?;
+        r.write_at(0, payload);
+        Some(r)
+    } else {
+        None
+    };
     let mut clock = Clock::new(warmup)?;
     match test {
         // Each iteration posts its message first (as ucx_perftest does) and reads the
@@ -323,6 +333,14 @@ pub(crate) async fn run_client(
                     }
                 }
                 let op = match test {
+                    Test::TagBw | Test::StreamBw | Test::AmBw if big_source.is_some() => {
+                        let src = big_source.as_ref().ok_or("no source")?.slice(0..size);
+                        Op::SendRegion(match test {
+                            Test::TagBw => ep.tag_send(DATA_C2S, src),
+                            Test::StreamBw => ep.stream_send(src),
+                            _ => ep.am_send(AM_C2S, &[], src),
+                        })
+                    }
                     Test::TagBw => Op::Send(ep.tag_send(DATA_C2S, payload)),
                     Test::StreamBw => Op::Send(ep.stream_send(payload)),
                     Test::AmBw => Op::Send(ep.am_send(AM_C2S, &[], payload)),
@@ -401,6 +419,7 @@ fn marked(size: usize, marker: u8) -> &'static [u8] {
 /// One outstanding operation of a bandwidth test.
 enum Op {
     Send(ucxkit::transport::SendOp<&'static [u8]>),
+    SendRegion(ucxkit::transport::SendOp<RegionSlice>),
     Put(ucxkit::transport::Put<RegionSlice>),
     Get(ucxkit::transport::Get<RegionSlice>),
     Atomic(ucxkit::transport::Atomic),
@@ -410,6 +429,7 @@ impl Op {
     fn completed_immediately(&self) -> bool {
         match self {
             Op::Send(f) => f.completed_immediately(),
+            Op::SendRegion(f) => f.completed_immediately(),
             Op::Put(f) => f.completed_immediately(),
             Op::Get(f) => f.completed_immediately(),
             Op::Atomic(f) => f.completed_immediately(),
@@ -423,6 +443,7 @@ impl Op {
         const PENDING: &str = "an operation that completed immediately was not ready";
         match self {
             Op::Send(f) => f.now_or_never().ok_or(PENDING)?.0?,
+            Op::SendRegion(f) => f.now_or_never().ok_or(PENDING)?.0?,
             Op::Put(f) => f.now_or_never().ok_or(PENDING)?.0?,
             Op::Get(f) => {
                 f.now_or_never().ok_or(PENDING)?.0?;
@@ -437,6 +458,7 @@ impl Op {
     async fn finish(self) -> AnyResult<()> {
         match self {
             Op::Send(f) => f.await.0?,
+            Op::SendRegion(f) => f.await.0?,
             Op::Put(f) => f.await.0?,
             Op::Get(f) => {
                 f.await.0?;

@@ -1180,6 +1180,8 @@ impl Drop for WorkerInner {
         // Dropped only now: a worker whose last handle this was is dropped here, and any
         // close it has to this worker finishes at once, now that this one is gone.
         drop(others);
+        // Forget this worker (and any other gone), so that its memory is freed.
+        LIVE.lock().unwrap_or_else(PoisonError::into_inner).retain(|w| w.strong_count() > 0);
         drop(std::mem::take(&mut st.after));
     }
 }
