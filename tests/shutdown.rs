@@ -8,7 +8,7 @@
 mod common;
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{ctx, loopback};
 use ucxkit::transport::tag;
@@ -52,6 +52,7 @@ async fn shutdown_child() {
 
 #[test]
 fn drop_without_close_is_clean() {
+    let t = Instant::now();
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "shutdown_child", "--ignored", "--nocapture"])
         .env("UCXKIT_SHUTDOWN_CHILD", "1")
@@ -64,4 +65,8 @@ fn drop_without_close_is_clean() {
     let reports: Vec<&str> =
         text.lines().filter(|l| l.contains("UCX  ERROR") || l.contains("UCX  WARN")).collect();
     assert!(reports.is_empty(), "UCX reported problems at shutdown:\n{}", reports.join("\n"));
+    // The closes finished rather than being given up: a worker waits up to 2 s for its
+    // closes before it gives up (the child takes about 0.1 s when none is).
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(1500), "the child took {took:?}: a close was waited out");
 }

@@ -438,14 +438,12 @@ impl AmReg {
             // SAFETY: UCX passes header_len and len readable bytes, valid during the call.
             let (header, payload) =
                 unsafe { (Small::copy(header.cast(), header_len), Small::copy(data.cast(), len)) };
-            self.queue.push_back(Incoming {
+            let inc = Incoming {
                 header: Header::Small(header),
                 payload: Payload::Inline(payload),
                 reply: Weak::new(),
-            });
-            if let Some(w) = self.waker.take() {
-                st.after.wake(w);
-            }
+            };
+            self.enqueue(st, inc);
             return sys::UCS_OK;
         }
         // SAFETY: per contract.
@@ -461,12 +459,16 @@ impl AmReg {
                 h.queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(inc);
                 st.after.run_handler(h);
             }
-            None => {
-                self.queue.push_back(inc);
-                if let Some(w) = self.waker.take() {
-                    st.after.wake(w);
-                }
-            }
+            None => self.enqueue(st, inc),
+        }
+    }
+
+    /// Queues a message for the receiver and wakes it.
+    #[inline(always)]
+    fn enqueue(&mut self, st: &mut State, inc: Incoming) {
+        self.queue.push_back(inc);
+        if let Some(w) = self.waker.take() {
+            st.after.wake(w);
         }
     }
 }

@@ -608,7 +608,7 @@ impl Endpoint {
         match posted {
             None => Ok(()),
             Some(p) => {
-                let c = wait_unbuffered(&self.inner.worker, p, true).await;
+                let c = wait_unbuffered(&self.inner.worker, p, Some(id)).await;
                 if c.status.is_ok() || c.status.is_peer_failure() {
                     Ok(())
                 } else {
@@ -620,7 +620,7 @@ impl Endpoint {
 
     /// Waits for a posted request that owns no buffer (not a close).
     pub(crate) async fn wait(&self, posted: Posted) -> Completion {
-        wait_unbuffered(&self.inner.worker, posted, false).await
+        wait_unbuffered(&self.inner.worker, posted, None).await
     }
 
     /// Prints which transports and devices UCX chose for this endpoint
@@ -798,9 +798,9 @@ pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t
     }
 }
 
-/// Waits for a posted request of `worker` that owns no buffer: a flush, or a close
-/// (`close`), which goes on in the background if the wait is dropped.
-pub(crate) async fn wait_unbuffered(worker: &Worker, posted: Posted, close: bool) -> Completion {
+/// Waits for a posted request of `worker` that owns no buffer: a flush, or the close of
+/// endpoint `close`, which goes on in the background if the wait is dropped.
+pub(crate) async fn wait_unbuffered(worker: &Worker, posted: Posted, close: Option<u64>) -> Completion {
     match posted {
         Posted::Done(c) => c,
         Posted::Pending(req) => {
@@ -815,9 +815,9 @@ pub(crate) async fn wait_unbuffered(worker: &Worker, posted: Posted, close: bool
 struct Unbuffered {
     req: Option<Request>,
     worker: Worker,
-    /// A close: finished in the background when dropped, so that the worker's
-    /// destruction does not cut it off.
-    close: bool,
+    /// A close, of this endpoint: finished in the background when dropped, so that the
+    /// worker's destruction does not cut it off.
+    close: Option<u64>,
 }
 
 impl Unbuffered {
@@ -839,12 +839,9 @@ impl Drop for Unbuffered {
     fn drop(&mut self) {
         if let Some(req) = self.req.take() {
             let p = crate::request::Posted::Pending(req);
-            self.worker.shared.inner.locked(|st| {
-                if self.close {
-                    st.close_in_background(p)
-                } else {
-                    st.release(p)
-                }
+            self.worker.shared.inner.locked(|st| match self.close {
+                Some(id) => st.finish_close(id, p),
+                None => st.release(p),
             });
         }
     }

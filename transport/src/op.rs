@@ -180,7 +180,8 @@ impl<B: Send + 'static> SendOp<B> {
     /// was left in flight), as it does for short messages and for puts into memory it
     /// maps directly; a refused operation counts too. Awaiting such an operation then
     /// returns at once, without progressing the worker. `false` means it was left in
-    /// flight, though it may have finished since: only awaiting tells.
+    /// flight, though it may have finished since: only awaiting tells. (A future polled
+    /// to its result also answers `true`.)
     ///
     /// This lets a sender keep a window of operations in flight the way UCX programs
     /// do, counting only those that did not complete immediately.

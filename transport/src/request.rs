@@ -262,26 +262,18 @@ pub(crate) unsafe fn park_close(st: &mut State, slot: *mut Slot) {
     st.closes.push(slot);
 }
 
-/// Gives the close requests still running back to UCX (`ucp_request_free`), right before
-/// the worker is destroyed: UCX requires that of a close request it finds pending when
-/// it destroys the endpoint. The slots are marked done, so that a callback UCX still
-/// makes while destroying finds nothing to do.
+/// Gives the close requests still running back to UCX ([`release`]), right before the
+/// worker is destroyed: UCX requires that of a close request it finds pending when it
+/// destroys the endpoint. A released request gets no more callbacks.
 ///
 /// # Safety
 /// The worker lock is held (`st` comes from it), or the worker is being dropped.
 pub(crate) unsafe fn give_up_closes(st: &mut State) {
     for slot in std::mem::take(&mut st.closes) {
-        // SAFETY: listed slots are parked, pending close requests of ours.
-        unsafe {
-            let s = &mut *slot;
-            // Done while UCX may still call back during the destruction, which then does
-            // nothing (`complete`); the memory goes with the worker's request pool.
-            s.state = SlotState::Done;
-            s.close = false;
-            drop(s.parked.take());
-            st.parked -= 1;
-            sys::ucp_request_free(slot.cast());
-        }
+        st.parked -= 1;
+        // SAFETY: listed slots are parked, pending close requests of ours, whose parked
+        // value is a unit that needs no care.
+        unsafe { release(st, slot) };
     }
 }
 

@@ -193,7 +193,7 @@ impl Worker {
             let p = unsafe { sys::ucp_worker_flush_nbx(st.handle, &param) };
             Posted::from_ptr(p, Completion::OK, false)
         });
-        let c = crate::endpoint::wait_unbuffered(self, posted, false).await;
+        let c = crate::endpoint::wait_unbuffered(self, posted, None).await;
         c.status.check().map_err(|source| crate::Error::Worker { op: "flush", source })
     }
 

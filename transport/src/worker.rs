@@ -740,15 +740,16 @@ impl State {
             }
         }
         if peer_mode {
-            if let Some(p) = self.close_ep(id, true) {
-                self.close_in_background(p);
-            }
+            // Failed in peer mode: closed forcibly.
+            self.close_unwaited(id);
         }
         self.after.kick();
     }
 
-    /// Starts closing an endpoint (`ucp_ep_close_nbx`); the close request, if any, is
-    /// parked and completes in the background. Returns the request for callers that wait.
+    /// Starts closing an endpoint (`ucp_ep_close_nbx`, forcibly if `force`) and returns
+    /// the close request, if any, for the caller to wait for or hand to
+    /// [`State::finish_close`]; None if it was closed already or the close waits for
+    /// borrowed stream data (`release_stream_data` finishes it).
     pub(crate) fn close_ep(&mut self, id: u64, force: bool) -> Option<request::Posted> {
         let e = self.eps.get_mut(&id)?;
         let h = std::mem::replace(&mut e.handle, std::ptr::null_mut());
@@ -789,15 +790,8 @@ impl State {
         e.data_out -= 1;
         if e.data_out == 0 {
             if let Some((h, force)) = e.deferred_close.take() {
-                // As in `close_unwaited`: a flushing close to a peer that failed without
-                // peer error handling may never finish.
-                let hopeless = e.failed.is_some() && !e.peer_mode;
                 let p = self.close_handle(h, force);
-                if hopeless {
-                    self.release(p);
-                } else {
-                    self.close_in_background(p);
-                }
+                self.finish_close(id, p);
             }
         }
     }
@@ -817,26 +811,25 @@ impl State {
     /// may ever finish: that one is released to UCX at once.
     pub(crate) fn close_unwaited(&mut self, id: u64) {
         let Some(e) = self.eps.get(&id) else { return };
-        let (failed, peer_mode) = (e.failed.is_some(), e.peer_mode);
-        if let Some(p) = self.close_ep(id, failed && peer_mode) {
-            if failed && !peer_mode {
-                self.release(p);
-            } else {
-                self.close_in_background(p);
-            }
+        let force = e.failed.is_some() && e.peer_mode;
+        if let Some(p) = self.close_ep(id, force) {
+            self.finish_close(id, p);
         }
     }
 
-    /// Lets a close request nobody waits for finish in the background
-    /// ([`request::park_close`]), so that destroying the worker does not cut it off
-    /// inside UCX, which reports such a close as failed and its request as leaked.
-    pub(crate) fn close_in_background(&mut self, posted: request::Posted) {
+    /// Lets the close request of endpoint `id` that nobody waits for finish in the
+    /// background ([`request::park_close`]), so that destroying the worker does not cut
+    /// it off inside UCX, which reports such a close as failed and its request as leaked.
+    /// The flushing close of an endpoint that failed without peer error handling may
+    /// never finish: that one is released to UCX at once instead.
+    pub(crate) fn finish_close(&mut self, id: u64, posted: request::Posted) {
+        let hopeless = self.eps.get(&id).is_some_and(|e| e.failed.is_some() && !e.peer_mode);
         match posted {
-            request::Posted::Pending(r) if !r.is_done(self) => {
+            request::Posted::Pending(r) if !hopeless && !r.is_done(self) => {
                 // SAFETY: a pending close request of ours, under the lock.
                 unsafe { request::park_close(self, r.raw().cast::<Slot>()) }
             }
-            done => self.release(done),
+            other => self.release(other),
         }
     }
 
@@ -942,6 +935,12 @@ impl WorkerInner {
         }
         let after = std::mem::take(&mut st.after);
         drop(guard);
+        self.run_after(after);
+        r
+    }
+
+    /// Does what was collected under the lock, once it is released.
+    fn run_after(&self, after: Deferred) {
         if after.kick {
             self.signal.kick();
         }
@@ -952,7 +951,6 @@ impl WorkerInner {
         for h in after.handlers {
             h.run();
         }
-        r
     }
 
     /// Progresses the worker once if its lock is free, for another worker's drop (see
@@ -966,21 +964,14 @@ impl WorkerInner {
         if !st.after.any {
             return n;
         }
-        let handlers = std::mem::take(&mut st.after.handlers);
-        let after = std::mem::take(&mut st.after);
-        if !handlers.is_empty() {
-            st.after.handlers = handlers;
+        let mut after = std::mem::take(&mut st.after);
+        if !after.handlers.is_empty() {
+            st.after.handlers = std::mem::take(&mut after.handlers);
             st.after.any = true;
+            after.kick = true;
         }
-        let kick = after.kick || st.after.any;
         drop(guard);
-        if kick {
-            self.signal.kick();
-        }
-        for w in after.wake {
-            w.wake();
-        }
-        drop(after.graveyard);
+        self.run_after(after);
         n
     }
 
@@ -1177,8 +1168,9 @@ impl Drop for WorkerInner {
             // SAFETY: the worker that used the table is destroyed; freed once.
             unsafe { crate::am::free_id_table(st.am_ids) };
         }
-        // Dropped only now: a worker whose last handle this was is dropped here, and any
-        // close it has to this worker finishes at once, now that this one is gone.
+        // Dropped only now: if one of them was the last handle of its worker, that
+        // worker's drop runs here, with this worker gone, instead of inside the wait
+        // above, where this worker could no longer be progressed for it.
         drop(others);
         // Forget this worker (and any other gone), so that its memory is freed.
         LIVE.lock().unwrap_or_else(PoisonError::into_inner).retain(|w| w.strong_count() > 0);
