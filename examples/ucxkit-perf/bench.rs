@@ -244,19 +244,24 @@ pub(crate) async fn run_client(
         None if test.needs_region() => return Err("server sent no key".into()),
         None => None,
     };
-    let payload = payload(size, 0x5a, 0x5a);
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
     let local = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
     // Large messages of the two-sided bandwidth tests are sent from memory UCX
     // allocated, as ucx_perftest sends from its mapped buffer (UCX may back it with huge
-    // pages, which copies of many MiB feel).
-    let big_source = if matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw) && size > OWN_BUFFERS_MAX {
-        let r = w.context().alloc(size)?;
-        r.write_at(0, payload);
-        Some(r)
-    } else {
-        None
-    };
+    // pages, which copies of many MiB feel). Written once, so that its pages are in
+    // place before the clock runs.
+    let region_source =
+        if matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw) && size >= REGION_SEND_MIN {
+            let r = w.context().alloc(size)?;
+            let chunk = payload(REGION_SEND_MIN, 0x5a, 0x5a);
+            for at in (0..size).step_by(chunk.len()) {
+                r.write_at(at, &chunk[..chunk.len().min(size - at)]);
+            }
+            Some(r)
+        } else {
+            None
+        };
+    let payload = if region_source.is_some() { &[][..] } else { payload(size, 0x5a, 0x5a) };
     let mut clock = Clock::new(warmup)?;
     match test {
         // Each iteration posts its message first (as ucx_perftest does) and reads the
@@ -333,17 +338,10 @@ pub(crate) async fn run_client(
                     }
                 }
                 let op = match test {
-                    Test::TagBw | Test::StreamBw | Test::AmBw if big_source.is_some() => {
-                        let src = big_source.as_ref().ok_or("no source")?.slice(0..size);
-                        Op::SendRegion(match test {
-                            Test::TagBw => ep.tag_send(DATA_C2S, src),
-                            Test::StreamBw => ep.stream_send(src),
-                            _ => ep.am_send(AM_C2S, &[], src),
-                        })
-                    }
-                    Test::TagBw => Op::Send(ep.tag_send(DATA_C2S, payload)),
-                    Test::StreamBw => Op::Send(ep.stream_send(payload)),
-                    Test::AmBw => Op::Send(ep.am_send(AM_C2S, &[], payload)),
+                    Test::TagBw | Test::StreamBw | Test::AmBw => match &region_source {
+                        Some(r) => Op::SendRegion(send(test, ep, r.slice(0..size))),
+                        None => Op::Send(send(test, ep, payload)),
+                    },
                     Test::PutBw => {
                         let src = local.as_ref().ok_or("no region")?.slice(0..size);
                         Op::Put(ep.put(src, key.ok_or("no key")?, 0))
@@ -368,7 +366,10 @@ pub(crate) async fn run_client(
             }
             while let Some(f) = inflight.pop_front() {
                 f.finish().await?;
+                clock.record()?;
             }
+            // Every measured operation is timed, the last ones without what follows.
+            clock.close_batch()?;
             if matches!(test, Test::PutBw | Test::AtomicRate) {
                 // Complete at the target, not only locally.
                 ep.flush().await?;
@@ -390,6 +391,19 @@ pub(crate) async fn run_client(
         return Err(format!("server answered {done:?}").into());
     }
     Ok(row(test, size, iters, elapsed, clock.histogram()?, transport))
+}
+
+/// Messages of the two-sided bandwidth tests from this size on are sent from a region
+/// UCX allocated (see `run_client`).
+const REGION_SEND_MIN: usize = 64 << 10;
+
+/// The send of a two-sided bandwidth test.
+fn send<B: ucxkit::transport::IoBuf>(test: Test, ep: &Endpoint, buf: B) -> ucxkit::transport::SendOp<B> {
+    match test {
+        Test::TagBw => ep.tag_send(DATA_C2S, buf),
+        Test::StreamBw => ep.stream_send(buf),
+        _ => ep.am_send(AM_C2S, &[], buf),
+    }
 }
 
 /// A payload of `size` bytes of `fill` whose last byte is `last`, made once per process
@@ -437,22 +451,10 @@ impl Op {
     }
 
     /// Finishes an operation that completed immediately: its future is ready at the
-    /// first poll, so it is polled once, without an `await` and its state machine.
+    /// first poll, so it is polled once, outside the task's own await.
     fn finish_now(self) -> AnyResult<()> {
         use futures_util::FutureExt;
-        const PENDING: &str = "an operation that completed immediately was not ready";
-        match self {
-            Op::Send(f) => f.now_or_never().ok_or(PENDING)?.0?,
-            Op::SendRegion(f) => f.now_or_never().ok_or(PENDING)?.0?,
-            Op::Put(f) => f.now_or_never().ok_or(PENDING)?.0?,
-            Op::Get(f) => {
-                f.now_or_never().ok_or(PENDING)?.0?;
-            }
-            Op::Atomic(f) => {
-                f.now_or_never().ok_or(PENDING)??;
-            }
-        }
-        Ok(())
+        self.finish().now_or_never().ok_or("an operation that completed immediately was not ready")?
     }
 
     async fn finish(self) -> AnyResult<()> {

@@ -23,8 +23,9 @@ const BUFFERED: usize = 1 << 20;
 /// Bandwidth completions per clock read.
 pub(crate) const BATCH: u64 = 16;
 
-/// Times a run: one clock read per completion (bandwidth) or round trip (latency), each
-/// timed from the previous one; the run's clock starts when warm-up ends.
+/// Times a run: one clock read per round trip (latency), each timed from the previous
+/// one, or per batch of [`BATCH`] completions (bandwidth); the run's clock starts when
+/// warm-up ends.
 pub(crate) struct Clock {
     warmup: u64,
     /// When the measured part began (for the run's total time).
@@ -100,8 +101,8 @@ impl Clock {
     }
 
     /// Reads the clock for the completions recorded since the last read, each timed as
-    /// their mean interval.
-    fn close_batch(&mut self) -> AnyResult<()> {
+    /// their mean interval (bandwidth tests call it after their last completion).
+    pub(crate) fn close_batch(&mut self) -> AnyResult<()> {
         let n = std::mem::take(&mut self.batched);
         if let Some(mean) = (self.now() - self.last).checked_div(n) {
             self.hist.record_n(mean, n)?;
