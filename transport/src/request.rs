@@ -13,6 +13,9 @@
 //!   may still touch) moved into the slot; unmatched tag receives were canceled. The
 //!   callback moves the parked value to the worker's graveyard (dropped after the lock is
 //!   released) and frees the request. `ucp_request_free` is never used as a cancel.
+//!   A close request nobody waits for is parked the same way, with nothing to keep, and
+//!   also listed in the worker ([`park_close`]), so that the worker's destruction can
+//!   wait for it and give back ([`give_up_closes`]) one that never finishes.
 //!
 //! A request bound to an endpoint (whose failure must end it) is also linked, through
 //! its slot, into the worker's list of bound requests: binding and unbinding cost a few

@@ -805,10 +805,8 @@ impl State {
     }
 
     /// Closes endpoint `id` for an owner that does not wait: flushing, or forcibly when
-    /// the endpoint failed in peer mode (a dead peer will not answer a flush). The close
-    /// finishes in the background ([`State::close_in_background`]), except that of a
-    /// failed endpoint without peer error handling, which UCX neither lets us force nor
-    /// may ever finish: that one is released to UCX at once.
+    /// the endpoint failed in peer mode (a dead peer will not answer a flush; UCX allows
+    /// forcing only in peer mode). [`State::finish_close`] takes the close request.
     pub(crate) fn close_unwaited(&mut self, id: u64) {
         let Some(e) = self.eps.get(&id) else { return };
         let force = e.failed.is_some() && e.peer_mode;
