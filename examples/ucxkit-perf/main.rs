@@ -29,7 +29,7 @@ mod size;
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use ucxkit::transport::{
@@ -493,7 +493,11 @@ fn effective_tls(args: &Args) -> Option<String> {
     }
 }
 
-/// Picks an iteration count that runs for about `d`, from a short trial.
+/// Picks an iteration count that runs for about `d`. Trial runs, each longer than the last,
+/// go on until one spends at least a twentieth of `d` (and 2 ms) in its timed part; the
+/// count follows from that run's measured time per iteration. A run's set-up (posting
+/// receives, exchanging keys, allocating buffers) is not timed, so a short trial timed by
+/// the wall clock would overstate the time per iteration several times.
 async fn calibrate(
     test: Test,
     size: usize,
@@ -501,13 +505,20 @@ async fn calibrate(
     args: &Args,
     side: &mut Side<'_>,
 ) -> AnyResult<(u64, u64)> {
-    let trial = 20u64.max(args.window as u64);
-    let t0 = Instant::now();
-    let ep = side.ep;
-    let run = bench::run_client(test, size, trial, 0, args.window, recv_window(args), side, "");
-    bench::unless_failed(ep, run).await?;
-    let per = t0.elapsed().as_secs_f64() / trial as f64;
-    let n = ((d.as_secs_f64() / per.max(1e-9)) as u64).clamp(10, 50_000_000);
+    const MAX: u64 = 50_000_000;
+    let target = (d.as_secs_f64() / 20.0).max(2e-3);
+    let mut trial = 20u64.max(args.window as u64);
+    let per = loop {
+        let ep = side.ep;
+        let run = bench::run_client(test, size, trial, 0, args.window, recv_window(args), side, "");
+        let row = bench::unless_failed(ep, run).await?;
+        let per = row.secs_per_iter(test.is_latency()).max(1e-9);
+        if per * trial as f64 >= target || trial >= MAX {
+            break per;
+        }
+        trial = ((target / per * 1.5) as u64).clamp(trial * 2, trial * 100).min(MAX);
+    };
+    let n = ((d.as_secs_f64() / per) as u64).clamp(10, MAX);
     Ok((n, args.warmup.unwrap_or((n / 10).max(10))))
 }
 

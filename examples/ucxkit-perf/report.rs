@@ -25,6 +25,17 @@ pub(crate) struct Row {
 }
 
 impl Row {
+    /// Seconds one iteration took: a round trip (two messages) in a latency test, one
+    /// operation in a bandwidth test.
+    pub(crate) fn secs_per_iter(&self, latency: bool) -> f64 {
+        let per_msg = 1.0 / self.msg_rate.max(1e-12);
+        if latency {
+            2.0 * per_msg
+        } else {
+            per_msg
+        }
+    }
+
     pub(crate) fn json(&self) -> String {
         json!({
             "test": self.test,
@@ -163,6 +174,15 @@ mod tests {
         r.lat_p99_us = f64::NAN;
         let v: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
         assert!(v["lat_p99_us"].is_null(), "not measured is null");
+    }
+
+    #[test]
+    fn time_per_iteration() {
+        let mut r = row();
+        r.msg_rate = 250_000.0;
+        assert!((r.secs_per_iter(false) - 4e-6).abs() < 1e-12);
+        // A latency iteration is a round trip: two messages.
+        assert!((r.secs_per_iter(true) - 8e-6).abs() < 1e-12);
     }
 
     #[test]
