@@ -245,7 +245,13 @@ pub(crate) async fn run_client(
         None => None,
     };
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
-    let local = if test.needs_region() { Some(w.context().alloc(size.max(8))?) } else { None };
+    let local = if test.needs_region() {
+        let r = w.context().alloc(size.max(8))?;
+        fill(&r);
+        Some(r)
+    } else {
+        None
+    };
     // Large messages of the two-sided bandwidth tests are sent from memory UCX
     // allocated, as ucx_perftest sends from its mapped buffer (UCX may back it with huge
     // pages, which copies of many MiB feel). Written once, so that its pages are in
@@ -253,10 +259,7 @@ pub(crate) async fn run_client(
     let region_source =
         if matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw) && size >= REGION_SEND_MIN {
             let r = w.context().alloc(size)?;
-            let chunk = payload(REGION_SEND_MIN, 0x5a, 0x5a);
-            for at in (0..size).step_by(chunk.len()) {
-                r.write_at(at, &chunk[..chunk.len().min(size - at)]);
-            }
+            fill(&r);
             Some(r)
         } else {
             None
@@ -428,6 +431,16 @@ fn payload(size: usize, fill: u8, last: u8) -> &'static [u8] {
 /// A put_lat payload whose last byte is `marker`.
 fn marked(size: usize, marker: u8) -> &'static [u8] {
     payload(size, 0x5a, marker)
+}
+
+/// Writes a pattern over all of `r`, so that its pages are in place (not the shared
+/// zero page of untouched memory) before the clock runs, as ucx_perftest fills its
+/// buffers.
+fn fill(r: &MemRegion) {
+    let chunk = payload(REGION_SEND_MIN, 0x5a, 0x5a);
+    for at in (0..r.len()).step_by(chunk.len()) {
+        r.write_at(at, &chunk[..chunk.len().min(r.len() - at)]);
+    }
 }
 
 /// One outstanding operation of a bandwidth test.
