@@ -497,7 +497,9 @@ fn effective_tls(args: &Args) -> Option<String> {
 /// go on until one spends at least a twentieth of `d` (and 2 ms) in its timed part; the
 /// count follows from that run's measured time per iteration. A run's set-up (posting
 /// receives, exchanging keys, allocating buffers) is not timed, so a short trial timed by
-/// the wall clock would overstate the time per iteration several times.
+/// the wall clock would overstate the time per iteration several times. Each trial warms
+/// up as long as it measures, and one whose mean is far above its median (a stall: a
+/// preempted CPU, first-touch page faults) is run again rather than trusted.
 async fn calibrate(
     test: Test,
     size: usize,
@@ -506,13 +508,21 @@ async fn calibrate(
     side: &mut Side<'_>,
 ) -> AnyResult<(u64, u64)> {
     const MAX: u64 = 50_000_000;
+    /// Stalled trials run again, at most this many times in all.
+    const RETRIES: u32 = 4;
     let target = (d.as_secs_f64() / 20.0).max(2e-3);
     let mut trial = 20u64.max(args.window as u64);
+    let mut retries = 0;
     let per = loop {
         let ep = side.ep;
-        let run = bench::run_client(test, size, trial, 0, args.window, recv_window(args), side, "");
+        let run = bench::run_client(test, size, trial, trial, args.window, recv_window(args), side, "");
         let row = bench::unless_failed(ep, run).await?;
         let per = row.secs_per_iter(test.is_latency()).max(1e-9);
+        let typical = row.typical_secs_per_iter(test.is_latency());
+        if typical.is_finite() && typical > 0.0 && per > 3.0 * typical && retries < RETRIES {
+            retries += 1;
+            continue;
+        }
         if per * trial as f64 >= target || trial >= MAX {
             break per;
         }

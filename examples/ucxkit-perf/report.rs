@@ -36,6 +36,17 @@ impl Row {
         }
     }
 
+    /// The median iteration's seconds (from `lat_p50_us`: one-way latency, or time per
+    /// operation), NaN when not measured.
+    pub(crate) fn typical_secs_per_iter(&self, latency: bool) -> f64 {
+        let p50 = self.lat_p50_us * 1e-6;
+        if latency {
+            2.0 * p50
+        } else {
+            p50
+        }
+    }
+
     pub(crate) fn json(&self) -> String {
         json!({
             "test": self.test,
@@ -183,6 +194,9 @@ mod tests {
         assert!((r.secs_per_iter(false) - 4e-6).abs() < 1e-12);
         // A latency iteration is a round trip: two messages.
         assert!((r.secs_per_iter(true) - 8e-6).abs() < 1e-12);
+        r.lat_p50_us = 3.0;
+        assert!((r.typical_secs_per_iter(false) - 3e-6).abs() < 1e-12);
+        assert!((r.typical_secs_per_iter(true) - 6e-6).abs() < 1e-12);
     }
 
     #[test]
