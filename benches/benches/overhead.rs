@@ -51,13 +51,13 @@ unsafe extern "C" fn raw_send_cb(_req: *mut c_void, _status: sys::ucs_status_t, 
 fn raw_exchange(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, sbuf: &[u8], rbuf: &mut [u8]) {
     let mut done = false;
     let rparam = sys::ucp_request_param_t {
-        op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
         cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(raw_recv_cb) },
         user_data: (&mut done as *mut bool).cast(),
         ..Default::default()
     };
     let sparam = sys::ucp_request_param_t {
-        op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
         cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
         ..Default::default()
     };
@@ -162,7 +162,7 @@ fn am_exchange(c: &mut Criterion) {
     assert_eq!(unsafe { sys::ucp_worker_set_am_recv_handler(w, &hp) }, sys::UCS_OK);
     g.bench_function("raw", |b| {
         let sparam = sys::ucp_request_param_t {
-            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
             cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
             ..Default::default()
         };
@@ -223,7 +223,7 @@ fn stream_exchange(c: &mut Criterion) {
     g.bench_function("raw", |b| {
         let mut rbuf = [0u8; 8];
         let sparam = sys::ucp_request_param_t {
-            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
             cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
             ..Default::default()
         };
@@ -232,8 +232,8 @@ fn stream_exchange(c: &mut Criterion) {
             let rparam = sys::ucp_request_param_t {
                 op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
                     | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
-                    | sys::UCP_OP_ATTR_FIELD_FLAGS.0) as u32,
-                flags: sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32,
+                    | sys::UCP_OP_ATTR_FIELD_FLAGS.0),
+                flags: sys::UCP_STREAM_RECV_FLAG_WAITALL.0,
                 cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_stream: Some(raw_stream_cb) },
                 user_data: (&mut done as *mut bool).cast(),
                 ..Default::default()
