@@ -7,11 +7,14 @@
 //!
 //! `cargo bench -p ucxkit-benches --bench overhead`
 
+use std::cell::Cell;
 use std::ffi::c_void;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ucx_sys as sys;
 use ucxkit_transport::{tag, Context, EndpointOptions, ErrorMode, ProgressMode, Worker};
+
+mod raw;
 
 const T: u64 = 42;
 
@@ -35,49 +38,24 @@ fn setup(mode: ProgressMode) -> Loop {
     Loop { rt, w, ep }
 }
 
-unsafe extern "C" fn raw_recv_cb(
-    _req: *mut c_void,
-    _status: sys::ucs_status_t,
-    _info: *const sys::ucp_tag_recv_info_t,
-    user: *mut c_void,
-) {
-    // SAFETY: user is the `done` flag of the loop below, alive across the call.
-    unsafe { *user.cast::<bool>() = true };
-}
-
-unsafe extern "C" fn raw_send_cb(_req: *mut c_void, _status: sys::ucs_status_t, _user: *mut c_void) {}
-
 /// One receive posted, then the matching send, both finished: raw UCX.
 fn raw_exchange(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, sbuf: &[u8], rbuf: &mut [u8]) {
-    let mut done = false;
-    let rparam = sys::ucp_request_param_t {
-        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(raw_recv_cb) },
-        user_data: (&mut done as *mut bool).cast(),
-        ..Default::default()
-    };
-    let sparam = sys::ucp_request_param_t {
-        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
-        ..Default::default()
-    };
+    let done = Cell::new(false);
     // SAFETY: worker and endpoint stay valid (held by the ucxkit handles, which make no
-    // call meanwhile); both buffers outlive the requests, which finish before return.
+    // call meanwhile); both buffers and `done` outlive the requests, which finish before
+    // return.
     unsafe {
-        let r = sys::ucp_tag_recv_nbx(w, rbuf.as_mut_ptr().cast(), rbuf.len(), T, u64::MAX, &rparam);
-        let s = sys::ucp_tag_send_nbx(ep, sbuf.as_ptr().cast(), sbuf.len(), T, &sparam);
-        if sys::UCS_PTR_IS_PTR(s) {
-            while sys::ucp_request_check_status(s) == sys::UCS_INPROGRESS {
-                sys::ucp_worker_progress(w);
-            }
-            sys::ucp_request_free(s);
-        }
-        if sys::UCS_PTR_IS_PTR(r) {
-            while !std::ptr::read_volatile(&done) {
-                sys::ucp_worker_progress(w);
-            }
-            sys::ucp_request_free(r);
-        }
+        let r = sys::ucp_tag_recv_nbx(
+            w,
+            rbuf.as_mut_ptr().cast(),
+            rbuf.len(),
+            T,
+            u64::MAX,
+            &raw::recv_param(&done),
+        );
+        let s = sys::ucp_tag_send_nbx(ep, sbuf.as_ptr().cast(), sbuf.len(), T, &raw::send_param());
+        raw::wait_send(w, s);
+        raw::wait_recv(w, r, &done);
     }
 }
 
@@ -163,7 +141,7 @@ fn am_exchange(c: &mut Criterion) {
     g.bench_function("raw", |b| {
         let sparam = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw::send_cb) },
             ..Default::default()
         };
         b.iter(|| {
@@ -224,7 +202,7 @@ fn stream_exchange(c: &mut Criterion) {
         let mut rbuf = [0u8; 8];
         let sparam = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw::send_cb) },
             ..Default::default()
         };
         b.iter(|| {

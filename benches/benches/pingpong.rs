@@ -19,7 +19,7 @@
 //! progress, pinned to the two CPUs. Per chunk the client records each round trip's
 //! time; a chunk's figure is its median, halved (one-way latency, as ucx_perftest reports).
 
-use std::ffi::c_void;
+use std::cell::Cell;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -27,6 +27,8 @@ use ucx_sys as sys;
 use ucxkit_transport::{
     tag, Context, Endpoint, EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerAddress,
 };
+
+mod raw;
 
 const PING: u64 = 0x5049_4e47;
 const PONG: u64 = 0x504f_4e47;
@@ -93,40 +95,15 @@ fn pin(cpu: usize) {
     }
 }
 
-/// Raw receive callback: sets the `done` flag passed as user data.
-unsafe extern "C" fn raw_recv_cb(
-    _req: *mut c_void,
-    _status: sys::ucs_status_t,
-    _info: *const sys::ucp_tag_recv_info_t,
-    user: *mut c_void,
-) {
-    // SAFETY: user is the `done` flag of `raw_recv`, alive until the request completes.
-    unsafe { *user.cast::<bool>() = true };
-}
-
-unsafe extern "C" fn raw_send_cb(_req: *mut c_void, _status: sys::ucs_status_t, _user: *mut c_void) {}
-
 /// A raw tag send, progressed to completion.
 ///
 /// # Safety
 /// `w` and `ep` are live, and nothing else uses the worker during the call.
 unsafe fn raw_send(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, buf: &[u8], t: u64) {
-    let param = sys::ucp_request_param_t {
-        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw_send_cb) },
-        ..Default::default()
-    };
     // SAFETY: per contract; buf outlives the request, which completes before return.
     unsafe {
-        let s = sys::ucp_tag_send_nbx(ep, buf.as_ptr().cast(), buf.len(), t, &param);
-        if sys::UCS_PTR_IS_PTR(s) {
-            while sys::ucp_request_check_status(s) == sys::UCS_INPROGRESS {
-                sys::ucp_worker_progress(w);
-            }
-            sys::ucp_request_free(s);
-        } else {
-            assert!(!sys::UCS_PTR_IS_ERR(s), "raw send failed");
-        }
+        let s = sys::ucp_tag_send_nbx(ep, buf.as_ptr().cast(), buf.len(), t, &raw::send_param());
+        raw::wait_send(w, s);
     }
 }
 
@@ -135,24 +112,19 @@ unsafe fn raw_send(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, buf: &[u8], t: u64) 
 /// # Safety
 /// As for [`raw_send`].
 unsafe fn raw_recv(w: sys::ucp_worker_h, buf: &mut [u8], t: u64) {
-    let mut done = false;
-    let param = sys::ucp_request_param_t {
-        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(raw_recv_cb) },
-        user_data: (&mut done as *mut bool).cast(),
-        ..Default::default()
-    };
+    let done = Cell::new(false);
     // SAFETY: per contract; buf and `done` outlive the request, which completes before
     // return.
     unsafe {
-        let r = sys::ucp_tag_recv_nbx(w, buf.as_mut_ptr().cast(), buf.len(), t, tag::EXACT, &param);
-        assert!(!sys::UCS_PTR_IS_ERR(r), "raw receive failed");
-        if sys::UCS_PTR_IS_PTR(r) {
-            while !std::ptr::read_volatile(&done) {
-                sys::ucp_worker_progress(w);
-            }
-            sys::ucp_request_free(r);
-        }
+        let r = sys::ucp_tag_recv_nbx(
+            w,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            t,
+            tag::EXACT,
+            &raw::recv_param(&done),
+        );
+        raw::wait_recv(w, r, &done);
     }
 }
 
