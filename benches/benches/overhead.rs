@@ -54,7 +54,7 @@ fn raw_exchange(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, sbuf: &[u8], rbuf: &mut
             &raw::recv_param(&done),
         );
         let s = sys::ucp_tag_send_nbx(ep, sbuf.as_ptr().cast(), sbuf.len(), T, &raw::send_param());
-        raw::wait_send(w, s);
+        raw::wait(w, s);
         raw::wait_recv(w, r, &done);
     }
 }

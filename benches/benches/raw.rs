@@ -21,7 +21,7 @@ unsafe extern "C" fn recv_cb(
 /// Send callback: nothing to do, the sender polls the request's status.
 pub(crate) unsafe extern "C" fn send_cb(_req: *mut c_void, _status: sys::ucs_status_t, _user: *mut c_void) {}
 
-/// Parameters of a send whose completion is polled ([`wait_send`]).
+/// Parameters of a send whose completion is polled ([`wait`]).
 pub(crate) fn send_param() -> sys::ucp_request_param_t {
     sys::ucp_request_param_t {
         op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0,
@@ -40,13 +40,15 @@ pub(crate) fn recv_param(done: &Cell<bool>) -> sys::ucp_request_param_t {
     }
 }
 
-/// Progresses `w` until the send that returned `s` finishes, then frees its request.
+/// Progresses `w` until the operation that returned `s` (a send posted with
+/// [`send_param`], or any request without a callback that sets a flag) finishes, then
+/// frees its request.
 ///
 /// # Safety
-/// `w` is live, `s` was returned by a send on it posted with [`send_param`], and nothing
-/// else uses the worker during the call.
-pub(crate) unsafe fn wait_send(w: sys::ucp_worker_h, s: sys::ucs_status_ptr_t) {
-    assert!(!sys::UCS_PTR_IS_ERR(s), "raw send failed");
+/// `w` is live, `s` was returned by an operation on it, and nothing else uses the worker
+/// during the call.
+pub(crate) unsafe fn wait(w: sys::ucp_worker_h, s: sys::ucs_status_ptr_t) {
+    assert!(!sys::UCS_PTR_IS_ERR(s), "raw operation failed");
     if sys::UCS_PTR_IS_PTR(s) {
         // SAFETY: per contract.
         unsafe {
@@ -62,7 +64,7 @@ pub(crate) unsafe fn wait_send(w: sys::ucp_worker_h, s: sys::ucs_status_ptr_t) {
 /// finishes, then frees its request.
 ///
 /// # Safety
-/// As for [`wait_send`].
+/// As for [`wait`].
 pub(crate) unsafe fn wait_recv(w: sys::ucp_worker_h, r: sys::ucs_status_ptr_t, done: &Cell<bool>) {
     assert!(!sys::UCS_PTR_IS_ERR(r), "raw receive failed");
     if sys::UCS_PTR_IS_PTR(r) {
