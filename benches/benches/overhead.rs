@@ -8,7 +8,6 @@
 //! `cargo bench -p ucxkit-benches --bench overhead`
 
 use std::cell::Cell;
-use std::ffi::c_void;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ucx_sys as sys;
@@ -89,21 +88,6 @@ fn tag_exchange(c: &mut Criterion) {
     }
 }
 
-unsafe extern "C" fn raw_am_cb(
-    arg: *mut c_void,
-    _header: *const c_void,
-    _header_len: usize,
-    _data: *mut c_void,
-    _len: usize,
-    _param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    // SAFETY: arg is the `AtomicU64` counter registered below, alive while registered.
-    unsafe {
-        (*arg.cast::<std::sync::atomic::AtomicU64>()).fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    };
-    sys::UCS_OK
-}
-
 /// An 8-byte active message sent to this worker and received: ucxkit's `AmReceiver`
 /// against a raw callback on another id that only counts.
 fn am_exchange(c: &mut Criterion) {
@@ -124,57 +108,33 @@ fn am_exchange(c: &mut Criterion) {
             })
         })
     });
-    let count = Box::new(std::sync::atomic::AtomicU64::new(0));
+    let count = Cell::new(0u64);
     let (w, ep) = (l.w.as_raw(), l.ep.as_raw());
-    let hp = sys::ucp_am_handler_param_t {
-        field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64,
-        id: 2,
-        cb: Some(raw_am_cb),
-        arg: (&*count as *const std::sync::atomic::AtomicU64).cast_mut().cast(),
-        ..Default::default()
-    };
     // SAFETY: the worker is valid and no ucxkit call runs meanwhile; the counter outlives
-    // the registration (unregistered below).
-    assert_eq!(unsafe { sys::ucp_worker_set_am_recv_handler(w, &hp) }, sys::UCS_OK);
+    // the registration (removed below).
+    unsafe { raw::count_am(w, 2, Some(&count)) };
     g.bench_function("raw", |b| {
-        let sparam = sys::ucp_request_param_t {
-            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw::send_cb) },
-            ..Default::default()
-        };
         b.iter(|| {
-            let before = count.load(std::sync::atomic::Ordering::Relaxed);
+            let before = count.get();
             // SAFETY: as in raw_exchange.
             unsafe {
-                let s = sys::ucp_am_send_nbx(ep, 2, std::ptr::null(), 0, payload.as_ptr().cast(), 8, &sparam);
-                if sys::UCS_PTR_IS_PTR(s) {
-                    while sys::ucp_request_check_status(s) == sys::UCS_INPROGRESS {
-                        sys::ucp_worker_progress(w);
-                    }
-                    sys::ucp_request_free(s);
-                }
-                while count.load(std::sync::atomic::Ordering::Relaxed) == before {
-                    sys::ucp_worker_progress(w);
-                }
+                let s = sys::ucp_am_send_nbx(
+                    ep,
+                    2,
+                    std::ptr::null(),
+                    0,
+                    payload.as_ptr().cast(),
+                    8,
+                    &raw::send_param(),
+                );
+                raw::wait(w, s);
+                raw::wait_am(w, &count, before + 1);
             }
         })
     });
-    let off = sys::ucp_am_handler_param_t { cb: None, ..hp };
     // SAFETY: as above.
-    assert_eq!(unsafe { sys::ucp_worker_set_am_recv_handler(w, &off) }, sys::UCS_OK);
+    unsafe { raw::count_am(w, 2, None) };
     g.finish();
-}
-
-unsafe extern "C" fn raw_stream_cb(
-    _req: *mut c_void,
-    _status: sys::ucs_status_t,
-    _len: usize,
-    user: *mut c_void,
-) {
-    // SAFETY: user is the `done` flag of the loop below, alive across the call.
-    unsafe { *user.cast::<bool>() = true };
 }
 
 /// 8 bytes written to this endpoint's own stream and read back exactly.
@@ -200,39 +160,21 @@ fn stream_exchange(c: &mut Criterion) {
     let (w, ep) = (l.w.as_raw(), l.ep.as_raw());
     g.bench_function("raw", |b| {
         let mut rbuf = [0u8; 8];
-        let sparam = sys::ucp_request_param_t {
-            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(raw::send_cb) },
-            ..Default::default()
-        };
         b.iter(|| {
-            let mut done = false;
-            let rparam = sys::ucp_request_param_t {
-                op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
-                    | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
-                    | sys::UCP_OP_ATTR_FIELD_FLAGS.0),
-                flags: sys::UCP_STREAM_RECV_FLAG_WAITALL.0,
-                cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_stream: Some(raw_stream_cb) },
-                user_data: (&mut done as *mut bool).cast(),
-                ..Default::default()
-            };
+            let done = Cell::new(false);
             // SAFETY: as in raw_exchange.
             unsafe {
-                let s = sys::ucp_stream_send_nbx(ep, payload.as_ptr().cast(), 8, &sparam);
-                if sys::UCS_PTR_IS_PTR(s) {
-                    while sys::ucp_request_check_status(s) == sys::UCS_INPROGRESS {
-                        sys::ucp_worker_progress(w);
-                    }
-                    sys::ucp_request_free(s);
-                }
+                let s = sys::ucp_stream_send_nbx(ep, payload.as_ptr().cast(), 8, &raw::send_param());
+                raw::wait(w, s);
                 let mut len = 0usize;
-                let r = sys::ucp_stream_recv_nbx(ep, rbuf.as_mut_ptr().cast(), 8, &mut len, &rparam);
-                if sys::UCS_PTR_IS_PTR(r) {
-                    while !std::ptr::read_volatile(&done) {
-                        sys::ucp_worker_progress(w);
-                    }
-                    sys::ucp_request_free(r);
-                }
+                let r = sys::ucp_stream_recv_nbx(
+                    ep,
+                    rbuf.as_mut_ptr().cast(),
+                    8,
+                    &mut len,
+                    &raw::stream_recv_param(&done),
+                );
+                raw::wait_recv(w, r, &done);
             }
         })
     });

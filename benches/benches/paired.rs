@@ -8,13 +8,16 @@
 //! placements, and the median of the per-pair ratios is what ucxkit costs.
 //!
 //! ```text
-//! cargo bench -p ucxkit-benches --bench paired -- [--test lat|bw] [--tls posix,self]
+//! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|stream_lat]
+//!     [--tls posix,self]
 //!     [--size 8] [--chunks 40] [--iters N] [--window 32] [--cpus 0,1] [FILTER]
 //! ```
 //!
-//! - `lat`: ping-pong; a chunk's figure is the median round trip, halved (one-way latency,
-//!   as ucx_perftest reports). Default 4000 round trips per chunk.
-//! - `bw`: the client keeps up to `--window` sends in flight (counting, as ucx_perftest
+//! - `tag_lat`, `am_lat`, `stream_lat`: ping-pong with tags, active messages (no header;
+//!   the raw side counts arrivals in a handler of its own id, so up to 1 KiB) or the
+//!   endpoint's byte stream; a chunk's figure is the median round trip, halved (one-way
+//!   latency, as ucx_perftest reports). Default 4000 round trips per chunk.
+//! - `tag_bw`: the client keeps up to `--window` sends in flight (counting, as ucx_perftest
 //!   does, only those UCX did not complete at once), the server keeps as many receives
 //!   posted, all into one buffer UCX allocated, and acknowledges each chunk; a chunk's
 //!   figure is its bandwidth, from the first send to the acknowledgement. Default: 1 GiB
@@ -44,11 +47,19 @@ const PONG: u64 = 0x504f_4e47;
 /// Which test a run pairs.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Test {
-    /// Ping-pong, one-way latency.
-    Lat,
-    /// Windowed streaming, bandwidth.
-    Bw,
+    /// Tag ping-pong, one-way latency.
+    TagLat,
+    /// Windowed tag streaming, bandwidth.
+    TagBw,
+    /// Active-message ping-pong (no header), one-way latency.
+    AmLat,
+    /// Ping-pong on the endpoint's byte stream, one-way latency.
+    StreamLat,
 }
+
+/// Largest `am_lat` message: the raw side's handler only counts arrivals, so payloads
+/// must arrive eager (rendezvous data would need fetching).
+const AM_LAT_MAX: usize = 1024;
 
 /// What the command line asks for.
 #[derive(Clone)]
@@ -65,14 +76,14 @@ struct Opts {
 fn usage(msg: &str) -> ! {
     eprintln!("paired: {msg}");
     eprintln!(
-        "usage: paired [--test lat|bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--cpus A,B] [FILTER]"
+        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--cpus A,B] [FILTER]"
     );
     std::process::exit(2);
 }
 
 fn parse_opts() -> Opts {
     let mut o = Opts {
-        test: Test::Lat,
+        test: Test::TagLat,
         tls: "posix,self".into(),
         size: 8,
         chunks: 40,
@@ -92,9 +103,11 @@ fn parse_opts() -> Opts {
         match a.as_str() {
             "--test" => {
                 o.test = match value().as_str() {
-                    "lat" => Test::Lat,
-                    "bw" => Test::Bw,
-                    t => usage(&format!("--test is lat or bw, not {t}")),
+                    "tag_lat" => Test::TagLat,
+                    "tag_bw" => Test::TagBw,
+                    "am_lat" => Test::AmLat,
+                    "stream_lat" => Test::StreamLat,
+                    t => usage(&format!("--test is tag_lat, tag_bw, am_lat or stream_lat, not {t}")),
                 }
             }
             "--tls" => o.tls = value(),
@@ -122,9 +135,12 @@ fn parse_opts() -> Opts {
     }
     if o.iters == 0 {
         o.iters = match o.test {
-            Test::Lat => 4000,
-            Test::Bw => ((1u64 << 30) / o.size.max(1) as u64).clamp(64, 20_000),
+            Test::TagBw => ((1u64 << 30) / o.size.max(1) as u64).clamp(64, 20_000),
+            _ => 4000,
         };
+    }
+    if o.test == Test::AmLat && o.size > AM_LAT_MAX {
+        usage(&format!("am_lat sizes go up to {AM_LAT_MAX} bytes"));
     }
     if o.chunks < 2 || o.window == 0 {
         usage("needs at least 2 chunks and a window of at least 1");
@@ -207,30 +223,188 @@ unsafe fn raw_post_recv(w: sys::ucp_worker_h, buf: *mut u8, len: usize, t: u64) 
     unsafe { sys::ucp_tag_recv_nbx(w, buf.cast(), len, t, tag::EXACT, &param) }
 }
 
-/// The answering side of one chunk: per round trip, one receive then one send.
-async fn serve_lat(
-    w: &Worker,
-    ep: &Endpoint,
-    raw: bool,
-    o: &Opts,
-    payload: &'static [u8],
-    buf: &mut Vec<u8>,
-) {
-    let mut raw_buf = vec![0u8; o.size];
-    for _ in 0..o.iters {
-        if raw {
-            // SAFETY: the handles are live (held by `w` and `ep`); this thread is the only
-            // user of the worker, and no ucxkit operation is pending.
-            unsafe {
-                raw_recv(w.as_raw(), &mut raw_buf, PING);
-                raw_send(w.as_raw(), ep.as_raw(), payload, PONG);
-            }
-        } else {
-            let (r, b) = w.tag_recv(PING, tag::EXACT, std::mem::take(buf)).await;
-            r.expect("ping");
-            *buf = b;
-            ep.tag_send(PONG, payload).await.0.expect("pong");
+/// The two directions of a ping-pong.
+#[derive(Clone, Copy)]
+enum Dir {
+    Ping,
+    Pong,
+}
+
+impl Dir {
+    fn tag(self) -> u64 {
+        match self {
+            Dir::Ping => PING,
+            Dir::Pong => PONG,
         }
+    }
+
+    /// Active-message id through ucxkit.
+    fn am_id(self) -> u16 {
+        match self {
+            Dir::Ping => 1,
+            Dir::Pong => 2,
+        }
+    }
+
+    /// Active-message id through raw UCX (its handler replaces ucxkit's catch-all one).
+    fn raw_am_id(self) -> u16 {
+        self.am_id() + 2
+    }
+}
+
+/// One side of a ping-pong, with what each protocol needs on both paths.
+struct PingPong {
+    w: Worker,
+    ep: Endpoint,
+    test: Test,
+    payload: &'static [u8],
+    /// Tag receive buffer (ucxkit).
+    buf: Vec<u8>,
+    /// Stream receive buffer (ucxkit).
+    stream_buf: Box<[u8]>,
+    /// Receive buffer of the raw path.
+    raw_buf: Vec<u8>,
+    /// Active messages arriving through ucxkit.
+    am: Option<ucxkit_transport::AmReceiver>,
+    /// Active messages the raw handler counted, and how many this side has taken.
+    arrived: Box<Cell<u64>>,
+    taken: u64,
+    /// The direction this side receives.
+    inbound: Dir,
+}
+
+impl PingPong {
+    fn new(w: Worker, ep: Endpoint, o: &Opts, inbound: Dir, fill: u8) -> PingPong {
+        let arrived = Box::new(Cell::new(0));
+        let am = if o.test == Test::AmLat {
+            // SAFETY: no ucxkit operation is pending and this thread is the worker's only
+            // user; the counter is unregistered in `finish` before it is dropped.
+            unsafe { raw::count_am(w.as_raw(), inbound.raw_am_id(), Some(&arrived)) };
+            Some(w.am_recv(inbound.am_id()).expect("am_recv"))
+        } else {
+            None
+        };
+        PingPong {
+            payload: Vec::leak(vec![fill; o.size]),
+            buf: Vec::with_capacity(o.size),
+            stream_buf: vec![0u8; o.size].into(),
+            raw_buf: vec![0u8; o.size],
+            am,
+            arrived,
+            taken: 0,
+            inbound,
+            test: o.test,
+            w,
+            ep,
+        }
+    }
+
+    /// Sends one message the other way from `inbound`.
+    async fn send(&mut self, raw: bool) {
+        let dir = match self.inbound {
+            Dir::Ping => Dir::Pong,
+            Dir::Pong => Dir::Ping,
+        };
+        let (w, ep, payload) = (self.w.as_raw(), self.ep.as_raw(), self.payload);
+        if raw {
+            // SAFETY: the handles are live (held by `self`); this thread is the only user of
+            // the worker, and no ucxkit operation is pending; the payload is 'static.
+            unsafe {
+                let s = match self.test {
+                    Test::AmLat => sys::ucp_am_send_nbx(
+                        ep,
+                        dir.raw_am_id().into(),
+                        std::ptr::null(),
+                        0,
+                        payload.as_ptr().cast(),
+                        payload.len(),
+                        &raw::send_param(),
+                    ),
+                    Test::StreamLat => sys::ucp_stream_send_nbx(
+                        ep,
+                        payload.as_ptr().cast(),
+                        payload.len(),
+                        &raw::send_param(),
+                    ),
+                    _ => sys::ucp_tag_send_nbx(
+                        ep,
+                        payload.as_ptr().cast(),
+                        payload.len(),
+                        dir.tag(),
+                        &raw::send_param(),
+                    ),
+                };
+                raw::wait(w, s);
+            }
+            return;
+        }
+        let r = match self.test {
+            Test::AmLat => self.ep.am_send(dir.am_id(), &[], payload).await.0,
+            Test::StreamLat => self.ep.stream_send(payload).await.0,
+            _ => self.ep.tag_send(dir.tag(), payload).await.0,
+        };
+        r.expect("send");
+    }
+
+    /// Receives one message of direction `inbound`.
+    async fn recv(&mut self, raw: bool) {
+        let w = self.w.as_raw();
+        if raw {
+            // SAFETY: as in `send`; the buffers outlive the requests, waited for here.
+            unsafe {
+                match self.test {
+                    Test::AmLat => {
+                        self.taken += 1;
+                        raw::wait_am(w, &self.arrived, self.taken);
+                    }
+                    Test::StreamLat => {
+                        let done = Cell::new(false);
+                        let mut len = 0usize;
+                        let r = sys::ucp_stream_recv_nbx(
+                            self.ep.as_raw(),
+                            self.raw_buf.as_mut_ptr().cast(),
+                            self.raw_buf.len(),
+                            &mut len,
+                            &raw::stream_recv_param(&done),
+                        );
+                        raw::wait_recv(w, r, &done);
+                    }
+                    _ => raw_recv(w, &mut self.raw_buf, self.inbound.tag()),
+                }
+            }
+            return;
+        }
+        match self.test {
+            Test::AmLat => drop(self.am.as_mut().expect("receiver").recv().await),
+            Test::StreamLat => {
+                let (r, b) = self.ep.stream_recv_exact(std::mem::take(&mut self.stream_buf)).await;
+                r.expect("stream receive");
+                self.stream_buf = b;
+            }
+            _ => {
+                let (r, b) =
+                    self.w.tag_recv(self.inbound.tag(), tag::EXACT, std::mem::take(&mut self.buf)).await;
+                r.expect("tag receive");
+                self.buf = b;
+            }
+        }
+    }
+
+    /// Unregisters the raw handler and closes the endpoint.
+    async fn finish(self) {
+        if self.test == Test::AmLat {
+            // SAFETY: as in `new`.
+            unsafe { raw::count_am(self.w.as_raw(), self.inbound.raw_am_id(), None) };
+        }
+        self.ep.close().await.ok();
+    }
+}
+
+/// The answering side of one latency chunk: per round trip, one receive then one send.
+async fn serve_lat(side: &mut PingPong, raw: bool, iters: u64) {
+    for _ in 0..iters {
+        side.recv(raw).await;
+        side.send(raw).await;
     }
 }
 
@@ -276,47 +450,27 @@ fn server(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
         let (w, ep) = connect(&o.tls, mine, theirs).await;
-        let payload: &'static [u8] = Vec::leak(vec![2u8; o.size]);
-        let mut buf = Vec::with_capacity(o.size);
         let sink = w.context().alloc(o.size.max(1)).expect("receive buffer");
+        let mut side = PingPong::new(w.clone(), ep.clone(), &o, Dir::Ping, 2);
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             match o.test {
-                Test::Lat => serve_lat(&w, &ep, is_raw(chunk), &o, payload, &mut buf).await,
-                Test::Bw => serve_bw(&w, &ep, is_raw(chunk), &o, &sink).await,
+                Test::TagBw => serve_bw(&w, &ep, is_raw(chunk), &o, &sink).await,
+                _ => serve_lat(&mut side, is_raw(chunk), o.iters).await,
             }
         }
-        ep.close().await.ok();
+        drop(ep);
+        side.finish().await;
     });
 }
 
 /// One latency chunk: per round trip, one send then one receive; the median one-way
 /// latency in ns.
-async fn measure_lat(
-    w: &Worker,
-    ep: &Endpoint,
-    raw: bool,
-    o: &Opts,
-    payload: &'static [u8],
-    buf: &mut Vec<u8>,
-) -> f64 {
-    let mut raw_buf = vec![0u8; o.size];
-    let mut times = Vec::with_capacity(o.iters as usize);
+async fn measure_lat(side: &mut PingPong, raw: bool, iters: u64) -> f64 {
+    let mut times = Vec::with_capacity(iters as usize);
     let mut last = Instant::now();
-    for _ in 0..o.iters {
-        if raw {
-            // SAFETY: as in `serve_lat`.
-            unsafe {
-                raw_send(w.as_raw(), ep.as_raw(), payload, PING);
-                raw_recv(w.as_raw(), &mut raw_buf, PONG);
-            }
-        } else {
-            let send = ep.tag_send(PING, payload);
-            let recv = w.tag_recv(PONG, tag::EXACT, std::mem::take(buf));
-            send.await.0.expect("ping");
-            let (r, b) = recv.await;
-            r.expect("pong");
-            *buf = b;
-        }
+    for _ in 0..iters {
+        side.send(raw).await;
+        side.recv(raw).await;
         let now = Instant::now();
         times.push((now - last).as_nanos() as u64);
         last = now;
@@ -379,20 +533,20 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
         let (w, ep) = connect(&o.tls, mine, theirs).await;
-        let payload: &'static [u8] = Vec::leak(vec![1u8; o.size]);
-        let mut buf = Vec::with_capacity(o.size);
+        let mut side = PingPong::new(w.clone(), ep.clone(), &o, Dir::Pong, 1);
         let source = w.context().alloc(o.size.max(1)).expect("send buffer");
         for at in (0..o.size).step_by(4096) {
-            source.write_at(at, &payload[at..o.size.min(at + 4096)]);
+            source.write_at(at, &side.payload[at..o.size.min(at + 4096)]);
         }
         let mut figures = Vec::with_capacity(o.chunks as usize);
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             figures.push(match o.test {
-                Test::Lat => measure_lat(&w, &ep, is_raw(chunk), &o, payload, &mut buf).await,
-                Test::Bw => measure_bw(&w, &ep, is_raw(chunk), &o, &source).await,
+                Test::TagBw => measure_bw(&w, &ep, is_raw(chunk), &o, &source).await,
+                _ => measure_lat(&mut side, is_raw(chunk), o.iters).await,
             });
         }
-        ep.close().await.ok();
+        drop(ep);
+        side.finish().await;
         figures
     })
 }
@@ -420,8 +574,10 @@ fn main() {
     }
     let (lo, hi) = ratios.iter().fold((f64::MAX, f64::MIN), |(l, h), &r| (l.min(r), h.max(r)));
     let (what, unit, chunk) = match o.test {
-        Test::Lat => ("tag ping-pong", "one-way latency (ns)", "round trips"),
-        Test::Bw => ("tag streaming", "bandwidth (MiB/s)", "messages"),
+        Test::TagLat => ("tag ping-pong", "one-way latency (ns)", "round trips"),
+        Test::AmLat => ("active-message ping-pong", "one-way latency (ns)", "round trips"),
+        Test::StreamLat => ("stream ping-pong", "one-way latency (ns)", "round trips"),
+        Test::TagBw => ("tag streaming", "bandwidth (MiB/s)", "messages"),
     };
     println!(
         "{what}, {} B over {}, cpus {},{}: {} pairs of chunks of {} {chunk}",

@@ -78,3 +78,75 @@ pub(crate) unsafe fn wait_recv(w: sys::ucp_worker_h, r: sys::ucs_status_ptr_t, d
         }
     }
 }
+
+/// Stream receive callback: sets the `Cell<bool>` passed as user data.
+unsafe extern "C" fn stream_recv_cb(
+    _req: *mut c_void,
+    _status: sys::ucs_status_t,
+    _len: usize,
+    user: *mut c_void,
+) {
+    // SAFETY: user is the flag given to `stream_recv_param`, which outlives the request.
+    unsafe { (*user.cast::<Cell<bool>>()).set(true) };
+}
+
+/// Parameters of a stream receive of exactly the buffer's length (`WAITALL`) whose
+/// callback sets `done` ([`wait_recv`]).
+pub(crate) fn stream_recv_param(done: &Cell<bool>) -> sys::ucp_request_param_t {
+    sys::ucp_request_param_t {
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0
+            | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
+            | sys::UCP_OP_ATTR_FIELD_FLAGS.0,
+        flags: sys::UCP_STREAM_RECV_FLAG_WAITALL.0,
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_stream: Some(stream_recv_cb) },
+        user_data: (done as *const Cell<bool>).cast_mut().cast(),
+        ..Default::default()
+    }
+}
+
+/// Active-message callback: counts arrivals in the `Cell<u64>` registered as its
+/// argument (payloads of the benchmarks' sizes arrive eager and need no other handling).
+unsafe extern "C" fn am_count_cb(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_len: usize,
+    _data: *mut c_void,
+    _len: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: arg is the counter given to `count_am`, registered only while it lives.
+    unsafe { (*arg.cast::<Cell<u64>>()).set((*arg.cast::<Cell<u64>>()).get() + 1) };
+    sys::UCS_OK
+}
+
+/// Registers (`Some`) or removes (`None`) a handler for active-message `id` on `w` that
+/// counts arrivals in `counter`.
+///
+/// # Safety
+/// `w` is live and nothing else uses it during the call; a registered counter outlives
+/// its registration.
+pub(crate) unsafe fn count_am(w: sys::ucp_worker_h, id: u16, counter: Option<&Cell<u64>>) {
+    let param = sys::ucp_am_handler_param_t {
+        field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64,
+        id: id.into(),
+        cb: if counter.is_some() { Some(am_count_cb) } else { None },
+        arg: counter.map_or(std::ptr::null_mut(), |c| (c as *const Cell<u64>).cast_mut().cast()),
+        ..Default::default()
+    };
+    // SAFETY: per contract.
+    let status = unsafe { sys::ucp_worker_set_am_recv_handler(w, &param) };
+    assert_eq!(status, sys::UCS_OK, "registering an active-message handler failed");
+}
+
+/// Progresses `w` until `counter` reaches `at_least`.
+///
+/// # Safety
+/// As for [`wait`]; `counter` is registered with [`count_am`] on `w`.
+pub(crate) unsafe fn wait_am(w: sys::ucp_worker_h, counter: &Cell<u64>, at_least: u64) {
+    while counter.get() < at_least {
+        // SAFETY: per contract.
+        unsafe { sys::ucp_worker_progress(w) };
+    }
+}
