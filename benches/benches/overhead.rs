@@ -44,15 +44,8 @@ fn raw_exchange(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, sbuf: &[u8], rbuf: &mut
     // call meanwhile); both buffers and `done` outlive the requests, which finish before
     // return.
     unsafe {
-        let r = sys::ucp_tag_recv_nbx(
-            w,
-            rbuf.as_mut_ptr().cast(),
-            rbuf.len(),
-            T,
-            u64::MAX,
-            &raw::recv_param(&done),
-        );
-        let s = sys::ucp_tag_send_nbx(ep, sbuf.as_ptr().cast(), sbuf.len(), T, &raw::send_param());
+        let r = raw::post_tag_recv(w, rbuf.as_mut_ptr(), rbuf.len(), T, Some(&done));
+        let s = raw::post_tag_send(ep, sbuf.as_ptr(), sbuf.len(), T);
         raw::wait(w, s);
         raw::wait_recv(w, r, &done);
     }

@@ -154,39 +154,6 @@ fn pin(cpu: usize) {
     }
 }
 
-/// A raw tag send, progressed to completion.
-///
-/// # Safety
-/// `w` and `ep` are live, and nothing else uses the worker during the call.
-unsafe fn raw_send(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, buf: &[u8], t: u64) {
-    // SAFETY: per contract; buf outlives the request, which completes before return.
-    unsafe {
-        let s = sys::ucp_tag_send_nbx(ep, buf.as_ptr().cast(), buf.len(), t, &raw::send_param());
-        raw::wait(w, s);
-    }
-}
-
-/// A raw tag receive, progressed to completion.
-///
-/// # Safety
-/// As for [`raw_send`].
-unsafe fn raw_recv(w: sys::ucp_worker_h, buf: &mut [u8], t: u64) {
-    let done = Cell::new(false);
-    // SAFETY: per contract; buf and `done` outlive the request, which completes before
-    // return.
-    unsafe {
-        let r = sys::ucp_tag_recv_nbx(
-            w,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            t,
-            tag::EXACT,
-            &raw::recv_param(&done),
-        );
-        raw::wait_recv(w, r, &done);
-    }
-}
-
 /// A worker on this thread's runtime and an endpoint to the other thread's worker.
 async fn connect(
     tls: &str,
@@ -209,18 +176,6 @@ const WARMUP_CHUNKS: u64 = 2;
 /// Even chunks go through ucxkit, odd ones through raw UCX.
 fn is_raw(chunk: u64) -> bool {
     chunk % 2 == 1
-}
-
-/// A tag receive into `buf` without a callback, for [`raw::wait`]: the request pointer,
-/// or a status if it completed at once.
-///
-/// # Safety
-/// `w` is live and nothing else uses it during the call; `buf` stays valid for `len`
-/// bytes until the request completes.
-unsafe fn raw_post_recv(w: sys::ucp_worker_h, buf: *mut u8, len: usize, t: u64) -> sys::ucs_status_ptr_t {
-    let param = sys::ucp_request_param_t::default();
-    // SAFETY: per contract.
-    unsafe { sys::ucp_tag_recv_nbx(w, buf.cast(), len, t, tag::EXACT, &param) }
 }
 
 /// The two directions of a ping-pong.
@@ -326,13 +281,7 @@ impl PingPong {
                         payload.len(),
                         &raw::send_param(),
                     ),
-                    _ => sys::ucp_tag_send_nbx(
-                        ep,
-                        payload.as_ptr().cast(),
-                        payload.len(),
-                        dir.tag(),
-                        &raw::send_param(),
-                    ),
+                    _ => raw::post_tag_send(ep, payload.as_ptr(), payload.len(), dir.tag()),
                 };
                 raw::wait(w, s);
             }
@@ -369,7 +318,7 @@ impl PingPong {
                         );
                         raw::wait_recv(w, r, &done);
                     }
-                    _ => raw_recv(w, &mut self.raw_buf, self.inbound.tag()),
+                    _ => raw::tag_recv(w, &mut self.raw_buf, self.inbound.tag()),
                 }
             }
             return;
@@ -419,15 +368,15 @@ async fn serve_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, sink: &MemRegi
         // before this returns.
         unsafe {
             for _ in 0..n.min(o.window) {
-                posted.push_back(raw_post_recv(w.as_raw(), ptr, o.size, PING));
+                posted.push_back(raw::post_tag_recv(w.as_raw(), ptr, o.size, PING, None));
             }
             for i in 0..n {
                 raw::wait(w.as_raw(), posted.pop_front().expect("posted"));
                 if i + o.window < n {
-                    posted.push_back(raw_post_recv(w.as_raw(), ptr, o.size, PING));
+                    posted.push_back(raw::post_tag_recv(w.as_raw(), ptr, o.size, PING, None));
                 }
             }
-            raw_send(w.as_raw(), ep.as_raw(), b"ack", PONG);
+            raw::wait(w.as_raw(), raw::post_tag_send(ep.as_raw(), b"ack".as_ptr(), 3, PONG));
         }
     } else {
         let mut posted = VecDeque::with_capacity(o.window);
@@ -494,7 +443,7 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
                 if inflight.len() == o.window {
                     raw::wait(w.as_raw(), inflight.pop_front().expect("in flight"));
                 }
-                let s = sys::ucp_tag_send_nbx(ep.as_raw(), ptr.cast(), o.size, PING, &raw::send_param());
+                let s = raw::post_tag_send(ep.as_raw(), ptr, o.size, PING);
                 assert!(!sys::UCS_PTR_IS_ERR(s), "raw send failed");
                 if sys::UCS_PTR_IS_PTR(s) {
                     inflight.push_back(s);
@@ -503,7 +452,7 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
             while let Some(s) = inflight.pop_front() {
                 raw::wait(w.as_raw(), s);
             }
-            raw_recv(w.as_raw(), &mut ack, PONG);
+            raw::tag_recv(w.as_raw(), &mut ack, PONG);
         }
     } else {
         let mut inflight = VecDeque::with_capacity(o.window);
@@ -535,9 +484,7 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
         let (w, ep) = connect(&o.tls, mine, theirs).await;
         let mut side = PingPong::new(w.clone(), ep.clone(), &o, Dir::Pong, 1);
         let source = w.context().alloc(o.size.max(1)).expect("send buffer");
-        for at in (0..o.size).step_by(4096) {
-            source.write_at(at, &side.payload[at..o.size.min(at + 4096)]);
-        }
+        source.write_at(0, side.payload);
         let mut figures = Vec::with_capacity(o.chunks as usize);
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             figures.push(match o.test {

@@ -1,6 +1,9 @@
 //! Raw UCX tag operations for the benchmarks that time ucxkit against plain `ucp_*` calls
 //! on the same worker: request parameters, callbacks, and waits that progress the worker
-//! until a request finishes.
+//! until a request finishes. Each benchmark binary includes this module and uses part of
+//! it.
+
+#![allow(dead_code)]
 
 use std::cell::Cell;
 use std::ffi::c_void;
@@ -31,12 +34,60 @@ pub(crate) fn send_param() -> sys::ucp_request_param_t {
 }
 
 /// Parameters of a tag receive whose callback sets `done` ([`wait_recv`]).
-pub(crate) fn recv_param(done: &Cell<bool>) -> sys::ucp_request_param_t {
+fn recv_param(done: &Cell<bool>) -> sys::ucp_request_param_t {
     sys::ucp_request_param_t {
         op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
         cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(recv_cb) },
         user_data: (done as *const Cell<bool>).cast_mut().cast(),
         ..Default::default()
+    }
+}
+
+/// Posts a send of `len` bytes at `buf` with `tag` on `ep`, its completion polled with
+/// [`wait`].
+///
+/// # Safety
+/// `ep` is live, nothing else uses its worker during the call, and `buf` stays valid for
+/// `len` bytes until the send completes.
+pub(crate) unsafe fn post_tag_send(
+    ep: sys::ucp_ep_h,
+    buf: *const u8,
+    len: usize,
+    tag: u64,
+) -> sys::ucs_status_ptr_t {
+    // SAFETY: per contract.
+    unsafe { sys::ucp_tag_send_nbx(ep, buf.cast(), len, tag, &send_param()) }
+}
+
+/// Posts a receive of a message with exactly `tag` into `len` bytes at `buf`. With `done`,
+/// its callback sets the flag ([`wait_recv`]); without, its completion is polled
+/// ([`wait`]).
+///
+/// # Safety
+/// `w` is live, nothing else uses it during the call, and `buf` (and `done`) stay valid
+/// until the receive completes.
+pub(crate) unsafe fn post_tag_recv(
+    w: sys::ucp_worker_h,
+    buf: *mut u8,
+    len: usize,
+    tag: u64,
+    done: Option<&Cell<bool>>,
+) -> sys::ucs_status_ptr_t {
+    let param = done.map_or_else(sys::ucp_request_param_t::default, recv_param);
+    // SAFETY: per contract.
+    unsafe { sys::ucp_tag_recv_nbx(w, buf.cast(), len, tag, u64::MAX, &param) }
+}
+
+/// Receives a message with exactly `tag` into `buf`, progressing `w` until it arrives.
+///
+/// # Safety
+/// `w` is live and nothing else uses it during the call.
+pub(crate) unsafe fn tag_recv(w: sys::ucp_worker_h, buf: &mut [u8], tag: u64) {
+    let done = Cell::new(false);
+    // SAFETY: per contract; buf and `done` outlive the receive, waited for here.
+    unsafe {
+        let r = post_tag_recv(w, buf.as_mut_ptr(), buf.len(), tag, Some(&done));
+        wait_recv(w, r, &done);
     }
 }
 
