@@ -112,7 +112,7 @@ impl Endpoint {
         });
         let state = OpState::from_posted(posted, buf);
         // The remote key is needed only while the get may still be reading through it.
-        let keep = matches!(state, OpState::Pending(..)).then(|| key.keep());
+        let keep = (!state.completed_immediately()).then(|| key.keep());
         RecvOp::new(Some(self.worker().clone()), Some(self.clone()), "get", Some(len), state, keep)
     }
 
