@@ -10,13 +10,17 @@
 //! ```text
 //! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|stream_lat]
 //!     [--tls posix,self]
-//!     [--size 8] [--chunks 40] [--iters N] [--window 32] [--cpus 0,1] [FILTER]
+//!     [--size 8] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1] [FILTER]
 //! ```
 //!
 //! - `tag_lat`, `am_lat`, `stream_lat`: ping-pong with tags, active messages (no header;
 //!   the raw side counts arrivals in a handler of its own id, so up to 1 KiB) or the
 //!   endpoint's byte stream; a chunk's figure is the median round trip, halved (one-way
 //!   latency, as ucx_perftest reports). Default 4000 round trips per chunk.
+//!   With `--pause-us N` the client waits N µs before each round trip (not timed), so
+//!   the answering side waits that long for each message: longer than a busy-poll
+//!   future spins, it yields to tokio meanwhile, and the figure then shows how soon a
+//!   future that yielded notices its message. Default then: chunks of about 0.1 s.
 //! - `tag_bw`: the client keeps up to `--window` sends in flight (counting, as ucx_perftest
 //!   does, only those UCX did not complete at once), the server keeps as many receives
 //!   posted, all into one buffer UCX allocated, and acknowledges each chunk; a chunk's
@@ -32,7 +36,7 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::mpsc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ucx_sys as sys;
 use ucxkit_transport::{
@@ -70,13 +74,15 @@ struct Opts {
     chunks: u64,
     iters: u64,
     window: usize,
+    /// Latency tests: the client's wait before each round trip.
+    pause: Duration,
     cpus: [usize; 2],
 }
 
 fn usage(msg: &str) -> ! {
     eprintln!("paired: {msg}");
     eprintln!(
-        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--cpus A,B] [FILTER]"
+        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [FILTER]"
     );
     std::process::exit(2);
 }
@@ -89,6 +95,7 @@ fn parse_opts() -> Opts {
         chunks: 40,
         iters: 0,
         window: 32,
+        pause: Duration::ZERO,
         cpus: [0, 1],
     };
     let mut args = std::env::args().skip(1);
@@ -115,6 +122,7 @@ fn parse_opts() -> Opts {
             "--size" => o.size = number(value()) as usize,
             "--chunks" => o.chunks = number(value()),
             "--iters" => o.iters = number(value()),
+            "--pause-us" => o.pause = Duration::from_micros(number(value())),
             "--cpus" => {
                 let v = value();
                 let c: Vec<usize> = v.split(',').filter_map(|x| x.parse().ok()).collect();
@@ -136,11 +144,15 @@ fn parse_opts() -> Opts {
     if o.iters == 0 {
         o.iters = match o.test {
             Test::TagBw => ((1u64 << 30) / o.size.max(1) as u64).clamp(64, 20_000),
+            _ if !o.pause.is_zero() => (100_000 / (o.pause.as_micros() as u64 + 1)).clamp(50, 4000),
             _ => 4000,
         };
     }
     if o.test == Test::AmLat && o.size > AM_LAT_MAX {
         usage(&format!("am_lat sizes go up to {AM_LAT_MAX} bytes"));
+    }
+    if o.test == Test::TagBw && !o.pause.is_zero() {
+        usage("--pause-us is for the latency tests");
     }
     if o.chunks < 2 || o.window == 0 {
         usage("needs at least 2 chunks and a window of at least 1");
@@ -413,11 +425,18 @@ fn server(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
 }
 
 /// One latency chunk: per round trip, one send then one receive; the median one-way
-/// latency in ns.
-async fn measure_lat(side: &mut PingPong, raw: bool, iters: u64) -> f64 {
+/// latency in ns. With a `pause`, each round trip starts after it (and is timed from
+/// then); without, each is timed from the end of the previous one (one clock read).
+async fn measure_lat(side: &mut PingPong, raw: bool, iters: u64, pause: Duration) -> f64 {
     let mut times = Vec::with_capacity(iters as usize);
     let mut last = Instant::now();
     for _ in 0..iters {
+        if !pause.is_zero() {
+            while last.elapsed() < pause {
+                std::hint::spin_loop();
+            }
+            last = Instant::now();
+        }
         side.send(raw).await;
         side.recv(raw).await;
         let now = Instant::now();
@@ -489,7 +508,7 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             figures.push(match o.test {
                 Test::TagBw => measure_bw(&w, &ep, is_raw(chunk), &o, &source).await,
-                _ => measure_lat(&mut side, is_raw(chunk), o.iters).await,
+                _ => measure_lat(&mut side, is_raw(chunk), o.iters, o.pause).await,
             });
         }
         drop(ep);
@@ -526,8 +545,13 @@ fn main() {
         Test::StreamLat => ("stream ping-pong", "one-way latency (ns)", "round trips"),
         Test::TagBw => ("tag streaming", "bandwidth (MiB/s)", "messages"),
     };
+    let paused = if o.pause.is_zero() {
+        String::new()
+    } else {
+        format!(", each after a {} µs pause", o.pause.as_micros())
+    };
     println!(
-        "{what}, {} B over {}, cpus {},{}: {} pairs of chunks of {} {chunk}",
+        "{what}, {} B over {}, cpus {},{}: {} pairs of chunks of {} {chunk}{paused}",
         o.size,
         o.tls,
         o.cpus[0],

@@ -7,7 +7,7 @@
 //! fd (`ucp_worker_get_efd`) turns readable. No core is used while idle.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +48,9 @@ pub(crate) struct Signal {
     stop: AtomicBool,
     sleeping: AtomicBool,
     notify: Notify,
+    /// Bumped by a busy-poll future each time it gives up its spin and yields to tokio
+    /// (see [`Signal::future_yielded`]).
+    yields: AtomicU32,
 }
 
 impl Signal {
@@ -64,6 +67,15 @@ impl Signal {
         if self.sleeping.load(Ordering::Acquire) {
             self.notify.notify_one();
         }
+    }
+
+    /// Tells the driver that a busy-poll future spun without its result and yielded,
+    /// waking itself. The driver then steps aside for one turn instead of spinning: on a
+    /// current-thread runtime a task that keeps waking itself is run up to 61 times
+    /// before `block_on` polls its future again, which made every such yield cost the
+    /// waiting future several microseconds.
+    pub(crate) fn future_yielded(&self) {
+        self.yields.fetch_add(1, Ordering::Relaxed);
     }
 
     fn is_stopped(&self) -> bool {
@@ -210,7 +222,18 @@ async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) {
     }
     let mut last = std::time::Instant::now();
     let mut rounds = 0u32;
+    let mut yields = signal.yields.load(Ordering::Relaxed);
     while !signal.is_stopped() {
+        let y = signal.yields.load(Ordering::Relaxed);
+        if y != yields {
+            // A future that progresses the worker itself is waiting to be polled again:
+            // let it run first (`yield_now` lets the runtime's queue drain), rather
+            // than spinning ahead of it.
+            yields = y;
+            last = std::time::Instant::now();
+            tokio::task::yield_now().await;
+            continue;
+        }
         if inner.locked(|st| inner.progress_locked(st)) > 0 {
             last = std::time::Instant::now();
             // Something happened: let the runtime poll everything, the future `block_on`

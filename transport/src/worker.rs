@@ -1055,6 +1055,7 @@ impl WorkerInner {
                         return Poll::Ready(t);
                     }
                 }
+                self.signal.future_yielded();
                 cx.waker().wake_by_ref();
                 Poll::Pending
             }
