@@ -181,70 +181,73 @@ impl Endpoint {
 const HOLD_MIN: usize = 2048;
 
 /// Headers and eager payloads up to this long are copied into the message itself, not
-/// into a heap buffer (22: a [`Small`] then takes no more room than a `Vec`).
-const INLINE_MAX: usize = 22;
+/// into a heap buffer (23: a [`Small`] then takes as much room as a `Vec`).
+const INLINE_MAX: usize = 23;
 
-/// Up to [`INLINE_MAX`] bytes kept in place.
+/// Up to [`INLINE_MAX`] bytes kept in place: three words, the bytes in order (little
+/// endian) and the length in the last byte.
+///
+/// Built in registers and moved as whole words. A message moves from UCX's callback
+/// through the receive queue and several futures to its receiver, and a byte array
+/// filled by overlapping partial copies, then read back whole, defeats the processor's
+/// store-to-load forwarding at every move; those stalls were most of the time taken to
+/// hand a short message out.
 #[derive(Clone, Copy)]
 struct Small {
-    len: u8,
-    bytes: [u8; INLINE_MAX],
+    words: [u64; 3],
 }
 
+const _: () = assert!(std::mem::size_of::<Small>() == std::mem::size_of::<Vec<u8>>());
+
 impl Small {
-    /// A copy of `src` (at most [`INLINE_MAX`] bytes). Made of two fixed-size copies
-    /// that may overlap (the first and the last 8, 4, 2 or 1 bytes, or 16 and the last
-    /// 8 above 16 bytes), not a call to `memcpy` with a variable length: this runs for
-    /// every short active message, inside UCX's callback. Bytes past `len` are zero.
+    /// A copy of `src` (at most [`INLINE_MAX`] bytes): at most three loads (the first
+    /// bytes and the last ones, which may overlap), shifted into place, never a read
+    /// outside `src`. This runs for every short active message, inside UCX's callback.
     ///
     /// # Safety
     /// `src` is readable for `len <= INLINE_MAX` bytes (it may be null when `len` is 0).
     #[inline]
     unsafe fn copy(src: *const u8, len: usize) -> Small {
         debug_assert!(len <= INLINE_MAX);
-        /// Copies `N` bytes from `src + at` to `dst + at`, unaligned.
+        /// `N` bytes at `src + at`, as a little-endian number.
         ///
         /// # Safety
-        /// Both ranges are valid.
+        /// The range is readable.
         #[inline(always)]
-        unsafe fn chunk<const N: usize>(src: *const u8, dst: *mut u8, at: usize) {
+        unsafe fn load<const N: usize>(src: *const u8, at: usize) -> u64 {
             // SAFETY: per contract.
-            unsafe {
-                let v = std::ptr::read_unaligned(src.add(at).cast::<[u8; N]>());
-                std::ptr::write_unaligned(dst.add(at).cast::<[u8; N]>(), v);
-            }
+            let b = unsafe { std::ptr::read_unaligned(src.add(at).cast::<[u8; N]>()) };
+            let mut w = [0u8; 8];
+            w[..N].copy_from_slice(&b);
+            u64::from_le_bytes(w)
         }
-        let mut bytes = [0u8; INLINE_MAX];
-        let dst = bytes.as_mut_ptr();
-        // SAFETY: per contract src has len readable bytes, and bytes has room for
-        // INLINE_MAX >= len; each arm reads and writes within [0, len) only.
-        unsafe {
+        // The bytes [len - N, len) as loaded, moved up to their place in a word that
+        // starts at `base`: byte len - N + i goes to byte len - N + i - base.
+        let up = |v: u64, n: usize, base: usize| v << (8 * (len - n - base));
+        let down = |v: u64, n: usize, base: usize| v >> (8 * (base + n - len));
+        // SAFETY: per contract src has len readable bytes; each load reads within
+        // [0, len) only.
+        let [w0, w1, w2] = unsafe {
             match len {
-                0 => {}
-                1 => chunk::<1>(src, dst, 0),
-                2..=3 => {
-                    chunk::<2>(src, dst, 0);
-                    chunk::<2>(src, dst, len - 2);
-                }
-                4..=7 => {
-                    chunk::<4>(src, dst, 0);
-                    chunk::<4>(src, dst, len - 4);
-                }
-                8..=16 => {
-                    chunk::<8>(src, dst, 0);
-                    chunk::<8>(src, dst, len - 8);
-                }
-                _ => {
-                    chunk::<16>(src, dst, 0);
-                    chunk::<8>(src, dst, len - 8);
-                }
+                0 => [0, 0, 0],
+                1 => [load::<1>(src, 0), 0, 0],
+                2..=3 => [load::<2>(src, 0) | up(load::<2>(src, len - 2), 2, 0), 0, 0],
+                4..=7 => [load::<4>(src, 0) | up(load::<4>(src, len - 4), 4, 0), 0, 0],
+                8 => [load::<8>(src, 0), 0, 0],
+                9..=16 => [load::<8>(src, 0), down(load::<8>(src, len - 8), 8, 8), 0],
+                _ => [load::<8>(src, 0), load::<8>(src, 8), down(load::<8>(src, len - 8), 8, 16)],
             }
-        }
-        Small { len: len as u8, bytes }
+        };
+        Small { words: [w0.to_le(), w1.to_le(), (w2 | (len as u64) << 56).to_le()] }
+    }
+
+    fn len(&self) -> usize {
+        (u64::from_le(self.words[2]) >> 56) as usize
     }
 
     fn as_slice(&self) -> &[u8] {
-        &self.bytes[..self.len as usize]
+        // SAFETY: the words are 24 initialized bytes, the first len (<= 23) of them data.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len()) }
     }
 }
 
@@ -540,7 +543,7 @@ impl Incoming {
         match &self.payload {
             Payload::Eager(v) => v.len(),
             Payload::Held { len, .. } => *len,
-            Payload::Inline(s) => s.len as usize,
+            Payload::Inline(s) => s.len(),
             _ => 0,
         }
     }
@@ -982,7 +985,7 @@ impl AmMessage {
     /// Payload length in bytes.
     pub fn len(&self) -> usize {
         match &self.payload {
-            Payload::Inline(s) => s.len as usize,
+            Payload::Inline(s) => s.len(),
             Payload::Eager(v) => v.len(),
             Payload::Held { len, .. } | Payload::Rndv { len, .. } => *len,
             Payload::Gone => 0,
@@ -1067,21 +1070,23 @@ impl AmMessage {
             match payload {
                 Payload::Inline(s) => {
                     // SAFETY: buf has room for `capacity >= len` bytes; s is ours.
-                    unsafe { std::ptr::copy_nonoverlapping(s.bytes.as_ptr(), buf.stable_mut_ptr(), len) };
-                    OpState::Done(Completion { len, ..Completion::OK }, buf)
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(s.as_slice().as_ptr(), buf.stable_mut_ptr(), len)
+                    };
+                    OpState::Done(Completion::ok(len), buf)
                 }
                 Payload::Eager(v) => {
                     // SAFETY: buf has room for `capacity >= len` bytes; v is a separate
                     // allocation.
                     unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), buf.stable_mut_ptr(), len) };
-                    OpState::Done(Completion { len, ..Completion::OK }, buf)
+                    OpState::Done(Completion::ok(len), buf)
                 }
                 Payload::Held { desc, len, owner } => {
                     // SAFETY: buf has room for `capacity >= len` bytes; the held buffer
                     // is UCX's, readable for len bytes until released just below.
                     unsafe { std::ptr::copy_nonoverlapping(desc.cast::<u8>(), buf.stable_mut_ptr(), len) };
                     release_data(&owner, desc);
-                    OpState::Done(Completion { len, ..Completion::OK }, buf)
+                    OpState::Done(Completion::ok(len), buf)
                 }
                 Payload::Gone => OpState::Done(Completion::OK, buf),
                 Payload::Rndv { desc, len, owner } => {
@@ -1114,7 +1119,7 @@ impl AmMessage {
                         // owned by the future until UCX completes (parked on drop).
                         let p =
                             unsafe { sys::ucp_am_recv_data_nbx(st.handle, desc, ptr.cast(), len, &param) };
-                        let posted = Posted::from_ptr(p, Completion { len, ..Completion::OK }, false);
+                        let posted = Posted::from_ptr(p, Completion::ok(len), false);
                         if let (Posted::Pending(r), Some(ep)) = (&posted, bind) {
                             r.bind(st, ep, OpKind::Finish);
                         }
@@ -1176,7 +1181,10 @@ mod tests {
             // SAFETY: exact has len readable bytes.
             let s = unsafe { Small::copy(exact.as_ptr(), len) };
             assert_eq!(s.as_slice(), &src[..len], "length {len}");
-            assert!(s.bytes[len..].iter().all(|&b| b == 0), "length {len}: bytes past the end");
+            assert_eq!(s.len(), len);
+            // SAFETY: the words are 24 initialized bytes.
+            let all = unsafe { std::slice::from_raw_parts(s.words.as_ptr().cast::<u8>(), 24) };
+            assert!(all[len..INLINE_MAX].iter().all(|&b| b == 0), "length {len}: bytes past the end");
         }
         // SAFETY: length 0 reads nothing, even from null.
         assert!(unsafe { Small::copy(std::ptr::null(), 0) }.as_slice().is_empty());

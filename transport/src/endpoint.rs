@@ -438,10 +438,10 @@ impl Endpoint {
     /// Maps a completion of an operation on this endpoint to a result; a cancellation
     /// caused by the endpoint's failure becomes [`Error::ConnectionReset`].
     pub(crate) fn result_of(&self, op: &'static str, c: Completion) -> Result<()> {
-        if c.status.is_ok() {
+        if c.status().is_ok() {
             return Ok(());
         }
-        Err(self.error_of(op, c.status))
+        Err(self.error_of(op, c.status()))
     }
 
     /// The error for a failed operation on this endpoint.
@@ -609,10 +609,10 @@ impl Endpoint {
             None => Ok(()),
             Some(p) => {
                 let c = wait_unbuffered(&self.inner.worker, p, Some(id)).await;
-                if c.status.is_ok() || c.status.is_peer_failure() {
+                if c.status().is_ok() || c.status().is_peer_failure() {
                     Ok(())
                 } else {
-                    Err(Error::from_op("close", &self.inner.peer, c.status))
+                    Err(Error::from_op("close", &self.inner.peer, c.status()))
                 }
             }
         }

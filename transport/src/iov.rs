@@ -211,7 +211,7 @@ impl<B: IoBufMut> Future for TagRecvIov<B> {
             Poll::Ready(Err((e, (b, _)))) => return Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, (b, _)))) => (c, b),
         };
-        if c.status.is_ok() {
+        if c.status().is_ok() {
             let mut left = c.len;
             for b in &mut bufs {
                 let n = left.min(b.bytes_total());
@@ -222,10 +222,10 @@ impl<B: IoBufMut> Future for TagRecvIov<B> {
             }
             return Poll::Ready((Ok(TagInfo { sender_tag: c.sender_tag, len: c.len }), bufs));
         }
-        let e = if c.status == Status::TRUNCATED {
+        let e = if c.status() == Status::TRUNCATED {
             Error::Truncated { capacity: this.capacity, len: c.len.max(this.capacity), tag: c.sender_tag }
         } else {
-            crate::op::op_error(this.ep.as_ref(), "tag_recv", c.status)
+            crate::op::op_error(this.ep.as_ref(), "tag_recv", c.status())
         };
         Poll::Ready((Err(e), bufs))
     }
@@ -273,8 +273,8 @@ impl<B: IoBuf> Future for PutIov<B> {
             }
             match part.poll(Some(&this.ep.worker().shared), cx) {
                 Poll::Pending => pending = true,
-                Poll::Ready(Ok((c, ()))) if !c.status.is_ok() && this.status.is_ok() => {
-                    this.status = c.status
+                Poll::Ready(Ok((c, ()))) if !c.status().is_ok() && this.status.is_ok() => {
+                    this.status = c.status()
                 }
                 Poll::Ready(_) => {}
             }

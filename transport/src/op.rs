@@ -169,7 +169,7 @@ impl<B: Send + 'static> SendOp<B> {
     ) -> SendOp<B> {
         let state = OpState::from_posted(posted, buf);
         let (ep, extra) = match state {
-            OpState::Done(c, _) if c.status.is_ok() => (None, None),
+            OpState::Done(c, _) if c.status().is_ok() => (None, None),
             OpState::Pending(..) => (Some(ep.clone()), extra()),
             _ => (Some(ep.clone()), None),
         };
@@ -210,7 +210,7 @@ impl<B: Send + 'static> Future for SendOp<B> {
             Poll::Ready(Ok((c, b))) => {
                 this.extra = None;
                 let r = match &this.ep {
-                    Some(ep) if !c.status.is_ok() => ep.result_of(this.op, c),
+                    Some(ep) if !c.status().is_ok() => ep.result_of(this.op, c),
                     _ => Ok(()),
                 };
                 Poll::Ready((r, b))
@@ -280,8 +280,8 @@ impl<B: IoBufMut> Future for RecvOp<B> {
             Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
                 this.extra = None;
-                if !c.status.is_ok() {
-                    return Poll::Ready((Err(op_error(this.ep.as_ref(), this.op, c.status)), b));
+                if !c.status().is_ok() {
+                    return Poll::Ready((Err(op_error(this.ep.as_ref(), this.op, c.status())), b));
                 }
                 let n = this.len.unwrap_or(c.len).min(b.bytes_total());
                 // SAFETY: UCX wrote n bytes at the start of the buffer.

@@ -87,15 +87,35 @@ pub(crate) unsafe extern "C" fn slot_init(request: *mut c_void) {
 }
 
 /// The result of a completed request.
+///
+/// Three whole words: the status is kept widened. A one-byte field followed by padding
+/// made every move of a completion (through several futures, and of the enums that
+/// carry one) a mix of 1- and 7-byte copies, which defeat store-to-load forwarding on
+/// the way from UCX's callback to the awaiting code.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Completion {
-    pub(crate) status: Status,
     pub(crate) len: usize,
     pub(crate) sender_tag: u64,
+    raw_status: i64,
 }
 
 impl Completion {
-    pub(crate) const OK: Completion = Completion { status: Status::OK, len: 0, sender_tag: 0 };
+    pub(crate) const OK: Completion = Completion::new(Status::OK, 0, 0);
+
+    pub(crate) const fn new(status: Status, len: usize, sender_tag: u64) -> Completion {
+        Completion { len, sender_tag, raw_status: status.0 .0 as i64 }
+    }
+
+    /// A success that transferred `len` bytes.
+    pub(crate) const fn ok(len: usize) -> Completion {
+        Completion::new(Status::OK, len, 0)
+    }
+
+    /// How the operation ended.
+    #[inline]
+    pub(crate) fn status(&self) -> Status {
+        Status(sys::ucs_status_t(self.raw_status as i8))
+    }
 }
 
 /// Send-type completion callback (`ucp_send_nbx_callback_t`); `user_data` is the worker
@@ -305,8 +325,10 @@ pub(crate) unsafe fn fail_pending(slot: *mut Slot, status: Status, st: &mut Stat
 /// one and drive it with [`Request::poll`], and park their buffer with [`Request::park`]
 /// when dropped early.
 pub(crate) struct Request {
-    slot: *mut Slot,
-    cancelable: bool,
+    /// The slot, with the lowest bit set for a tag receive that dropping cancels (slots
+    /// are 8-byte aligned). One word, so that the enums and futures carrying a request
+    /// move it as one.
+    tagged: *mut Slot,
 }
 
 // SAFETY: the slot is only touched under the worker lock, whichever thread holds it.
@@ -327,35 +349,48 @@ impl Posted {
     /// to report for an immediate `UCS_OK`.
     pub(crate) fn from_ptr(ptr: sys::ucs_status_ptr_t, imm: Completion, cancelable: bool) -> Posted {
         if sys::UCS_PTR_IS_PTR(ptr) {
-            Posted::Pending(Request { slot: ptr.cast(), cancelable })
+            let slot = ptr.cast::<Slot>();
+            Posted::Pending(Request {
+                tagged: slot.cast::<u8>().wrapping_add(usize::from(cancelable)).cast(),
+            })
         } else {
             let status = Status(sys::UCS_PTR_RAW_STATUS(ptr));
             if status.is_ok() {
                 Posted::Done(imm)
             } else {
-                Posted::Done(Completion { status, len: 0, sender_tag: 0 })
+                Posted::Done(Completion::new(status, 0, 0))
             }
         }
     }
 }
 
 impl Request {
+    #[inline(always)]
+    fn slot(&self) -> *mut Slot {
+        self.tagged.cast::<u8>().wrapping_sub(self.tagged as usize & 1).cast()
+    }
+
+    /// Whether dropping the owner before completion cancels the request.
+    fn cancelable(&self) -> bool {
+        self.tagged as usize & 1 != 0
+    }
+
     /// The raw request pointer (for `ucp_request_cancel` and bookkeeping).
     pub(crate) fn raw(&self) -> *mut c_void {
-        self.slot.cast()
+        self.slot().cast()
     }
 
     /// Whether the callback already ran (under the lock `st` comes from).
     pub(crate) fn is_done(&self, _st: &mut State) -> bool {
         // SAFETY: under the worker lock; the slot is live.
-        unsafe { (*self.slot).state == SlotState::Done }
+        unsafe { (*self.slot()).state == SlotState::Done }
     }
 
     /// Binds this request to endpoint `ep`: the endpoint's failure ends it as `kind`
     /// says ([`State::fail_ep`]). Puts it at the head of the worker's list of bound
     /// requests, which [`free`] takes it out of.
     pub(crate) fn bind(&self, st: &mut State, ep: u64, kind: OpKind) {
-        let slot = self.slot;
+        let slot = self.slot();
         // SAFETY: under the worker lock (st is borrowed from it); the slot is live and
         // not bound yet (bound once, right after posting), and the list's head is a live
         // bound request.
@@ -381,7 +416,7 @@ impl Request {
     /// its `await` returning from about 200 to 165 cycles (TSC-stamped ping-pong).
     #[inline(always)]
     pub(crate) fn poll(&mut self, worker: &WorkerShared, cx: &mut Context<'_>) -> Poll<Completion> {
-        let slot = self.slot;
+        let slot = self.slot();
         worker.inner.poll_until(
             cx,
             |st| {
@@ -390,7 +425,7 @@ impl Request {
                 if s.state != SlotState::Done {
                     return None;
                 }
-                let c = Completion { status: Status(s.status), len: s.len, sender_tag: s.sender_tag };
+                let c = Completion::new(Status(s.status), s.len, s.sender_tag);
                 // SAFETY: completed and no longer referenced.
                 unsafe { free(st, slot) };
                 Some(c)
@@ -415,8 +450,8 @@ impl Request {
         worker: &WorkerShared,
         keep: Box<dyn Any + Send>,
     ) -> Option<Box<dyn Any + Send>> {
-        let slot = self.slot;
-        let cancelable = self.cancelable;
+        let slot = self.slot();
+        let cancelable = self.cancelable();
         worker.inner.locked(|st| {
             // SAFETY: under the worker lock; the slot is ours.
             let s = unsafe { &mut *slot };

@@ -194,7 +194,7 @@ impl Worker {
             Posted::from_ptr(p, Completion::OK, false)
         });
         let c = crate::endpoint::wait_unbuffered(self, posted, None).await;
-        c.status.check().map_err(|source| crate::Error::Worker { op: "flush", source })
+        c.status().check().map_err(|source| crate::Error::Worker { op: "flush", source })
     }
 
     /// Orders operations (`ucp_worker_fence`): those posted after this call take effect
@@ -275,8 +275,8 @@ impl Future for Atomic {
             Poll::Ready(Err((e, _))) => Poll::Ready(Err(*e)),
             Poll::Ready(Ok((c, words))) => {
                 this.key = None;
-                if !c.status.is_ok() {
-                    return Poll::Ready(Err(this.ep.error_of(this.op, c.status)));
+                if !c.status().is_ok() {
+                    return Poll::Ready(Err(this.ep.error_of(this.op, c.status())));
                 }
                 Poll::Ready(Ok(words.reply()))
             }

@@ -228,9 +228,9 @@ impl Endpoint {
             // SAFETY: h is live under the lock; the buffer is valid for `capacity` bytes
             // and owned by the returned future until UCX completes (parked on drop).
             let p = unsafe { sys::ucp_stream_recv_nbx(h, ptr.cast(), capacity, &mut length, &param) };
-            let posted = Posted::from_ptr(p, Completion { len: length, ..Completion::OK }, false);
+            let posted = Posted::from_ptr(p, Completion::ok(length), false);
             match &posted {
-                Posted::Done(c) if c.status.is_ok() => st.stream_received(id, length),
+                Posted::Done(c) if c.status().is_ok() => st.stream_received(id, length),
                 Posted::Pending(r) => r.bind(st, id, OpKind::Finish),
                 Posted::Done(_) => {}
             }

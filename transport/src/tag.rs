@@ -154,8 +154,7 @@ impl Worker {
                     let p = unsafe {
                         sys::ucp_tag_msg_recv_nbx(st.handle, buf.as_mut_ptr().cast(), info.length, m, &param)
                     };
-                    let imm =
-                        Completion { status: Status::OK, len: info.length, sender_tag: info.sender_tag };
+                    let imm = Completion::new(Status::OK, info.length, info.sender_tag);
                     Some((info, Posted::from_ptr(p, imm, false), buf))
                 },
                 |st, waker| st.add_probe_waiter(waker),
@@ -169,9 +168,7 @@ impl Worker {
             ep: None,
             capacity: info.len,
             state: match posted {
-                Posted::Done(c) => {
-                    OpState::Done(Completion { len: info.len, sender_tag: info.sender_tag, ..c }, buf)
-                }
+                Posted::Done(c) => OpState::Done(Completion::new(c.status(), info.len, info.sender_tag), buf),
                 Posted::Pending(r) => {
                     inner.posted();
                     OpState::Pending(r, buf)
@@ -253,19 +250,19 @@ impl<B: IoBufMut> Unpin for TagRecv<B> {}
 
 impl<B: IoBufMut> TagRecv<B> {
     fn finish(&self, c: Completion, buf: &mut B) -> Result<TagInfo> {
-        if c.status.is_ok() {
+        if c.status().is_ok() {
             // SAFETY: UCX wrote c.len <= capacity bytes at the start of buf.
             unsafe { buf.set_init(c.len.min(self.capacity)) };
             return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
         }
-        if c.status == Status::TRUNCATED {
+        if c.status() == Status::TRUNCATED {
             return Err(Error::Truncated {
                 capacity: self.capacity,
                 len: c.len.max(self.capacity),
                 tag: c.sender_tag,
             });
         }
-        Err(crate::op::op_error(self.ep.as_ref(), "tag_recv", c.status))
+        Err(crate::op::op_error(self.ep.as_ref(), "tag_recv", c.status()))
     }
 }
 

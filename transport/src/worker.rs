@@ -881,8 +881,8 @@ impl State {
         };
         let posted = request::Posted::from_ptr(p, request::Completion::OK, false);
         if let request::Posted::Done(c) = &posted {
-            if !c.status.is_ok() {
-                tracing::debug!(status = %c.status, "handshake send failed");
+            if !c.status().is_ok() {
+                tracing::debug!(status = %c.status(), "handshake send failed");
             }
         }
         self.park(posted, Box::new(bytes));
