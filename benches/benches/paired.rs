@@ -4,13 +4,14 @@
 //! Comparing ucxkit with a separate `ucx_perftest` run mixes CPU placements on a virtual
 //! machine whose host moves its CPUs between runs (one-way latency over shared memory
 //! falls into clusters several times apart, and TCP bandwidth swings as much). Here every
-//! ucxkit chunk is followed by a raw chunk of the same run, so each ratio compares like
-//! placements, and the median of the per-pair ratios is what ucxkit costs.
+//! ucxkit chunk is paired with a raw chunk run right before or after it (the order
+//! alternates from pair to pair), so each ratio compares like placements, and the median
+//! of the per-pair ratios is what ucxkit costs.
 //!
 //! ```text
 //! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|stream_lat]
 //!     [--tls posix,self]
-//!     [--size 8] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1] [FILTER]
+//!     [--size 8|64K|16M] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1] [FILTER]
 //! ```
 //!
 //! - `tag_lat`, `am_lat`, `stream_lat`: ping-pong with tags, active messages (no header;
@@ -87,6 +88,17 @@ fn usage(msg: &str) -> ! {
     std::process::exit(2);
 }
 
+/// A byte count with an optional binary suffix: `8`, `64K`, `16M`, `1G`.
+fn parse_size(v: &str) -> Option<usize> {
+    let (digits, shift) = match v.as_bytes().last()?.to_ascii_uppercase() {
+        b'K' => (&v[..v.len() - 1], 10),
+        b'M' => (&v[..v.len() - 1], 20),
+        b'G' => (&v[..v.len() - 1], 30),
+        _ => (v, 0),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(1 << shift)
+}
+
 fn parse_opts() -> Opts {
     let mut o = Opts {
         test: Test::TagLat,
@@ -119,7 +131,10 @@ fn parse_opts() -> Opts {
             }
             "--tls" => o.tls = value(),
             "--window" => o.window = number(value()) as usize,
-            "--size" => o.size = number(value()) as usize,
+            "--size" => {
+                let v = value();
+                o.size = parse_size(&v).unwrap_or_else(|| usage(&format!("--size: not a size: {v}")));
+            }
             "--chunks" => o.chunks = number(value()),
             "--iters" => o.iters = number(value()),
             "--pause-us" => o.pause = Duration::from_micros(number(value())),
@@ -185,9 +200,12 @@ async fn connect(
 /// A first pair of chunks, not counted: it pays for first touches and connection set-up.
 const WARMUP_CHUNKS: u64 = 2;
 
-/// Even chunks go through ucxkit, odd ones through raw UCX.
+/// Chunks come in pairs, one through ucxkit and one through raw UCX, in alternating
+/// order (ucxkit first in even pairs, raw first in odd ones), so that whatever the
+/// first or second chunk of a pair has in common (the state a bulk transfer leaves in
+/// the TCP stack, say) falls on both sides equally.
 fn is_raw(chunk: u64) -> bool {
-    chunk % 2 == 1
+    (chunk % 2 == 1) != ((chunk / 2) % 2 == 1)
 }
 
 /// The two directions of a ping-pong.
@@ -531,12 +549,14 @@ fn main() {
     let figures = client(o.clone(), to_server, from_server);
     srv.join().expect("server thread");
 
-    // Each ucxkit chunk against the raw chunk after it, after the warm-up pair.
+    // Each ucxkit chunk against the raw chunk of its pair, after the warm-up pair.
     let (mut ours, mut raw, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for pair in figures[WARMUP_CHUNKS as usize..].chunks_exact(2) {
-        ours.push(pair[0]);
-        raw.push(pair[1]);
-        ratios.push(pair[0] / pair[1]);
+    for (i, pair) in figures.chunks_exact(2).enumerate().skip(WARMUP_CHUNKS as usize / 2) {
+        let first = 2 * i as u64;
+        let (u, r) = if is_raw(first) { (pair[1], pair[0]) } else { (pair[0], pair[1]) };
+        ours.push(u);
+        raw.push(r);
+        ratios.push(u / r);
     }
     let (lo, hi) = ratios.iter().fold((f64::MAX, f64::MIN), |(l, h), &r| (l.min(r), h.max(r)));
     let (what, unit, chunk) = match o.test {
