@@ -572,8 +572,9 @@ pub(crate) struct State {
     pub(crate) after: Deferred,
     pub(crate) parked: usize,
     /// Close requests of endpoints nobody waits for, parked until they finish
-    /// ([`request::park_close`]).
-    pub(crate) closes: Vec<*mut Slot>,
+    /// ([`request::park_close`]), by address: thousands of endpoints dropped at once each
+    /// leave one, and each is taken out as it finishes.
+    pub(crate) closes: IdMap<usize, *mut Slot>,
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     probe_waiters: Vec<Waker>,
     /// Whether `probe_waiters`, `outbox` or `failed` may hold something for
@@ -609,7 +610,7 @@ impl State {
             handle,
             after: Deferred::default(),
             parked: 0,
-            closes: Vec::new(),
+            closes: IdMap::default(),
             probe_waiters: Vec::new(),
             chores: false,
             eps: EpTable::default(),
