@@ -133,9 +133,16 @@ struct Args {
     #[arg(long)]
     csv: bool,
     /// Also run ucx_perftest (from ucx-utils) with the same test, size, iterations,
-    /// window, transports and pinning, and print its row and the ratio.
+    /// window, transports and pinning, and print its row and the ratio. Which of the two
+    /// runs first alternates from one test and size to the next (ucxkit first for the
+    /// first), so that what a run leaves behind (warm caches, socket buffers, CPU
+    /// frequency) favours neither.
     #[arg(long)]
     compare: bool,
+    /// With --compare: start the alternation with ucx_perftest (repeated comparisons
+    /// pass it every other time, so each test and size is measured in both orders).
+    #[arg(long, requires = "compare")]
+    perftest_first: bool,
     /// Write an SVG plot of bandwidth and latency against message size to this file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<std::path::PathBuf>,
@@ -419,9 +426,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         let window = args.window;
         let recv_window = recv_window(args);
         let ep = side.ep;
-        let run = bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport);
-        let row = bench::unless_failed(ep, run).await?;
-        let theirs = if args.compare {
+        let perftest = || -> AnyResult<Row> {
             if progress {
                 eprint!(
                     "\r\x1b[K[{}/{}] {} {} (ucx_perftest) ...",
@@ -431,9 +436,16 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
                     size::format_size(size)
                 );
             }
-            Some(perftest::run(test, size, iters, warmup, &compare)?)
-        } else {
-            None
+            perftest::run(test, size, iters, warmup, &compare)
+        };
+        let perftest_first = args.compare && ((k % 2 == 1) != args.perftest_first);
+        let before = if perftest_first { Some(perftest()?) } else { None };
+        let run = bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport);
+        let row = bench::unless_failed(ep, run).await?;
+        let theirs = match before {
+            Some(r) => Some(r),
+            None if args.compare => Some(perftest()?),
+            None => None,
         };
         if progress {
             eprint!("\r\x1b[K");
