@@ -163,6 +163,37 @@ async fn truncation_is_an_error_and_the_worker_goes_on() {
     }
 }
 
+/// A receive posted after its message arrived completes inside the posting call (UCX's
+/// unexpected queue): the length, the sender's tag and truncation still come through.
+#[tokio::test]
+async fn receive_of_a_message_already_arrived() {
+    let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;
+    let arrived = |t: u64| {
+        let server = server.clone();
+        async move {
+            while server.tag_probe(t, tag::EXACT).is_none() {
+                tokio::task::yield_now().await;
+            }
+        }
+    };
+    ep.tag_send(0x71, payload(7, 100)).await.0.unwrap();
+    arrived(0x71).await;
+    // Any tag with the high bits 0x70: the sender's tag is reported.
+    let (r, buf) = server.tag_recv(0x70, 0xf0, Vec::with_capacity(256)).await;
+    let info = r.unwrap();
+    assert_eq!((info.sender_tag, info.len), (0x71, 100));
+    assert!(buf == payload(7, 100));
+    ep.tag_send(0x72, payload(8, 100)).await.0.unwrap();
+    arrived(0x72).await;
+    let (r, _) = server.tag_recv(0x72, tag::EXACT, Vec::with_capacity(10)).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Truncated);
+    // The worker keeps working.
+    ep.tag_send(0x73, payload(9, 5)).await.0.unwrap();
+    let (r, buf) = server.tag_recv(0x73, tag::EXACT, Vec::with_capacity(5)).await;
+    assert_eq!(r.unwrap().len, 5);
+    assert!(buf == payload(9, 5));
+}
+
 #[tokio::test]
 async fn forced_request_path() {
     let c = ctx("tcp,self");

@@ -63,6 +63,7 @@ impl Signal {
     /// Makes a sleeping driver run its progress-and-arm cycle once more. Needed after
     /// posting an operation that did not complete at once: UCX may continue it from its
     /// progress queue (a rendezvous get, a pending send) without any fd event.
+    #[inline]
     pub(crate) fn kick(&self) {
         if self.sleeping.load(Ordering::Acquire) {
             self.notify.notify_one();

@@ -321,6 +321,22 @@ pub(crate) unsafe fn fail_pending(slot: *mut Slot, status: Status, st: &mut Stat
     }
 }
 
+/// The completion of `slot` if its callback ran, releasing the request (`free`).
+/// `slot` is a live request of ours that nothing else refers to once done; the worker
+/// lock is held (`st` comes from it).
+#[inline(always)]
+fn take_done(st: &mut State, slot: *mut Slot) -> Option<Completion> {
+    // SAFETY: per contract; the slot is ours until freed below.
+    let s = unsafe { &mut *slot };
+    if s.state != SlotState::Done {
+        return None;
+    }
+    let c = Completion::new(Status(s.status), s.len, s.sender_tag);
+    // SAFETY: completed and no longer referenced.
+    unsafe { free(st, slot) };
+    Some(c)
+}
+
 /// Owner of one in-flight UCX request. Not a future itself: the operation futures hold
 /// one and drive it with [`Request::poll`], and park their buffer with [`Request::park`]
 /// when dropped early.
@@ -386,6 +402,16 @@ impl Request {
         unsafe { (*self.slot()).state == SlotState::Done }
     }
 
+    /// If the callback already ran (under the lock `st` comes from), releases the
+    /// request and returns its completion; else gives the request back.
+    #[inline(always)]
+    pub(crate) fn finish_if_done(self, st: &mut State) -> Result<Completion, Request> {
+        match take_done(st, self.slot()) {
+            Some(c) => Ok(c),
+            None => Err(self),
+        }
+    }
+
     /// Binds this request to endpoint `ep`: the endpoint's failure ends it as `kind`
     /// says ([`State::fail_ep`]). Puts it at the head of the worker's list of bound
     /// requests, which [`free`] takes it out of.
@@ -419,17 +445,7 @@ impl Request {
         let slot = self.slot();
         worker.inner.poll_until(
             cx,
-            |st| {
-                // SAFETY: under the worker lock; the slot is ours until freed below.
-                let s = unsafe { &mut *slot };
-                if s.state != SlotState::Done {
-                    return None;
-                }
-                let c = Completion::new(Status(s.status), s.len, s.sender_tag);
-                // SAFETY: completed and no longer referenced.
-                unsafe { free(st, slot) };
-                Some(c)
-            },
+            |st| take_done(st, slot),
             |_, waker| {
                 // SAFETY: still pending, under the lock.
                 let s = unsafe { &mut *slot };

@@ -201,6 +201,7 @@ fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
 /// Posts a tag receive; when `ep` is given, the receive is bound to it, and its state is
 /// checked in the same critical section, so a receive is never posted on an endpoint
 /// that already failed (its failure would not cancel it).
+#[inline]
 fn post_recv<B: IoBufMut>(
     worker: Worker,
     ep: Option<Endpoint>,
@@ -220,18 +221,21 @@ fn post_recv<B: IoBufMut>(
         // `capacity` bytes and owned by the returned future until UCX completes (parked
         // on drop).
         let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast(), capacity, tag, mask, &param) };
-        let posted = Posted::from_ptr(p, Completion::OK, true);
-        if let Posted::Pending(r) = &posted {
-            if r.is_done(st) {
-                // Matched an arrived eager message inside the call: nothing to kick.
-                return Ok((posted, false));
-            }
-            if let Some(ep) = &ep {
-                r.bind(st, ep.inner.id, OpKind::Cancel);
-            }
-            return Ok((posted, true));
+        match Posted::from_ptr(p, Completion::OK, true) {
+            // Matched a message that had arrived (eager) inside the call: its request
+            // is finished and released here, in the same critical section, so that
+            // awaiting it takes no lock.
+            Posted::Pending(r) => match r.finish_if_done(st) {
+                Ok(c) => Ok((Posted::Done(c), false)),
+                Err(r) => {
+                    if let Some(ep) = &ep {
+                        r.bind(st, ep.inner.id, OpKind::Cancel);
+                    }
+                    Ok((Posted::Pending(r), true))
+                }
+            },
+            done => Ok((done, false)),
         }
-        Ok((posted, false))
     });
     let state = match posted {
         Err(e) => OpState::Failed(e, buf),
@@ -284,6 +288,7 @@ impl<B: IoBufMut> Future for TagRecv<B> {
 }
 
 impl<B: IoBufMut> Drop for TagRecv<B> {
+    #[inline]
     fn drop(&mut self) {
         self.state.park(Some(&self.worker.shared), None);
     }

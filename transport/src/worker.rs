@@ -1017,6 +1017,7 @@ impl WorkerInner {
 
     /// After posting an operation that is still pending: make sure it will be progressed
     /// even if no fd event announces its next step.
+    #[inline]
     pub(crate) fn posted(&self) {
         // Both modes: a busy-poll driver also sleeps once the worker has been idle.
         self.signal.kick();
