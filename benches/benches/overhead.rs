@@ -174,8 +174,7 @@ fn stream_exchange(c: &mut Criterion) {
     g.finish();
 }
 
-/// An 8-byte put into this worker's own region, awaited (ucxkit only: the raw key is not
-/// exposed).
+/// An 8-byte put into this worker's own region, awaited.
 fn put_local(c: &mut Criterion) {
     let l = setup(ProgressMode::BusyPoll);
     let mut g = c.benchmark_group("put_self_8B_busy");
@@ -193,6 +192,24 @@ fn put_local(c: &mut Criterion) {
             })
         })
     });
+    let (w, ep) = (l.w.as_raw(), l.ep.as_raw());
+    // SAFETY: the context, the region and the endpoint are alive; no ucxkit call is open.
+    let raw_key =
+        unsafe { raw::RawRkey::unpack(ep, &raw::pack_rkey(l.w.context().as_raw(), region.as_raw())) };
+    g.bench_function("raw", |b| {
+        b.iter_custom(|iters| {
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                // SAFETY: as above; the payload is 'static and the key covers the region.
+                unsafe {
+                    let s = raw::post_rma(ep, false, payload.as_ptr().cast_mut(), 8, region.addr(), &raw_key);
+                    raw::wait(w, s);
+                }
+            }
+            t.elapsed()
+        })
+    });
+    drop(raw_key);
     g.finish();
 }
 

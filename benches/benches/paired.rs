@@ -9,7 +9,7 @@
 //! of the per-pair ratios is what ucxkit costs.
 //!
 //! ```text
-//! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|stream_lat]
+//! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|stream_lat|stream_bw|put_bw|get_bw]
 //!     [--tls posix,self]
 //!     [--size 8|64K|16M] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1] [FILTER]
 //! ```
@@ -27,6 +27,12 @@
 //!   posted, all into one buffer UCX allocated, and acknowledges each chunk; a chunk's
 //!   figure is its bandwidth, from the first send to the acknowledgement. Default: 1 GiB
 //!   per chunk, 64 to 20,000 messages.
+//! - `stream_bw`: the same with stream sends; the server receives each whole
+//!   (`WAITALL`).
+//! - `put_bw`, `get_bw`: the client keeps up to `--window` puts (gets) between its
+//!   buffer and the server's region in flight, flushes, then exchanges an end-of-chunk
+//!   message with the server, which only progresses meanwhile. The raw side reaches the
+//!   same region through a key packed with `ucp_rkey_pack`.
 //!
 //! A `FILTER` that is not part of the name `paired` skips the benchmark, so that
 //! `cargo bench -p ucxkit-benches -- FILTER` can pick criterion benchmarks.
@@ -60,6 +66,22 @@ enum Test {
     AmLat,
     /// Ping-pong on the endpoint's byte stream, one-way latency.
     StreamLat,
+    /// Windowed stream sends, received whole (`WAITALL`), bandwidth.
+    StreamBw,
+    /// Windowed puts into the server's region, then a flush, bandwidth.
+    PutBw,
+    /// Windowed gets from the server's region, then a flush, bandwidth.
+    GetBw,
+}
+
+impl Test {
+    fn is_bw(self) -> bool {
+        matches!(self, Test::TagBw | Test::StreamBw | Test::PutBw | Test::GetBw)
+    }
+
+    fn is_rma(self) -> bool {
+        matches!(self, Test::PutBw | Test::GetBw)
+    }
 }
 
 /// Largest `am_lat` message: the raw side's handler only counts arrivals, so payloads
@@ -83,7 +105,7 @@ struct Opts {
 fn usage(msg: &str) -> ! {
     eprintln!("paired: {msg}");
     eprintln!(
-        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [FILTER]"
+        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat|stream_bw|put_bw|get_bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [FILTER]"
     );
     std::process::exit(2);
 }
@@ -126,7 +148,12 @@ fn parse_opts() -> Opts {
                     "tag_bw" => Test::TagBw,
                     "am_lat" => Test::AmLat,
                     "stream_lat" => Test::StreamLat,
-                    t => usage(&format!("--test is tag_lat, tag_bw, am_lat or stream_lat, not {t}")),
+                    "stream_bw" => Test::StreamBw,
+                    "put_bw" => Test::PutBw,
+                    "get_bw" => Test::GetBw,
+                    t => usage(&format!(
+                        "--test is tag_lat, tag_bw, am_lat, stream_lat, stream_bw, put_bw or get_bw, not {t}"
+                    )),
                 }
             }
             "--tls" => o.tls = value(),
@@ -158,7 +185,7 @@ fn parse_opts() -> Opts {
     }
     if o.iters == 0 {
         o.iters = match o.test {
-            Test::TagBw => ((1u64 << 30) / o.size.max(1) as u64).clamp(64, 20_000),
+            t if t.is_bw() => ((1u64 << 30) / o.size.max(1) as u64).clamp(64, 20_000),
             _ if !o.pause.is_zero() => (100_000 / (o.pause.as_micros() as u64 + 1)).clamp(50, 4000),
             _ => 4000,
         };
@@ -166,7 +193,7 @@ fn parse_opts() -> Opts {
     if o.test == Test::AmLat && o.size > AM_LAT_MAX {
         usage(&format!("am_lat sizes go up to {AM_LAT_MAX} bytes"));
     }
-    if o.test == Test::TagBw && !o.pause.is_zero() {
+    if o.test.is_bw() && !o.pause.is_zero() {
         usage("--pause-us is for the latency tests");
     }
     if o.chunks < 2 || o.window == 0 {
@@ -184,8 +211,8 @@ fn pin(cpu: usize) {
 /// A worker on this thread's runtime and an endpoint to the other thread's worker.
 async fn connect(
     tls: &str,
-    mine: mpsc::Sender<Vec<u8>>,
-    theirs: mpsc::Receiver<Vec<u8>>,
+    mine: &mpsc::Sender<Vec<u8>>,
+    theirs: &mpsc::Receiver<Vec<u8>>,
 ) -> (Worker, Endpoint) {
     let ctx = Context::builder().transports(tls).build().expect("context");
     let w = ctx.worker().progress_mode(ProgressMode::BusyPoll).build().expect("worker");
@@ -423,18 +450,66 @@ async fn serve_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, sink: &MemRegi
     }
 }
 
+/// The receiving side of one `stream_bw` chunk: the chunk's sends, each received whole
+/// into `sink` (`WAITALL`), then an acknowledgement.
+async fn serve_stream_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, sink: &MemRegion) {
+    if raw {
+        let ptr = sink.slice(0..o.size).stable_ptr().cast_mut();
+        // SAFETY: as in `serve_lat`; `sink` outlives every receive, each waited for.
+        unsafe {
+            for _ in 0..o.iters {
+                raw::stream_recv_exact(w.as_raw(), ep.as_raw(), ptr, o.size);
+            }
+            raw::wait(w.as_raw(), raw::post_tag_send(ep.as_raw(), b"ack".as_ptr(), 3, PONG));
+        }
+    } else {
+        for _ in 0..o.iters {
+            ep.stream_recv_exact(sink.slice(0..o.size)).await.0.expect("stream data");
+        }
+        ep.tag_send(PONG, &b"ack"[..]).await.0.expect("ack");
+    }
+}
+
+/// The passive side of one one-sided chunk: it only answers the client's end-of-chunk
+/// message, progressing its worker meanwhile (UCX's TCP transport carries puts and gets
+/// as messages the target handles).
+async fn acknowledge(w: &Worker, ep: &Endpoint, raw: bool) {
+    if raw {
+        let mut done = [0u8; 3];
+        // SAFETY: as in `serve_lat`.
+        unsafe {
+            raw::tag_recv(w.as_raw(), &mut done, PING);
+            raw::wait(w.as_raw(), raw::post_tag_send(ep.as_raw(), b"ack".as_ptr(), 3, PONG));
+        }
+    } else {
+        w.tag_recv(PING, tag::EXACT, Vec::with_capacity(3)).await.0.expect("end of chunk");
+        ep.tag_send(PONG, &b"ack"[..]).await.0.expect("ack");
+    }
+}
+
 /// The answering side.
 fn server(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>) {
     pin(o.cpus[0]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
-        let (w, ep) = connect(&o.tls, mine, theirs).await;
+        let (w, ep) = connect(&o.tls, &mine, &theirs).await;
         let sink = w.context().alloc(o.size.max(1)).expect("receive buffer");
+        // One-sided tests: the client reaches `sink` through a ucxkit key and through a
+        // key packed with raw UCX.
+        if o.test.is_rma() {
+            mine.send(sink.pack_key().expect("pack key")).expect("send key");
+            // SAFETY: the context and the region are alive.
+            mine.send(unsafe { raw::pack_rkey(w.context().as_raw(), sink.as_raw()) }).expect("send raw key");
+            mine.send(sink.addr().to_le_bytes().to_vec()).expect("send address");
+        }
         let mut side = PingPong::new(w.clone(), ep.clone(), &o, Dir::Ping, 2);
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
+            let raw = is_raw(chunk);
             match o.test {
-                Test::TagBw => serve_bw(&w, &ep, is_raw(chunk), &o, &sink).await,
-                _ => serve_lat(&mut side, is_raw(chunk), o.iters).await,
+                Test::TagBw => serve_bw(&w, &ep, raw, &o, &sink).await,
+                Test::StreamBw => serve_stream_bw(&w, &ep, raw, &o, &sink).await,
+                Test::PutBw | Test::GetBw => acknowledge(&w, &ep, raw).await,
+                _ => serve_lat(&mut side, raw, o.iters).await,
             }
         }
         drop(ep);
@@ -510,6 +585,143 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
         }
         w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
     }
+    mib_per_s(o, t0)
+}
+
+/// Keeps up to `window` of `n` operations in flight, counting only those UCX did not
+/// complete at once: `post` posts one and says whether it completed immediately.
+async fn windowed<F: std::future::Future>(n: u64, window: usize, mut post: impl FnMut() -> (F, bool)) {
+    let mut inflight = VecDeque::with_capacity(window);
+    for _ in 0..n {
+        if inflight.len() == window {
+            inflight.pop_front().expect("in flight").await;
+        }
+        let (op, immediate) = post();
+        if immediate {
+            op.await;
+        } else {
+            inflight.push_back(op);
+        }
+    }
+    while let Some(op) = inflight.pop_front() {
+        op.await;
+    }
+}
+
+/// The same through raw UCX: `post` returns what the `*_nbx` call returned.
+///
+/// # Safety
+/// As for [`raw::wait`], for every operation `post` posts on `w`.
+unsafe fn raw_windowed(
+    w: sys::ucp_worker_h,
+    n: u64,
+    window: usize,
+    mut post: impl FnMut() -> sys::ucs_status_ptr_t,
+) {
+    let mut inflight = VecDeque::with_capacity(window);
+    // SAFETY: per contract.
+    unsafe {
+        for _ in 0..n {
+            if inflight.len() == window {
+                raw::wait(w, inflight.pop_front().expect("in flight"));
+            }
+            let s = post();
+            assert!(!sys::UCS_PTR_IS_ERR(s), "raw operation failed");
+            if sys::UCS_PTR_IS_PTR(s) {
+                inflight.push_back(s);
+            }
+        }
+        while let Some(s) = inflight.pop_front() {
+            raw::wait(w, s);
+        }
+    }
+}
+
+/// One `stream_bw` chunk: up to `window` stream sends from `source` in flight, then the
+/// server's acknowledgement; MiB/s.
+async fn measure_stream_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &MemRegion) -> f64 {
+    let t0 = Instant::now();
+    if raw {
+        let (wh, eh) = (w.as_raw(), ep.as_raw());
+        let ptr = source.slice(0..o.size).stable_ptr();
+        let mut ack = [0u8; 3];
+        // SAFETY: as in `serve_lat`; `source` outlives every send, each waited for.
+        unsafe {
+            raw_windowed(wh, o.iters, o.window, || {
+                sys::ucp_stream_send_nbx(eh, ptr.cast(), o.size, &raw::send_param())
+            });
+            raw::tag_recv(wh, &mut ack, PONG);
+        }
+    } else {
+        windowed(o.iters, o.window, || {
+            let op = ep.stream_send(source.slice(0..o.size));
+            let immediate = op.completed_immediately();
+            (async { op.await.0.expect("stream send") }, immediate)
+        })
+        .await;
+        w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
+    }
+    mib_per_s(o, t0)
+}
+
+/// The server's region, as both paths reach it.
+struct Remote {
+    key: ucxkit_transport::RemoteKey,
+    raw_key: raw::RawRkey,
+    raw_addr: u64,
+}
+
+/// One `put_bw` or `get_bw` chunk: up to `window` puts from (gets into) `source` in
+/// flight, a flush, then an end-of-chunk exchange with the server; MiB/s.
+async fn measure_rma_bw(
+    w: &Worker,
+    ep: &Endpoint,
+    raw: bool,
+    o: &Opts,
+    source: &MemRegion,
+    remote: &Remote,
+) -> f64 {
+    let get = o.test == Test::GetBw;
+    let t0 = Instant::now();
+    if raw {
+        let (wh, eh) = (w.as_raw(), ep.as_raw());
+        let ptr = source.slice(0..o.size).stable_ptr().cast_mut();
+        let mut ack = [0u8; 3];
+        // SAFETY: as in `serve_lat`; `source` and the server's region outlive every
+        // operation, each waited for; the key belongs to `ep` and covers `size` bytes.
+        unsafe {
+            raw_windowed(wh, o.iters, o.window, || {
+                raw::post_rma(eh, get, ptr, o.size, remote.raw_addr, &remote.raw_key)
+            });
+            raw::flush(wh, eh);
+            raw::wait(wh, raw::post_tag_send(eh, b"end".as_ptr(), 3, PING));
+            raw::tag_recv(wh, &mut ack, PONG);
+        }
+    } else {
+        if get {
+            windowed(o.iters, o.window, || {
+                let op = ep.get(source.slice(0..o.size), o.size, &remote.key, 0);
+                let immediate = op.completed_immediately();
+                (async { op.await.0.expect("get") }, immediate)
+            })
+            .await;
+        } else {
+            windowed(o.iters, o.window, || {
+                let op = ep.put(source.slice(0..o.size), &remote.key, 0);
+                let immediate = op.completed_immediately();
+                (async { op.await.0.expect("put") }, immediate)
+            })
+            .await;
+        }
+        ep.flush().await.expect("flush");
+        ep.tag_send(PING, &b"end"[..]).await.0.expect("end of chunk");
+        w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
+    }
+    mib_per_s(o, t0)
+}
+
+/// A chunk's bandwidth in MiB/s, from its start.
+fn mib_per_s(o: &Opts, t0: Instant) -> f64 {
     (o.size as f64 * o.iters as f64) / t0.elapsed().as_secs_f64() / (1 << 20) as f64
 }
 
@@ -518,17 +730,30 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
     pin(o.cpus[1]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
-        let (w, ep) = connect(&o.tls, mine, theirs).await;
+        let (w, ep) = connect(&o.tls, &mine, &theirs).await;
         let mut side = PingPong::new(w.clone(), ep.clone(), &o, Dir::Pong, 1);
         let source = w.context().alloc(o.size.max(1)).expect("send buffer");
         source.write_at(0, side.payload);
+        let keys = o.test.is_rma().then(|| {
+            let key = ep.unpack_key(&theirs.recv().expect("key")).expect("unpack key");
+            // SAFETY: no ucxkit operation is pending and this thread is the worker's only
+            // user; the key is dropped before the endpoint closes.
+            let raw_key = unsafe { raw::RawRkey::unpack(ep.as_raw(), &theirs.recv().expect("raw key")) };
+            let addr = theirs.recv().expect("address");
+            let raw_addr = u64::from_le_bytes(addr.try_into().expect("an address of 8 bytes"));
+            Remote { key, raw_key, raw_addr }
+        });
         let mut figures = Vec::with_capacity(o.chunks as usize);
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
-            figures.push(match o.test {
-                Test::TagBw => measure_bw(&w, &ep, is_raw(chunk), &o, &source).await,
-                _ => measure_lat(&mut side, is_raw(chunk), o.iters, o.pause).await,
+            let raw = is_raw(chunk);
+            figures.push(match (o.test, &keys) {
+                (Test::TagBw, _) => measure_bw(&w, &ep, raw, &o, &source).await,
+                (Test::StreamBw, _) => measure_stream_bw(&w, &ep, raw, &o, &source).await,
+                (Test::PutBw | Test::GetBw, Some(k)) => measure_rma_bw(&w, &ep, raw, &o, &source, k).await,
+                _ => measure_lat(&mut side, raw, o.iters, o.pause).await,
             });
         }
+        drop(keys);
         drop(ep);
         side.finish().await;
         figures
@@ -564,6 +789,9 @@ fn main() {
         Test::AmLat => ("active-message ping-pong", "one-way latency (ns)", "round trips"),
         Test::StreamLat => ("stream ping-pong", "one-way latency (ns)", "round trips"),
         Test::TagBw => ("tag streaming", "bandwidth (MiB/s)", "messages"),
+        Test::StreamBw => ("stream sends", "bandwidth (MiB/s)", "sends"),
+        Test::PutBw => ("puts", "bandwidth (MiB/s)", "puts"),
+        Test::GetBw => ("gets", "bandwidth (MiB/s)", "gets"),
     };
     let paused = if o.pause.is_zero() {
         String::new()

@@ -201,3 +201,92 @@ pub(crate) unsafe fn wait_am(w: sys::ucp_worker_h, counter: &Cell<u64>, at_least
         unsafe { sys::ucp_worker_progress(w) };
     }
 }
+
+/// The packed remote key of memory mapped on `ctx` as `memh` (`ucp_rkey_pack`).
+///
+/// # Safety
+/// `ctx` and `memh` are live, `memh` mapped on `ctx`.
+pub(crate) unsafe fn pack_rkey(ctx: sys::ucp_context_h, memh: sys::ucp_mem_h) -> Vec<u8> {
+    let mut buf: *mut c_void = std::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: per contract; UCX returns a buffer of `size` bytes that is copied, then
+    // released once.
+    unsafe {
+        assert_eq!(sys::ucp_rkey_pack(ctx, memh, &mut buf, &mut size), sys::UCS_OK, "rkey pack");
+        let bytes = std::slice::from_raw_parts(buf.cast::<u8>(), size).to_vec();
+        sys::ucp_rkey_buffer_release(buf);
+        bytes
+    }
+}
+
+/// A peer's remote key unpacked on an endpoint (`ucp_ep_rkey_unpack`); destroyed on drop,
+/// which must come before the endpoint closes.
+pub(crate) struct RawRkey(pub(crate) sys::ucp_rkey_h);
+
+impl RawRkey {
+    /// # Safety
+    /// `ep` is live and nothing else uses its worker during the call.
+    pub(crate) unsafe fn unpack(ep: sys::ucp_ep_h, packed: &[u8]) -> RawRkey {
+        let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
+        // SAFETY: per contract; `packed` came from `pack_rkey`.
+        let status = unsafe { sys::ucp_ep_rkey_unpack(ep, packed.as_ptr().cast(), &mut rkey) };
+        assert_eq!(status, sys::UCS_OK, "rkey unpack");
+        RawRkey(rkey)
+    }
+}
+
+impl Drop for RawRkey {
+    fn drop(&mut self) {
+        // SAFETY: unpacked once, destroyed once, after its last operation completed.
+        unsafe { sys::ucp_rkey_destroy(self.0) };
+    }
+}
+
+/// Posts a put of `len` bytes at `buf` to `remote` (`ucp_put_nbx`), or with `get` a get
+/// from there into `buf` (`ucp_get_nbx`); completion polled with [`wait`].
+///
+/// # Safety
+/// `ep` is live, nothing else uses its worker during the call, `rkey` belongs to `ep` and
+/// covers the remote range, and `buf` stays valid until the operation completes.
+pub(crate) unsafe fn post_rma(
+    ep: sys::ucp_ep_h,
+    get: bool,
+    buf: *mut u8,
+    len: usize,
+    remote: u64,
+    rkey: &RawRkey,
+) -> sys::ucs_status_ptr_t {
+    // SAFETY: per contract.
+    unsafe {
+        if get {
+            sys::ucp_get_nbx(ep, buf.cast(), len, remote, rkey.0, &send_param())
+        } else {
+            sys::ucp_put_nbx(ep, buf.cast(), len, remote, rkey.0, &send_param())
+        }
+    }
+}
+
+/// Flushes `ep` (`ucp_ep_flush_nbx`): every put and get posted on it is complete at the
+/// target when this returns.
+///
+/// # Safety
+/// As for [`wait`], with `ep` an endpoint of `w`.
+pub(crate) unsafe fn flush(w: sys::ucp_worker_h, ep: sys::ucp_ep_h) {
+    // SAFETY: per contract.
+    unsafe { wait(w, sys::ucp_ep_flush_nbx(ep, &send_param())) }
+}
+
+/// Receives exactly `buf.len()` bytes of `ep`'s stream into `buf` (`WAITALL`),
+/// progressing `w` until they are there.
+///
+/// # Safety
+/// As for [`wait`], with `ep` an endpoint of `w`.
+pub(crate) unsafe fn stream_recv_exact(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, buf: *mut u8, len: usize) {
+    let done = Cell::new(false);
+    let mut got = 0usize;
+    // SAFETY: per contract; buf, `got` and `done` outlive the receive, waited for here.
+    unsafe {
+        let r = sys::ucp_stream_recv_nbx(ep, buf.cast(), len, &mut got, &stream_recv_param(&done));
+        wait_recv(w, r, &done);
+    }
+}

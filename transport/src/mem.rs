@@ -181,6 +181,13 @@ impl MemRegion {
         self.inner.ptr as u64
     }
 
+    /// The raw memory handle (`ucp_mem_h`), for UCX calls ucxkit does not wrap (packing
+    /// a key for a plain UCX peer, say): valid while this region, a slice of it or an
+    /// operation using it is alive; do not unmap it.
+    pub fn as_raw(&self) -> sys::ucp_mem_h {
+        self.inner.memh
+    }
+
     /// Copies `out.len()` bytes from `offset` into `out`.
     ///
     /// # Panics
