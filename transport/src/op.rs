@@ -260,6 +260,22 @@ impl<B: IoBufMut> RecvOp<B> {
         RecvOp { worker, ep, op, len, state, extra }
     }
 
+    /// The future of an operation just posted on `ep`: the worker and the endpoint are
+    /// kept only if it may still be pending or failed (one that succeeded at once, a
+    /// short get over shared memory say, needs neither, and costs no reference counts).
+    #[inline]
+    pub(crate) fn posted(
+        ep: &Endpoint,
+        op: &'static str,
+        len: Option<usize>,
+        state: OpState<B>,
+        extra: Option<Extra>,
+    ) -> RecvOp<B> {
+        let settled = matches!(&state, OpState::Done(c, _) if c.status().is_ok());
+        let (worker, ep) = if settled { (None, None) } else { (Some(ep.worker().clone()), Some(ep.clone())) };
+        RecvOp { worker, ep, op, len, state, extra }
+    }
+
     /// Whether UCX completed the operation during the call that posted it (a get from
     /// memory it maps directly, say), or refused it; as for
     /// [`SendOp::completed_immediately`].

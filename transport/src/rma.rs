@@ -113,7 +113,7 @@ impl Endpoint {
         let state = OpState::from_posted(posted, buf);
         // The remote key is needed only while the get may still be reading through it.
         let keep = (!state.completed_immediately()).then(|| key.keep());
-        RecvOp::new(Some(self.worker().clone()), Some(self.clone()), "get", Some(len), state, keep)
+        RecvOp::posted(self, "get", Some(len), state, keep)
     }
 
     /// Adds `value` to the 64-bit word at `offset` (`UCP_ATOMIC_OP_ADD`, no fetch).

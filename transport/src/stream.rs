@@ -239,14 +239,7 @@ impl Endpoint {
         if matches!(posted, Ok(Posted::Pending(_))) {
             self.worker_inner().posted();
         }
-        RecvOp::new(
-            Some(self.worker().clone()),
-            Some(self.clone()),
-            "stream_recv",
-            None,
-            OpState::from_posted(posted, buf),
-            None,
-        )
+        RecvOp::posted(self, "stream_recv", None, OpState::from_posted(posted, buf), None)
     }
 
     /// Tells the peer that this side's stream ends after the bytes sent so far, so that
