@@ -545,44 +545,22 @@ async fn measure_lat(side: &mut PingPong, raw: bool, iters: u64, pause: Duration
 async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &MemRegion) -> f64 {
     let t0 = Instant::now();
     if raw {
+        let (wh, eh) = (w.as_raw(), ep.as_raw());
         let ptr = source.slice(0..o.size).stable_ptr();
         let mut ack = [0u8; 3];
-        let mut inflight = VecDeque::with_capacity(o.window);
         // SAFETY: as in `serve_lat`; `source` outlives every send, each waited for before
         // this returns.
         unsafe {
-            for _ in 0..o.iters {
-                if inflight.len() == o.window {
-                    raw::wait(w.as_raw(), inflight.pop_front().expect("in flight"));
-                }
-                let s = raw::post_tag_send(ep.as_raw(), ptr, o.size, PING);
-                assert!(!sys::UCS_PTR_IS_ERR(s), "raw send failed");
-                if sys::UCS_PTR_IS_PTR(s) {
-                    inflight.push_back(s);
-                }
-            }
-            while let Some(s) = inflight.pop_front() {
-                raw::wait(w.as_raw(), s);
-            }
-            raw::tag_recv(w.as_raw(), &mut ack, PONG);
+            raw_windowed(wh, o.iters, o.window, || raw::post_tag_send(eh, ptr, o.size, PING));
+            raw::tag_recv(wh, &mut ack, PONG);
         }
     } else {
-        let mut inflight = VecDeque::with_capacity(o.window);
-        for _ in 0..o.iters {
-            if inflight.len() == o.window {
-                let op: ucxkit_transport::SendOp<_> = inflight.pop_front().expect("in flight");
-                op.await.0.expect("send");
-            }
+        windowed(o.iters, o.window, || {
             let op = ep.tag_send(PING, source.slice(0..o.size));
-            if op.completed_immediately() {
-                op.await.0.expect("send");
-            } else {
-                inflight.push_back(op);
-            }
-        }
-        while let Some(op) = inflight.pop_front() {
-            op.await.0.expect("send");
-        }
+            let immediate = op.completed_immediately();
+            (async { op.await.0.expect("send") }, immediate)
+        })
+        .await;
         w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
     }
     mib_per_s(o, t0)
