@@ -540,9 +540,10 @@ async fn measure_lat(side: &mut PingPong, raw: bool, iters: u64, pause: Duration
     times[times.len() / 2] as f64 / 2.0
 }
 
-/// One bandwidth chunk: up to `window` sends from `source` in flight, then the server's
-/// acknowledgement; MiB/s.
+/// One `tag_bw` or `stream_bw` chunk: up to `window` tag (stream) sends from `source` in
+/// flight, then the server's acknowledgement; MiB/s.
 async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &MemRegion) -> f64 {
+    let stream = o.test == Test::StreamBw;
     let t0 = Instant::now();
     if raw {
         let (wh, eh) = (w.as_raw(), ep.as_raw());
@@ -551,12 +552,22 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
         // SAFETY: as in `serve_lat`; `source` outlives every send, each waited for before
         // this returns.
         unsafe {
-            raw_windowed(wh, o.iters, o.window, || raw::post_tag_send(eh, ptr, o.size, PING));
+            raw_windowed(wh, o.iters, o.window, || {
+                if stream {
+                    sys::ucp_stream_send_nbx(eh, ptr.cast(), o.size, &raw::send_param())
+                } else {
+                    raw::post_tag_send(eh, ptr, o.size, PING)
+                }
+            });
             raw::tag_recv(wh, &mut ack, PONG);
         }
     } else {
         windowed(o.iters, o.window, || {
-            let op = ep.tag_send(PING, source.slice(0..o.size));
+            let op = if stream {
+                ep.stream_send(source.slice(0..o.size))
+            } else {
+                ep.tag_send(PING, source.slice(0..o.size))
+            };
             let immediate = op.completed_immediately();
             (async { op.await.0.expect("send") }, immediate)
         })
@@ -613,33 +624,6 @@ unsafe fn raw_windowed(
             raw::wait(w, s);
         }
     }
-}
-
-/// One `stream_bw` chunk: up to `window` stream sends from `source` in flight, then the
-/// server's acknowledgement; MiB/s.
-async fn measure_stream_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &MemRegion) -> f64 {
-    let t0 = Instant::now();
-    if raw {
-        let (wh, eh) = (w.as_raw(), ep.as_raw());
-        let ptr = source.slice(0..o.size).stable_ptr();
-        let mut ack = [0u8; 3];
-        // SAFETY: as in `serve_lat`; `source` outlives every send, each waited for.
-        unsafe {
-            raw_windowed(wh, o.iters, o.window, || {
-                sys::ucp_stream_send_nbx(eh, ptr.cast(), o.size, &raw::send_param())
-            });
-            raw::tag_recv(wh, &mut ack, PONG);
-        }
-    } else {
-        windowed(o.iters, o.window, || {
-            let op = ep.stream_send(source.slice(0..o.size));
-            let immediate = op.completed_immediately();
-            (async { op.await.0.expect("stream send") }, immediate)
-        })
-        .await;
-        w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
-    }
-    mib_per_s(o, t0)
 }
 
 /// The server's region, as both paths reach it.
@@ -725,8 +709,7 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             let raw = is_raw(chunk);
             figures.push(match (o.test, &keys) {
-                (Test::TagBw, _) => measure_bw(&w, &ep, raw, &o, &source).await,
-                (Test::StreamBw, _) => measure_stream_bw(&w, &ep, raw, &o, &source).await,
+                (Test::TagBw | Test::StreamBw, _) => measure_bw(&w, &ep, raw, &o, &source).await,
                 (Test::PutBw | Test::GetBw, Some(k)) => measure_rma_bw(&w, &ep, raw, &o, &source, k).await,
                 _ => measure_lat(&mut side, raw, o.iters, o.pause).await,
             });
