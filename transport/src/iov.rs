@@ -159,13 +159,7 @@ fn post_recv_iov<B: IoBufMut>(
         // entries describing the buffers, all kept (with the array) until UCX completes
         // the request, parked on drop.
         let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast_mut().cast(), count, tag, mask, &param) };
-        let posted = Posted::from_ptr(p, Completion::OK, true);
-        if let (Posted::Pending(r), Some(ep)) = (&posted, &ep) {
-            if !r.is_done(st) {
-                r.bind(st, ep.inner.id, OpKind::Cancel);
-            }
-        }
-        Ok(posted)
+        Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.as_ref().map(|e| e.inner.id)))
     });
     if matches!(posted, Ok(Posted::Pending(_))) {
         inner.posted();

@@ -380,6 +380,24 @@ impl Posted {
     }
 }
 
+impl Posted {
+    /// For a tag receive just posted, under the lock `st` comes from. One that matched a
+    /// message already arrived (eager) completed inside the posting call: its request is
+    /// released here, in the same critical section, so that awaiting it takes no lock.
+    /// One still pending is bound to endpoint `ep`, if any, whose failure then cancels it.
+    #[inline(always)]
+    pub(crate) fn settle_recv(self, st: &mut State, ep: Option<u64>) -> Posted {
+        let Posted::Pending(r) = self else { return self };
+        if let Some(c) = take_done(st, r.slot()) {
+            return Posted::Done(c);
+        }
+        if let Some(ep) = ep {
+            r.bind(st, ep, OpKind::Cancel);
+        }
+        Posted::Pending(r)
+    }
+}
+
 impl Request {
     #[inline(always)]
     fn slot(&self) -> *mut Slot {
@@ -400,16 +418,6 @@ impl Request {
     pub(crate) fn is_done(&self, _st: &mut State) -> bool {
         // SAFETY: under the worker lock; the slot is live.
         unsafe { (*self.slot()).state == SlotState::Done }
-    }
-
-    /// If the callback already ran (under the lock `st` comes from), releases the
-    /// request and returns its completion; else gives the request back.
-    #[inline(always)]
-    pub(crate) fn finish_if_done(self, st: &mut State) -> Result<Completion, Request> {
-        match take_done(st, self.slot()) {
-            Some(c) => Ok(c),
-            None => Err(self),
-        }
     }
 
     /// Binds this request to endpoint `ep`: the endpoint's failure ends it as `kind`

@@ -20,7 +20,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Result, Status};
 use crate::op::{OpState, SendOp};
 use crate::request::{tag_recv_cb, Completion, Posted};
-use crate::worker::{OpKind, State, Worker};
+use crate::worker::{State, Worker};
 
 /// A 64-bit tag.
 pub type Tag = u64;
@@ -221,33 +221,12 @@ fn post_recv<B: IoBufMut>(
         // `capacity` bytes and owned by the returned future until UCX completes (parked
         // on drop).
         let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast(), capacity, tag, mask, &param) };
-        match Posted::from_ptr(p, Completion::OK, true) {
-            // Matched a message that had arrived (eager) inside the call: its request
-            // is finished and released here, in the same critical section, so that
-            // awaiting it takes no lock.
-            Posted::Pending(r) => match r.finish_if_done(st) {
-                Ok(c) => Ok((Posted::Done(c), false)),
-                Err(r) => {
-                    if let Some(ep) = &ep {
-                        r.bind(st, ep.inner.id, OpKind::Cancel);
-                    }
-                    Ok((Posted::Pending(r), true))
-                }
-            },
-            done => Ok((done, false)),
-        }
+        Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.as_ref().map(|e| e.inner.id)))
     });
-    let state = match posted {
-        Err(e) => OpState::Failed(e, buf),
-        Ok((Posted::Done(c), _)) => OpState::Done(c, buf),
-        Ok((Posted::Pending(r), kick)) => {
-            if kick {
-                inner.posted();
-            }
-            OpState::Pending(r, buf)
-        }
-    };
-    TagRecv { worker, ep, capacity, state }
+    if matches!(posted, Ok(Posted::Pending(_))) {
+        inner.posted();
+    }
+    TagRecv { worker, ep, capacity, state: OpState::from_posted(posted, buf) }
 }
 
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
