@@ -132,11 +132,11 @@ impl Endpoint {
         opts: AmSendOptions,
     ) -> AmSend<B> {
         if let Err(e) = check_id(id) {
-            return SendOp::failed(self, "am_send", e, payload);
+            return SendOp::failed(self, "am_send", Box::new(e), payload);
         }
         if !header.is_empty() && header.len() > self.worker().max_am_header() {
             let e = header_too_long(header.len(), self.worker().max_am_header());
-            return SendOp::failed(self, "am_send", e, payload);
+            return SendOp::failed(self, "am_send", Box::new(e), payload);
         }
         let mut flags = match opts.proto {
             AmProto::Auto => 0,

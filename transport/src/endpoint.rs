@@ -403,6 +403,7 @@ impl Endpoint {
     /// Runs `f` with the live UCX endpoint handle under the worker lock, or fails with the
     /// reason it is gone. The error is boxed: this is the posting path of every
     /// operation, and a small `Result` keeps it cheap to return.
+    #[inline(always)]
     pub(crate) fn with_live<R>(
         &self,
         op: &'static str,
@@ -445,6 +446,8 @@ impl Endpoint {
     }
 
     /// The error for a failed operation on this endpoint.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn error_of(&self, op: &'static str, status: Status) -> Error {
         if let Some(f) = self.failure() {
             return Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: f };
@@ -760,6 +763,7 @@ impl Endpoint {
     /// `NO_IMM_CMPL`) it may extend, and returns what the `*_nbx` call returned. A pending
     /// request is bound to the endpoint, so that its failure ends it, and the driver is
     /// kicked.
+    #[inline(always)]
     pub(crate) fn post_op(
         &self,
         op: &'static str,

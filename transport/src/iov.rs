@@ -92,7 +92,7 @@ impl Endpoint {
         };
         let remote = match key.target(self, "put", offset, total, 1) {
             Ok(a) => a,
-            Err(e) => return fail(e, bufs),
+            Err(e) => return fail(*e, bufs),
         };
         let rkey = key.inner.rkey;
         let no_imm = self.worker_inner().no_imm;

@@ -486,7 +486,10 @@ impl RemoteKey {
 
     /// The remote address of `len` bytes at `offset`, after checking they are inside the
     /// region, that the key belongs to `ep`, and (for atomics) 8-byte alignment.
-    #[inline]
+    ///
+    /// Inlined into every posting path, with the error built out of line: the checks
+    /// are a few compares, and a boxed error keeps the result two words.
+    #[inline(always)]
     pub(crate) fn target(
         &self,
         ep: &Endpoint,
@@ -494,25 +497,35 @@ impl RemoteKey {
         offset: u64,
         len: u64,
         align: u64,
-    ) -> Result<u64> {
+    ) -> std::result::Result<u64, Box<Error>> {
         let same_worker =
             std::ptr::eq(self.inner.worker.as_ptr(), Arc::as_ptr(&ep.inner.worker.shared.inner));
-        if !same_worker || self.inner.ep_id != ep.inner.id {
-            return Err(Error::ApiMisuse(format!(
+        let fits = offset.checked_add(len).is_some_and(|end| end <= self.inner.len);
+        let addr = self.inner.addr.wrapping_add(offset);
+        let aligned = align <= 1 || addr % align == 0;
+        if same_worker && self.inner.ep_id == ep.inner.id && fits && aligned {
+            Ok(addr)
+        } else {
+            Err(self.target_error(ep, op, offset, len))
+        }
+    }
+
+    /// Why [`RemoteKey::target`] refused an access.
+    #[cold]
+    #[inline(never)]
+    fn target_error(&self, ep: &Endpoint, op: &'static str, offset: u64, len: u64) -> Box<Error> {
+        let same_worker =
+            std::ptr::eq(self.inner.worker.as_ptr(), Arc::as_ptr(&ep.inner.worker.shared.inner));
+        Box::new(if !same_worker || self.inner.ep_id != ep.inner.id {
+            Error::ApiMisuse(format!(
                 "{op}: the remote key was unpacked on another endpoint ({})",
                 self.inner.peer
-            )));
-        }
-        let oob = |extra| Error::OutOfBounds { op, offset, len, region_len: self.inner.len, extra };
-        let end = offset.checked_add(len).ok_or_else(|| oob(""))?;
-        if end > self.inner.len {
-            return Err(oob(""));
-        }
-        let addr = self.inner.addr + offset;
-        if align > 1 && addr % align != 0 {
-            return Err(oob(" (atomics need an 8-byte aligned address)"));
-        }
-        Ok(addr)
+            ))
+        } else {
+            let fits = offset.checked_add(len).is_some_and(|end| end <= self.inner.len);
+            let extra = if fits { " (atomics need an 8-byte aligned address)" } else { "" };
+            Error::OutOfBounds { op, offset, len, region_len: self.inner.len, extra }
+        })
     }
 
     pub(crate) fn keep(&self) -> crate::op::Extra {

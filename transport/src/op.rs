@@ -95,12 +95,16 @@ impl<B: Send + 'static> OpState<B> {
     /// For the owning future's `Drop`: a pending operation's buffer, and `extra` (what
     /// else UCX reads or writes: a header, a remote key, an iov array), stay with the
     /// worker until UCX completes the request.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn park(&mut self, worker: Option<&WorkerShared>, extra: Option<Extra>) {
         // The common case, a finished operation, has nothing to move or drop.
-        if !matches!(self, OpState::Pending(..)) {
-            return;
+        if matches!(self, OpState::Pending(..)) {
+            self.park_pending(worker, extra);
         }
+    }
+
+    #[inline(never)]
+    fn park_pending(&mut self, worker: Option<&WorkerShared>, extra: Option<Extra>) {
         if let OpState::Pending(r, b) = std::mem::replace(self, OpState::Finished) {
             let worker = worker.expect("invariant: a pending operation keeps its worker");
             let keep: Box<dyn Any + Send> = match extra {
@@ -190,8 +194,9 @@ impl<B: Send + 'static> SendOp<B> {
     }
 
     /// An operation refused before posting.
-    pub(crate) fn failed(ep: &Endpoint, op: &'static str, e: Error, buf: B) -> SendOp<B> {
-        SendOp { ep: Some(ep.clone()), op, state: OpState::failed(e, buf), extra: None }
+    #[inline]
+    pub(crate) fn failed(ep: &Endpoint, op: &'static str, e: Box<Error>, buf: B) -> SendOp<B> {
+        SendOp { ep: Some(ep.clone()), op, state: OpState::Failed(e, buf), extra: None }
     }
 }
 
@@ -201,6 +206,7 @@ impl<B: Send + 'static> Unpin for SendOp<B> {}
 impl<B: Send + 'static> Future for SendOp<B> {
     type Output = (Result<()>, B);
 
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         let worker = this.ep.as_ref().map(|e| &*e.worker().shared);
@@ -210,7 +216,7 @@ impl<B: Send + 'static> Future for SendOp<B> {
             Poll::Ready(Ok((c, b))) => {
                 this.extra = None;
                 let r = match &this.ep {
-                    Some(ep) if !c.status().is_ok() => ep.result_of(this.op, c),
+                    Some(ep) if !c.status().is_ok() => Err(ep.error_of(this.op, c.status())),
                     _ => Ok(()),
                 };
                 Poll::Ready((r, b))
@@ -220,6 +226,7 @@ impl<B: Send + 'static> Future for SendOp<B> {
 }
 
 impl<B: Send + 'static> Drop for SendOp<B> {
+    #[inline(always)]
     fn drop(&mut self) {
         let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
         let extra = self.extra.take();

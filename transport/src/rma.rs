@@ -50,6 +50,7 @@ impl Endpoint {
     ///
     /// # Cancel safety
     /// Dropping the future is memory-safe at any time; the data may still be written.
+    #[inline]
     pub fn put<B: IoBuf>(&self, buf: B, key: &RemoteKey, offset: u64) -> Put<B> {
         let remote = match key.target(self, "put", offset, buf.bytes_init() as u64, 1) {
             Ok(a) => a,
@@ -87,7 +88,7 @@ impl Endpoint {
                 Some(self.clone()),
                 "get",
                 Some(len),
-                OpState::failed(e, buf),
+                OpState::Failed(e, buf),
                 None,
             )
         };
@@ -96,7 +97,7 @@ impl Endpoint {
                 "get of {len} bytes into a {} byte buffer",
                 buf.bytes_total()
             ));
-            return fail(e, buf);
+            return fail(Box::new(e), buf);
         }
         let remote = match key.target(self, "get", offset, len as u64, 1) {
             Ok(a) => a,
@@ -147,7 +148,7 @@ impl Endpoint {
         let words = Words::new([x, z]);
         let remote = match key.target(self, op, offset, 8, 8) {
             Ok(a) => a,
-            Err(e) => return Atomic { ep: self.clone(), op, state: OpState::failed(e, words), key: None },
+            Err(e) => return Atomic { ep: self.clone(), op, state: OpState::Failed(e, words), key: None },
         };
         let rkey = key.inner.rkey;
         let opcode = match kind {

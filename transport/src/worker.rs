@@ -922,6 +922,7 @@ const SPIN_ROUND: u32 = 32;
 impl WorkerInner {
     /// Runs `f` under the worker lock, then wakes the wakers and drops the parked values
     /// it collected, after releasing the lock.
+    #[inline(always)]
     pub(crate) fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let guard = self.lock.lock();
         // SAFETY: the lock is held, so this is the only reference to the state.
@@ -939,6 +940,7 @@ impl WorkerInner {
     }
 
     /// Does what was collected under the lock, once it is released.
+    #[inline(never)]
     fn run_after(&self, after: Deferred) {
         if after.kick {
             self.signal.kick();
