@@ -30,7 +30,9 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::ffi::c_void;
+use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, Waker};
 
@@ -93,6 +95,7 @@ fn check_id(id: u16) -> Result<()> {
 }
 
 #[cold]
+#[inline(never)]
 fn bad_id(id: u16) -> Error {
     Error::ApiMisuse(format!(
         "active-message id {id} is out of range (0..={MAX_ID}; {} is reserved for the handshake)",
@@ -101,6 +104,7 @@ fn bad_id(id: u16) -> Error {
 }
 
 #[cold]
+#[inline(never)]
 fn header_too_long(len: usize, max: usize) -> Error {
     Error::ApiMisuse(format!("active-message header of {len} bytes exceeds this worker's limit of {max}"))
 }
@@ -112,6 +116,7 @@ impl Endpoint {
     /// # Cancel safety
     /// Dropping the returned future is memory-safe at any time; the message may still be
     /// delivered.
+    #[inline]
     pub fn am_send<B: IoBuf>(&self, id: u16, header: &[u8], payload: B) -> AmSend<B> {
         self.am_send_with(id, header, payload, AmSendOptions::default())
     }
@@ -124,6 +129,7 @@ impl Endpoint {
     ///
     /// # Cancel safety
     /// As for [`Endpoint::am_send`].
+    #[inline]
     pub fn am_send_with<B: IoBuf>(
         &self,
         id: u16,
@@ -131,8 +137,8 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        if let Err(e) = check_id(id) {
-            return SendOp::failed(self, "am_send", Box::new(e), payload);
+        if id > MAX_ID {
+            return SendOp::failed(self, "am_send", Box::new(bad_id(id)), payload);
         }
         if !header.is_empty() && header.len() > self.worker().max_am_header() {
             let e = header_too_long(header.len(), self.worker().max_am_header());
@@ -845,8 +851,9 @@ impl AmReceiver {
     ///
     /// # Cancel safety
     /// Cancel-safe: a message is taken off the queue only when this resolves.
-    pub async fn recv(&mut self) -> AmMessage {
-        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    #[inline]
+    pub fn recv(&mut self) -> AmRecv<'_> {
+        AmRecv { rx: self }
     }
 
     /// Takes the next message if one is queued, progressing the worker once first.
@@ -862,6 +869,7 @@ impl AmReceiver {
     }
 
     /// Polls for the next message.
+    #[inline]
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<AmMessage> {
         let (id, reg) = (self.id, self.reg);
         let inc = self.worker.shared.inner.poll_until(
@@ -878,6 +886,29 @@ impl AmReceiver {
             },
         );
         inc.map(|inc| AmMessage::new(&self.worker, id, inc))
+    }
+}
+
+/// Future of [`AmReceiver::recv`]: the next message.
+///
+/// A named future rather than an `async fn` so that its poll, and the message it
+/// returns, are inlined into the awaiting code: a message handed back through an
+/// out-of-line poll is stored in pieces and reloaded whole, which stalls the processor.
+///
+/// # Cancel safety
+/// Cancel-safe: a message is taken off the queue only when this resolves.
+#[must_use = "futures do nothing unless polled"]
+#[derive(Debug)]
+pub struct AmRecv<'a> {
+    rx: &'a mut AmReceiver,
+}
+
+impl Future for AmRecv<'_> {
+    type Output = AmMessage;
+
+    #[inline(always)]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<AmMessage> {
+        self.get_mut().rx.poll_recv(cx)
     }
 }
 
@@ -967,6 +998,7 @@ impl std::fmt::Debug for AmMessage {
 }
 
 impl AmMessage {
+    #[inline]
     fn new(worker: &Worker, id: u16, inc: Incoming) -> AmMessage {
         let reply = inc.reply.upgrade().map(|inner| Endpoint { inner });
         AmMessage { id, header: inc.header, payload: inc.payload.owned_by(worker), reply }
@@ -1143,7 +1175,20 @@ impl AmMessage {
 }
 
 impl Drop for AmMessage {
+    #[inline(always)]
     fn drop(&mut self) {
+        // Only a payload still in UCX's hands has anything to give back; a short message
+        // is dropped without being copied anywhere.
+        if matches!(self.payload, Payload::Rndv { .. } | Payload::Held { .. }) {
+            self.release();
+        }
+    }
+}
+
+impl AmMessage {
+    /// Gives a held or rendezvous payload back to UCX.
+    #[inline(never)]
+    fn release(&mut self) {
         if let Payload::Rndv { desc, owner, .. } | Payload::Held { desc, owner, .. } =
             std::mem::replace(&mut self.payload, Payload::Gone)
         {

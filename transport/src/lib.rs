@@ -112,7 +112,7 @@ pub mod tag;
 mod worker;
 
 pub use address::WorkerAddress;
-pub use am::{AmHandler, AmMessage, AmProto, AmReceiver, AmRecvData, AmSend, AmSendOptions};
+pub use am::{AmHandler, AmMessage, AmProto, AmReceiver, AmRecv, AmRecvData, AmSend, AmSendOptions};
 pub use buf::{IoBuf, IoBufMut};
 pub use context::{Context, ContextBuilder, Features};
 pub use endpoint::{Endpoint, Lane};
