@@ -71,6 +71,7 @@ impl Endpoint {
     /// Dropping the returned [`TagSend`] is memory-safe at any time: the buffer stays
     /// with the worker until UCX has finished with it, and the message may still be
     /// delivered.
+    #[inline]
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
         SendOp::post(
             self,
@@ -96,6 +97,7 @@ impl Endpoint {
     /// Dropping the returned [`TagRecv`] is memory-safe at any time: an unmatched receive
     /// is canceled and its buffer never written; a matched one finishes into the buffer
     /// kept by the worker, and that message is discarded.
+    #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
         post_recv(self.worker().clone(), Some(self.clone()), tag, mask, buf)
     }
@@ -108,6 +110,7 @@ impl Worker {
     ///
     /// # Cancel safety
     /// As for [`Endpoint::tag_recv`].
+    #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
         post_recv(self.clone(), None, tag, mask, buf)
     }
@@ -232,27 +235,35 @@ fn post_recv<B: IoBufMut>(
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
 
 impl<B: IoBufMut> TagRecv<B> {
+    #[inline(always)]
     fn finish(&self, c: Completion, buf: &mut B) -> Result<TagInfo> {
         if c.status().is_ok() {
             // SAFETY: UCX wrote c.len <= capacity bytes at the start of buf.
             unsafe { buf.set_init(c.len.min(self.capacity)) };
             return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
         }
+        Err(self.failure(c))
+    }
+
+    /// The error for a receive that completed with a failed status.
+    #[cold]
+    #[inline(never)]
+    fn failure(&self, c: Completion) -> Error {
         if c.status() == Status::TRUNCATED {
-            return Err(Error::Truncated {
+            return Error::Truncated {
                 capacity: self.capacity,
                 len: c.len.max(self.capacity),
                 tag: c.sender_tag,
-            });
+            };
         }
-        Err(crate::op::op_error(self.ep.as_ref(), "tag_recv", c.status()))
+        crate::op::op_error(self.ep.as_ref(), "tag_recv", c.status())
     }
 }
 
 impl<B: IoBufMut> Future for TagRecv<B> {
     type Output = (Result<TagInfo>, B);
 
-    #[inline]
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         match this.state.poll(Some(&this.worker.shared), cx) {
