@@ -296,6 +296,7 @@ impl<B: IoBufMut> Unpin for RecvOp<B> {}
 impl<B: IoBufMut> Future for RecvOp<B> {
     type Output = (Result<usize>, B);
 
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         match this.state.poll(this.worker.as_ref().map(|w| &*w.shared), cx) {
@@ -304,7 +305,7 @@ impl<B: IoBufMut> Future for RecvOp<B> {
             Poll::Ready(Ok((c, mut b))) => {
                 this.extra = None;
                 if !c.status().is_ok() {
-                    return Poll::Ready((Err(op_error(this.ep.as_ref(), this.op, c.status())), b));
+                    return Poll::Ready((Err(this.failure(c.status())), b));
                 }
                 let n = this.len.unwrap_or(c.len).min(b.bytes_total());
                 // SAFETY: UCX wrote n bytes at the start of the buffer.
@@ -315,7 +316,17 @@ impl<B: IoBufMut> Future for RecvOp<B> {
     }
 }
 
+impl<B: IoBufMut> RecvOp<B> {
+    /// The error for an operation that completed with a failed status.
+    #[cold]
+    #[inline(never)]
+    fn failure(&self, status: crate::error::Status) -> Error {
+        op_error(self.ep.as_ref(), self.op, status)
+    }
+}
+
 impl<B: IoBufMut> Drop for RecvOp<B> {
+    #[inline(always)]
     fn drop(&mut self) {
         let extra = self.extra.take();
         self.state.park(self.worker.as_ref().map(|w| &*w.shared), extra);

@@ -169,6 +169,7 @@ impl Endpoint {
     ///
     /// # Cancel safety
     /// Dropping the returned future is memory-safe at any time; the bytes are still sent.
+    #[inline]
     pub fn stream_send<B: IoBuf>(&self, buf: B) -> StreamSend<B> {
         let id = self.inner.id;
         SendOp::post(
@@ -202,6 +203,7 @@ impl Endpoint {
     /// # Cancel safety
     /// See [`StreamRecv`]: dropping is memory-safe, but bytes that land in the dropped
     /// receive are lost.
+    #[inline]
     pub fn stream_recv<B: IoBufMut>(&self, buf: B) -> StreamRecv<B> {
         self.post_stream_recv(buf, false)
     }
@@ -210,10 +212,12 @@ impl Endpoint {
     ///
     /// # Cancel safety
     /// As for [`Endpoint::stream_recv`].
+    #[inline]
     pub fn stream_recv_exact<B: IoBufMut>(&self, buf: B) -> StreamRecv<B> {
         self.post_stream_recv(buf, true)
     }
 
+    #[inline]
     fn post_stream_recv<B: IoBufMut>(&self, mut buf: B, wait_all: bool) -> StreamRecv<B> {
         let capacity = buf.bytes_total();
         let ptr = buf.stable_mut_ptr();
