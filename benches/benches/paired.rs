@@ -563,13 +563,11 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
         }
     } else {
         windowed(o.iters, o.window, || {
-            let op = if stream {
+            if stream {
                 ep.stream_send(source.slice(0..o.size))
             } else {
                 ep.tag_send(PING, source.slice(0..o.size))
-            };
-            let immediate = op.completed_immediately();
-            (async { op.await.0.expect("send") }, immediate)
+            }
         })
         .await;
         w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
@@ -577,23 +575,49 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
     mib_per_s(o, t0)
 }
 
+/// An operation future of ucxkit's, as [`windowed`] keeps it: whether UCX finished it
+/// while posting, and the check of its result.
+trait WindowOp: std::future::Future + Unpin {
+    fn immediate(&self) -> bool;
+    fn check(out: Self::Output);
+}
+
+impl<B: ucxkit_transport::IoBuf> WindowOp for ucxkit_transport::SendOp<B> {
+    fn immediate(&self) -> bool {
+        self.completed_immediately()
+    }
+    fn check(out: Self::Output) {
+        out.0.expect("operation");
+    }
+}
+
+impl<B: ucxkit_transport::IoBufMut> WindowOp for ucxkit_transport::RecvOp<B> {
+    fn immediate(&self) -> bool {
+        self.completed_immediately()
+    }
+    fn check(out: Self::Output) {
+        out.0.expect("operation");
+    }
+}
+
 /// Keeps up to `window` of `n` operations in flight, counting only those UCX did not
-/// complete at once: `post` posts one and says whether it completed immediately.
-async fn windowed<F: std::future::Future>(n: u64, window: usize, mut post: impl FnMut() -> (F, bool)) {
+/// complete at once, the way UCX programs do: `post` posts one. One that completed at
+/// once is awaited right away, as application code would.
+async fn windowed<F: WindowOp>(n: u64, window: usize, mut post: impl FnMut() -> F) {
     let mut inflight = VecDeque::with_capacity(window);
     for _ in 0..n {
         if inflight.len() == window {
-            inflight.pop_front().expect("in flight").await;
+            F::check(inflight.pop_front().expect("in flight").await);
         }
-        let (op, immediate) = post();
-        if immediate {
-            op.await;
+        let op = post();
+        if op.immediate() {
+            F::check(op.await);
         } else {
             inflight.push_back(op);
         }
     }
     while let Some(op) = inflight.pop_front() {
-        op.await;
+        F::check(op.await);
     }
 }
 
@@ -661,19 +685,9 @@ async fn measure_rma_bw(
         }
     } else {
         if get {
-            windowed(o.iters, o.window, || {
-                let op = ep.get(source.slice(0..o.size), o.size, &remote.key, 0);
-                let immediate = op.completed_immediately();
-                (async { op.await.0.expect("get") }, immediate)
-            })
-            .await;
+            windowed(o.iters, o.window, || ep.get(source.slice(0..o.size), o.size, &remote.key, 0)).await;
         } else {
-            windowed(o.iters, o.window, || {
-                let op = ep.put(source.slice(0..o.size), &remote.key, 0);
-                let immediate = op.completed_immediately();
-                (async { op.await.0.expect("put") }, immediate)
-            })
-            .await;
+            windowed(o.iters, o.window, || ep.put(source.slice(0..o.size), &remote.key, 0)).await;
         }
         ep.flush().await.expect("flush");
         ep.tag_send(PING, &b"end"[..]).await.0.expect("end of chunk");
