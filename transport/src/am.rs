@@ -86,10 +86,12 @@ impl Default for AmSendOptions {
 /// The highest id available to applications.
 pub const MAX_ID: u16 = handshake::AM_ID as u16 - 1;
 
+/// Whether `id` is one applications may use; the error is boxed so that the check stays
+/// two words on the sending path.
 #[inline]
-fn check_id(id: u16) -> Result<()> {
+fn check_id(id: u16) -> std::result::Result<(), Box<Error>> {
     if id > MAX_ID {
-        return Err(bad_id(id));
+        return Err(Box::new(bad_id(id)));
     }
     Ok(())
 }
@@ -137,8 +139,8 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        if id > MAX_ID {
-            return SendOp::failed(self, "am_send", Box::new(bad_id(id)), payload);
+        if let Err(e) = check_id(id) {
+            return SendOp::failed(self, "am_send", e, payload);
         }
         if !header.is_empty() && header.len() > self.worker().max_am_header() {
             let e = header_too_long(header.len(), self.worker().max_am_header());
@@ -768,7 +770,7 @@ impl Worker {
     /// Registers `id`; returns its registration, which stays at the same address until
     /// the worker is destroyed (boxed, never removed from the worker's table).
     fn am_register(&self, id: u16, handler: Option<Arc<HandlerCell>>) -> Result<*mut AmReg> {
-        check_id(id)?;
+        check_id(id).map_err(|e| *e)?;
         let state = self.state_ptr().cast::<State>();
         self.shared.inner.locked(|st| {
             if let Some(reg) = st.am.get_mut(&id) {

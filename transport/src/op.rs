@@ -103,6 +103,7 @@ impl<B: Send + 'static> OpState<B> {
         }
     }
 
+    /// [`OpState::park`] for a pending operation.
     #[inline(never)]
     fn park_pending(&mut self, worker: Option<&WorkerShared>, extra: Option<Extra>) {
         if let OpState::Pending(r, b) = std::mem::replace(self, OpState::Finished) {
