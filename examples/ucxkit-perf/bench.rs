@@ -464,10 +464,22 @@ impl Op {
     }
 
     /// Finishes an operation that completed immediately: its future is ready at the
-    /// first poll, so it is polled once, outside the task's own await.
+    /// first poll, so it is polled once, in place, outside the task's own await.
     fn finish_now(self) -> AnyResult<()> {
         use futures_util::FutureExt;
-        self.finish().now_or_never().ok_or("an operation that completed immediately was not ready")?
+        const NOT_READY: &str = "an operation that completed immediately was not ready";
+        match self {
+            Op::Send(f) => f.now_or_never().ok_or(NOT_READY)?.0?,
+            Op::SendRegion(f) => f.now_or_never().ok_or(NOT_READY)?.0?,
+            Op::Put(f) => f.now_or_never().ok_or(NOT_READY)?.0?,
+            Op::Get(f) => {
+                f.now_or_never().ok_or(NOT_READY)?.0?;
+            }
+            Op::Atomic(f) => {
+                f.now_or_never().ok_or(NOT_READY)??;
+            }
+        }
+        Ok(())
     }
 
     async fn finish(self) -> AnyResult<()> {
