@@ -216,12 +216,7 @@ impl<B: IoBufMut> Future for TagRecvIov<B> {
             }
             return Poll::Ready((Ok(TagInfo { sender_tag: c.sender_tag, len: c.len }), bufs));
         }
-        let e = if c.status() == Status::TRUNCATED {
-            Error::Truncated { capacity: this.capacity, len: c.len.max(this.capacity), tag: c.sender_tag }
-        } else {
-            crate::op::op_error(this.ep.as_ref(), "tag_recv", c.status())
-        };
-        Poll::Ready((Err(e), bufs))
+        Poll::Ready((Err(crate::tag::recv_failure(c, this.capacity, this.ep.as_ref())), bufs))
     }
 }
 

@@ -242,22 +242,19 @@ impl<B: IoBufMut> TagRecv<B> {
             unsafe { buf.set_init(c.len.min(self.capacity)) };
             return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
         }
-        Err(self.failure(c))
+        Err(recv_failure(c, self.capacity, self.ep.as_ref()))
     }
+}
 
-    /// The error for a receive that completed with a failed status.
-    #[cold]
-    #[inline(never)]
-    fn failure(&self, c: Completion) -> Error {
-        if c.status() == Status::TRUNCATED {
-            return Error::Truncated {
-                capacity: self.capacity,
-                len: c.len.max(self.capacity),
-                tag: c.sender_tag,
-            };
-        }
-        crate::op::op_error(self.ep.as_ref(), "tag_recv", c.status())
+/// The error for a tag receive (plain or vectored) of `capacity` bytes, bound to `ep`
+/// if any, that completed with a failed status.
+#[cold]
+#[inline(never)]
+pub(crate) fn recv_failure(c: Completion, capacity: usize, ep: Option<&Endpoint>) -> Error {
+    if c.status() == Status::TRUNCATED {
+        return Error::Truncated { capacity, len: c.len.max(capacity), tag: c.sender_tag };
     }
+    crate::op::op_error(ep, "tag_recv", c.status())
 }
 
 impl<B: IoBufMut> Future for TagRecv<B> {
