@@ -180,7 +180,7 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             }
             st.parked -= 1;
             if slot.close {
-                st.closes.remove(&(req as usize));
+                st.closes.remove(&req.cast::<Slot>());
             }
             // SAFETY: req is ours, completed, and nothing refers to it any more.
             unsafe { free(st, req.cast()) };
@@ -282,7 +282,7 @@ pub(crate) unsafe fn park_close(st: &mut State, slot: *mut Slot) {
         (*slot).close = true;
     }
     st.parked += 1;
-    st.closes.insert(slot as usize, slot);
+    st.closes.insert(slot);
 }
 
 /// Gives the close requests still running back to UCX ([`release`]), right before the
@@ -292,7 +292,7 @@ pub(crate) unsafe fn park_close(st: &mut State, slot: *mut Slot) {
 /// # Safety
 /// The worker lock is held (`st` comes from it), or the worker is being dropped.
 pub(crate) unsafe fn give_up_closes(st: &mut State) {
-    for (_, slot) in std::mem::take(&mut st.closes) {
+    for slot in std::mem::take(&mut st.closes) {
         st.parked -= 1;
         // SAFETY: listed slots are parked, pending close requests of ours, whose parked
         // value is a unit that needs no care.

@@ -346,6 +346,9 @@ impl std::hash::Hasher for IdHasher {
 /// `HashMap` keyed by integers, with [`IdHasher`].
 pub(crate) type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
 
+/// `HashSet` of integers or addresses, with [`IdHasher`].
+pub(crate) type IdSet<K> = std::collections::HashSet<K, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// The worker's endpoints by id. Each [`EpState`] has its own allocation, so the last one
 /// looked up is remembered by address: the stream operations of one endpoint, which look
 /// it up on every send, receive and completion, find it without hashing.
@@ -574,7 +577,7 @@ pub(crate) struct State {
     /// Close requests of endpoints nobody waits for, parked until they finish
     /// ([`request::park_close`]), by address: thousands of endpoints dropped at once each
     /// leave one, and each is taken out as it finishes.
-    pub(crate) closes: IdMap<usize, *mut Slot>,
+    pub(crate) closes: IdSet<*mut Slot>,
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     probe_waiters: Vec<Waker>,
     /// Whether `probe_waiters`, `outbox` or `failed` may hold something for
@@ -610,7 +613,7 @@ impl State {
             handle,
             after: Deferred::default(),
             parked: 0,
-            closes: IdMap::default(),
+            closes: IdSet::default(),
             probe_waiters: Vec::new(),
             chores: false,
             eps: EpTable::default(),
