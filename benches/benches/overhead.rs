@@ -101,27 +101,17 @@ fn am_exchange(c: &mut Criterion) {
             })
         })
     });
-    let count = Cell::new(0u64);
+    let count: &'static Cell<u64> = Box::leak(Box::new(Cell::new(0)));
     let (w, ep) = (l.w.as_raw(), l.ep.as_raw());
-    // SAFETY: the worker is valid and no ucxkit call runs meanwhile; the counter outlives
-    // the registration (removed below).
-    unsafe { raw::count_am(w, 2, Some(&count)) };
+    // SAFETY: the worker is valid and no ucxkit call runs meanwhile.
+    unsafe { raw::count_am(w, 2, Some(count)) };
     g.bench_function("raw", |b| {
         b.iter(|| {
             let before = count.get();
             // SAFETY: as in raw_exchange.
             unsafe {
-                let s = sys::ucp_am_send_nbx(
-                    ep,
-                    2,
-                    std::ptr::null(),
-                    0,
-                    payload.as_ptr().cast(),
-                    8,
-                    &raw::send_param(),
-                );
-                raw::wait(w, s);
-                raw::wait_am(w, &count, before + 1);
+                raw::wait(w, raw::post_am_send(ep, 2, payload.as_ptr(), 8));
+                raw::wait_am(w, count, before + 1);
             }
         })
     });
@@ -154,20 +144,10 @@ fn stream_exchange(c: &mut Criterion) {
     g.bench_function("raw", |b| {
         let mut rbuf = [0u8; 8];
         b.iter(|| {
-            let done = Cell::new(false);
             // SAFETY: as in raw_exchange.
             unsafe {
-                let s = sys::ucp_stream_send_nbx(ep, payload.as_ptr().cast(), 8, &raw::send_param());
-                raw::wait(w, s);
-                let mut len = 0usize;
-                let r = sys::ucp_stream_recv_nbx(
-                    ep,
-                    rbuf.as_mut_ptr().cast(),
-                    8,
-                    &mut len,
-                    &raw::stream_recv_param(&done),
-                );
-                raw::wait_recv(w, r, &done);
+                raw::wait(w, raw::post_stream_send(ep, payload.as_ptr(), 8));
+                raw::stream_recv_exact(w, ep, rbuf.as_mut_ptr(), 8);
             }
         })
     });

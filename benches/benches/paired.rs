@@ -1,5 +1,6 @@
-//! Paired runs: ucxkit's tag API against raw `ucp_*` calls on the same two workers, the
-//! same endpoints and the same pinned threads, alternating in chunks.
+//! Paired runs: ucxkit's tag, active-message, stream and one-sided operations against raw
+//! `ucp_*` calls on the same two workers, the same endpoints and the same pinned threads,
+//! alternating in chunks.
 //!
 //! Comparing ucxkit with a separate `ucx_perftest` run mixes CPU placements on a virtual
 //! machine whose host moves its CPUs between runs (one-way latency over shared memory
@@ -15,8 +16,9 @@
 //! ```
 //!
 //! - `tag_lat`, `am_lat`, `stream_lat`: ping-pong with tags, active messages (no header;
-//!   the raw side counts arrivals in a handler of its own id, so up to 1 KiB) or the
-//!   endpoint's byte stream; a chunk's figure is the median round trip, halved (one-way
+//!   the raw side counts arrivals in a handler of its own id, so up to 1 KiB, while
+//!   ucxkit's receiver also hands each message out: in place up to 23 bytes, copied to
+//!   the heap above, which its figure includes) or the endpoint's byte stream; a chunk's figure is the median round trip, halved (one-way
 //!   latency, as ucx_perftest reports). Default 4000 round trips per chunk.
 //!   With `--pause-us N` the client waits N µs before each round trip (not timed), so
 //!   the answering side waits that long for each message: longer than a busy-poll
@@ -39,6 +41,8 @@
 //!
 //! Two workers, each on its own thread with its own current-thread runtime and busy-poll
 //! progress, pinned to the two CPUs. A first pair of chunks warms up and is not counted.
+//! The raw side's worker and endpoint handles are taken once per chunk, outside the
+//! timed loops (taking one locks the worker).
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -196,8 +200,8 @@ fn parse_opts() -> Opts {
     if o.test.is_bw() && !o.pause.is_zero() {
         usage("--pause-us is for the latency tests");
     }
-    if o.chunks < 2 || o.window == 0 {
-        usage("needs at least 2 chunks and a window of at least 1");
+    if o.chunks < 2 || o.chunks % 2 != 0 || o.window == 0 {
+        usage("needs an even number of chunks (they come in pairs), at least 2, and a window of at least 1");
     }
     o
 }
@@ -243,6 +247,14 @@ enum Dir {
 }
 
 impl Dir {
+    /// The opposite direction.
+    fn other(self) -> Dir {
+        match self {
+            Dir::Ping => Dir::Pong,
+            Dir::Pong => Dir::Ping,
+        }
+    }
+
     fn tag(self) -> u64 {
         match self {
             Dir::Ping => PING,
@@ -268,6 +280,9 @@ impl Dir {
 struct PingPong {
     w: Worker,
     ep: Endpoint,
+    /// The raw handles of `w` and `ep`, taken once (taking one locks the worker).
+    wh: sys::ucp_worker_h,
+    eh: sys::ucp_ep_h,
     test: Test,
     payload: &'static [u8],
     /// Tag receive buffer (ucxkit).
@@ -278,8 +293,10 @@ struct PingPong {
     raw_buf: Vec<u8>,
     /// Active messages arriving through ucxkit.
     am: Option<ucxkit_transport::AmReceiver>,
-    /// Active messages the raw handler counted, and how many this side has taken.
-    arrived: Box<Cell<u64>>,
+    /// Active messages the raw handler counted (for the whole program: it must outlive
+    /// the handler's registration even if a chunk panics), and how many this side has
+    /// taken.
+    arrived: &'static Cell<u64>,
     taken: u64,
     /// The direction this side receives.
     inbound: Dir,
@@ -287,11 +304,12 @@ struct PingPong {
 
 impl PingPong {
     fn new(w: Worker, ep: Endpoint, o: &Opts, inbound: Dir, fill: u8) -> PingPong {
-        let arrived = Box::new(Cell::new(0));
+        let (wh, eh) = (w.as_raw(), ep.as_raw());
+        let arrived: &'static Cell<u64> = Box::leak(Box::new(Cell::new(0)));
         let am = if o.test == Test::AmLat {
             // SAFETY: no ucxkit operation is pending and this thread is the worker's only
-            // user; the counter is unregistered in `finish` before it is dropped.
-            unsafe { raw::count_am(w.as_raw(), inbound.raw_am_id(), Some(&arrived)) };
+            // user.
+            unsafe { raw::count_am(wh, inbound.raw_am_id(), Some(arrived)) };
             Some(w.am_recv(inbound.am_id()).expect("am_recv"))
         } else {
             None
@@ -306,6 +324,8 @@ impl PingPong {
             taken: 0,
             inbound,
             test: o.test,
+            wh,
+            eh,
             w,
             ep,
         }
@@ -313,34 +333,18 @@ impl PingPong {
 
     /// Sends one message the other way from `inbound`.
     async fn send(&mut self, raw: bool) {
-        let dir = match self.inbound {
-            Dir::Ping => Dir::Pong,
-            Dir::Pong => Dir::Ping,
-        };
-        let (w, ep, payload) = (self.w.as_raw(), self.ep.as_raw(), self.payload);
+        let (dir, payload) = (self.inbound.other(), self.payload);
         if raw {
+            let (p, n) = (payload.as_ptr(), payload.len());
             // SAFETY: the handles are live (held by `self`); this thread is the only user of
             // the worker, and no ucxkit operation is pending; the payload is 'static.
             unsafe {
                 let s = match self.test {
-                    Test::AmLat => sys::ucp_am_send_nbx(
-                        ep,
-                        dir.raw_am_id().into(),
-                        std::ptr::null(),
-                        0,
-                        payload.as_ptr().cast(),
-                        payload.len(),
-                        &raw::send_param(),
-                    ),
-                    Test::StreamLat => sys::ucp_stream_send_nbx(
-                        ep,
-                        payload.as_ptr().cast(),
-                        payload.len(),
-                        &raw::send_param(),
-                    ),
-                    _ => raw::post_tag_send(ep, payload.as_ptr(), payload.len(), dir.tag()),
+                    Test::AmLat => raw::post_am_send(self.eh, dir.raw_am_id(), p, n),
+                    Test::StreamLat => raw::post_stream_send(self.eh, p, n),
+                    _ => raw::post_tag_send(self.eh, p, n, dir.tag()),
                 };
-                raw::wait(w, s);
+                raw::wait(self.wh, s);
             }
             return;
         }
@@ -354,28 +358,17 @@ impl PingPong {
 
     /// Receives one message of direction `inbound`.
     async fn recv(&mut self, raw: bool) {
-        let w = self.w.as_raw();
         if raw {
+            let (w, buf) = (self.wh, &mut self.raw_buf);
             // SAFETY: as in `send`; the buffers outlive the requests, waited for here.
             unsafe {
                 match self.test {
                     Test::AmLat => {
                         self.taken += 1;
-                        raw::wait_am(w, &self.arrived, self.taken);
+                        raw::wait_am(w, self.arrived, self.taken);
                     }
-                    Test::StreamLat => {
-                        let done = Cell::new(false);
-                        let mut len = 0usize;
-                        let r = sys::ucp_stream_recv_nbx(
-                            self.ep.as_raw(),
-                            self.raw_buf.as_mut_ptr().cast(),
-                            self.raw_buf.len(),
-                            &mut len,
-                            &raw::stream_recv_param(&done),
-                        );
-                        raw::wait_recv(w, r, &done);
-                    }
-                    _ => raw::tag_recv(w, &mut self.raw_buf, self.inbound.tag()),
+                    Test::StreamLat => raw::stream_recv_exact(w, self.eh, buf.as_mut_ptr(), buf.len()),
+                    _ => raw::tag_recv(w, buf, self.inbound.tag()),
                 }
             }
             return;
@@ -400,9 +393,32 @@ impl PingPong {
     async fn finish(self) {
         if self.test == Test::AmLat {
             // SAFETY: as in `new`.
-            unsafe { raw::count_am(self.w.as_raw(), self.inbound.raw_am_id(), None) };
+            unsafe { raw::count_am(self.wh, self.inbound.raw_am_id(), None) };
         }
         self.ep.close().await.ok();
+    }
+}
+
+/// Sends the 3-byte end-of-chunk message or acknowledgement with `tag` on `ep`.
+async fn send_ack(ep: &Endpoint, raw: bool, tag: u64) {
+    if raw {
+        let (wh, eh) = (ep.worker().as_raw(), ep.as_raw());
+        // SAFETY: this thread is the worker's only user and no ucxkit operation is
+        // pending; the message is 'static.
+        unsafe { raw::wait(wh, raw::post_tag_send(eh, b"ack".as_ptr(), 3, tag)) };
+    } else {
+        ep.tag_send(tag, &b"ack"[..]).await.0.expect("acknowledgement");
+    }
+}
+
+/// Waits for the 3-byte message [`send_ack`] sends with `tag`.
+async fn recv_ack(w: &Worker, raw: bool, tag: u64) {
+    if raw {
+        let mut ack = [0u8; 3];
+        // SAFETY: as in `send_ack`; the buffer outlives the receive, waited for here.
+        unsafe { raw::tag_recv(w.as_raw(), &mut ack, tag) };
+    } else {
+        w.tag_recv(tag, tag::EXACT, Vec::with_capacity(3)).await.0.expect("acknowledgement");
     }
 }
 
@@ -419,21 +435,20 @@ async fn serve_lat(side: &mut PingPong, raw: bool, iters: u64) {
 async fn serve_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, sink: &MemRegion) {
     let n = o.iters as usize;
     if raw {
-        let ptr = sink.slice(0..o.size).stable_ptr().cast_mut();
+        let (wh, ptr) = (w.as_raw(), sink.slice(0..o.size).stable_ptr().cast_mut());
         let mut posted = VecDeque::with_capacity(o.window);
-        // SAFETY: as in `serve_lat`; `sink` outlives every receive, each waited for
+        // SAFETY: as in `PingPong::send`; `sink` outlives every receive, each waited for
         // before this returns.
         unsafe {
             for _ in 0..n.min(o.window) {
-                posted.push_back(raw::post_tag_recv(w.as_raw(), ptr, o.size, PING, None));
+                posted.push_back(raw::post_tag_recv(wh, ptr, o.size, PING, None));
             }
             for i in 0..n {
-                raw::wait(w.as_raw(), posted.pop_front().expect("posted"));
+                raw::wait(wh, posted.pop_front().expect("posted"));
                 if i + o.window < n {
-                    posted.push_back(raw::post_tag_recv(w.as_raw(), ptr, o.size, PING, None));
+                    posted.push_back(raw::post_tag_recv(wh, ptr, o.size, PING, None));
                 }
             }
-            raw::wait(w.as_raw(), raw::post_tag_send(ep.as_raw(), b"ack".as_ptr(), 3, PONG));
         }
     } else {
         let mut posted = VecDeque::with_capacity(o.window);
@@ -446,45 +461,36 @@ async fn serve_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, sink: &MemRegi
                 posted.push_back(w.tag_recv(PING, tag::EXACT, sink.slice(0..o.size)));
             }
         }
-        ep.tag_send(PONG, &b"ack"[..]).await.0.expect("ack");
     }
+    send_ack(ep, raw, PONG).await;
 }
 
 /// The receiving side of one `stream_bw` chunk: the chunk's sends, each received whole
 /// into `sink` (`WAITALL`), then an acknowledgement.
 async fn serve_stream_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, sink: &MemRegion) {
     if raw {
+        let (wh, eh) = (w.as_raw(), ep.as_raw());
         let ptr = sink.slice(0..o.size).stable_ptr().cast_mut();
-        // SAFETY: as in `serve_lat`; `sink` outlives every receive, each waited for.
+        // SAFETY: as in `PingPong::send`; `sink` outlives every receive, each waited for.
         unsafe {
             for _ in 0..o.iters {
-                raw::stream_recv_exact(w.as_raw(), ep.as_raw(), ptr, o.size);
+                raw::stream_recv_exact(wh, eh, ptr, o.size);
             }
-            raw::wait(w.as_raw(), raw::post_tag_send(ep.as_raw(), b"ack".as_ptr(), 3, PONG));
         }
     } else {
         for _ in 0..o.iters {
             ep.stream_recv_exact(sink.slice(0..o.size)).await.0.expect("stream data");
         }
-        ep.tag_send(PONG, &b"ack"[..]).await.0.expect("ack");
     }
+    send_ack(ep, raw, PONG).await;
 }
 
 /// The passive side of one one-sided chunk: it only answers the client's end-of-chunk
 /// message, progressing its worker meanwhile (UCX's TCP transport carries puts and gets
 /// as messages the target handles).
 async fn acknowledge(w: &Worker, ep: &Endpoint, raw: bool) {
-    if raw {
-        let mut done = [0u8; 3];
-        // SAFETY: as in `serve_lat`.
-        unsafe {
-            raw::tag_recv(w.as_raw(), &mut done, PING);
-            raw::wait(w.as_raw(), raw::post_tag_send(ep.as_raw(), b"ack".as_ptr(), 3, PONG));
-        }
-    } else {
-        w.tag_recv(PING, tag::EXACT, Vec::with_capacity(3)).await.0.expect("end of chunk");
-        ep.tag_send(PONG, &b"ack"[..]).await.0.expect("ack");
-    }
+    recv_ack(w, raw, PING).await;
+    send_ack(ep, raw, PONG).await;
 }
 
 /// The answering side.
@@ -502,18 +508,24 @@ fn server(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
             mine.send(unsafe { raw::pack_rkey(w.context().as_raw(), sink.as_raw()) }).expect("send raw key");
             mine.send(sink.addr().to_le_bytes().to_vec()).expect("send address");
         }
-        let mut side = PingPong::new(w.clone(), ep.clone(), &o, Dir::Ping, 2);
+        let mut side = (!o.test.is_bw()).then(|| PingPong::new(w.clone(), ep.clone(), &o, Dir::Ping, 2));
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             let raw = is_raw(chunk);
-            match o.test {
-                Test::TagBw => serve_bw(&w, &ep, raw, &o, &sink).await,
-                Test::StreamBw => serve_stream_bw(&w, &ep, raw, &o, &sink).await,
-                Test::PutBw | Test::GetBw => acknowledge(&w, &ep, raw).await,
-                _ => serve_lat(&mut side, raw, o.iters).await,
+            match (o.test, &mut side) {
+                (Test::TagBw, _) => serve_bw(&w, &ep, raw, &o, &sink).await,
+                (Test::StreamBw, _) => serve_stream_bw(&w, &ep, raw, &o, &sink).await,
+                (Test::PutBw | Test::GetBw, _) => acknowledge(&w, &ep, raw).await,
+                (_, Some(side)) => serve_lat(side, raw, o.iters).await,
+                (_, None) => unreachable!("a latency test has its ping-pong side"),
             }
         }
-        drop(ep);
-        side.finish().await;
+        match side {
+            Some(side) => {
+                drop(ep);
+                side.finish().await;
+            }
+            None => ep.close().await.unwrap_or(()),
+        }
     });
 }
 
@@ -548,18 +560,16 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
     if raw {
         let (wh, eh) = (w.as_raw(), ep.as_raw());
         let ptr = source.slice(0..o.size).stable_ptr();
-        let mut ack = [0u8; 3];
-        // SAFETY: as in `serve_lat`; `source` outlives every send, each waited for before
-        // this returns.
+        // SAFETY: as in `PingPong::send`; `source` outlives every send, each waited for
+        // before this returns.
         unsafe {
             raw_windowed(wh, o.iters, o.window, || {
                 if stream {
-                    sys::ucp_stream_send_nbx(eh, ptr.cast(), o.size, &raw::send_param())
+                    raw::post_stream_send(eh, ptr, o.size)
                 } else {
                     raw::post_tag_send(eh, ptr, o.size, PING)
                 }
             });
-            raw::tag_recv(wh, &mut ack, PONG);
         }
     } else {
         windowed(o.iters, o.window, || {
@@ -570,8 +580,8 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
             }
         })
         .await;
-        w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
     }
+    recv_ack(w, raw, PONG).await;
     mib_per_s(o, t0)
 }
 
@@ -672,16 +682,13 @@ async fn measure_rma_bw(
     if raw {
         let (wh, eh) = (w.as_raw(), ep.as_raw());
         let ptr = source.slice(0..o.size).stable_ptr().cast_mut();
-        let mut ack = [0u8; 3];
-        // SAFETY: as in `serve_lat`; `source` and the server's region outlive every
+        // SAFETY: as in `PingPong::send`; `source` and the server's region outlive every
         // operation, each waited for; the key belongs to `ep` and covers `size` bytes.
         unsafe {
             raw_windowed(wh, o.iters, o.window, || {
                 raw::post_rma(eh, get, ptr, o.size, remote.raw_addr, &remote.raw_key)
             });
             raw::flush(wh, eh);
-            raw::wait(wh, raw::post_tag_send(eh, b"end".as_ptr(), 3, PING));
-            raw::tag_recv(wh, &mut ack, PONG);
         }
     } else {
         if get {
@@ -690,9 +697,9 @@ async fn measure_rma_bw(
             windowed(o.iters, o.window, || ep.put(source.slice(0..o.size), &remote.key, 0)).await;
         }
         ep.flush().await.expect("flush");
-        ep.tag_send(PING, &b"end"[..]).await.0.expect("end of chunk");
-        w.tag_recv(PONG, tag::EXACT, Vec::with_capacity(3)).await.0.expect("ack");
     }
+    send_ack(ep, raw, PING).await;
+    recv_ack(w, raw, PONG).await;
     mib_per_s(o, t0)
 }
 
@@ -707,9 +714,9 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
         let (w, ep) = connect(&o.tls, &mine, &theirs).await;
-        let mut side = PingPong::new(w.clone(), ep.clone(), &o, Dir::Pong, 1);
+        let mut side = (!o.test.is_bw()).then(|| PingPong::new(w.clone(), ep.clone(), &o, Dir::Pong, 1));
         let source = w.context().alloc(o.size.max(1)).expect("send buffer");
-        source.write_at(0, side.payload);
+        source.write_at(0, &vec![1u8; o.size]);
         let keys = o.test.is_rma().then(|| {
             let key = ep.unpack_key(&theirs.recv().expect("key")).expect("unpack key");
             // SAFETY: no ucxkit operation is pending and this thread is the worker's only
@@ -722,15 +729,21 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
         let mut figures = Vec::with_capacity(o.chunks as usize);
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             let raw = is_raw(chunk);
-            figures.push(match (o.test, &keys) {
-                (Test::TagBw | Test::StreamBw, _) => measure_bw(&w, &ep, raw, &o, &source).await,
-                (Test::PutBw | Test::GetBw, Some(k)) => measure_rma_bw(&w, &ep, raw, &o, &source, k).await,
-                _ => measure_lat(&mut side, raw, o.iters, o.pause).await,
+            figures.push(match (o.test, &keys, &mut side) {
+                (Test::TagBw | Test::StreamBw, ..) => measure_bw(&w, &ep, raw, &o, &source).await,
+                (Test::PutBw | Test::GetBw, Some(k), _) => measure_rma_bw(&w, &ep, raw, &o, &source, k).await,
+                (_, _, Some(side)) => measure_lat(side, raw, o.iters, o.pause).await,
+                _ => unreachable!("a latency test has its ping-pong side, a one-sided one its keys"),
             });
         }
         drop(keys);
-        drop(ep);
-        side.finish().await;
+        match side {
+            Some(side) => {
+                drop(ep);
+                side.finish().await;
+            }
+            None => ep.close().await.unwrap_or(()),
+        }
         figures
     })
 }

@@ -1,5 +1,6 @@
-//! Raw UCX tag operations for the benchmarks that time ucxkit against plain `ucp_*` calls
-//! on the same worker: request parameters, callbacks, and waits that progress the worker
+//! Raw UCX operations for the benchmarks that time ucxkit against plain `ucp_*` calls on
+//! the same worker: tag, stream and active-message sends and receives, remote keys and
+//! RMA, with their request parameters, callbacks, and waits that progress the worker
 //! until a request finishes. Each benchmark binary includes this module and uses part of
 //! it.
 
@@ -41,6 +42,35 @@ fn recv_param(done: &Cell<bool>) -> sys::ucp_request_param_t {
         user_data: (done as *const Cell<bool>).cast_mut().cast(),
         ..Default::default()
     }
+}
+
+/// Posts an active message with `id`, no header and the `len` bytes at `buf` as payload
+/// on `ep`, its completion polled with [`wait`].
+///
+/// # Safety
+/// As for [`post_tag_send`].
+pub(crate) unsafe fn post_am_send(
+    ep: sys::ucp_ep_h,
+    id: u16,
+    buf: *const u8,
+    len: usize,
+) -> sys::ucs_status_ptr_t {
+    // SAFETY: per contract.
+    unsafe { sys::ucp_am_send_nbx(ep, id.into(), std::ptr::null(), 0, buf.cast(), len, &send_param()) }
+}
+
+/// Posts a send of the `len` bytes at `buf` on `ep`'s stream, its completion polled with
+/// [`wait`].
+///
+/// # Safety
+/// As for [`post_tag_send`].
+pub(crate) unsafe fn post_stream_send(
+    ep: sys::ucp_ep_h,
+    buf: *const u8,
+    len: usize,
+) -> sys::ucs_status_ptr_t {
+    // SAFETY: per contract.
+    unsafe { sys::ucp_stream_send_nbx(ep, buf.cast(), len, &send_param()) }
 }
 
 /// Posts a send of `len` bytes at `buf` with `tag` on `ep`, its completion polled with
@@ -143,7 +173,7 @@ unsafe extern "C" fn stream_recv_cb(
 
 /// Parameters of a stream receive of exactly the buffer's length (`WAITALL`) whose
 /// callback sets `done` ([`wait_recv`]).
-pub(crate) fn stream_recv_param(done: &Cell<bool>) -> sys::ucp_request_param_t {
+fn stream_recv_param(done: &Cell<bool>) -> sys::ucp_request_param_t {
     sys::ucp_request_param_t {
         op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0
             | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
@@ -163,20 +193,30 @@ unsafe extern "C" fn am_count_cb(
     _header_len: usize,
     _data: *mut c_void,
     _len: usize,
-    _param: *const sys::ucp_am_recv_param_t,
+    param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    // SAFETY: arg is the counter given to `count_am`, registered only while it lives.
-    unsafe { (*arg.cast::<Cell<u64>>()).set((*arg.cast::<Cell<u64>>()).get() + 1) };
+    // SAFETY: UCX passes valid parameters for the call.
+    if unsafe { (*param).recv_attr } & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0 {
+        // A payload still at the sender would have to be fetched: the benchmarks keep
+        // their active messages small enough to arrive eager.
+        eprintln!("raw active-message handler: a rendezvous message arrived");
+        std::process::abort();
+    }
+    // SAFETY: arg is the counter given to `count_am`, which lives for the whole program.
+    let counter = unsafe { &*arg.cast::<Cell<u64>>() };
+    counter.set(counter.get() + 1);
     sys::UCS_OK
 }
 
 /// Registers (`Some`) or removes (`None`) a handler for active-message `id` on `w` that
 /// counts arrivals in `counter`.
 ///
+/// The counter lives for the whole program, so that it outlives its registration even
+/// when a benchmark panics before removing the handler.
+///
 /// # Safety
-/// `w` is live and nothing else uses it during the call; a registered counter outlives
-/// its registration.
-pub(crate) unsafe fn count_am(w: sys::ucp_worker_h, id: u16, counter: Option<&Cell<u64>>) {
+/// `w` is live and nothing else uses it during the call.
+pub(crate) unsafe fn count_am(w: sys::ucp_worker_h, id: u16, counter: Option<&'static Cell<u64>>) {
     let param = sys::ucp_am_handler_param_t {
         field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
             | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
