@@ -5,6 +5,7 @@
 
 use std::any::Any;
 use std::future::Future;
+use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -62,6 +63,17 @@ impl<B: Send + 'static> OpState<B> {
     #[inline]
     pub(crate) fn completed_immediately(&self) -> bool {
         !matches!(self, OpState::Pending(..))
+    }
+
+    /// Whether dropping this state has nothing to do: the operation was awaited to its
+    /// end, or it completed at once with a buffer that needs no drop (a borrowed slice).
+    #[inline(always)]
+    pub(crate) fn is_inert(&self) -> bool {
+        match self {
+            OpState::Finished => true,
+            OpState::Done(..) => !std::mem::needs_drop::<B>(),
+            _ => false,
+        }
     }
 
     /// The state of an operation refused before posting.
@@ -129,10 +141,14 @@ impl<B: Send + 'static> OpState<B> {
 pub struct SendOp<B: Send + 'static> {
     /// Held only while the operation is pending or failed (a success at once needs
     /// nothing).
-    ep: Option<Endpoint>,
+    ///
+    /// The fields are dropped by hand (see `Drop`), so that dropping a future that holds
+    /// nothing any more, the common case, is a check inlined where it is dropped.
+    ep: ManuallyDrop<Option<Endpoint>>,
     op: &'static str,
-    state: OpState<B>,
-    extra: Option<Extra>,
+    state: ManuallyDrop<OpState<B>>,
+    /// Only with `ep`.
+    extra: ManuallyDrop<Option<Extra>>,
 }
 
 impl<B: IoBuf> SendOp<B> {
@@ -178,7 +194,12 @@ impl<B: Send + 'static> SendOp<B> {
             OpState::Pending(..) => (Some(ep.clone()), extra()),
             _ => (Some(ep.clone()), None),
         };
-        SendOp { ep, op, state, extra }
+        SendOp {
+            ep: ManuallyDrop::new(ep),
+            op,
+            state: ManuallyDrop::new(state),
+            extra: ManuallyDrop::new(extra),
+        }
     }
 
     /// Whether UCX completed the operation during the call that posted it (no request
@@ -197,7 +218,12 @@ impl<B: Send + 'static> SendOp<B> {
     /// An operation refused before posting.
     #[inline]
     pub(crate) fn failed(ep: &Endpoint, op: &'static str, e: Box<Error>, buf: B) -> SendOp<B> {
-        SendOp { ep: Some(ep.clone()), op, state: OpState::Failed(e, buf), extra: None }
+        SendOp {
+            ep: ManuallyDrop::new(Some(ep.clone())),
+            op,
+            state: ManuallyDrop::new(OpState::Failed(e, buf)),
+            extra: ManuallyDrop::new(None),
+        }
     }
 }
 
@@ -215,8 +241,8 @@ impl<B: Send + 'static> Future for SendOp<B> {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, b))) => {
-                this.extra = None;
-                let r = match &this.ep {
+                *this.extra = None;
+                let r = match &*this.ep {
                     Some(ep) if !c.status().is_ok() => Err(ep.error_of(this.op, c.status())),
                     _ => Ok(()),
                 };
@@ -229,9 +255,29 @@ impl<B: Send + 'static> Future for SendOp<B> {
 impl<B: Send + 'static> Drop for SendOp<B> {
     #[inline(always)]
     fn drop(&mut self) {
+        // Awaited (or done at once) and holding no endpoint: nothing to drop.
+        if self.ep.is_none() && self.state.is_inert() {
+            debug_assert!(self.extra.is_none(), "extra is only kept with the endpoint");
+            return;
+        }
+        self.release();
+    }
+}
+
+impl<B: Send + 'static> SendOp<B> {
+    /// Drops the fields: a pending operation's buffer and extra are parked with the
+    /// worker first.
+    #[inline(never)]
+    fn release(&mut self) {
         let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
         let extra = self.extra.take();
         self.state.park(worker, extra);
+        // SAFETY: called once, from drop; the fields are not used afterwards.
+        unsafe {
+            ManuallyDrop::drop(&mut self.state);
+            ManuallyDrop::drop(&mut self.extra);
+            ManuallyDrop::drop(&mut self.ep);
+        }
     }
 }
 
@@ -246,14 +292,16 @@ impl<B: Send + 'static> Drop for SendOp<B> {
 #[must_use = "a receive-type operation does nothing useful unless awaited"]
 pub struct RecvOp<B: IoBufMut> {
     /// Needed only while the operation may be pending (None for one finished at once).
-    worker: Option<Worker>,
+    ///
+    /// The fields that own something are dropped by hand, as in [`SendOp`].
+    worker: ManuallyDrop<Option<Worker>>,
     /// For error messages (a failed endpoint becomes `ConnectionReset`).
-    ep: Option<Endpoint>,
+    ep: ManuallyDrop<Option<Endpoint>>,
     op: &'static str,
     /// The length on success: fixed (a get, a fetch) or, when None, what UCX reported.
     len: Option<usize>,
-    state: OpState<B>,
-    extra: Option<Extra>,
+    state: ManuallyDrop<OpState<B>>,
+    extra: ManuallyDrop<Option<Extra>>,
 }
 
 impl<B: IoBufMut> RecvOp<B> {
@@ -265,7 +313,14 @@ impl<B: IoBufMut> RecvOp<B> {
         state: OpState<B>,
         extra: Option<Extra>,
     ) -> RecvOp<B> {
-        RecvOp { worker, ep, op, len, state, extra }
+        RecvOp {
+            worker: ManuallyDrop::new(worker),
+            ep: ManuallyDrop::new(ep),
+            op,
+            len,
+            state: ManuallyDrop::new(state),
+            extra: ManuallyDrop::new(extra),
+        }
     }
 
     /// The future of an operation just posted on `ep`: the worker and the endpoint are
@@ -281,7 +336,14 @@ impl<B: IoBufMut> RecvOp<B> {
     ) -> RecvOp<B> {
         let settled = matches!(&state, OpState::Done(c, _) if c.status().is_ok());
         let (worker, ep) = if settled { (None, None) } else { (Some(ep.worker().clone()), Some(ep.clone())) };
-        RecvOp { worker, ep, op, len, state, extra }
+        RecvOp {
+            worker: ManuallyDrop::new(worker),
+            ep: ManuallyDrop::new(ep),
+            op,
+            len,
+            state: ManuallyDrop::new(state),
+            extra: ManuallyDrop::new(extra),
+        }
     }
 
     /// Whether UCX completed the operation during the call that posted it (a get from
@@ -304,7 +366,7 @@ impl<B: IoBufMut> Future for RecvOp<B> {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
-                this.extra = None;
+                *this.extra = None;
                 if !c.status().is_ok() {
                     return Poll::Ready((Err(this.failure(c.status())), b));
                 }
@@ -329,7 +391,26 @@ impl<B: IoBufMut> RecvOp<B> {
 impl<B: IoBufMut> Drop for RecvOp<B> {
     #[inline(always)]
     fn drop(&mut self) {
+        if self.worker.is_none() && self.ep.is_none() && self.extra.is_none() && self.state.is_inert() {
+            return;
+        }
+        self.release();
+    }
+}
+
+impl<B: IoBufMut> RecvOp<B> {
+    /// Drops the fields: a pending operation's buffer and extra are parked with the
+    /// worker first.
+    #[inline(never)]
+    fn release(&mut self) {
         let extra = self.extra.take();
         self.state.park(self.worker.as_ref().map(|w| &*w.shared), extra);
+        // SAFETY: called once, from drop; the fields are not used afterwards.
+        unsafe {
+            ManuallyDrop::drop(&mut self.state);
+            ManuallyDrop::drop(&mut self.extra);
+            ManuallyDrop::drop(&mut self.ep);
+            ManuallyDrop::drop(&mut self.worker);
+        }
     }
 }

@@ -10,6 +10,7 @@
 //! `(Result<T>, B)`.
 
 use std::future::Future;
+use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -56,10 +57,16 @@ pub type TagSend<B> = SendOp<B>;
 /// consumed and discarded.
 #[must_use = "a receive future does nothing unless awaited"]
 pub struct TagRecv<B: IoBufMut> {
-    worker: Worker,
-    ep: Option<Endpoint>,
+    /// Held only while the receive may be pending.
+    ///
+    /// The fields that own something are dropped by hand (see `Drop`), so that dropping
+    /// a receive that holds nothing any more is a check inlined where it is dropped.
+    worker: ManuallyDrop<Option<Worker>>,
+    /// The endpoint the receive is bound to, held while it may be pending or when it
+    /// failed (for the error).
+    ep: ManuallyDrop<Option<Endpoint>>,
     capacity: usize,
-    state: OpState<B>,
+    state: ManuallyDrop<OpState<B>>,
 }
 
 impl Endpoint {
@@ -99,7 +106,7 @@ impl Endpoint {
     /// kept by the worker, and that message is discarded.
     #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
-        post_recv(self.worker().clone(), Some(self.clone()), tag, mask, buf)
+        post_recv(self.worker(), Some(self), tag, mask, buf)
     }
 }
 
@@ -112,7 +119,7 @@ impl Worker {
     /// As for [`Endpoint::tag_recv`].
     #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
-        post_recv(self.clone(), None, tag, mask, buf)
+        post_recv(self, None, tag, mask, buf)
     }
 
     /// Checks, without receiving it, whether a message matching `tag`/`mask` has arrived
@@ -167,16 +174,16 @@ impl Worker {
         let info = TagInfo { sender_tag: info.sender_tag, len: info.length };
         // Step 2: wait for the data.
         let recv = TagRecv {
-            worker: self.clone(),
-            ep: None,
+            worker: ManuallyDrop::new(Some(self.clone())),
+            ep: ManuallyDrop::new(None),
             capacity: info.len,
-            state: match posted {
+            state: ManuallyDrop::new(match posted {
                 Posted::Done(c) => OpState::Done(Completion::new(c.status(), info.len, info.sender_tag), buf),
                 Posted::Pending(r) => {
                     inner.posted();
                     OpState::Pending(r, buf)
                 }
-            },
+            }),
         };
         let (r, buf) = recv.await;
         r.map(|_| (info, buf))
@@ -206,8 +213,8 @@ fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
 /// that already failed (its failure would not cancel it).
 #[inline]
 fn post_recv<B: IoBufMut>(
-    worker: Worker,
-    ep: Option<Endpoint>,
+    worker: &Worker,
+    ep: Option<&Endpoint>,
     tag: Tag,
     mask: u64,
     mut buf: B,
@@ -216,7 +223,7 @@ fn post_recv<B: IoBufMut>(
     let capacity = buf.bytes_total();
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
-        if let Some(ep) = &ep {
+        if let Some(ep) = ep {
             ep.live_handle(st, "tag_recv").map_err(Box::new)?;
         }
         let param = recv_param(st, true);
@@ -224,12 +231,24 @@ fn post_recv<B: IoBufMut>(
         // `capacity` bytes and owned by the returned future until UCX completes (parked
         // on drop).
         let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast(), capacity, tag, mask, &param) };
-        Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.as_ref().map(|e| e.inner.id)))
+        Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.map(|e| e.inner.id)))
     });
-    if matches!(posted, Ok(Posted::Pending(_))) {
-        inner.posted();
+    // A receive that matched at once needs neither the worker nor, unless it failed, the
+    // endpoint: no reference counts change on that path.
+    let (worker, ep) = match &posted {
+        Ok(Posted::Pending(_)) => {
+            inner.posted();
+            (Some(worker.clone()), ep.cloned())
+        }
+        Ok(Posted::Done(c)) if c.status().is_ok() => (None, None),
+        _ => (None, ep.cloned()),
+    };
+    TagRecv {
+        worker: ManuallyDrop::new(worker),
+        ep: ManuallyDrop::new(ep),
+        capacity,
+        state: ManuallyDrop::new(OpState::from_posted(posted, buf)),
     }
-    TagRecv { worker, ep, capacity, state: OpState::from_posted(posted, buf) }
 }
 
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
@@ -242,7 +261,7 @@ impl<B: IoBufMut> TagRecv<B> {
             unsafe { buf.set_init(c.len.min(self.capacity)) };
             return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
         }
-        Err(recv_failure(c, self.capacity, self.ep.as_ref()))
+        Err(recv_failure(c, self.capacity, (*self.ep).as_ref()))
     }
 }
 
@@ -263,7 +282,7 @@ impl<B: IoBufMut> Future for TagRecv<B> {
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        match this.state.poll(Some(&this.worker.shared), cx) {
+        match this.state.poll(this.worker.as_ref().map(|w| &*w.shared), cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
@@ -275,8 +294,26 @@ impl<B: IoBufMut> Future for TagRecv<B> {
 }
 
 impl<B: IoBufMut> Drop for TagRecv<B> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
-        self.state.park(Some(&self.worker.shared), None);
+        if self.worker.is_none() && self.ep.is_none() && self.state.is_inert() {
+            return;
+        }
+        self.release();
+    }
+}
+
+impl<B: IoBufMut> TagRecv<B> {
+    /// Drops the fields: a pending receive is canceled and its buffer parked with the
+    /// worker first.
+    #[inline(never)]
+    fn release(&mut self) {
+        self.state.park(self.worker.as_ref().map(|w| &*w.shared), None);
+        // SAFETY: called once, from drop; the fields are not used afterwards.
+        unsafe {
+            ManuallyDrop::drop(&mut self.state);
+            ManuallyDrop::drop(&mut self.ep);
+            ManuallyDrop::drop(&mut self.worker);
+        }
     }
 }
