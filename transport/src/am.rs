@@ -182,6 +182,43 @@ impl Endpoint {
     }
 }
 
+impl Endpoint {
+    /// Sends an active message with `id`, `header` and `data`, with the default options,
+    /// if UCX can finish with them during this call, and nothing otherwise: `Ok(true)`
+    /// when it went out (header and data may be reused at once), `Ok(false)` when UCX
+    /// could not send it right away and posted nothing (the message is too long for UCX's
+    /// short protocol, or the transport has no room just now): send it with
+    /// [`Endpoint::am_send`] then. See [`Endpoint::try_tag_send`]. Unlike `am_send` on UCX
+    /// 1.13, a header is never copied.
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] for a reserved id or an oversized header; otherwise as for
+    /// [`Endpoint::try_tag_send`].
+    #[inline]
+    pub fn try_am_send(&self, id: u16, header: &[u8], data: &[u8]) -> Result<bool> {
+        check_id(id).map_err(|e| *e)?;
+        if !header.is_empty() && header.len() > self.worker().max_am_header() {
+            return Err(header_too_long(header.len(), self.worker().max_am_header()));
+        }
+        let hptr: *const u8 = if header.is_empty() { std::ptr::null() } else { header.as_ptr() };
+        self.post_immediate("am_send", |_, h, param| {
+            // SAFETY: h is live under the lock; header and data are valid for the call, and
+            // UCX is done with both when the call returns (immediate completion only).
+            unsafe {
+                sys::ucp_am_send_nbx(
+                    h,
+                    id as u32,
+                    hptr.cast(),
+                    header.len(),
+                    data.as_ptr().cast(),
+                    data.len(),
+                    param,
+                )
+            }
+        })
+    }
+}
+
 /// Eager payloads at least this long stay in UCX's receive buffer (when UCX lets them,
 /// `UCP_AM_RECV_ATTR_FLAG_DATA`) until the message is dropped or its payload copied out,
 /// instead of being copied in the callback; shorter ones are copied, which costs less

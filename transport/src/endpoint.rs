@@ -788,6 +788,43 @@ impl Endpoint {
     }
 }
 
+impl Endpoint {
+    /// Runs a send-type call that reads a buffer borrowed for this call only, asking UCX to
+    /// complete it during the call or not at all (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): `true`
+    /// when it completed, `false` when UCX could not (`UCS_ERR_NO_RESOURCE`: the message
+    /// does not fit the short protocol, or the transport has no room right now) and posted
+    /// nothing.
+    ///
+    /// UCX never leaves such an operation pending; should it, this waits for it under the
+    /// lock, so that the borrowed buffer is not read after the call.
+    #[inline]
+    pub(crate) fn post_immediate(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(&mut State, sys::ucp_ep_h, &mut sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
+    ) -> Result<bool> {
+        let inner = self.worker_inner();
+        let status = self.with_live(op, |st, h| {
+            let mut param = op_param(st, false);
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0 as u32;
+            match Posted::from_ptr(call(st, h, &mut param), Completion::OK, false) {
+                Posted::Done(c) => c.status(),
+                Posted::Pending(r) => r
+                    .finish_locked(st, |st| {
+                        inner.progress_locked(st);
+                    })
+                    .status(),
+            }
+        });
+        match status {
+            Ok(s) if s.is_ok() => Ok(true),
+            Ok(s) if s == Status::NO_RESOURCE => Ok(false),
+            Ok(s) => Err(self.error_of(op, s)),
+            Err(e) => Err(*e),
+        }
+    }
+}
+
 /// Request parameters for a send-type operation on this worker.
 pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
     let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;

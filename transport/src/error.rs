@@ -34,6 +34,8 @@ impl Status {
     pub const INVALID_PARAM: Status = Status(sys::UCS_ERR_INVALID_PARAM);
     /// `UCS_ERR_ENDPOINT_TIMEOUT`.
     pub const ENDPOINT_TIMEOUT: Status = Status(sys::UCS_ERR_ENDPOINT_TIMEOUT);
+    /// `UCS_ERR_NO_RESOURCE`.
+    pub const NO_RESOURCE: Status = Status(sys::UCS_ERR_NO_RESOURCE);
 
     /// The raw code.
     pub fn raw(self) -> i8 {

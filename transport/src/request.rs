@@ -465,6 +465,20 @@ impl Request {
         )
     }
 
+    /// Progresses the worker with `progress`, under the lock `st` comes from, until the
+    /// request completes, then releases it: for a call whose buffer is only borrowed for
+    /// its own duration, so that nothing can outlive it.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn finish_locked(self, st: &mut State, progress: impl Fn(&mut State)) -> Completion {
+        loop {
+            if let Some(c) = take_done(st, self.slot()) {
+                return c;
+            }
+            progress(st);
+        }
+    }
+
     /// Called from the owning future's `Drop` while the request may still be pending:
     /// keeps `keep` alive until UCX completes the request (and cancels it where UCX can).
     /// If the request had already completed, frees it and returns `keep` to be dropped by

@@ -93,6 +93,28 @@ impl Endpoint {
         )
     }
 
+    /// Sends `data` with `tag` if UCX can finish with it during this call, and nothing
+    /// otherwise: `Ok(true)` when the message went out (UCX copied it; `data` may be
+    /// reused at once), `Ok(false)` when UCX could not send it right away and posted
+    /// nothing (the message is too long for UCX's short protocol, or the transport has no
+    /// room just now): send it with [`Endpoint::tag_send`] then, or try again later.
+    ///
+    /// No future, no buffer ownership and no allocation: the cheapest way to send a short
+    /// message (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`). Ordering with the other sends on this
+    /// endpoint is kept: UCX sends nothing at once while earlier sends wait for room.
+    ///
+    /// # Errors
+    /// [`Error::ConnectionReset`] when the endpoint failed, [`Error::ApiMisuse`] when it
+    /// was closed, or what UCX reported.
+    #[inline]
+    pub fn try_tag_send(&self, tag: Tag, data: &[u8]) -> Result<bool> {
+        self.post_immediate("tag_send", |_, h, param| {
+            // SAFETY: h is live under the lock; data is valid for the call, and UCX is done
+            // with it when the call returns (immediate completion only).
+            unsafe { sys::ucp_tag_send_nbx(h, data.as_ptr().cast(), data.len(), tag, param) }
+        })
+    }
+
     /// Receives a message matching `tag`/`mask` into `buf`, bound to this endpoint: if
     /// the endpoint fails before a message matches, the receive ends with
     /// [`Error::ConnectionReset`].

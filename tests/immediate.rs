@@ -1,0 +1,131 @@
+//! Sends from borrowed buffers that UCX completes during the call or not at all
+//! (`try_tag_send`, `try_am_send`, `try_put`): short messages arrive
+//! byte for byte, long ones are refused without anything being sent, order with the
+//! owned sends is kept, and a closed endpoint or a bad range is an error.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{pair, payload};
+use ucxkit::transport::{tag, Endpoint, ErrorKind};
+
+const T: Duration = Duration::from_secs(20);
+
+/// Retries `send` until UCX takes it at once (a transport may have no room for a moment),
+/// for at most `T`.
+async fn until_sent(ep: &Endpoint, mut send: impl FnMut() -> ucxkit::transport::Result<bool>) {
+    let end = Instant::now() + T;
+    while !send().expect("immediate send") {
+        assert!(Instant::now() < end, "UCX never took a short message at once");
+        ep.worker().progress();
+        tokio::task::yield_now().await;
+    }
+}
+
+async fn tag_immediate(tls: &str) {
+    let (s, _c, _sep, cep) = pair(tls).await;
+    let short = payload(1, 16);
+    until_sent(&cep, || cep.try_tag_send(0x11, &short)).await;
+    let (r, got) =
+        tokio::time::timeout(T, s.tag_recv(0x11, tag::EXACT, Vec::with_capacity(64))).await.unwrap();
+    assert_eq!(r.unwrap().len, 16);
+    assert_eq!(got, short);
+    // Too long for the short protocol: refused, and nothing goes out.
+    let long = payload(2, 1 << 20);
+    assert!(!cep.try_tag_send(0x12, &long).unwrap(), "a 1 MiB message cannot complete at once");
+    for _ in 0..100 {
+        s.progress();
+        cep.worker().progress();
+    }
+    assert!(s.tag_probe(0x12, tag::EXACT).is_none(), "a refused message was sent");
+}
+
+#[tokio::test]
+async fn tag_immediate_tcp() {
+    tag_immediate("tcp,self").await;
+}
+
+#[tokio::test]
+async fn tag_immediate_shm() {
+    tag_immediate("posix,cma,tcp,self").await;
+}
+
+/// Immediate and owned sends mixed on one endpoint and tag arrive in call order.
+async fn order_with_owned_sends(tls: &str) {
+    let (s, _c, _sep, cep) = pair(tls).await;
+    const N: u32 = 400;
+    let mut owned = Vec::new();
+    for i in 0..N {
+        let mut msg = i.to_le_bytes().to_vec();
+        // Every third message is long enough that it needs the owned path.
+        if i % 3 == 0 {
+            msg.resize(64 << 10, 0xab);
+        }
+        if i % 2 == 0 || !cep.try_tag_send(0x20, &msg).unwrap() {
+            owned.push(cep.tag_send(0x20, msg));
+        }
+    }
+    for i in 0..N {
+        let (r, got) = tokio::time::timeout(T, s.tag_recv(0x20, tag::EXACT, Vec::with_capacity(64 << 10)))
+            .await
+            .unwrap();
+        r.unwrap();
+        assert_eq!(u32::from_le_bytes(got[..4].try_into().unwrap()), i, "message {i} out of order");
+    }
+    for f in owned {
+        f.await.0.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn order_with_owned_sends_tcp() {
+    order_with_owned_sends("tcp,self").await;
+}
+
+#[tokio::test]
+async fn order_with_owned_sends_shm() {
+    order_with_owned_sends("posix,cma,tcp,self").await;
+}
+
+#[tokio::test]
+async fn am_immediate() {
+    let (s, _c, _sep, cep) = pair("posix,cma,tcp,self").await;
+    let mut rx = s.am_recv(5).unwrap();
+    let data = payload(3, 40);
+    until_sent(&cep, || cep.try_am_send(5, b"head", &data)).await;
+    let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
+    assert_eq!(m.header(), b"head");
+    assert_eq!(m.data(), Some(&data[..]));
+    assert!(!cep.try_am_send(5, &[], &payload(4, 1 << 20)).unwrap(), "1 MiB cannot complete at once");
+    let e = cep.try_am_send(ucxkit::transport::am::MAX_ID + 1, &[], &data).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+}
+
+#[tokio::test]
+async fn put_immediate() {
+    let (_s, _c, sep, cep) = pair("posix,cma,tcp,self").await;
+    let region = sep.worker().context().alloc(2 << 20).unwrap();
+    let key = cep.unpack_key(&region.pack_key().unwrap()).unwrap();
+    let data = payload(6, 32);
+    until_sent(&cep, || cep.try_put(&data, &key, 100)).await;
+    tokio::time::timeout(T, cep.flush()).await.unwrap().unwrap();
+    let mut got = vec![0u8; 32];
+    region.read_at(100, &mut got);
+    assert_eq!(got, data);
+    assert!(!cep.try_put(&payload(7, 1 << 20), &key, 0).unwrap(), "a 1 MiB put cannot complete at once");
+    let e = cep.try_put(&data, &key, (2 << 20) - 6).unwrap_err();
+    assert!(e.to_string().contains("do not fit"), "{e}");
+}
+
+#[tokio::test]
+async fn closed_endpoint_is_an_error() {
+    let (_s, _c, _sep, cep) = pair("tcp,self").await;
+    let other = cep.clone();
+    tokio::time::timeout(T, cep.close()).await.unwrap().unwrap();
+    let e = other.try_tag_send(1, b"late").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert!(other.try_am_send(1, &[], b"late").is_err());
+}
