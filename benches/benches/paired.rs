@@ -12,7 +12,8 @@
 //! ```text
 //! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|stream_lat|stream_bw|put_bw|get_bw]
 //!     [--tls posix,self]
-//!     [--size 8|64K|16M] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1] [FILTER]
+//!     [--size 8|64K|16M] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1]
+//!     [--immediate] [FILTER]
 //! ```
 //!
 //! - `tag_lat`, `am_lat`, `stream_lat`: ping-pong with tags, active messages (no header;
@@ -35,6 +36,10 @@
 //!   buffer and the server's region in flight, flushes, then exchanges an end-of-chunk
 //!   message with the server, which only progresses meanwhile. The raw side reaches the
 //!   same region through a key packed with `ucp_rkey_pack`.
+//! - `--immediate` (`tag_bw`, `put_bw`): ucxkit's side sends each message with
+//!   `try_tag_send` (`try_put`) from a borrowed buffer first, and only what UCX does not
+//!   complete during that call with the owned operation, as an application sending
+//!   short messages would.
 //!
 //! A `FILTER` that is not part of the name `paired` skips the benchmark, so that
 //! `cargo bench -p ucxkit-benches -- FILTER` can pick criterion benchmarks.
@@ -104,12 +109,14 @@ struct Opts {
     /// Latency tests: the client's wait before each round trip.
     pause: Duration,
     cpus: [usize; 2],
+    /// `tag_bw`, `put_bw`: ucxkit sends through `try_tag_send` (`try_put`) first.
+    immediate: bool,
 }
 
 fn usage(msg: &str) -> ! {
     eprintln!("paired: {msg}");
     eprintln!(
-        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat|stream_bw|put_bw|get_bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [FILTER]"
+        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat|stream_bw|put_bw|get_bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [--immediate] [FILTER]"
     );
     std::process::exit(2);
 }
@@ -135,6 +142,7 @@ fn parse_opts() -> Opts {
         window: 32,
         pause: Duration::ZERO,
         cpus: [0, 1],
+        immediate: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -169,6 +177,7 @@ fn parse_opts() -> Opts {
             "--chunks" => o.chunks = number(value()),
             "--iters" => o.iters = number(value()),
             "--pause-us" => o.pause = Duration::from_micros(number(value())),
+            "--immediate" => o.immediate = true,
             "--cpus" => {
                 let v = value();
                 let c: Vec<usize> = v.split(',').filter_map(|x| x.parse().ok()).collect();
@@ -571,6 +580,15 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
                 }
             });
         }
+    } else if o.immediate && !stream {
+        let data = vec![1u8; o.size];
+        windowed_or_immediate(
+            o.iters,
+            o.window,
+            || ep.try_tag_send(PING, &data).expect("immediate send"),
+            || ep.tag_send(PING, source.slice(0..o.size)),
+        )
+        .await;
     } else {
         windowed(o.iters, o.window, || {
             if stream {
@@ -616,6 +634,34 @@ impl<B: ucxkit_transport::IoBufMut> WindowOp for ucxkit_transport::RecvOp<B> {
 async fn windowed<F: WindowOp>(n: u64, window: usize, mut post: impl FnMut() -> F) {
     let mut inflight = VecDeque::with_capacity(window);
     for _ in 0..n {
+        if inflight.len() == window {
+            F::check(inflight.pop_front().expect("in flight").await);
+        }
+        let op = post();
+        if op.immediate() {
+            F::check(op.await);
+        } else {
+            inflight.push_back(op);
+        }
+    }
+    while let Some(op) = inflight.pop_front() {
+        F::check(op.await);
+    }
+}
+
+/// [`windowed`], each operation first tried with `try_now` (true: UCX completed it during
+/// the call) and posted with `post` only when that did not complete it.
+async fn windowed_or_immediate<F: WindowOp>(
+    n: u64,
+    window: usize,
+    mut try_now: impl FnMut() -> bool,
+    mut post: impl FnMut() -> F,
+) {
+    let mut inflight = VecDeque::with_capacity(window);
+    for _ in 0..n {
+        if try_now() {
+            continue;
+        }
         if inflight.len() == window {
             F::check(inflight.pop_front().expect("in flight").await);
         }
@@ -693,6 +739,15 @@ async fn measure_rma_bw(
     } else {
         if get {
             windowed(o.iters, o.window, || ep.get(source.slice(0..o.size), o.size, &remote.key, 0)).await;
+        } else if o.immediate {
+            let data = vec![1u8; o.size];
+            windowed_or_immediate(
+                o.iters,
+                o.window,
+                || ep.try_put(&data, &remote.key, 0).expect("immediate put"),
+                || ep.put(source.slice(0..o.size), &remote.key, 0),
+            )
+            .await;
         } else {
             windowed(o.iters, o.window, || ep.put(source.slice(0..o.size), &remote.key, 0)).await;
         }
