@@ -181,6 +181,9 @@ pub(crate) struct Side<'a> {
     pub(crate) w: &'a Worker,
     pub(crate) ep: &'a Endpoint,
     pub(crate) am: &'a mut AmReceiver,
+    /// Client, bandwidth tests: send what UCX completes during the call with the
+    /// borrowed-buffer `try_*` calls (`--immediate`).
+    pub(crate) immediate: bool,
 }
 
 /// Waits until the last byte of `region` reads `marker`, progressing the worker.
@@ -334,6 +337,13 @@ pub(crate) async fn run_client(
                     }
                     clock.restart();
                 }
+                // --immediate: a message UCX sends during the call needs no operation.
+                if side.immediate && region_source.is_none() && sent_now(test, ep, payload, key)? {
+                    if i >= warmup {
+                        clock.record()?;
+                    }
+                    continue;
+                }
                 if inflight.len() == window {
                     inflight.pop_front().expect("window is full").finish().await?;
                     if i >= warmup {
@@ -399,6 +409,17 @@ pub(crate) async fn run_client(
 /// Messages of the two-sided bandwidth tests from this size on are sent from a region
 /// UCX allocated (see `run_client`).
 const REGION_SEND_MIN: usize = 64 << 10;
+
+/// Sends one message of a bandwidth test with the borrowed-buffer call if UCX completes
+/// it during the call (`--immediate`); false when it did not, and nothing was sent.
+fn sent_now(test: Test, ep: &Endpoint, payload: &[u8], key: Option<&RemoteKey>) -> AnyResult<bool> {
+    Ok(match test {
+        Test::TagBw => ep.try_tag_send(DATA_C2S, payload)?,
+        Test::AmBw => ep.try_am_send(AM_C2S, &[], payload)?,
+        Test::PutBw => ep.try_put(payload, key.ok_or("no key")?, 0)?,
+        _ => false,
+    })
+}
 
 /// The send of a two-sided bandwidth test.
 fn send<B: ucxkit::transport::IoBuf>(test: Test, ep: &Endpoint, buf: B) -> ucxkit::transport::SendOp<B> {

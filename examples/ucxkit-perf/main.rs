@@ -97,6 +97,12 @@ struct Args {
     /// a deep window does not stream distinct large buffers through memory.
     #[arg(long)]
     recv_window: Option<usize>,
+    /// Bandwidth tests (tag_bw, am_bw, put_bw): send each message that UCX can complete
+    /// during the call with ucxkit's borrowed-buffer calls (`try_tag_send`, `try_am_send`,
+    /// `try_put`), and only the others as owned operations: the fastest way to send
+    /// short messages.
+    #[arg(long)]
+    immediate: bool,
     /// UCX transports to use.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
     transport: Transport,
@@ -411,7 +417,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     }
     let progress = !args.quiet && std::io::stderr().is_terminal();
     let mut rows: Vec<Row> = Vec::new();
-    let mut side = Side { w: &w, ep: &ep, am: &mut am };
+    let mut side = Side { w: &w, ep: &ep, am: &mut am, immediate: args.immediate };
     for (k, &(test, size)) in runs.iter().enumerate() {
         if progress {
             eprint!("\r\x1b[K[{}/{}] {} {} ...", k + 1, runs.len(), test.name(), size::format_size(size));
@@ -560,7 +566,7 @@ async fn server(args: &Args) -> AnyResult<()> {
         std::io::stdout().flush()?;
         loop {
             let ep = listener.accept().await?;
-            let r = serve(&mut Side { w: &w, ep: &ep, am: &mut am }).await;
+            let r = serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false }).await;
             if let Err(e) = &r {
                 eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
             }
@@ -580,7 +586,7 @@ async fn server(args: &Args) -> AnyResult<()> {
             write_frame(&mut sock, w.address()?.as_bytes()).await?;
             let ep = w.connect_address(&theirs).await?;
             write_frame(&mut sock, b"connected").await?;
-            serve(&mut Side { w: &w, ep: &ep, am: &mut am }).await?;
+            serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false }).await?;
             // The client may already have destroyed its worker: close gracefully if it
             // answers soon, otherwise let the endpoint close in the background.
             let _ = tokio::time::timeout(Duration::from_secs(1), ep.close()).await;
