@@ -102,6 +102,9 @@ impl Endpoint {
     /// No future, no buffer ownership and no allocation: the cheapest way to send a short
     /// message (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`). Ordering with the other sends on this
     /// endpoint is kept: UCX sends nothing at once while earlier sends wait for room.
+    /// Which sends UCX completes during the call depends on its version and transport:
+    /// over shared memory short messages do; over TCP, UCX 1.13 completes them and UCX
+    /// 1.22 never does, so there this always returns `Ok(false)`.
     ///
     /// # Errors
     /// [`Error::ConnectionReset`] when the endpoint failed, [`Error::ApiMisuse`] when it
