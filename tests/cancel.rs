@@ -128,6 +128,35 @@ async fn dropped_rendezvous_send_is_kept_alive(tls: &str) {
     assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "the parked buffer is released after completion");
 }
 
+/// Operations that completed during the call and are dropped without being awaited drop
+/// their buffers once, there and then.
+#[tokio::test]
+async fn completed_at_once_dropped_unawaited() {
+    let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;
+    let (s, sent) = Sentinel::new(16, 3);
+    let send = ep.tag_send(12, s);
+    assert!(send.completed_immediately(), "a short send over shared memory completes at once");
+    drop(send);
+    assert_eq!(sent.load(Ordering::SeqCst), CLEAN, "the send's buffer is dropped with it");
+    // Once the message is there, the receive matches it at once.
+    for _ in 0..100_000 {
+        if server.tag_probe(12, tag::EXACT).is_some() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let (r, recv_state) = Sentinel::new(16, 0);
+    let recv = server.tag_recv(12, tag::EXACT, r);
+    assert!(recv.completed_immediately(), "the receive matched the message that had arrived");
+    drop(recv);
+    assert_eq!(
+        recv_state.load(Ordering::SeqCst),
+        DIRTY,
+        "the receive wrote the message, then dropped its buffer"
+    );
+    assert_eq!(server.parked_requests(), 0);
+}
+
 #[tokio::test]
 async fn dropped_rendezvous_send_tcp() {
     dropped_rendezvous_send_is_kept_alive("tcp,self").await;

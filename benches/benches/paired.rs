@@ -565,6 +565,8 @@ async fn measure_lat(side: &mut PingPong, raw: bool, iters: u64, pause: Duration
 /// flight, then the server's acknowledgement; MiB/s.
 async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &MemRegion) -> f64 {
     let stream = o.test == Test::StreamBw;
+    // What `--immediate` sends from (borrowed, so any memory does), made before the clock.
+    let data = if o.immediate { vec![1u8; o.size] } else { Vec::new() };
     let t0 = Instant::now();
     if raw {
         let (wh, eh) = (w.as_raw(), ep.as_raw());
@@ -581,7 +583,6 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
             });
         }
     } else if o.immediate && !stream {
-        let data = vec![1u8; o.size];
         windowed_or_immediate(
             o.iters,
             o.window,
@@ -631,22 +632,8 @@ impl<B: ucxkit_transport::IoBufMut> WindowOp for ucxkit_transport::RecvOp<B> {
 /// Keeps up to `window` of `n` operations in flight, counting only those UCX did not
 /// complete at once, the way UCX programs do: `post` posts one. One that completed at
 /// once is awaited right away, as application code would.
-async fn windowed<F: WindowOp>(n: u64, window: usize, mut post: impl FnMut() -> F) {
-    let mut inflight = VecDeque::with_capacity(window);
-    for _ in 0..n {
-        if inflight.len() == window {
-            F::check(inflight.pop_front().expect("in flight").await);
-        }
-        let op = post();
-        if op.immediate() {
-            F::check(op.await);
-        } else {
-            inflight.push_back(op);
-        }
-    }
-    while let Some(op) = inflight.pop_front() {
-        F::check(op.await);
-    }
+async fn windowed<F: WindowOp>(n: u64, window: usize, post: impl FnMut() -> F) {
+    windowed_or_immediate(n, window, || false, post).await;
 }
 
 /// [`windowed`], each operation first tried with `try_now` (true: UCX completed it during
@@ -724,6 +711,7 @@ async fn measure_rma_bw(
     remote: &Remote,
 ) -> f64 {
     let get = o.test == Test::GetBw;
+    let data = if o.immediate { vec![1u8; o.size] } else { Vec::new() };
     let t0 = Instant::now();
     if raw {
         let (wh, eh) = (w.as_raw(), ep.as_raw());
@@ -740,7 +728,6 @@ async fn measure_rma_bw(
         if get {
             windowed(o.iters, o.window, || ep.get(source.slice(0..o.size), o.size, &remote.key, 0)).await;
         } else if o.immediate {
-            let data = vec![1u8; o.size];
             windowed_or_immediate(
                 o.iters,
                 o.window,

@@ -338,7 +338,7 @@ pub(crate) async fn run_client(
                     clock.restart();
                 }
                 // --immediate: a message UCX sends during the call needs no operation.
-                if side.immediate && region_source.is_none() && sent_now(test, ep, payload, key)? {
+                if side.immediate && size <= IMMEDIATE_MAX && sent_now(test, ep, payload, key)? {
                     if i >= warmup {
                         clock.record()?;
                     }
@@ -409,6 +409,10 @@ pub(crate) async fn run_client(
 /// Messages of the two-sided bandwidth tests from this size on are sent from a region
 /// UCX allocated (see `run_client`).
 const REGION_SEND_MIN: usize = 64 << 10;
+
+/// The largest message `--immediate` offers to the borrowed-buffer calls: UCX's short
+/// protocols stop well below it, and a longer one would only cost a refused call each.
+const IMMEDIATE_MAX: usize = 8 << 10;
 
 /// Sends one message of a bandwidth test with the borrowed-buffer call if UCX completes
 /// it during the call (`--immediate`); false when it did not, and nothing was sent.

@@ -388,10 +388,11 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     }
     if !args.json && !args.csv {
         out!(
-            "# ucxkit-perf: server {addr}, lanes {lanes}, progress {:?}, error mode {}, UCX {:?}",
+            "# ucxkit-perf: server {addr}, lanes {lanes}, progress {:?}, error mode {}, UCX {:?}{}",
             args.progress,
             if ep.uses_peer_error_mode() { "peer" } else { "none" },
-            Context::ucx_version()
+            Context::ucx_version(),
+            if args.immediate { ", immediate sends" } else { "" }
         )?;
         out!("{}", report::header_line())?;
     } else if args.csv {

@@ -184,12 +184,13 @@ impl Endpoint {
 
 impl Endpoint {
     /// Sends an active message with `id`, `header` and `data`, with the default options,
-    /// if UCX can finish with them during this call, and nothing otherwise: `Ok(true)`
-    /// when it went out (header and data may be reused at once), `Ok(false)` when UCX
-    /// could not send it right away and posted nothing (the message is too long for UCX's
-    /// short protocol, or the transport has no room just now): send it with
-    /// [`Endpoint::am_send`] then. See [`Endpoint::try_tag_send`]. Unlike `am_send` on UCX
-    /// 1.13, a header is never copied.
+    /// if UCX can finish with them during this call, and nothing otherwise
+    /// (`ucp_am_send_nbx` with `UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): `Ok(true)` when it went
+    /// out (header and data may be reused at once), `Ok(false)` when UCX could not send it
+    /// right away and posted nothing (the message is too long for UCX's short protocol, or
+    /// the transport has no room just now): send it with [`Endpoint::am_send`] then. See
+    /// [`Endpoint::try_tag_send`]. Unlike `am_send` on UCX 1.13, ucxkit makes no copy of
+    /// the header.
     ///
     /// # Errors
     /// [`Error::ApiMisuse`] for a reserved id or an oversized header; otherwise as for
@@ -201,7 +202,7 @@ impl Endpoint {
             return Err(header_too_long(header.len(), self.worker().max_am_header()));
         }
         let hptr: *const u8 = if header.is_empty() { std::ptr::null() } else { header.as_ptr() };
-        self.post_immediate("am_send", |_, h, param| {
+        self.post_immediate("am_send", |h, param| {
             // SAFETY: h is live under the lock; header and data are valid for the call, and
             // UCX is done with both when the call returns (immediate completion only).
             unsafe {

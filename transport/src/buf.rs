@@ -5,6 +5,11 @@
 //! and on error. If the operation's future is dropped first, the buffer stays with the
 //! worker until UCX lets go of it, so UCX never touches memory that safe code could free
 //! or reuse. Registered memory and GPU buffers implement the same traits.
+//!
+//! The only calls that borrow instead, `try_tag_send`, `try_am_send` and `try_put`, are
+//! not zero-copy: UCX must finish with the bytes during the call
+//! (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`) or send nothing, so no borrow outlives the call and
+//! they need no `unsafe`.
 
 /// A buffer UCX may read from while an operation owns it.
 ///

@@ -795,25 +795,36 @@ impl Endpoint {
     /// does not fit the short protocol, or the transport has no room right now) and posted
     /// nothing.
     ///
-    /// UCX never leaves such an operation pending; should it, this waits for it under the
-    /// lock, so that the borrowed buffer is not read after the call.
+    /// This is what makes the borrowing `try_*` calls safe without `unsafe`: UCX checks the
+    /// flag before it takes a request, so the only way through is its short path, which
+    /// copies the bytes during the call, and nothing of the call outlives it. Should UCX
+    /// leave a request anyway, this waits for it under the worker lock (which would hang
+    /// the worker if that request never completed) rather than let UCX read the buffer
+    /// after the call; debug builds then stop.
     #[inline]
     pub(crate) fn post_immediate(
         &self,
         op: &'static str,
-        call: impl FnOnce(&mut State, sys::ucp_ep_h, &mut sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
+        call: impl FnOnce(sys::ucp_ep_h, &mut sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
     ) -> Result<bool> {
         let inner = self.worker_inner();
         let status = self.with_live(op, |st, h| {
             let mut param = op_param(st, false);
             param.op_attr_mask |= sys::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0 as u32;
-            match Posted::from_ptr(call(st, h, &mut param), Completion::OK, false) {
+            match Posted::from_ptr(call(h, &mut param), Completion::OK, false) {
                 Posted::Done(c) => c.status(),
-                Posted::Pending(r) => r
-                    .finish_locked(st, |st| {
+                Posted::Pending(r) => {
+                    tracing::error!(
+                        op,
+                        "UCX left an operation pending despite FORCE_IMM_CMPL; waiting for it"
+                    );
+                    let c = r.finish_locked(st, |st| {
                         inner.progress_locked(st);
-                    })
-                    .status(),
+                    });
+                    // Only once UCX is done with the buffer.
+                    debug_assert!(false, "UCX left {op} pending despite FORCE_IMM_CMPL");
+                    c.status()
+                }
             }
         });
         match status {

@@ -137,13 +137,13 @@ impl<B: Send + 'static> OpState<B> {
 /// Memory-safe to drop at any time: the buffer (and anything else the operation needs,
 /// such as an active-message header or a remote key) is kept until UCX has finished with
 /// it, and the operation may still take effect.
+// The fields that own something are dropped by hand (`Drop`, `release`), so that dropping
+// a future that holds nothing any more, the common case, is a check inlined where it is
+// dropped rather than a call to the compiler's drop of every field.
 #[must_use = "the operation is already posted; await the future to learn whether it succeeded"]
 pub struct SendOp<B: Send + 'static> {
     /// Held only while the operation is pending or failed (a success at once needs
     /// nothing).
-    ///
-    /// The fields are dropped by hand (see `Drop`), so that dropping a future that holds
-    /// nothing any more, the common case, is a check inlined where it is dropped.
     ep: ManuallyDrop<Option<Endpoint>>,
     op: &'static str,
     state: ManuallyDrop<OpState<B>>,
@@ -260,23 +260,28 @@ impl<B: Send + 'static> Drop for SendOp<B> {
             debug_assert!(self.extra.is_none(), "extra is only kept with the endpoint");
             return;
         }
-        self.release();
+        // SAFETY: from drop, once; the fields are not used afterwards.
+        unsafe { self.release() };
     }
 }
 
 impl<B: Send + 'static> SendOp<B> {
     /// Drops the fields: a pending operation's buffer and extra are parked with the
-    /// worker first.
+    /// worker first. The buffer goes last, so that a buffer whose drop panics leaks no
+    /// handle.
+    ///
+    /// # Safety
+    /// Called once, from `drop`; the fields are not used afterwards.
     #[inline(never)]
-    fn release(&mut self) {
+    unsafe fn release(&mut self) {
         let worker = self.ep.as_ref().map(|e| &*e.worker().shared);
         let extra = self.extra.take();
         self.state.park(worker, extra);
-        // SAFETY: called once, from drop; the fields are not used afterwards.
+        // SAFETY: per contract, each field is dropped once and never used again.
         unsafe {
-            ManuallyDrop::drop(&mut self.state);
             ManuallyDrop::drop(&mut self.extra);
             ManuallyDrop::drop(&mut self.ep);
+            ManuallyDrop::drop(&mut self.state);
         }
     }
 }
@@ -290,10 +295,9 @@ impl<B: Send + 'static> SendOp<B> {
 /// such as a remote key) is kept until UCX has finished writing it. What lands there is
 /// lost; see each operation for what that means.
 #[must_use = "a receive-type operation does nothing useful unless awaited"]
+// The fields that own something are dropped by hand, as in `SendOp`.
 pub struct RecvOp<B: IoBufMut> {
     /// Needed only while the operation may be pending (None for one finished at once).
-    ///
-    /// The fields that own something are dropped by hand, as in [`SendOp`].
     worker: ManuallyDrop<Option<Worker>>,
     /// For error messages (a failed endpoint becomes `ConnectionReset`).
     ep: ManuallyDrop<Option<Endpoint>>,
@@ -394,23 +398,27 @@ impl<B: IoBufMut> Drop for RecvOp<B> {
         if self.worker.is_none() && self.ep.is_none() && self.extra.is_none() && self.state.is_inert() {
             return;
         }
-        self.release();
+        // SAFETY: from drop, once; the fields are not used afterwards.
+        unsafe { self.release() };
     }
 }
 
 impl<B: IoBufMut> RecvOp<B> {
     /// Drops the fields: a pending operation's buffer and extra are parked with the
-    /// worker first.
+    /// worker first. The buffer goes last, as in `SendOp`.
+    ///
+    /// # Safety
+    /// Called once, from `drop`; the fields are not used afterwards.
     #[inline(never)]
-    fn release(&mut self) {
+    unsafe fn release(&mut self) {
         let extra = self.extra.take();
         self.state.park(self.worker.as_ref().map(|w| &*w.shared), extra);
-        // SAFETY: called once, from drop; the fields are not used afterwards.
+        // SAFETY: per contract, each field is dropped once and never used again.
         unsafe {
-            ManuallyDrop::drop(&mut self.state);
             ManuallyDrop::drop(&mut self.extra);
             ManuallyDrop::drop(&mut self.ep);
             ManuallyDrop::drop(&mut self.worker);
+            ManuallyDrop::drop(&mut self.state);
         }
     }
 }

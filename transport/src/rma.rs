@@ -43,11 +43,13 @@ enum AtomicKind {
 
 impl Endpoint {
     /// Writes `data` into the peer's region at `offset` if UCX can finish reading `data`
-    /// during this call, and does nothing otherwise: `Ok(true)` when the put was done
+    /// during this call, and does nothing otherwise (`ucp_put_nbx` with
+    /// `UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): `Ok(true)` when the put was done
     /// locally (`data` may be reused at once; as for any put, [`Endpoint::flush`] tells
     /// when it reached the peer), `Ok(false)` when UCX could not do it right away and
     /// posted nothing (the put is too long for UCX's short protocol, or the transport has
-    /// no room just now): use [`Endpoint::put`] then. See [`Endpoint::try_tag_send`].
+    /// no room just now): use [`Endpoint::put`] then. As for any put, order with other
+    /// puts needs a fence ([`crate::Worker::fence`]). See [`Endpoint::try_tag_send`].
     ///
     /// # Errors
     /// [`crate::Error::OutOfBounds`] when the bytes do not fit the region;
@@ -57,7 +59,7 @@ impl Endpoint {
     pub fn try_put(&self, data: &[u8], key: &RemoteKey, offset: u64) -> Result<bool> {
         let remote = key.target(self, "put", offset, data.len() as u64, 1).map_err(|e| *e)?;
         let rkey = key.inner.rkey;
-        self.post_immediate("put", |_, h, param| {
+        self.post_immediate("put", |h, param| {
             // SAFETY: h is live under the lock; data is valid for the call, and UCX is done
             // with it when the call returns (immediate completion only); the rkey is kept
             // by `key`, borrowed for the call; the remote range was checked.

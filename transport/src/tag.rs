@@ -7,7 +7,8 @@
 //! off with [`crate::EndpointOptions::handshake`] to talk to one).
 //!
 //! Every operation takes its buffer by value and returns it with the result, as
-//! `(Result<T>, B)`.
+//! `(Result<T>, B)`, except [`Endpoint::try_tag_send`], which borrows its bytes for the
+//! call only: UCX copies them during the call or sends nothing.
 
 use std::future::Future;
 use std::mem::ManuallyDrop;
@@ -55,12 +56,10 @@ pub type TagSend<B> = SendOp<B>;
 /// (`ucp_request_cancel`) and a later matching message goes to another receive. If one
 /// already matched, the buffer is kept until UCX finishes writing it and that message is
 /// consumed and discarded.
+// The fields that own something are dropped by hand, as in `SendOp`.
 #[must_use = "a receive future does nothing unless awaited"]
 pub struct TagRecv<B: IoBufMut> {
-    /// Held only while the receive may be pending.
-    ///
-    /// The fields that own something are dropped by hand (see `Drop`), so that dropping
-    /// a receive that holds nothing any more is a check inlined where it is dropped.
+    /// Held while the receive may be pending (always by `Worker::tag_recv_any`'s).
     worker: ManuallyDrop<Option<Worker>>,
     /// The endpoint the receive is bound to, held while it may be pending or when it
     /// failed (for the error).
@@ -94,14 +93,16 @@ impl Endpoint {
     }
 
     /// Sends `data` with `tag` if UCX can finish with it during this call, and nothing
-    /// otherwise: `Ok(true)` when the message went out (UCX copied it; `data` may be
-    /// reused at once), `Ok(false)` when UCX could not send it right away and posted
-    /// nothing (the message is too long for UCX's short protocol, or the transport has no
-    /// room just now): send it with [`Endpoint::tag_send`] then, or try again later.
+    /// otherwise (`ucp_tag_send_nbx` with `UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): `Ok(true)`
+    /// when the message went out (UCX copied it; `data` may be reused at once),
+    /// `Ok(false)` when UCX could not send it right away and posted nothing (the message
+    /// is too long for UCX's short protocol, or the transport has no room just now): send
+    /// it with [`Endpoint::tag_send`] then, or try again after progressing the worker.
     ///
     /// No future, no buffer ownership and no allocation: the cheapest way to send a short
-    /// message (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`). Ordering with the other sends on this
-    /// endpoint is kept: UCX sends nothing at once while earlier sends wait for room.
+    /// message. Tag order with the other sends on this endpoint is kept: UCX tries the
+    /// same short path first for every send, and its transports refuse it while earlier
+    /// sends wait for room.
     /// Which sends UCX completes during the call depends on its version and transport:
     /// over shared memory short messages do; over TCP, UCX 1.13 completes them and UCX
     /// 1.22 never does, so there this always returns `Ok(false)`.
@@ -111,7 +112,7 @@ impl Endpoint {
     /// was closed, or what UCX reported.
     #[inline]
     pub fn try_tag_send(&self, tag: Tag, data: &[u8]) -> Result<bool> {
-        self.post_immediate("tag_send", |_, h, param| {
+        self.post_immediate("tag_send", |h, param| {
             // SAFETY: h is live under the lock; data is valid for the call, and UCX is done
             // with it when the call returns (immediate completion only).
             unsafe { sys::ucp_tag_send_nbx(h, data.as_ptr().cast(), data.len(), tag, param) }
@@ -279,6 +280,13 @@ fn post_recv<B: IoBufMut>(
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
 
 impl<B: IoBufMut> TagRecv<B> {
+    /// Whether the receive matched a message that had already arrived during the call
+    /// that posted it (or was refused): awaiting it then returns at once. As for
+    /// [`crate::SendOp::completed_immediately`].
+    pub fn completed_immediately(&self) -> bool {
+        self.state.completed_immediately()
+    }
+
     #[inline(always)]
     fn finish(&self, c: Completion, buf: &mut B) -> Result<TagInfo> {
         if c.status().is_ok() {
@@ -324,21 +332,25 @@ impl<B: IoBufMut> Drop for TagRecv<B> {
         if self.worker.is_none() && self.ep.is_none() && self.state.is_inert() {
             return;
         }
-        self.release();
+        // SAFETY: from drop, once; the fields are not used afterwards.
+        unsafe { self.release() };
     }
 }
 
 impl<B: IoBufMut> TagRecv<B> {
     /// Drops the fields: a pending receive is canceled and its buffer parked with the
-    /// worker first.
+    /// worker first. The buffer goes last, as in `SendOp`.
+    ///
+    /// # Safety
+    /// Called once, from `drop`; the fields are not used afterwards.
     #[inline(never)]
-    fn release(&mut self) {
+    unsafe fn release(&mut self) {
         self.state.park(self.worker.as_ref().map(|w| &*w.shared), None);
-        // SAFETY: called once, from drop; the fields are not used afterwards.
+        // SAFETY: per contract, each field is dropped once and never used again.
         unsafe {
-            ManuallyDrop::drop(&mut self.state);
             ManuallyDrop::drop(&mut self.ep);
             ManuallyDrop::drop(&mut self.worker);
+            ManuallyDrop::drop(&mut self.state);
         }
     }
 }
