@@ -309,6 +309,7 @@ pub struct RecvOp<B: IoBufMut> {
 }
 
 impl<B: IoBufMut> RecvOp<B> {
+    #[inline]
     pub(crate) fn new(
         worker: Option<Worker>,
         ep: Option<Endpoint>,
@@ -340,14 +341,7 @@ impl<B: IoBufMut> RecvOp<B> {
     ) -> RecvOp<B> {
         let settled = matches!(&state, OpState::Done(c, _) if c.status().is_ok());
         let (worker, ep) = if settled { (None, None) } else { (Some(ep.worker().clone()), Some(ep.clone())) };
-        RecvOp {
-            worker: ManuallyDrop::new(worker),
-            ep: ManuallyDrop::new(ep),
-            op,
-            len,
-            state: ManuallyDrop::new(state),
-            extra: ManuallyDrop::new(extra),
-        }
+        RecvOp::new(worker, ep, op, len, state, extra)
     }
 
     /// Whether UCX completed the operation during the call that posted it (a get from
