@@ -17,6 +17,9 @@ pub fn ctx(tls: &str) -> Context {
     b.build().expect("context")
 }
 
+/// How long [`pair_with`] waits for its two workers to connect.
+pub const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Two workers of one context, connected through a listener; returns
 /// (server worker, client worker, server-side endpoint, client-side endpoint).
 pub async fn pair_with(
@@ -32,7 +35,14 @@ pub async fn pair_with(
     let listener = server.listen(loopback()).expect("listen");
     let addr = listener.local_addr();
     assert_ne!(addr.port(), 0, "listener reports its real port");
-    let (a, b) = tokio::join!(listener.accept(), client.connect(addr));
+    // Bounded: without a connection manager among the transports (`tcp`), connecting
+    // through a listener would wait forever.
+    let (a, b) =
+        tokio::time::timeout(CONNECT_LIMIT, async { tokio::join!(listener.accept(), client.connect(addr)) })
+            .await
+            .unwrap_or_else(|_| {
+                panic!("connecting over {tls} took over {CONNECT_LIMIT:?} (is tcp in the list?)")
+            });
     (server, client, a.expect("accept"), b.expect("connect"))
 }
 
