@@ -180,9 +180,7 @@ impl Endpoint {
             unsafe { sys::ucp_am_send_nbx(h, id as u32, hptr.cast(), hlen, ptr.cast(), len, param) }
         })
     }
-}
 
-impl Endpoint {
     /// Sends an active message with `id`, `header` and `data`, with the default options,
     /// if UCX can finish with them during this call, and nothing otherwise
     /// (`ucp_am_send_nbx` with `UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): `Ok(true)` when it went

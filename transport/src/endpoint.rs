@@ -786,9 +786,7 @@ impl Endpoint {
         }
         posted
     }
-}
 
-impl Endpoint {
     /// Runs a send-type call that reads a buffer borrowed for this call only, asking UCX to
     /// complete it during the call or not at all (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): `true`
     /// when it completed, `false` when UCX could not (`UCS_ERR_NO_RESOURCE`: the message
