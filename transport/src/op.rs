@@ -65,6 +65,22 @@ impl<B: Send + 'static> OpState<B> {
         !matches!(self, OpState::Pending(..))
     }
 
+    /// The handles a receive-type future keeps for this state: the worker while the
+    /// operation may be pending, the endpoint (if any) then too and when it failed, for
+    /// the error. One that succeeded at once keeps neither and changes no reference count.
+    #[inline]
+    pub(crate) fn kept_handles(
+        &self,
+        worker: &Worker,
+        ep: Option<&Endpoint>,
+    ) -> (Option<Worker>, Option<Endpoint>) {
+        match self {
+            OpState::Pending(..) => (Some(worker.clone()), ep.cloned()),
+            OpState::Done(c, _) if c.status().is_ok() => (None, None),
+            _ => (None, ep.cloned()),
+        }
+    }
+
     /// Whether dropping this state has nothing to do: the operation was awaited to its
     /// end, or it completed at once with a buffer that needs no drop (a borrowed slice).
     #[inline(always)]
@@ -328,9 +344,9 @@ impl<B: IoBufMut> RecvOp<B> {
         }
     }
 
-    /// The future of an operation just posted on `ep`: the worker and the endpoint are
-    /// kept only if it may still be pending or failed (one that succeeded at once, a
-    /// short get over shared memory say, needs neither, and costs no reference counts).
+    /// The future of an operation just posted on `ep`, keeping only the handles its
+    /// state needs ([`OpState::kept_handles`]: none for one that succeeded at once, a
+    /// short get over shared memory say).
     #[inline]
     pub(crate) fn posted(
         ep: &Endpoint,
@@ -339,8 +355,7 @@ impl<B: IoBufMut> RecvOp<B> {
         state: OpState<B>,
         extra: Option<Extra>,
     ) -> RecvOp<B> {
-        let settled = matches!(&state, OpState::Done(c, _) if c.status().is_ok());
-        let (worker, ep) = if settled { (None, None) } else { (Some(ep.worker().clone()), Some(ep.clone())) };
+        let (worker, ep) = state.kept_handles(ep.worker(), Some(ep));
         RecvOp::new(worker, ep, op, len, state, extra)
     }
 

@@ -259,21 +259,17 @@ fn post_recv<B: IoBufMut>(
         let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast(), capacity, tag, mask, &param) };
         Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.map(|e| e.inner.id)))
     });
-    // A receive that matched at once needs neither the worker nor, unless it failed, the
-    // endpoint: no reference counts change on that path.
-    let (worker, ep) = match &posted {
-        Ok(Posted::Pending(_)) => {
-            inner.posted();
-            (Some(worker.clone()), ep.cloned())
-        }
-        Ok(Posted::Done(c)) if c.status().is_ok() => (None, None),
-        _ => (None, ep.cloned()),
-    };
+    if matches!(posted, Ok(Posted::Pending(_))) {
+        inner.posted();
+    }
+    let state = OpState::from_posted(posted, buf);
+    // A receive that matched at once keeps no handle: no reference counts change.
+    let (worker, ep) = state.kept_handles(worker, ep);
     TagRecv {
         worker: ManuallyDrop::new(worker),
         ep: ManuallyDrop::new(ep),
         capacity,
-        state: ManuallyDrop::new(OpState::from_posted(posted, buf)),
+        state: ManuallyDrop::new(state),
     }
 }
 
