@@ -128,6 +128,9 @@ async fn am_immediate() {
     assert!(!cep.try_am_send(5, &[], &payload(4, 1 << 20)).unwrap(), "1 MiB cannot complete at once");
     let e = cep.try_am_send(ucxkit::transport::am::MAX_ID + 1, &[], &data).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let big = vec![0u8; cep.worker().max_am_header() + 1];
+    let e = cep.try_am_send(5, &big, &data).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
 }
 
 #[tokio::test]

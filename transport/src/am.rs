@@ -112,6 +112,18 @@ fn header_too_long(len: usize, max: usize) -> Error {
 }
 
 impl Endpoint {
+    /// Whether an active message with `id` and `header` may be sent on this endpoint's
+    /// worker; the error is boxed, as for [`check_id`].
+    #[inline]
+    fn check_am_send(&self, id: u16, header: &[u8]) -> std::result::Result<(), Box<Error>> {
+        check_id(id)?;
+        let max = self.worker().max_am_header();
+        if !header.is_empty() && header.len() > max {
+            return Err(Box::new(header_too_long(header.len(), max)));
+        }
+        Ok(())
+    }
+
     /// Sends an active message with `id`, `header` (copied; at most
     /// [`Worker::max_am_header`] bytes) and `payload`, with the default options.
     ///
@@ -139,12 +151,8 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        if let Err(e) = check_id(id) {
+        if let Err(e) = self.check_am_send(id, header) {
             return SendOp::failed(self, "am_send", e, payload);
-        }
-        if !header.is_empty() && header.len() > self.worker().max_am_header() {
-            let e = header_too_long(header.len(), self.worker().max_am_header());
-            return SendOp::failed(self, "am_send", Box::new(e), payload);
         }
         let mut flags = match opts.proto {
             AmProto::Auto => 0,
@@ -195,10 +203,7 @@ impl Endpoint {
     /// [`Endpoint::try_tag_send`].
     #[inline]
     pub fn try_am_send(&self, id: u16, header: &[u8], data: &[u8]) -> Result<bool> {
-        check_id(id).map_err(|e| *e)?;
-        if !header.is_empty() && header.len() > self.worker().max_am_header() {
-            return Err(header_too_long(header.len(), self.worker().max_am_header()));
-        }
+        self.check_am_send(id, header).map_err(|e| *e)?;
         let hptr: *const u8 = if header.is_empty() { std::ptr::null() } else { header.as_ptr() };
         self.post_immediate("am_send", |h, param| {
             // SAFETY: h is live under the lock; header and data are valid for the call, and
