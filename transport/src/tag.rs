@@ -103,6 +103,7 @@ impl Endpoint {
     /// message. Tag order with the other sends on this endpoint is kept: UCX tries the
     /// same short path first for every send, and its transports refuse it while earlier
     /// sends wait for room.
+    ///
     /// Which sends UCX completes during the call depends on its version and transport:
     /// over shared memory short messages do; over TCP, UCX 1.13 completes them and UCX
     /// 1.22 never does, so there this always returns `Ok(false)`.
