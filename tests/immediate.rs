@@ -1,7 +1,8 @@
 //! Sends from borrowed buffers that UCX completes during the call or not at all
 //! (`try_tag_send`, `try_am_send`, `try_put`): short messages arrive
 //! byte for byte, long ones are refused without anything being sent, order with the
-//! owned sends is kept, and a closed endpoint or a bad range is an error.
+//! owned sends is kept, a closed endpoint or a bad range is an error, and a worker that
+//! takes UCX's request path for everything refuses them.
 
 #![forbid(unsafe_code)]
 
@@ -9,8 +10,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{pair, payload};
-use ucxkit::transport::{tag, Endpoint, ErrorKind};
+use common::{ctx, pair, payload};
+use ucxkit::transport::{tag, Endpoint, EndpointOptions, ErrorKind, ErrorMode};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -157,4 +158,30 @@ async fn closed_endpoint_is_an_error() {
     let e = other.try_tag_send(1, b"late").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
     assert!(other.try_am_send(1, &[], b"late").is_err());
+}
+
+/// A worker that takes UCX's request path for everything refuses the sends that only
+/// complete at once, sends nothing for them, and goes on working.
+#[tokio::test]
+async fn no_immediate_completion_refuses() {
+    let c = ctx("posix,cma,tcp,self");
+    let w = c.worker().no_immediate_completion(true).build().unwrap();
+    let opts = EndpointOptions { handshake: false, error_mode: ErrorMode::None, ..Default::default() };
+    let ep =
+        tokio::time::timeout(T, w.connect_address_with(&w.address().unwrap(), opts)).await.unwrap().unwrap();
+    let region = c.alloc(64).unwrap();
+    region.write_at(0, &[0u8; 64]);
+    let key = ep.unpack_key(&region.pack_key().unwrap()).unwrap();
+    assert!(!ep.try_tag_send(7, b"short").unwrap());
+    assert!(!ep.try_am_send(3, &[], b"short").unwrap());
+    assert!(!ep.try_put(b"short", &key, 0).unwrap());
+    // The refused tag-7 message was not sent: the owned one is the first to arrive.
+    let recv = w.tag_recv(7, tag::EXACT, Vec::with_capacity(8));
+    ep.tag_send(7, &b"owned"[..]).await.0.unwrap();
+    let (r, b) = tokio::time::timeout(T, recv).await.unwrap();
+    r.unwrap();
+    assert_eq!(b, b"owned");
+    let mut got = [1u8; 5];
+    region.read_at(0, &mut got);
+    assert_eq!(got, [0u8; 5], "the refused put wrote nothing");
 }

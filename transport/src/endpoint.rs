@@ -798,7 +798,8 @@ impl Endpoint {
     /// copies the bytes during the call, and nothing of the call outlives it. Should UCX
     /// leave a request anyway, this waits for it under the worker lock (which would hang
     /// the worker if that request never completed) rather than let UCX read the buffer
-    /// after the call; debug builds then stop.
+    /// after the call; debug builds then stop. On a worker built with
+    /// [`crate::WorkerBuilder::no_immediate_completion`] it posts nothing and returns `false`.
     #[inline]
     pub(crate) fn post_immediate(
         &self,
@@ -807,6 +808,10 @@ impl Endpoint {
     ) -> Result<bool> {
         let inner = self.worker_inner();
         let status = self.with_live(op, |st, h| {
+            if inner.no_imm {
+                // Every operation takes the request path, which these calls cannot.
+                return Status::NO_RESOURCE;
+            }
             let mut param = op_param(st, false);
             param.op_attr_mask |= sys::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0 as u32;
             match Posted::from_ptr(call(h, &mut param), Completion::OK, false) {
