@@ -36,7 +36,7 @@
 //!   buffer and the server's region in flight, flushes, then exchanges an end-of-chunk
 //!   message with the server, which only progresses meanwhile. The raw side reaches the
 //!   same region through a key packed with `ucp_rkey_pack`.
-//! - `--immediate` (`tag_bw`, `put_bw`): ucxkit's side sends each message with
+//! - `--immediate` (`tag_bw`, `put_bw`, up to 8 KiB): ucxkit's side sends each message with
 //!   `try_tag_send` (`try_put`) from a borrowed buffer first, and only what UCX does not
 //!   complete during that call with the owned operation, as an application sending
 //!   short messages would.
@@ -46,8 +46,8 @@
 //!
 //! Two workers, each on its own thread with its own current-thread runtime and busy-poll
 //! progress, pinned to the two CPUs. A first pair of chunks warms up and is not counted.
-//! The raw side's worker and endpoint handles are taken once per chunk, outside the
-//! timed loops (taking one locks the worker).
+//! The raw side's worker and endpoint handles are taken outside the timed loops (taking
+//! one locks the worker).
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -92,6 +92,10 @@ impl Test {
         matches!(self, Test::PutBw | Test::GetBw)
     }
 }
+
+/// Largest message `--immediate` applies to: longer ones never complete during the call,
+/// and trying each first would add a refused call per message (as in `ucxkit-perf`).
+const IMMEDIATE_MAX: usize = 8 << 10;
 
 /// Largest `am_lat` message: the raw side's handler only counts arrivals, so payloads
 /// must arrive eager (rendezvous data would need fetching).
@@ -205,6 +209,12 @@ fn parse_opts() -> Opts {
     }
     if o.test == Test::AmLat && o.size > AM_LAT_MAX {
         usage(&format!("am_lat sizes go up to {AM_LAT_MAX} bytes"));
+    }
+    if o.immediate && !matches!(o.test, Test::TagBw | Test::PutBw) {
+        usage("--immediate is for tag_bw and put_bw");
+    }
+    if o.immediate && o.size > IMMEDIATE_MAX {
+        usage(&format!("--immediate is for messages up to {IMMEDIATE_MAX} bytes (UCX's short protocol)"));
     }
     if o.test.is_bw() && !o.pause.is_zero() {
         usage("--pause-us is for the latency tests");
