@@ -12,6 +12,57 @@ use std::time::Duration;
 use common::{pair, payload};
 use ucxkit::transport::{AmProto, AmSendOptions, ErrorKind};
 
+/// Header and payload splits of messages around the 22 bytes a message kept whole in
+/// place holds, and past them: header and payload arrive byte for byte,
+/// with and without a reply endpoint, read in place or copied out, and a buffer one byte
+/// short is a truncation.
+async fn short_messages(tls: &str) {
+    let (server, _c, _sep, cep) = pair(tls).await;
+    let mut rx = server.am_recv(9).unwrap();
+    let mut n = 0u64;
+    for total in [0usize, 1, 8, 15, 19, 20, 21, 22, 23, 24, 40] {
+        for hlen in
+            [0, 1, 7, 8, 9, 14, 15, 16, 19, 20, 21, 22, 23, 24, 40].into_iter().filter(|&h| h <= total)
+        {
+            for reply in [false, true] {
+                n += 1;
+                let header = payload(n, hlen);
+                let data = payload(n + 1000, total - hlen);
+                let opts = AmSendOptions { proto: AmProto::Auto, reply };
+                cep.am_send_with(9, &header, data.clone(), opts).await.0.unwrap();
+                let m = tokio::time::timeout(T, rx.recv()).await.expect("message");
+                let what = format!("header {hlen}, payload {}, reply {reply}", data.len());
+                assert_eq!(m.header(), &header[..], "{what}");
+                assert_eq!(m.data(), Some(&data[..]), "{what}");
+                assert_eq!(m.len(), data.len(), "{what}");
+                assert_eq!(m.reply_endpoint().is_some(), reply, "{what}");
+                if data.is_empty() {
+                    let (r, buf) = m.into_vec().await;
+                    assert_eq!(r.unwrap(), 0, "{what}");
+                    assert!(buf.is_empty());
+                } else if n % 2 == 0 {
+                    let (r, buf) = m.into_vec().await;
+                    assert_eq!(r.unwrap(), data.len(), "{what}");
+                    assert_eq!(buf, data, "{what}");
+                } else {
+                    let (r, _) = m.recv_data(Vec::with_capacity(data.len() - 1)).await;
+                    assert_eq!(r.unwrap_err().kind(), ErrorKind::Truncated, "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn short_messages_tcp() {
+    short_messages("tcp,self").await;
+}
+
+#[tokio::test]
+async fn short_messages_shm() {
+    short_messages("posix,cma,tcp,self").await;
+}
+
 /// Messages the receiver can answer.
 const REPLY: AmSendOptions = AmSendOptions { proto: AmProto::Auto, reply: true };
 

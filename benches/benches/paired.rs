@@ -18,8 +18,9 @@
 //!
 //! - `tag_lat`, `am_lat`, `stream_lat`: ping-pong with tags, active messages (no header;
 //!   the raw side counts arrivals in a handler of its own id, so up to 1 KiB, while
-//!   ucxkit's receiver also hands each message out: in place up to 23 bytes, copied to
-//!   the heap above, which its figure includes) or the endpoint's byte stream; a chunk's figure is the median round trip, halved (one-way
+//!   ucxkit's receiver also hands each message out: in place up to 22 bytes of header
+//!   and payload, in one heap allocation above, which its figure includes) or the
+//!   endpoint's byte stream; a chunk's figure is the median round trip, halved (one-way
 //!   latency, as ucx_perftest reports). Default 4000 round trips per chunk.
 //!   With `--pause-us N` the client waits N µs before each round trip (not timed), so
 //!   the answering side waits that long for each message: longer than a busy-poll
