@@ -6,13 +6,13 @@
 //! [`AmReceiver`]) or through a closure ([`Worker::am_handler`]). A message whose header
 //! and payload take 22 bytes or less (and that carries no reply endpoint) is kept whole
 //! in three words, with no allocation, from UCX's callback to the application; any other
-//! takes one allocation. Eager payloads arrive
-//! with the message (read them in place with [`AmMessage::data`]: from 2 KiB on, where
-//! UCX allows it, the message keeps UCX's receive buffer instead of copying it, and gives
-//! it back when dropped); rendezvous payloads (large ones, or when the sender forces it) stay
-//! with the sender until [`AmMessage::recv_data`] fetches them into an owned buffer, so
-//! the receiver decides where they land. A message sent with
-//! [`AmSendOptions::reply`] can be answered with [`AmMessage::reply`].
+//! takes one allocation. Eager payloads arrive with the message (read them in place with
+//! [`AmMessage::data`]: from 2 KiB on, where UCX allows it, the message keeps UCX's
+//! receive buffer instead of copying it, and gives it back when dropped); rendezvous
+//! payloads (large ones, or when the sender forces it) stay with the sender until
+//! [`AmMessage::recv_data`] fetches them into an owned buffer, so the receiver decides
+//! where they land. A message sent with [`AmSendOptions::reply`] can be answered with
+//! [`AmMessage::reply`].
 //!
 //! Handlers run after the worker's lock is released, on the thread that progressed the
 //! worker, one message at a time per id, in arrival order. They may call any ucxkit API.
@@ -401,7 +401,7 @@ struct Meta {
     header_len: usize,
     payload: Payload,
     /// The sender's endpoint as the callback found it, when the sender asked for replies
-    /// and this worker has one.
+    /// and this worker has one; taken for `reply_ep` when the message is handed out.
     reply: Weak<EndpointInner>,
     /// Set when the message is handed out: the endpoint to reply on.
     reply_ep: Option<Endpoint>,
@@ -1189,6 +1189,8 @@ enum Body {
     Long(Long),
 }
 
+const _: () = assert!(std::mem::size_of::<Body>() == 24);
+
 // SAFETY: a held or rendezvous descriptor is only handed back to UCX under the worker
 // lock (`recv_data`, `drop`), which take the message by value; `&AmMessage` only reads a
 // held buffer, which UCX leaves alone until it is released.
@@ -1226,7 +1228,7 @@ impl AmMessage {
                 if meta.payload.with_ucx() {
                     meta.worker = Some(worker.clone());
                 }
-                meta.reply_ep = meta.reply.upgrade().map(|inner| Endpoint { inner });
+                meta.reply_ep = std::mem::take(&mut meta.reply).upgrade().map(|inner| Endpoint { inner });
                 Body::Long(long)
             }
         };
@@ -1347,7 +1349,6 @@ impl AmMessage {
             }
             Payload::Rndv { desc, len } => {
                 let ptr = buf.stable_mut_ptr();
-                // The worker, kept by the operation while the fetch may be pending.
                 let Some(owner) = long.meta_mut().worker.take() else {
                     // AmMessage::new gives every message whose payload UCX holds its
                     // worker.
@@ -1362,8 +1363,7 @@ impl AmMessage {
                         None,
                     );
                 };
-                let mut worker = None;
-                let inner = &worker.insert(owner).shared.inner;
+                let inner = &owner.shared.inner;
                 let bind = reply.as_ref().map(|e| e.inner.id);
                 let no_imm = inner.no_imm;
                 let posted = inner.locked(|st| {
@@ -1400,7 +1400,8 @@ impl AmMessage {
                     inner.posted();
                 }
                 let state = OpState::from_posted(posted.map_err(Box::new), buf);
-                RecvOp::new(worker, reply, "am_recv_data", Some(len), state, None)
+                // The worker is kept by the operation while the fetch may be pending.
+                RecvOp::new(Some(owner), reply, "am_recv_data", Some(len), state, None)
             }
         }
     }
