@@ -200,18 +200,14 @@ impl Worker {
         .await;
         let info = TagInfo { sender_tag: info.sender_tag, len: info.length };
         // Step 2: wait for the data.
-        let recv = TagRecv {
-            worker: ManuallyDrop::new(Some(self.clone())),
-            ep: ManuallyDrop::new(None),
-            capacity: info.len,
-            state: ManuallyDrop::new(match posted {
-                Posted::Done(c) => OpState::Done(Completion::new(c.status(), info.len, info.sender_tag), buf),
-                Posted::Pending(r) => {
-                    inner.posted();
-                    OpState::Pending(r, buf)
-                }
-            }),
+        let state = match posted {
+            Posted::Done(c) => OpState::Done(Completion::new(c.status(), info.len, info.sender_tag), buf),
+            Posted::Pending(r) => {
+                inner.posted();
+                OpState::Pending(r, buf)
+            }
         };
+        let recv = TagRecv::new(self, None, info.len, state);
         let (r, buf) = recv.await;
         r.map(|_| (info, buf))
     }
@@ -263,20 +259,26 @@ fn post_recv<B: IoBufMut>(
     if matches!(posted, Ok(Posted::Pending(_))) {
         inner.posted();
     }
-    let state = OpState::from_posted(posted, buf);
-    // A receive that matched at once keeps no handle: no reference counts change.
-    let (worker, ep) = state.kept_handles(worker, ep);
-    TagRecv {
-        worker: ManuallyDrop::new(worker),
-        ep: ManuallyDrop::new(ep),
-        capacity,
-        state: ManuallyDrop::new(state),
-    }
+    TagRecv::new(worker, ep, capacity, OpState::from_posted(posted, buf))
 }
 
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
 
 impl<B: IoBufMut> TagRecv<B> {
+    /// A receive of `capacity` bytes in `state`, keeping the handles that state needs
+    /// ([`OpState::kept_handles`]): one that matched at once keeps none, and no reference
+    /// count changes.
+    #[inline]
+    fn new(worker: &Worker, ep: Option<&Endpoint>, capacity: usize, state: OpState<B>) -> TagRecv<B> {
+        let (worker, ep) = state.kept_handles(worker, ep);
+        TagRecv {
+            worker: ManuallyDrop::new(worker),
+            ep: ManuallyDrop::new(ep),
+            capacity,
+            state: ManuallyDrop::new(state),
+        }
+    }
+
     /// Whether the receive matched a message that had already arrived during the call
     /// that posted it (or was refused): awaiting it then returns at once. As for
     /// [`crate::SendOp::completed_immediately`].
