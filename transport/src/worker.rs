@@ -147,9 +147,10 @@ impl WorkerBuilder {
 
     /// Diagnostics: make every operation take UCX's request path even when it could
     /// complete at once (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`). Slower; used by tests. The
-    /// borrowing sends that only complete at once ([`Endpoint::try_tag_send`],
-    /// [`Endpoint::try_am_send`], [`Endpoint::try_put`]) then send nothing and return
-    /// `Ok(false)`, so callers' fallback path runs.
+    /// borrowing sends that only complete at once
+    /// ([`crate::Endpoint::try_tag_send`], [`crate::Endpoint::try_am_send`],
+    /// [`crate::Endpoint::try_put`]) then send nothing and return `Ok(false)`, so
+    /// callers' fallback path runs.
     pub fn no_immediate_completion(mut self, on: bool) -> Self {
         self.no_imm = on;
         self
