@@ -59,7 +59,7 @@ pub type TagSend<B> = SendOp<B>;
 // The fields that own something are dropped by hand, as in `SendOp`.
 #[must_use = "a receive future does nothing unless awaited"]
 pub struct TagRecv<B: IoBufMut> {
-    /// Held while the receive may be pending (always by `Worker::tag_recv_any`'s).
+    /// Held while a receive may be pending (see `OpState::kept_handles`).
     worker: ManuallyDrop<Option<Worker>>,
     /// The endpoint the receive is bound to, held while it may be pending or when it
     /// failed (for the error).
