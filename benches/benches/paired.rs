@@ -10,7 +10,7 @@
 //! of the per-pair ratios is what ucxkit costs.
 //!
 //! ```text
-//! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|stream_lat|stream_bw|put_bw|get_bw]
+//! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|am_bw|stream_lat|stream_bw|put_bw|get_bw]
 //!     [--tls posix,self]
 //!     [--size 8|64K|16M] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1]
 //!     [--immediate] [FILTER]
@@ -33,6 +33,12 @@
 //!   per chunk, 64 to 20,000 messages.
 //! - `stream_bw`: the same with stream sends; the server receives each whole
 //!   (`WAITALL`).
+//! - `am_bw`: the same with active messages (no header). The server takes each message
+//!   whole: an eager one as it arrives (the raw handler only counts it, as
+//!   `ucx_perftest`'s does, while ucxkit hands it out, copied above 22 bytes or held in
+//!   UCX's descriptor), a rendezvous one once its payload is fetched into the buffer
+//!   (the raw handler fetches from within the callback, ucxkit's receiver keeps up to
+//!   `--window` fetches in flight).
 //! - `put_bw`, `get_bw`: the client keeps up to `--window` puts (gets) between its
 //!   buffer and the server's region in flight, flushes, then exchanges an end-of-chunk
 //!   message with the server, which only progresses meanwhile. The raw side reaches the
@@ -78,6 +84,8 @@ enum Test {
     StreamLat,
     /// Windowed stream sends, received whole (`WAITALL`), bandwidth.
     StreamBw,
+    /// Windowed active messages (no header), rendezvous payloads fetched, bandwidth.
+    AmBw,
     /// Windowed puts into the server's region, then a flush, bandwidth.
     PutBw,
     /// Windowed gets from the server's region, then a flush, bandwidth.
@@ -86,7 +94,7 @@ enum Test {
 
 impl Test {
     fn is_bw(self) -> bool {
-        matches!(self, Test::TagBw | Test::StreamBw | Test::PutBw | Test::GetBw)
+        matches!(self, Test::TagBw | Test::StreamBw | Test::AmBw | Test::PutBw | Test::GetBw)
     }
 
     fn is_rma(self) -> bool {
@@ -121,7 +129,7 @@ struct Opts {
 fn usage(msg: &str) -> ! {
     eprintln!("paired: {msg}");
     eprintln!(
-        "usage: paired [--test tag_lat|tag_bw|am_lat|stream_lat|stream_bw|put_bw|get_bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [--immediate] [FILTER]"
+        "usage: paired [--test tag_lat|tag_bw|am_lat|am_bw|stream_lat|stream_bw|put_bw|get_bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [--immediate] [FILTER]"
     );
     std::process::exit(2);
 }
@@ -164,12 +172,13 @@ fn parse_opts() -> Opts {
                     "tag_lat" => Test::TagLat,
                     "tag_bw" => Test::TagBw,
                     "am_lat" => Test::AmLat,
+                    "am_bw" => Test::AmBw,
                     "stream_lat" => Test::StreamLat,
                     "stream_bw" => Test::StreamBw,
                     "put_bw" => Test::PutBw,
                     "get_bw" => Test::GetBw,
                     t => usage(&format!(
-                        "--test is tag_lat, tag_bw, am_lat, stream_lat, stream_bw, put_bw or get_bw, not {t}"
+                        "--test is tag_lat, tag_bw, am_lat, am_bw, stream_lat, stream_bw, put_bw or get_bw, not {t}"
                     )),
                 }
             }
@@ -505,6 +514,62 @@ async fn serve_stream_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, sink: &
     send_ack(ep, raw, PONG).await;
 }
 
+/// The receiving side of one `am_bw` chunk: the chunk's messages, each taken whole into
+/// `sink` (see the module docs), then an acknowledgement. The raw path's handler, set up
+/// by [`AmBwServer::new`], takes them on its own while the worker progresses.
+async fn serve_am_bw(ep: &Endpoint, raw: bool, o: &Opts, am: &mut AmBwServer) {
+    if raw {
+        let want = am.raw.done.get() + o.iters;
+        // SAFETY: this thread is the worker's only user and no ucxkit operation is pending.
+        unsafe {
+            while am.raw.done.get() < want {
+                sys::ucp_worker_progress(am.raw.worker);
+            }
+        }
+    } else {
+        let mut fetching: VecDeque<ucxkit_transport::AmRecvData<_>> = VecDeque::with_capacity(o.window);
+        for _ in 0..o.iters {
+            let m = am.ucxkit.recv().await;
+            if !m.is_rendezvous() {
+                continue;
+            }
+            if fetching.len() == o.window {
+                fetching.pop_front().expect("full").await.0.expect("fetch");
+            }
+            fetching.push_back(m.recv_data(am.sink.slice(0..o.size)));
+        }
+        while let Some(f) = fetching.pop_front() {
+            f.await.0.expect("fetch");
+        }
+    }
+    send_ack(ep, raw, PONG).await;
+}
+
+/// The server's two ways of taking `am_bw` messages.
+struct AmBwServer {
+    ucxkit: ucxkit_transport::AmReceiver,
+    /// The raw handler's state (for the whole program: it must outlive the handler's
+    /// registration even if a chunk panics).
+    raw: &'static raw::AmSink,
+    sink: MemRegion,
+}
+
+impl AmBwServer {
+    fn new(w: &Worker, sink: &MemRegion) -> AmBwServer {
+        let raw: &'static raw::AmSink = Box::leak(Box::new(raw::AmSink {
+            worker: w.as_raw(),
+            buf: sink.slice(0..sink.len()).stable_ptr().cast_mut(),
+            len: sink.len(),
+            done: Cell::new(0),
+        }));
+        // SAFETY: no ucxkit operation is pending and this thread is the worker's only
+        // user; `sink` is kept by the server (in `self`) for as long as the worker
+        // progresses.
+        unsafe { raw::sink_am(Dir::Ping.raw_am_id(), raw) };
+        AmBwServer { ucxkit: w.am_recv(Dir::Ping.am_id()).expect("am_recv"), raw, sink: sink.clone() }
+    }
+}
+
 /// The passive side of one one-sided chunk: it only answers the client's end-of-chunk
 /// message, progressing its worker meanwhile (UCX's TCP transport carries puts and gets
 /// as messages the target handles).
@@ -529,11 +594,13 @@ fn server(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
             mine.send(sink.addr().to_le_bytes().to_vec()).expect("send address");
         }
         let mut side = (!o.test.is_bw()).then(|| PingPong::new(w.clone(), ep.clone(), &o, Dir::Ping, 2));
+        let mut am = (o.test == Test::AmBw).then(|| AmBwServer::new(&w, &sink));
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             let raw = is_raw(chunk);
             match (o.test, &mut side) {
                 (Test::TagBw, _) => serve_bw(&w, &ep, raw, &o, &sink).await,
                 (Test::StreamBw, _) => serve_stream_bw(&w, &ep, raw, &o, &sink).await,
+                (Test::AmBw, _) => serve_am_bw(&ep, raw, &o, am.as_mut().expect("am_bw server")).await,
                 (Test::PutBw | Test::GetBw, _) => acknowledge(&w, &ep, raw).await,
                 (_, Some(side)) => serve_lat(side, raw, o.iters).await,
                 (_, None) => unreachable!("a latency test has its ping-pong side"),
@@ -572,10 +639,10 @@ async fn measure_lat(side: &mut PingPong, raw: bool, iters: u64, pause: Duration
     times[times.len() / 2] as f64 / 2.0
 }
 
-/// One `tag_bw` or `stream_bw` chunk: up to `window` tag (stream) sends from `source` in
-/// flight, then the server's acknowledgement; MiB/s.
+/// One `tag_bw`, `stream_bw` or `am_bw` chunk: up to `window` tag (stream,
+/// active-message) sends from `source` in flight, then the server's acknowledgement; MiB/s.
 async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &MemRegion) -> f64 {
-    let stream = o.test == Test::StreamBw;
+    let test = o.test;
     // What `--immediate` sends from (borrowed, so any memory does), made before the clock.
     let data = if o.immediate { vec![1u8; o.size] } else { Vec::new() };
     let t0 = Instant::now();
@@ -585,15 +652,13 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
         // SAFETY: as in `PingPong::send`; `source` outlives every send, each waited for
         // before this returns.
         unsafe {
-            raw_windowed(wh, o.iters, o.window, || {
-                if stream {
-                    raw::post_stream_send(eh, ptr, o.size)
-                } else {
-                    raw::post_tag_send(eh, ptr, o.size, PING)
-                }
+            raw_windowed(wh, o.iters, o.window, || match test {
+                Test::StreamBw => raw::post_stream_send(eh, ptr, o.size),
+                Test::AmBw => raw::post_am_send(eh, Dir::Ping.raw_am_id(), ptr, o.size),
+                _ => raw::post_tag_send(eh, ptr, o.size, PING),
             });
         }
-    } else if o.immediate && !stream {
+    } else if o.immediate {
         windowed_or_immediate(
             o.iters,
             o.window,
@@ -602,12 +667,10 @@ async fn measure_bw(w: &Worker, ep: &Endpoint, raw: bool, o: &Opts, source: &Mem
         )
         .await;
     } else {
-        windowed(o.iters, o.window, || {
-            if stream {
-                ep.stream_send(source.slice(0..o.size))
-            } else {
-                ep.tag_send(PING, source.slice(0..o.size))
-            }
+        windowed(o.iters, o.window, || match test {
+            Test::StreamBw => ep.stream_send(source.slice(0..o.size)),
+            Test::AmBw => ep.am_send(Dir::Ping.am_id(), &[], source.slice(0..o.size)),
+            _ => ep.tag_send(PING, source.slice(0..o.size)),
         })
         .await;
     }
@@ -783,7 +846,9 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
         for chunk in 0..o.chunks + WARMUP_CHUNKS {
             let raw = is_raw(chunk);
             figures.push(match (o.test, &keys, &mut side) {
-                (Test::TagBw | Test::StreamBw, ..) => measure_bw(&w, &ep, raw, &o, &source).await,
+                (Test::TagBw | Test::StreamBw | Test::AmBw, ..) => {
+                    measure_bw(&w, &ep, raw, &o, &source).await
+                }
                 (Test::PutBw | Test::GetBw, Some(k), _) => measure_rma_bw(&w, &ep, raw, &o, &source, k).await,
                 (_, _, Some(side)) => measure_lat(side, raw, o.iters, o.pause).await,
                 _ => unreachable!("a latency test has its ping-pong side, a one-sided one its keys"),
@@ -831,6 +896,7 @@ fn main() {
         Test::StreamLat => ("stream ping-pong", "one-way latency (ns)", "round trips"),
         Test::TagBw => ("tag streaming", "bandwidth (MiB/s)", "messages"),
         Test::StreamBw => ("stream sends", "bandwidth (MiB/s)", "sends"),
+        Test::AmBw => ("active messages", "bandwidth (MiB/s)", "messages"),
         Test::PutBw => ("puts", "bandwidth (MiB/s)", "puts"),
         Test::GetBw => ("gets", "bandwidth (MiB/s)", "gets"),
     };

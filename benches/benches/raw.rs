@@ -330,3 +330,90 @@ pub(crate) unsafe fn stream_recv_exact(w: sys::ucp_worker_h, ep: sys::ucp_ep_h, 
         wait_recv(w, r, &done);
     }
 }
+
+/// Where the raw `am_bw` handler ([`sink_am`]) puts payloads, and how many messages it
+/// has taken whole: eager ones on arrival, rendezvous ones once fetched into `buf`.
+pub(crate) struct AmSink {
+    pub(crate) worker: sys::ucp_worker_h,
+    pub(crate) buf: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) done: Cell<u64>,
+}
+
+/// Rendezvous fetch callback: counts the message in the [`AmSink`] passed as user data.
+unsafe extern "C" fn am_fetched_cb(
+    _req: *mut c_void,
+    status: sys::ucs_status_t,
+    _len: usize,
+    user: *mut c_void,
+) {
+    assert_eq!(status, sys::UCS_OK, "raw active-message fetch failed");
+    // SAFETY: user is the sink registered with `sink_am`, which lives for the whole program.
+    let sink = unsafe { &*user.cast::<AmSink>() };
+    sink.done.set(sink.done.get() + 1);
+}
+
+/// Active-message callback of [`sink_am`]: counts an eager message (as `ucx_perftest`
+/// does, without copying it) and fetches a rendezvous payload into the sink's buffer,
+/// counting it once there.
+unsafe extern "C" fn am_sink_cb(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_len: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: arg is the sink given to `sink_am`, which lives for the whole program; UCX
+    // passes valid parameters for the call.
+    let (sink, rndv) = unsafe {
+        (&*arg.cast::<AmSink>(), (*param).recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0)
+    };
+    if !rndv {
+        sink.done.set(sink.done.get() + 1);
+        return sys::UCS_OK;
+    }
+    let fetch = sys::ucp_request_param_t {
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0,
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_am: Some(am_fetched_cb) },
+        user_data: arg,
+        ..Default::default()
+    };
+    // SAFETY: `data` is the descriptor UCX just handed over; the buffer is the sink's,
+    // which outlives the fetch. A request given back with `ucp_request_release` (unlike
+    // `ucp_request_free`) still calls back when it completes, as `ucx_perftest` relies on.
+    unsafe {
+        let s = sys::ucp_am_recv_data_nbx(sink.worker, data, sink.buf.cast(), len.min(sink.len), &fetch);
+        assert!(!sys::UCS_PTR_IS_ERR(s), "raw active-message fetch failed");
+        if sys::UCS_PTR_IS_PTR(s) {
+            sys::ucp_request_release(s);
+        } else {
+            sink.done.set(sink.done.get() + 1);
+        }
+    }
+    sys::UCS_INPROGRESS
+}
+
+/// Registers a handler for active-message `id` on `sink.worker` that takes every message
+/// into `sink` (whole messages, as `ucx_perftest`'s `ucp_am_bw` asks for).
+///
+/// # Safety
+/// The worker is live and nothing else uses it during the call; `sink.buf` is valid for
+/// `sink.len` bytes for the whole program.
+// The flags' integer type differs between UCX releases: the cast is a no-op with some.
+#[allow(clippy::unnecessary_cast)]
+pub(crate) unsafe fn sink_am(id: u16, sink: &'static AmSink) {
+    let param = sys::ucp_am_handler_param_t {
+        field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
+        id: id.into(),
+        flags: sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32,
+        cb: Some(am_sink_cb),
+        arg: (sink as *const AmSink).cast_mut().cast(),
+    };
+    // SAFETY: per contract.
+    let status = unsafe { sys::ucp_worker_set_am_recv_handler(sink.worker, &param) };
+    assert_eq!(status, sys::UCS_OK, "registering an active-message handler failed");
+}
