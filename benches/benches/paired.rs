@@ -35,8 +35,9 @@
 //!   (`WAITALL`).
 //! - `am_bw`: the same with active messages (no header). The server takes each message
 //!   whole: an eager one as it arrives (the raw handler only counts it, as
-//!   `ucx_perftest`'s does, while ucxkit hands it out, copied above 22 bytes or held in
-//!   UCX's descriptor), a rendezvous one once its payload is fetched into the buffer
+//!   `ucx_perftest`'s does, while ucxkit hands it out: in place up to 22 bytes, copied
+//!   below 2 KiB, held in UCX's descriptor from there), a rendezvous one once its
+//!   payload is fetched into the buffer
 //!   (the raw handler fetches from within the callback, ucxkit's receiver keeps up to
 //!   `--window` fetches in flight).
 //! - `put_bw`, `get_bw`: the client keeps up to `--window` puts (gets) between its
@@ -545,13 +546,22 @@ async fn serve_am_bw(ep: &Endpoint, raw: bool, o: &Opts, am: &mut AmBwServer) {
     send_ack(ep, raw, PONG).await;
 }
 
-/// The server's two ways of taking `am_bw` messages.
+/// The server's two ways of taking `am_bw` messages. Dropping it removes the raw
+/// handler, before the region its buffer points into can go.
 struct AmBwServer {
     ucxkit: ucxkit_transport::AmReceiver,
     /// The raw handler's state (for the whole program: it must outlive the handler's
     /// registration even if a chunk panics).
     raw: &'static raw::AmSink,
     sink: MemRegion,
+}
+
+impl Drop for AmBwServer {
+    fn drop(&mut self) {
+        // SAFETY: this thread is the worker's only user, and the worker is alive (the
+        // server drops this before its worker handle).
+        unsafe { raw::count_am(self.raw.worker, Dir::Ping.raw_am_id(), None) };
+    }
 }
 
 impl AmBwServer {
@@ -563,8 +573,8 @@ impl AmBwServer {
             done: Cell::new(0),
         }));
         // SAFETY: no ucxkit operation is pending and this thread is the worker's only
-        // user; `sink` is kept by the server (in `self`) for as long as the worker
-        // progresses.
+        // user; the region stays mapped (a clone is kept in `self`) until `drop` removes
+        // the handler.
         unsafe { raw::sink_am(Dir::Ping.raw_am_id(), raw) };
         AmBwServer { ucxkit: w.am_recv(Dir::Ping.am_id()).expect("am_recv"), raw, sink: sink.clone() }
     }

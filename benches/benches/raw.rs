@@ -383,7 +383,8 @@ unsafe extern "C" fn am_sink_cb(
     // which outlives the fetch. A request given back with `ucp_request_release` (unlike
     // `ucp_request_free`) still calls back when it completes, as `ucx_perftest` relies on.
     unsafe {
-        let s = sys::ucp_am_recv_data_nbx(sink.worker, data, sink.buf.cast(), len.min(sink.len), &fetch);
+        assert!(len <= sink.len, "a {len}-byte payload does not fit the {}-byte sink", sink.len);
+        let s = sys::ucp_am_recv_data_nbx(sink.worker, data, sink.buf.cast(), len, &fetch);
         assert!(!sys::UCS_PTR_IS_ERR(s), "raw active-message fetch failed");
         if sys::UCS_PTR_IS_PTR(s) {
             sys::ucp_request_release(s);
@@ -395,11 +396,12 @@ unsafe extern "C" fn am_sink_cb(
 }
 
 /// Registers a handler for active-message `id` on `sink.worker` that takes every message
-/// into `sink` (whole messages, as `ucx_perftest`'s `ucp_am_bw` asks for).
+/// into `sink` (whole messages, as `ucx_perftest`'s `ucp_am_bw` asks for). Remove it with
+/// [`count_am`]`(worker, id, None)`.
 ///
 /// # Safety
-/// The worker is live and nothing else uses it during the call; `sink.buf` is valid for
-/// `sink.len` bytes for the whole program.
+/// The worker is live and nothing else uses it during the call; `sink.buf` stays valid
+/// for `sink.len` bytes until the handler is removed.
 // The flags' integer type differs between UCX releases: the cast is a no-op with some.
 #[allow(clippy::unnecessary_cast)]
 pub(crate) unsafe fn sink_am(id: u16, sink: &'static AmSink) {
