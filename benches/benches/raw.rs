@@ -217,18 +217,49 @@ unsafe extern "C" fn am_count_cb(
 /// # Safety
 /// `w` is live and nothing else uses it during the call.
 pub(crate) unsafe fn count_am(w: sys::ucp_worker_h, id: u16, counter: Option<&'static Cell<u64>>) {
+    let arg = counter.map_or(std::ptr::null_mut(), |c| (c as *const Cell<u64>).cast_mut().cast());
+    // SAFETY: per contract.
+    unsafe { set_am_handler(w, id, counter.map(|_| am_count_cb as AmCallback), arg, 0) };
+}
+
+/// An active-message callback (`ucp_am_recv_callback_t`).
+type AmCallback = unsafe extern "C" fn(
+    *mut c_void,
+    *const c_void,
+    usize,
+    *mut c_void,
+    usize,
+    *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t;
+
+/// Sets (`Some`) or removes (`None`) the handler of active-message `id` on `w`
+/// (`ucp_worker_set_am_recv_handler`), with `arg` and the `UCP_AM_FLAG_*` `flags`.
+///
+/// # Safety
+/// `w` is live and nothing else uses it during the call; `arg` stays valid for `cb` as
+/// long as the registration lasts.
+// The flags' integer type differs between UCX releases: the cast is a no-op with some.
+#[allow(clippy::unnecessary_cast)]
+unsafe fn set_am_handler(
+    w: sys::ucp_worker_h,
+    id: u16,
+    cb: Option<AmCallback>,
+    arg: *mut c_void,
+    flags: u32,
+) {
     let param = sys::ucp_am_handler_param_t {
         field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
             | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64,
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
         id: id.into(),
-        cb: if counter.is_some() { Some(am_count_cb) } else { None },
-        arg: counter.map_or(std::ptr::null_mut(), |c| (c as *const Cell<u64>).cast_mut().cast()),
-        ..Default::default()
+        flags: flags as _,
+        cb,
+        arg,
     };
     // SAFETY: per contract.
     let status = unsafe { sys::ucp_worker_set_am_recv_handler(w, &param) };
-    assert_eq!(status, sys::UCS_OK, "registering an active-message handler failed");
+    assert_eq!(status, sys::UCS_OK, "setting an active-message handler failed");
 }
 
 /// Progresses `w` until `counter` reaches `at_least`.
@@ -405,17 +436,7 @@ unsafe extern "C" fn am_sink_cb(
 // The flags' integer type differs between UCX releases: the cast is a no-op with some.
 #[allow(clippy::unnecessary_cast)]
 pub(crate) unsafe fn sink_am(id: u16, sink: &'static AmSink) {
-    let param = sys::ucp_am_handler_param_t {
-        field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID.0
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG.0
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0) as u64,
-        id: id.into(),
-        flags: sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32,
-        cb: Some(am_sink_cb),
-        arg: (sink as *const AmSink).cast_mut().cast(),
-    };
+    let arg = (sink as *const AmSink).cast_mut().cast();
     // SAFETY: per contract.
-    let status = unsafe { sys::ucp_worker_set_am_recv_handler(sink.worker, &param) };
-    assert_eq!(status, sys::UCS_OK, "registering an active-message handler failed");
+    unsafe { set_am_handler(sink.worker, id, Some(am_sink_cb), arg, sys::UCP_AM_FLAG_WHOLE_MSG.0 as u32) };
 }
