@@ -169,6 +169,10 @@ pub(crate) unsafe extern "C" fn stream_recv_cb(
     unsafe { complete(req, status, length, 0, user) }
 }
 
+/// Records a request's completion in its slot (or, for a parked one, lets its values go
+/// and frees it). Inlined into each callback: one call less between UCX's progress and
+/// the slot, on the path of every message that completes after posting.
+#[inline(always)]
 unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag: u64, user: *mut c_void) {
     // SAFETY: the caller guarantees req is a live request of ours and user the worker's
     // State, accessed under the worker lock held by whoever called into UCX.

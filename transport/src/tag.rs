@@ -328,7 +328,14 @@ impl<B: IoBufMut> Future for TagRecv<B> {
 impl<B: IoBufMut> Drop for TagRecv<B> {
     #[inline(always)]
     fn drop(&mut self) {
-        if self.worker.is_none() && self.ep.is_none() && self.state.is_inert() {
+        if self.state.is_inert() {
+            // Awaited to its end (or done at once with a buffer that needs no drop): at
+            // most the handles to let go, inline.
+            // SAFETY: from drop, once; the fields are not used afterwards.
+            unsafe {
+                ManuallyDrop::drop(&mut self.ep);
+                ManuallyDrop::drop(&mut self.worker);
+            }
             return;
         }
         // SAFETY: from drop, once; the fields are not used afterwards.
