@@ -37,9 +37,8 @@
 //!   whole: an eager one as it arrives (the raw handler only counts it, as
 //!   `ucx_perftest`'s does, while ucxkit hands it out: in place up to 22 bytes, copied
 //!   below 2 KiB, held in UCX's descriptor from there), a rendezvous one once its
-//!   payload is fetched into the buffer
-//!   (the raw handler fetches from within the callback, ucxkit's receiver keeps up to
-//!   `--window` fetches in flight).
+//!   payload is fetched into the buffer (the raw handler fetches from within the
+//!   callback, ucxkit's receiver keeps up to `--window` fetches in flight).
 //! - `put_bw`, `get_bw`: the client keeps up to `--window` puts (gets) between its
 //!   buffer and the server's region in flight, flushes, then exchanges an end-of-chunk
 //!   message with the server, which only progresses meanwhile. The raw side reaches the
