@@ -1,8 +1,8 @@
 //! Cancel safety: dropping a pending operation's future is memory-safe. An unmatched
 //! receive is canceled and its buffer is never written; a dropped send keeps its buffer
 //! alive until UCX is done with it; a dropped stream receive or active-message fetch
-//! keeps its buffer until UCX has written it. `.ci/run` also runs this file under
-//! valgrind.
+//! keeps its buffer until UCX has written it; vectored receives and sends do the same
+//! for every buffer of theirs. `.ci/run` also runs this file under valgrind.
 
 mod common;
 
@@ -155,6 +155,88 @@ async fn completed_at_once_dropped_unawaited() {
         "the receive wrote the message, then dropped its buffer"
     );
     assert_eq!(server.parked_requests(), 0);
+}
+
+/// A vectored receive dropped while pending is canceled like a plain one: none of its
+/// buffers is ever written, and the message goes to the next receive.
+async fn dropped_iov_receive_is_never_written(tls: &str) {
+    let (server, _client, _a, ep) = pair(tls).await;
+    for len in [8usize, 100_000] {
+        let (first, first_state) = Sentinel::new(len / 2, 0xAA);
+        let (second, second_state) = Sentinel::new(len - len / 2, 0xBB);
+        let mut dropped = server.tag_recv_iov(6, tag::EXACT, vec![first, second]);
+        assert!(poll_once(&mut dropped).await.is_pending());
+        drop(dropped);
+        wait_parked_zero(&server).await;
+        assert_eq!(
+            first_state.load(Ordering::SeqCst),
+            CLEAN,
+            "the dropped receive's first buffer was written"
+        );
+        assert_eq!(
+            second_state.load(Ordering::SeqCst),
+            CLEAN,
+            "the dropped receive's second buffer was written"
+        );
+        let next = server.tag_recv(6, tag::EXACT, Vec::with_capacity(len));
+        let (r, _) = ep.tag_send(6, payload(10, len)).await;
+        r.unwrap();
+        let (info, buf) = next.await;
+        assert_eq!(info.unwrap().len, len);
+        assert!(buf == payload(10, len));
+    }
+}
+
+#[tokio::test]
+async fn dropped_iov_receive_tcp() {
+    dropped_iov_receive_is_never_written("tcp,self").await;
+}
+
+#[tokio::test]
+async fn dropped_iov_receive_shared_memory() {
+    dropped_iov_receive_is_never_written("posix,cma,tcp,self").await;
+}
+
+/// A vectored rendezvous send dropped before its receiver shows up keeps every buffer
+/// until UCX has read it, and the receiver gets the bytes of all of them.
+async fn dropped_iov_rendezvous_send_is_kept_alive(tls: &str) {
+    let (server, client, _a, ep) = pair(tls).await;
+    let len = 8 << 20;
+    let data = payload(4, len);
+    let parts: Vec<(Sentinel, Arc<AtomicU8>)> = [&data[..len / 3], &data[len / 3..]]
+        .into_iter()
+        .map(|part| {
+            let (mut s, state) = Sentinel::new(0, 0);
+            s.data = part.to_vec();
+            (s, state)
+        })
+        .collect();
+    let (bufs, states): (Vec<Sentinel>, Vec<Arc<AtomicU8>>) = parts.into_iter().unzip();
+    let mut send = ep.tag_send_iov(13, bufs);
+    assert!(poll_once(&mut send).await.is_pending(), "a rendezvous send waits for its receiver");
+    drop(send);
+    for state in &states {
+        assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "a buffer was freed, not parked");
+    }
+    assert_eq!(client.parked_requests(), 1);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (info, buf) = server.tag_recv(13, tag::EXACT, Vec::with_capacity(len)).await;
+    assert_eq!(info.unwrap().len, len);
+    assert!(buf == data, "vectored rendezvous payload differs");
+    wait_parked_zero(&client).await;
+    for state in &states {
+        assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "a parked buffer is released after completion");
+    }
+}
+
+#[tokio::test]
+async fn dropped_iov_rendezvous_send_tcp() {
+    dropped_iov_rendezvous_send_is_kept_alive("tcp,self").await;
+}
+
+#[tokio::test]
+async fn dropped_iov_rendezvous_send_shared_memory() {
+    dropped_iov_rendezvous_send_is_kept_alive("posix,cma,tcp,self").await;
 }
 
 #[tokio::test]
