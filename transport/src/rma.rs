@@ -107,16 +107,8 @@ impl Endpoint {
     /// # Cancel safety
     /// Memory-safe to drop at any time: the buffer is kept until UCX finishes writing it.
     pub fn get<B: IoBufMut>(&self, mut buf: B, len: usize, key: &RemoteKey, offset: u64) -> Get<B> {
-        let fail = |e, buf| {
-            RecvOp::new(
-                Some(self.worker().clone()),
-                Some(self.clone()),
-                "get",
-                Some(len),
-                OpState::Failed(e, buf),
-                None,
-            )
-        };
+        // Refused: the future keeps the endpoint for the error only (`kept_handles`).
+        let fail = |e, buf| RecvOp::posted(self, "get", Some(len), OpState::Failed(e, buf), None);
         if buf.bytes_total() < len {
             let e = crate::Error::ApiMisuse(format!(
                 "get of {len} bytes into a {} byte buffer",
