@@ -197,21 +197,25 @@ async fn dropped_iov_receive_shared_memory() {
     dropped_iov_receive_is_never_written("posix,cma,tcp,self").await;
 }
 
+/// Sentinels holding copies of `parts`, and the states they report when dropped.
+fn sentinels_holding(parts: &[&[u8]]) -> (Vec<Sentinel>, Vec<Arc<AtomicU8>>) {
+    parts
+        .iter()
+        .map(|part| {
+            let (mut s, state) = Sentinel::new(0, 0);
+            s.data = part.to_vec();
+            (s, state)
+        })
+        .unzip()
+}
+
 /// A vectored rendezvous send dropped before its receiver shows up keeps every buffer
 /// until UCX has read it, and the receiver gets the bytes of all of them.
 async fn dropped_iov_rendezvous_send_is_kept_alive(tls: &str) {
     let (server, client, _a, ep) = pair(tls).await;
     let len = 8 << 20;
     let data = payload(4, len);
-    let parts: Vec<(Sentinel, Arc<AtomicU8>)> = [&data[..len / 3], &data[len / 3..]]
-        .into_iter()
-        .map(|part| {
-            let (mut s, state) = Sentinel::new(0, 0);
-            s.data = part.to_vec();
-            (s, state)
-        })
-        .collect();
-    let (bufs, states): (Vec<Sentinel>, Vec<Arc<AtomicU8>>) = parts.into_iter().unzip();
+    let (bufs, states) = sentinels_holding(&[&data[..len / 3], &data[len / 3..]]);
     let mut send = ep.tag_send_iov(13, bufs);
     assert!(poll_once(&mut send).await.is_pending(), "a rendezvous send waits for its receiver");
     drop(send);
@@ -237,6 +241,33 @@ async fn dropped_iov_rendezvous_send_tcp() {
 #[tokio::test]
 async fn dropped_iov_rendezvous_send_shared_memory() {
     dropped_iov_rendezvous_send_is_kept_alive("posix,cma,tcp,self").await;
+}
+
+/// A vectored put dropped while its parts are in flight keeps every buffer until UCX
+/// has read the last of them, and the target region gets the bytes of all of them.
+#[tokio::test]
+async fn dropped_put_iov_keeps_its_buffers_until_done() {
+    let (server, client, _sep, cep) = pair("tcp,self").await;
+    let len = 8 << 20;
+    let region = server.context().register(vec![0u8; len]).unwrap();
+    let key = cep.unpack_key(&region.pack_key().unwrap()).unwrap();
+    let data = payload(5, len);
+    let (bufs, states) = sentinels_holding(&[&data[..len / 3], &data[len / 3..]]);
+    let mut put = cep.put_iov(bufs, &key, 0);
+    assert!(poll_once(&mut put).await.is_pending(), "an 8 MiB put over TCP takes a while");
+    drop(put);
+    assert!(client.parked_requests() >= 1, "the parts in flight are parked");
+    for state in &states {
+        assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "a buffer was freed, not parked");
+    }
+    tokio::time::timeout(Duration::from_secs(20), cep.flush()).await.unwrap().unwrap();
+    wait_parked_zero(&client).await;
+    for state in &states {
+        assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "a parked buffer is released after completion");
+    }
+    let mut got = vec![0u8; len];
+    region.read_at(0, &mut got);
+    assert!(got == data, "the region lacks bytes of the dropped put");
 }
 
 #[tokio::test]
