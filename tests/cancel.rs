@@ -209,6 +209,20 @@ fn sentinels_holding(parts: &[&[u8]]) -> (Vec<Sentinel>, Vec<Arc<AtomicU8>>) {
         .unzip()
 }
 
+/// Every buffer of a dropped operation still in flight is kept (parked), not freed.
+fn assert_all_parked(states: &[Arc<AtomicU8>]) {
+    for state in states {
+        assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "a buffer was freed, not parked");
+    }
+}
+
+/// Every parked buffer has been released once its operation completed.
+fn assert_all_released(states: &[Arc<AtomicU8>]) {
+    for state in states {
+        assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "a parked buffer is released after completion");
+    }
+}
+
 /// A vectored rendezvous send dropped before its receiver shows up keeps every buffer
 /// until UCX has read it, and the receiver gets the bytes of all of them.
 async fn dropped_iov_rendezvous_send_is_kept_alive(tls: &str) {
@@ -219,18 +233,14 @@ async fn dropped_iov_rendezvous_send_is_kept_alive(tls: &str) {
     let mut send = ep.tag_send_iov(13, bufs);
     assert!(poll_once(&mut send).await.is_pending(), "a rendezvous send waits for its receiver");
     drop(send);
-    for state in &states {
-        assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "a buffer was freed, not parked");
-    }
+    assert_all_parked(&states);
     assert_eq!(client.parked_requests(), 1);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let (info, buf) = server.tag_recv(13, tag::EXACT, Vec::with_capacity(len)).await;
     assert_eq!(info.unwrap().len, len);
     assert!(buf == data, "vectored rendezvous payload differs");
     wait_parked_zero(&client).await;
-    for state in &states {
-        assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "a parked buffer is released after completion");
-    }
+    assert_all_released(&states);
 }
 
 #[tokio::test]
@@ -257,14 +267,10 @@ async fn dropped_put_iov_keeps_its_buffers_until_done() {
     assert!(poll_once(&mut put).await.is_pending(), "an 8 MiB put over TCP takes a while");
     drop(put);
     assert!(client.parked_requests() >= 1, "the parts in flight are parked");
-    for state in &states {
-        assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "a buffer was freed, not parked");
-    }
+    assert_all_parked(&states);
     tokio::time::timeout(Duration::from_secs(20), cep.flush()).await.unwrap().unwrap();
     wait_parked_zero(&client).await;
-    for state in &states {
-        assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "a parked buffer is released after completion");
-    }
+    assert_all_released(&states);
     let mut got = vec![0u8; len];
     region.read_at(0, &mut got);
     assert!(got == data, "the region lacks bytes of the dropped put");
