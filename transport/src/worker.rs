@@ -239,6 +239,14 @@ static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// is then destroyed once its in-flight requests, and the closes of endpoints dropped
 /// without [`crate::Endpoint::close`], have finished, or after 2 s; while it waits, the thread
 /// dropping it also progresses the other workers of the process, which may be the peers.
+///
+/// **Several workers in one process.** UCX (1.13, the same code in 1.22) keeps a socket
+/// event it could not deliver at once under the socket's fd number; when a connection dies
+/// in one worker while another worker of the same process opens a socket, the fd can be
+/// reused before the event is handled, and a UCX built with assertions (Debian's is)
+/// aborts the process (`async.c: handler->async == async`). One worker per process, the usual layout, never
+/// meets it; workers in one process whose connections may fail should not open
+/// connections at the same moment.
 #[derive(Clone)]
 pub struct Worker {
     pub(crate) shared: Arc<WorkerShared>,
