@@ -13,7 +13,7 @@
 //! cargo bench -p ucxkit-benches --bench paired -- [--test tag_lat|tag_bw|am_lat|am_bw|stream_lat|stream_bw|put_bw|get_bw]
 //!     [--tls posix,self]
 //!     [--size 8|64K|16M] [--chunks 40] [--iters N] [--window 32] [--pause-us 0] [--cpus 0,1]
-//!     [--immediate] [FILTER]
+//!     [--immediate] [--processes] [FILTER]
 //! ```
 //!
 //! - `tag_lat`, `am_lat`, `stream_lat`: ping-pong with tags, active messages (no header;
@@ -52,12 +52,18 @@
 //! `cargo bench -p ucxkit-benches -- FILTER` can pick criterion benchmarks.
 //!
 //! Two workers, each on its own thread with its own current-thread runtime and busy-poll
-//! progress, pinned to the two CPUs. A first pair of chunks warms up and is not counted.
+//! progress, pinned to the two CPUs. With `--processes` the server runs in a child
+//! process instead (this program again, started with `--serve PORT`, exchanging addresses
+//! and keys over a loopback TCP connection to that port), as two UCX programs such as
+//! `ucxkit-perf` and `ucx_perftest` run. A first pair of chunks warms up and is not counted.
 //! The raw side's worker and endpoint handles are taken outside the timed loops (taking
 //! one locks the worker).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -124,12 +130,16 @@ struct Opts {
     cpus: [usize; 2],
     /// `tag_bw`, `put_bw`: ucxkit sends through `try_tag_send` (`try_put`) first.
     immediate: bool,
+    /// The server runs in a child process.
+    processes: bool,
+    /// This is that child: the port of the parent's setup socket.
+    serve: Option<u16>,
 }
 
 fn usage(msg: &str) -> ! {
     eprintln!("paired: {msg}");
     eprintln!(
-        "usage: paired [--test tag_lat|tag_bw|am_lat|am_bw|stream_lat|stream_bw|put_bw|get_bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [--immediate] [FILTER]"
+        "usage: paired [--test tag_lat|tag_bw|am_lat|am_bw|stream_lat|stream_bw|put_bw|get_bw] [--tls LIST] [--size BYTES] [--chunks N] [--iters N] [--window N] [--pause-us N] [--cpus A,B] [--immediate] [--processes] [FILTER]"
     );
     std::process::exit(2);
 }
@@ -156,6 +166,8 @@ fn parse_opts() -> Opts {
         pause: Duration::ZERO,
         cpus: [0, 1],
         immediate: false,
+        processes: false,
+        serve: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -192,6 +204,11 @@ fn parse_opts() -> Opts {
             "--iters" => o.iters = number(value()),
             "--pause-us" => o.pause = Duration::from_micros(number(value())),
             "--immediate" => o.immediate = true,
+            "--processes" => o.processes = true,
+            "--serve" => {
+                let v = value();
+                o.serve = Some(v.parse().unwrap_or_else(|_| usage(&format!("--serve: not a port: {v}"))));
+            }
             "--cpus" => {
                 let v = value();
                 let c: Vec<usize> = v.split(',').filter_map(|x| x.parse().ok()).collect();
@@ -241,16 +258,55 @@ fn pin(cpu: usize) {
     }
 }
 
-/// A worker on this thread's runtime and an endpoint to the other thread's worker.
-async fn connect(
-    tls: &str,
-    mine: &mpsc::Sender<Vec<u8>>,
-    theirs: &mpsc::Receiver<Vec<u8>>,
-) -> (Worker, Endpoint) {
+/// How the two sides exchange worker addresses and keys before the chunks.
+enum Link {
+    /// Two threads of this process.
+    Threads(mpsc::Sender<Vec<u8>>, mpsc::Receiver<Vec<u8>>),
+    /// Two processes: messages of a 4-byte little-endian length and the bytes, over a
+    /// loopback TCP connection.
+    Socket(RefCell<TcpStream>),
+}
+
+impl Link {
+    fn send(&self, what: &str, m: Vec<u8>) {
+        match self {
+            Link::Threads(tx, _) => {
+                tx.send(m).unwrap_or_else(|_| panic!("send {what}: the other side is gone"))
+            }
+            Link::Socket(tx) => {
+                let mut tx = tx.borrow_mut();
+                let len = u32::try_from(m.len()).expect("a setup message under 4 GiB");
+                tx.write_all(&len.to_le_bytes())
+                    .and_then(|()| tx.write_all(&m))
+                    .and_then(|()| tx.flush())
+                    .unwrap_or_else(|e| panic!("send {what}: {e}"));
+            }
+        }
+    }
+
+    fn recv(&self, what: &str) -> Vec<u8> {
+        match self {
+            Link::Threads(_, rx) => {
+                rx.recv().unwrap_or_else(|_| panic!("receive {what}: the other side is gone"))
+            }
+            Link::Socket(rx) => {
+                let mut rx = rx.borrow_mut();
+                let mut len = [0u8; 4];
+                rx.read_exact(&mut len).unwrap_or_else(|e| panic!("receive {what}: {e}"));
+                let mut m = vec![0u8; u32::from_le_bytes(len) as usize];
+                rx.read_exact(&mut m).unwrap_or_else(|e| panic!("receive {what}: {e}"));
+                m
+            }
+        }
+    }
+}
+
+/// A worker on this thread's runtime and an endpoint to the other side's worker.
+async fn connect(tls: &str, link: &Link) -> (Worker, Endpoint) {
     let ctx = Context::builder().transports(tls).build().expect("context");
     let w = ctx.worker().progress_mode(ProgressMode::BusyPoll).build().expect("worker");
-    mine.send(w.address().expect("address").as_bytes().to_vec()).expect("send address");
-    let addr = WorkerAddress::from_bytes(&theirs.recv().expect("peer address")).expect("parse address");
+    link.send("address", w.address().expect("address").as_bytes().to_vec());
+    let addr = WorkerAddress::from_bytes(&link.recv("peer address")).expect("parse address");
     // No UCX peer-failure handling: with it, UCX 1.13 leaves shared memory out.
     let opts = EndpointOptions { error_mode: ErrorMode::None, ..EndpointOptions::default() };
     let ep = w.connect_address_with(&addr, opts).await.expect("connect");
@@ -588,19 +644,19 @@ async fn acknowledge(w: &Worker, ep: &Endpoint, raw: bool) {
 }
 
 /// The answering side.
-fn server(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>) {
+fn server(o: Opts, link: Link) {
     pin(o.cpus[0]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
-        let (w, ep) = connect(&o.tls, &mine, &theirs).await;
+        let (w, ep) = connect(&o.tls, &link).await;
         let sink = w.context().alloc(o.size.max(1)).expect("receive buffer");
         // One-sided tests: the client reaches `sink` through a ucxkit key and through a
         // key packed with raw UCX.
         if o.test.is_rma() {
-            mine.send(sink.pack_key().expect("pack key")).expect("send key");
+            link.send("key", sink.pack_key().expect("pack key"));
             // SAFETY: the context and the region are alive.
-            mine.send(unsafe { raw::pack_rkey(w.context().as_raw(), sink.as_raw()) }).expect("send raw key");
-            mine.send(sink.addr().to_le_bytes().to_vec()).expect("send address");
+            link.send("raw key", unsafe { raw::pack_rkey(w.context().as_raw(), sink.as_raw()) });
+            link.send("region address", sink.addr().to_le_bytes().to_vec());
         }
         let mut side = (!o.test.is_bw()).then(|| PingPong::new(w.clone(), ep.clone(), &o, Dir::Ping, 2));
         let mut am = (o.test == Test::AmBw).then(|| AmBwServer::new(&w, &sink));
@@ -834,20 +890,20 @@ fn mib_per_s(o: &Opts, t0: Instant) -> f64 {
 }
 
 /// The measuring side: each chunk's figure.
-fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>) -> Vec<f64> {
+fn client(o: Opts, link: Link) -> Vec<f64> {
     pin(o.cpus[1]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
-        let (w, ep) = connect(&o.tls, &mine, &theirs).await;
+        let (w, ep) = connect(&o.tls, &link).await;
         let mut side = (!o.test.is_bw()).then(|| PingPong::new(w.clone(), ep.clone(), &o, Dir::Pong, 1));
         let source = w.context().alloc(o.size.max(1)).expect("send buffer");
         source.write_at(0, &vec![1u8; o.size]);
         let keys = o.test.is_rma().then(|| {
-            let key = ep.unpack_key(&theirs.recv().expect("key")).expect("unpack key");
+            let key = ep.unpack_key(&link.recv("key")).expect("unpack key");
             // SAFETY: no ucxkit operation is pending and this thread is the worker's only
             // user; the key is dropped before the endpoint closes.
-            let raw_key = unsafe { raw::RawRkey::unpack(ep.as_raw(), &theirs.recv().expect("raw key")) };
-            let addr = theirs.recv().expect("address");
+            let raw_key = unsafe { raw::RawRkey::unpack(ep.as_raw(), &link.recv("raw key")) };
+            let addr = link.recv("region address");
             let raw_addr = u64::from_le_bytes(addr.try_into().expect("an address of 8 bytes"));
             Remote { key, raw_key, raw_addr }
         });
@@ -875,6 +931,28 @@ fn client(o: Opts, mine: mpsc::Sender<Vec<u8>>, theirs: mpsc::Receiver<Vec<u8>>)
     })
 }
 
+/// The server process's setup connection; panics if the process ends, or has not
+/// connected after 30 s, instead.
+fn accept_child(setup: &TcpListener, child: &mut std::process::Child) -> TcpStream {
+    setup.set_nonblocking(true).expect("non-blocking setup socket");
+    let t0 = Instant::now();
+    loop {
+        match setup.accept() {
+            Ok((link, _)) => {
+                link.set_nonblocking(false).expect("blocking setup connection");
+                return link;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("setup socket: {e}"),
+        }
+        if let Some(status) = child.try_wait().expect("server process") {
+            panic!("the server process ended before connecting: {status}");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "the server process did not connect within 30 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -882,12 +960,34 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn main() {
     let o = parse_opts();
-    let (to_client, from_server) = mpsc::channel();
-    let (to_server, from_client) = mpsc::channel();
-    let so = o.clone();
-    let srv = std::thread::spawn(move || server(so, to_client, from_client));
-    let figures = client(o.clone(), to_server, from_server);
-    srv.join().expect("server thread");
+    if let Some(port) = o.serve {
+        let link = TcpStream::connect(("127.0.0.1", port)).expect("connect to the parent's setup socket");
+        server(o, Link::Socket(RefCell::new(link)));
+        return;
+    }
+    let figures = if o.processes {
+        let setup = TcpListener::bind("127.0.0.1:0").expect("setup socket");
+        let port = setup.local_addr().expect("setup socket address").port();
+        let exe = std::env::current_exe().expect("this program's path");
+        let mut child = Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .args(["--serve", &port.to_string()])
+            .spawn()
+            .expect("start the server process");
+        let link = accept_child(&setup, &mut child);
+        let figures = client(o.clone(), Link::Socket(RefCell::new(link)));
+        let status = child.wait().expect("server process");
+        assert!(status.success(), "server process: {status}");
+        figures
+    } else {
+        let (to_client, from_server) = mpsc::channel();
+        let (to_server, from_client) = mpsc::channel();
+        let so = o.clone();
+        let srv = std::thread::spawn(move || server(so, Link::Threads(to_client, from_client)));
+        let figures = client(o.clone(), Link::Threads(to_server, from_server));
+        srv.join().expect("server thread");
+        figures
+    };
 
     // Each ucxkit chunk against the raw chunk of its pair, after the warm-up pair.
     let (mut ours, mut raw, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
@@ -915,11 +1015,12 @@ fn main() {
         format!(", each after a {} µs pause", o.pause.as_micros())
     };
     println!(
-        "{what}, {} B over {}, cpus {},{}: {} pairs of chunks of {} {chunk}{paused}",
+        "{what}, {} B over {}, cpus {},{}{}: {} pairs of chunks of {} {chunk}{paused}",
         o.size,
         o.tls,
         o.cpus[0],
         o.cpus[1],
+        if o.processes { " (two processes)" } else { "" },
         ratios.len(),
         o.iters
     );
