@@ -327,7 +327,11 @@ async fn loopback(args: &Args) -> AnyResult<()> {
         // The server would wait for the next command forever.
         let _ = child.kill();
     }
-    let status = child.wait()?;
+    // Waited for off this thread: the runtime must go on running, so that the driver
+    // destroys this side's worker (its last handles went with `client`). Kept alive
+    // unprogressed, its TCP connections stay open, and the server's endpoint close waits
+    // for this side (1 s, then 2 s more at its worker's destruction).
+    let status = tokio::task::spawn_blocking(move || child.wait()).await??;
     r?;
     if !status.success() {
         return Err(format!("server process failed: {status}").into());
