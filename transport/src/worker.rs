@@ -1146,6 +1146,13 @@ fn live_workers() -> Vec<Arc<WorkerInner>> {
     LIVE.lock().unwrap_or_else(PoisonError::into_inner).iter().filter_map(Weak::upgrade).collect()
 }
 
+/// Idle rounds (nothing progressed) a worker being dropped spins, yielding, while it
+/// waits for its last operations, before it sleeps [`DROP_IDLE_SLEEP`] between rounds.
+const DROP_SPIN_ROUNDS: u32 = 1000;
+
+/// The pause between idle rounds of a worker's drop, once [`DROP_SPIN_ROUNDS`] passed.
+const DROP_IDLE_SLEEP: Duration = Duration::from_micros(200);
+
 impl Drop for WorkerInner {
     fn drop(&mut self) {
         let st = self.state.get_mut();
@@ -1155,14 +1162,22 @@ impl Drop for WorkerInner {
         // workers are progressed too, when free.
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
         let others = if st.parked > 0 { live_workers() } else { Vec::new() };
+        let mut idle = 0u32;
         while st.parked > 0 && std::time::Instant::now() < deadline {
             // SAFETY: exclusive access (we are in drop); the worker is valid.
             let mut n = unsafe { sys::ucp_worker_progress(st.handle) };
             for w in &others {
                 n += w.progress_if_free();
             }
-            if n == 0 {
+            if n > 0 {
+                idle = 0;
+            } else if idle < DROP_SPIN_ROUNDS {
+                idle += 1;
                 std::thread::yield_now();
+            } else {
+                // A peer that does not answer (gone, or not progressing) would otherwise
+                // cost a whole core for the rest of the wait.
+                std::thread::sleep(DROP_IDLE_SLEEP);
             }
         }
         // SAFETY: we are in drop, the worker not yet destroyed.
