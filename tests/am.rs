@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{pair, payload};
-use ucxkit::transport::{AmProto, AmSendOptions, Error, ErrorKind};
+use common::{ctx, pair, payload};
+use ucxkit::transport::{AmProto, AmSendOptions, EndpointOptions, Error, ErrorKind, ErrorMode};
 
 /// Header and payload splits of messages around the 22 bytes a message kept whole in
 /// place holds, and past them: header and payload arrive byte for byte,
@@ -427,4 +427,50 @@ async fn unclaimed_messages_can_be_discarded() {
     let m = tokio::time::timeout(T, rx.recv()).await.unwrap();
     assert_eq!(m.header(), b"new", "discarded messages are gone");
     assert_eq!(m.data(), Some(&[2u8; 4][..]));
+}
+
+/// A worker whose last handle goes while it holds messages for an id nobody registered
+/// (eager payloads, and a rendezvous one whose sender waits until its payload is fetched
+/// or let go) gives their payloads back to UCX before it is destroyed: the rendezvous
+/// send then completes, instead of failing when the worker's connections go. A message
+/// handed out whose payload UCX holds keeps its worker: while it lives, the payload stays
+/// readable (run under valgrind too) and the worker, with the messages it holds, stays.
+/// Over shared memory, where eager payloads from 2 KiB on stay in UCX's receive buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_dropped_with_held_messages() {
+    let c = ctx("posix,cma,tcp,self");
+    let server = c.worker().build().unwrap();
+    let client = c.worker().build().unwrap();
+    // By address, without the handshake: the server has no endpoint handle, which would
+    // keep it. No peer-failure mode (it would leave shared memory out): a rendezvous send
+    // to a worker destroyed without letting its payload go would wait for ever.
+    let opts = EndpointOptions { handshake: false, error_mode: ErrorMode::None, ..Default::default() };
+    let ep = client.connect_address_with(&server.address().unwrap(), opts).await.unwrap();
+    let eager = AmSendOptions { proto: AmProto::Eager, reply: false };
+    for i in 0..4u64 {
+        ep.am_send_with(31, b"", payload(i, 4096), eager).await.0.unwrap();
+    }
+    let mut rndv = Box::pin(ep.am_send_with(
+        31,
+        b"",
+        payload(9, 300_000),
+        AmSendOptions { proto: AmProto::Rendezvous, reply: false },
+    ));
+    // One message of another id, handed out and kept.
+    let mut rx = server.am_recv(32).unwrap();
+    ep.am_send_with(32, b"kept", payload(7, 8192), eager).await.0.unwrap();
+    let kept = tokio::time::timeout(T, rx.recv()).await.unwrap();
+    wait_until(|| server.am_unclaimed() == [(31, 5)], || format!("held: {:?}", server.am_unclaimed())).await;
+    drop((rx, server));
+    // The kept message is the worker's last handle: the worker, holding the rendezvous
+    // message, stays, and the sender waits.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), &mut rndv).await.is_err(),
+        "the worker stays while a message of it is kept"
+    );
+    assert_eq!(kept.header(), b"kept");
+    assert!(kept.data().expect("eager payload") == &payload(7, 8192)[..]);
+    drop(kept);
+    let (r, _) = tokio::time::timeout(T, rndv).await.expect("the rendezvous send ends");
+    r.expect("the payload was let go before the worker was destroyed");
 }

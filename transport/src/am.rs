@@ -756,6 +756,31 @@ impl Unclaimed {
         self.bytes -= q.iter().map(Incoming::eager_len).sum::<usize>();
         q
     }
+
+    /// Gives every payload UCX still holds for these messages back to it (eager payloads
+    /// in its receive buffers, rendezvous payloads not fetched), for a worker about to be
+    /// destroyed, and lets the messages go. Without it UCX would find its receive buffers
+    /// not returned, and a rendezvous sender would not be told that its payload was let go.
+    ///
+    /// # Safety
+    /// `worker` received these messages and is not destroyed yet; the caller has
+    /// exclusive access to it and calls no UCX function from a callback.
+    pub(crate) unsafe fn release_all(&mut self, worker: sys::ucp_worker_h) {
+        for (_, q) in self.queues.drain() {
+            for mut inc in q {
+                if let Incoming::Long(l) = &mut inc {
+                    if let Payload::Held { desc, .. } | Payload::Rndv { desc, .. } =
+                        std::mem::replace(&mut l.meta_mut().payload, Payload::Gone)
+                    {
+                        // SAFETY: per contract; the descriptor was kept by this worker's
+                        // callback and not released yet (the payload is now Gone).
+                        unsafe { sys::ucp_am_data_release(worker, desc) };
+                    }
+                }
+            }
+        }
+        (self.messages, self.bytes) = (0, 0);
+    }
 }
 
 impl Incoming {
@@ -910,7 +935,9 @@ impl Worker {
     }
 
     /// Ids that received messages nobody registered for, with how many of them the worker
-    /// holds for a later [`Worker::am_recv`] or [`Worker::am_handler`], by id.
+    /// holds for a later [`Worker::am_recv`] or [`Worker::am_handler`], by id. A worker
+    /// destroyed while holding some gives their payloads back to UCX first, so that their
+    /// rendezvous senders complete (as [`Worker::am_discard_unclaimed`] does).
     pub fn am_unclaimed(&self) -> Vec<(u16, usize)> {
         let mut v: Vec<(u16, usize)> = self
             .shared

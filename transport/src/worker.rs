@@ -1156,6 +1156,10 @@ const DROP_IDLE_SLEEP: Duration = Duration::from_micros(200);
 impl Drop for WorkerInner {
     fn drop(&mut self) {
         let st = self.state.get_mut();
+        // Active messages held for ids nobody registered give their payloads back first,
+        // so that the releases of rendezvous payloads can go out during the wait below.
+        // SAFETY: exclusive access (we are in drop); the worker is not destroyed yet.
+        unsafe { st.am_unclaimed.release_all(st.handle) };
         // Let parked operations (sends to slow peers, closes of dropped endpoints)
         // finish, bounded. Their peer may be another worker of this process that only
         // this thread would progress (a single-thread runtime, blocked here): other live
