@@ -408,3 +408,57 @@ async fn dropped_am_fetch_keeps_its_buffer_until_done() {
     tokio::time::timeout(Duration::from_secs(20), send).await.unwrap().0.unwrap();
     assert_eq!(dropped_state(&state).await, DIRTY, "the fetch finished into the kept buffer");
 }
+
+/// Active-message sends with headers, dropped while pending: eager ones queued behind a
+/// full TCP connection and a rendezvous one waiting for its receiver. Each payload stays
+/// with the worker until UCX has read it, and so does each header (on UCX 1.13 ucxkit's
+/// copy of it, which UCX reads until the send completes; 1.14 and newer copy it during
+/// the call); the receiver, coming later, gets every header and payload intact. With the
+/// header copy freed at the drop, the rendezvous message's header arrives corrupted, and
+/// valgrind reports the reads.
+#[tokio::test]
+async fn dropped_am_sends_with_headers_arrive_intact() {
+    use ucxkit::transport::{AmProto, AmSendOptions};
+    let (server, client, _sep, cep) = pair("tcp,self").await;
+    const EAGER: u64 = 8;
+    let (eager_len, rndv_len) = (1 << 20, 4 << 20);
+    let header = |i: u64| payload(100 + i, 48);
+    // A fill per message (cheap under valgrind), and one distinct last byte.
+    let data = |i: u64| {
+        let mut d = vec![0x40 + i as u8; if i < EAGER { eager_len } else { rndv_len }];
+        *d.last_mut().expect("not empty") = 0xF0 + i as u8;
+        d
+    };
+    let mut states = Vec::new();
+    // Posted without yielding: on this single-thread runtime the receiving worker does
+    // not progress meanwhile, so the connection fills and the later sends queue.
+    for i in 0..=EAGER {
+        let (s, state) = sentinels_holding(&[&data(i)]);
+        let proto = if i < EAGER { AmProto::Eager } else { AmProto::Rendezvous };
+        let mut send = cep.am_send_with(
+            31,
+            &header(i),
+            s.into_iter().next().expect("one buffer"),
+            AmSendOptions { proto, reply: false },
+        );
+        if poll_once(&mut send).await.is_pending() {
+            states.extend(state);
+        }
+        drop(send);
+    }
+    assert!(states.len() >= 2, "the rendezvous send and at least one eager send are pending");
+    assert_all_parked(&states);
+    assert_eq!(client.parked_requests(), states.len());
+    // The receiver registers only now: the messages were held for it.
+    let mut rx = server.am_recv(31).unwrap();
+    for i in 0..=EAGER {
+        let m = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.unwrap();
+        assert_eq!(m.is_rendezvous(), i == EAGER);
+        assert_eq!(m.header(), &header(i)[..], "message {i}: header intact");
+        let (r, got) = m.into_vec().await;
+        assert_eq!(r.unwrap(), data(i).len());
+        assert!(got == data(i), "message {i}: payload intact");
+    }
+    wait_parked_zero(&client).await;
+    assert_all_released(&states);
+}
