@@ -184,6 +184,9 @@ pub(crate) struct Side<'a> {
     /// Client, bandwidth tests: send what UCX completes during the call with the
     /// borrowed-buffer `try_*` calls (`--immediate`).
     pub(crate) immediate: bool,
+    /// Client, two-sided bandwidth tests: send from a buffer never written
+    /// (`--unwritten-send`).
+    pub(crate) unwritten: bool,
 }
 
 /// Waits until the last byte of `region` reads `marker`, progressing the worker.
@@ -257,17 +260,21 @@ pub(crate) async fn run_client(
     };
     // Large messages of the two-sided bandwidth tests are sent from memory UCX
     // allocated, as ucx_perftest sends from its mapped buffer (UCX may back it with huge
-    // pages, which copies of many MiB feel). Written once, so that its pages are in
-    // place before the clock runs.
-    let region_source =
-        if matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw) && size >= REGION_SEND_MIN {
-            let r = w.context().alloc(size)?;
-            fill(&r);
-            Some(r)
-        } else {
-            None
-        };
-    let payload = if region_source.is_some() { &[][..] } else { payload(size, 0x5a, 0x5a) };
+    // pages, which copies of many MiB feel), written before the clock runs (real data in
+    // pages in place); with --unwritten-send from a buffer never written instead.
+    let two_sided = matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw);
+    let region_source = if two_sided && size >= REGION_SEND_MIN && !side.unwritten {
+        let r = w.context().alloc(size)?;
+        fill(&r);
+        Some(r)
+    } else {
+        None
+    };
+    let payload = match &region_source {
+        Some(_) => &[][..],
+        None if two_sided && side.unwritten => unwritten(size),
+        None => payload(size, 0x5a, 0x5a),
+    };
     let mut clock = Clock::new(warmup)?;
     match test {
         // Each iteration posts its message first (as ucx_perftest does) and reads the
@@ -453,14 +460,30 @@ fn payload(size: usize, fill: u8, last: u8) -> &'static [u8] {
     p
 }
 
+/// `size` bytes never written, kept for the rest of the run: a fresh zeroed allocation,
+/// which the allocator takes from the kernel untouched for large sizes (its pages read as
+/// the shared zero page until written), as ucx_perftest's UCP tests send from memory they
+/// never write.
+fn unwritten(size: usize) -> &'static [u8] {
+    static CACHE: Mutex<Vec<(usize, &'static [u8])>> = Mutex::new(Vec::new());
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, p)) = cache.iter().find(|(n, _)| *n == size) {
+        return p;
+    }
+    let p: &'static [u8] = Vec::leak(vec![0u8; size]);
+    cache.push((size, p));
+    p
+}
+
 /// A put_lat payload whose last byte is `marker`.
 fn marked(size: usize, marker: u8) -> &'static [u8] {
     payload(size, 0x5a, marker)
 }
 
-/// Writes a pattern over all of `r`, so that its pages are in place (not the shared
-/// zero page of untouched memory) before the clock runs, as ucx_perftest fills its
-/// buffers.
+/// Writes a pattern over all of `r`, so that its pages are in place before the clock
+/// runs and hold real data (memory never written reads as the kernel's shared zero page,
+/// which stays in cache: ucx_perftest's UCP tests, which never write their buffers, send
+/// from it).
 fn fill(r: &MemRegion) {
     let chunk = payload(REGION_SEND_MIN, 0x5a, 0x5a);
     for at in (0..r.len()).step_by(chunk.len()) {

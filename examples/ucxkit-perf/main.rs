@@ -103,6 +103,14 @@ struct Args {
     /// short messages.
     #[arg(long)]
     immediate: bool,
+    /// Two-sided bandwidth tests (tag_bw, stream_bw, am_bw): send from a buffer this
+    /// program never writes, as ucx_perftest's UCP tests do (they never write their
+    /// buffers). Untouched memory reads as the kernel's shared zero page, which stays in
+    /// cache, so copy-based transports (TCP, shared memory) move large messages faster
+    /// than with real data. By default messages from 64 KiB on are sent from memory UCX
+    /// allocated and this program wrote before the run, as an application's data would be.
+    #[arg(long)]
+    unwritten_send: bool,
     /// UCX transports to use.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
     transport: Transport,
@@ -422,7 +430,8 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     }
     let progress = !args.quiet && std::io::stderr().is_terminal();
     let mut rows: Vec<Row> = Vec::new();
-    let mut side = Side { w: &w, ep: &ep, am: &mut am, immediate: args.immediate };
+    let mut side =
+        Side { w: &w, ep: &ep, am: &mut am, immediate: args.immediate, unwritten: args.unwritten_send };
     for (k, &(test, size)) in runs.iter().enumerate() {
         if progress {
             eprint!("\r\x1b[K[{}/{}] {} {} ...", k + 1, runs.len(), test.name(), size::format_size(size));
@@ -571,7 +580,8 @@ async fn server(args: &Args) -> AnyResult<()> {
         std::io::stdout().flush()?;
         loop {
             let ep = listener.accept().await?;
-            let r = serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false }).await;
+            let r =
+                serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false, unwritten: false }).await;
             if let Err(e) = &r {
                 eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
             }
@@ -591,7 +601,7 @@ async fn server(args: &Args) -> AnyResult<()> {
             write_frame(&mut sock, w.address()?.as_bytes()).await?;
             let ep = w.connect_address(&theirs).await?;
             write_frame(&mut sock, b"connected").await?;
-            serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false }).await?;
+            serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false, unwritten: false }).await?;
             // The client may already have destroyed its worker: close gracefully if it
             // answers soon, otherwise let the endpoint close in the background.
             let _ = tokio::time::timeout(Duration::from_secs(1), ep.close()).await;
