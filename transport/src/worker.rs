@@ -244,9 +244,9 @@ static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// event it could not deliver at once under the socket's fd number; when a connection dies
 /// in one worker while another worker of the same process opens a socket, the fd can be
 /// reused before the event is handled, and a UCX built with assertions (Debian's is)
-/// aborts the process (`async.c: handler->async == async`). One worker per process, the usual layout, never
-/// meets it; workers in one process whose connections may fail should not open
-/// connections at the same moment.
+/// aborts the process (`async.c: handler->async == async`). One worker per process, the
+/// usual layout, never meets it; workers in one process whose connections may fail should
+/// not open connections at the same moment.
 #[derive(Clone)]
 pub struct Worker {
     pub(crate) shared: Arc<WorkerShared>,
@@ -1157,7 +1157,8 @@ impl Drop for WorkerInner {
     fn drop(&mut self) {
         let st = self.state.get_mut();
         // Active messages held for ids nobody registered give their payloads back first,
-        // so that the releases of rendezvous payloads can go out during the wait below.
+        // while the worker can still tell rendezvous senders (UCX sends that during the
+        // release call, or during the wait below).
         // SAFETY: exclusive access (we are in drop); the worker is not destroyed yet.
         unsafe { st.am_unclaimed.release_all(st.handle) };
         // Let parked operations (sends to slow peers, closes of dropped endpoints)
