@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{ctx, pair, payload};
-use ucxkit::transport::{AmProto, AmSendOptions, EndpointOptions, Error, ErrorKind, ErrorMode};
+use ucxkit::transport::{
+    AmProto, AmSendOptions, Endpoint, EndpointOptions, Error, ErrorKind, ErrorMode, Worker,
+};
 
 /// Header and payload splits of messages around the 22 bytes a message kept whole in
 /// place holds, and past them: header and payload arrive byte for byte,
@@ -429,6 +431,18 @@ async fn unclaimed_messages_can_be_discarded() {
     assert_eq!(m.data(), Some(&[2u8; 4][..]));
 }
 
+/// Two workers of one shared-memory context (no TCP: a worker destroyed while the other
+/// tests open sockets could meet UCX's fd-reuse abort, see `Worker`), the client connected
+/// to the server by address with `opts`: (server, client, client-side endpoint). The
+/// server holds no endpoint handle, which would keep it alive.
+async fn by_address(opts: EndpointOptions) -> (Worker, Worker, Endpoint) {
+    let c = ctx("posix,cma,self");
+    let server = c.worker().build().unwrap();
+    let client = c.worker().build().unwrap();
+    let ep = client.connect_address_with(&server.address().unwrap(), opts).await.unwrap();
+    (server, client, ep)
+}
+
 /// A worker whose last handle goes while it holds messages for an id nobody registered
 /// (eager payloads, and a rendezvous one whose sender waits until its payload is fetched
 /// or let go) gives their payloads back to UCX before it is destroyed: the rendezvous
@@ -438,14 +452,11 @@ async fn unclaimed_messages_can_be_discarded() {
 /// Over shared memory, where eager payloads from 2 KiB on stay in UCX's receive buffers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_dropped_with_held_messages() {
-    let c = ctx("posix,cma,tcp,self");
-    let server = c.worker().build().unwrap();
-    let client = c.worker().build().unwrap();
-    // By address, without the handshake: the server has no endpoint handle, which would
-    // keep it. No peer-failure mode (it would leave shared memory out): a rendezvous send
-    // to a worker destroyed without letting its payload go would wait for ever.
+    // Without the handshake. No peer-failure mode (it would leave shared memory out): a
+    // rendezvous send to a worker destroyed without letting its payload go would wait for
+    // ever.
     let opts = EndpointOptions { handshake: false, error_mode: ErrorMode::None, ..Default::default() };
-    let ep = client.connect_address_with(&server.address().unwrap(), opts).await.unwrap();
+    let (server, _client, ep) = by_address(opts).await;
     let eager = AmSendOptions { proto: AmProto::Eager, reply: false };
     for i in 0..4u64 {
         ep.am_send_with(31, b"", payload(i, 4096), eager).await.0.unwrap();
@@ -481,11 +492,8 @@ async fn worker_dropped_with_held_messages() {
 /// worker goes on (run under valgrind too: the payload is read in place, then let go).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncated_held_payloads() {
-    let c = ctx("posix,cma,tcp,self");
-    let server = c.worker().build().unwrap();
-    let client = c.worker().build().unwrap();
-    let opts = EndpointOptions { error_mode: ErrorMode::None, ..Default::default() };
-    let ep = client.connect_address_with(&server.address().unwrap(), opts).await.unwrap();
+    let (server, _client, ep) =
+        by_address(EndpointOptions { error_mode: ErrorMode::None, ..Default::default() }).await;
     let mut rx = server.am_recv(40).unwrap();
     let eager = AmSendOptions { proto: AmProto::Eager, reply: false };
     for i in 0..300u64 {
