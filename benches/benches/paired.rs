@@ -59,7 +59,7 @@
 //! The raw side's worker and endpoint handles are taken outside the timed loops (taking
 //! one locks the worker).
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -264,7 +264,7 @@ enum Link {
     Threads(mpsc::Sender<Vec<u8>>, mpsc::Receiver<Vec<u8>>),
     /// Two processes: messages of a 4-byte little-endian length and the bytes, over a
     /// loopback TCP connection.
-    Socket(RefCell<TcpStream>),
+    Socket(TcpStream),
 }
 
 impl Link {
@@ -273,8 +273,8 @@ impl Link {
             Link::Threads(tx, _) => {
                 tx.send(m).unwrap_or_else(|_| panic!("send {what}: the other side is gone"))
             }
-            Link::Socket(tx) => {
-                let mut tx = tx.borrow_mut();
+            Link::Socket(stream) => {
+                let mut tx = stream;
                 let len = u32::try_from(m.len()).expect("a setup message under 4 GiB");
                 tx.write_all(&len.to_le_bytes())
                     .and_then(|()| tx.write_all(&m))
@@ -289,8 +289,8 @@ impl Link {
             Link::Threads(_, rx) => {
                 rx.recv().unwrap_or_else(|_| panic!("receive {what}: the other side is gone"))
             }
-            Link::Socket(rx) => {
-                let mut rx = rx.borrow_mut();
+            Link::Socket(stream) => {
+                let mut rx = stream;
                 let mut len = [0u8; 4];
                 rx.read_exact(&mut len).unwrap_or_else(|e| panic!("receive {what}: {e}"));
                 let mut m = vec![0u8; u32::from_le_bytes(len) as usize];
@@ -962,7 +962,7 @@ fn main() {
     let o = parse_opts();
     if let Some(port) = o.serve {
         let link = TcpStream::connect(("127.0.0.1", port)).expect("connect to the parent's setup socket");
-        server(o, Link::Socket(RefCell::new(link)));
+        server(o, Link::Socket(link));
         return;
     }
     let figures = if o.processes {
@@ -975,7 +975,7 @@ fn main() {
             .spawn()
             .expect("start the server process");
         let link = accept_child(&setup, &mut child);
-        let figures = client(o.clone(), Link::Socket(RefCell::new(link)));
+        let figures = client(o.clone(), Link::Socket(link));
         let status = child.wait().expect("server process");
         assert!(status.success(), "server process: {status}");
         figures

@@ -451,28 +451,23 @@ fn payload(size: usize, fill: u8, last: u8) -> &'static [u8] {
     if let Some((_, p)) = cache.iter().find(|(k, _)| *k == (size, fill, last)) {
         return p;
     }
+    // `vec![0; n]` is a zeroed allocation, not a fill: its pages stay untouched.
     let mut v = vec![fill; size];
-    if let Some(b) = v.last_mut() {
-        *b = last;
+    if last != fill {
+        if let Some(b) = v.last_mut() {
+            *b = last;
+        }
     }
     let p: &'static [u8] = Vec::leak(v);
     cache.push(((size, fill, last), p));
     p
 }
 
-/// `size` bytes never written, kept for the rest of the run: a fresh zeroed allocation,
-/// which the allocator takes from the kernel untouched for large sizes (its pages read as
-/// the shared zero page until written), as ucx_perftest's UCP tests send from memory they
-/// never write.
+/// `size` bytes never written, kept for the rest of the run, as ucx_perftest's UCP tests
+/// send from memory they never write: a zeroed allocation, which the allocator takes from
+/// the kernel untouched for large sizes (its pages read as the shared zero page).
 fn unwritten(size: usize) -> &'static [u8] {
-    static CACHE: Mutex<Vec<(usize, &'static [u8])>> = Mutex::new(Vec::new());
-    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, p)) = cache.iter().find(|(n, _)| *n == size) {
-        return p;
-    }
-    let p: &'static [u8] = Vec::leak(vec![0u8; size]);
-    cache.push((size, p));
-    p
+    payload(size, 0, 0)
 }
 
 /// A put_lat payload whose last byte is `marker`.
