@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{pair, payload};
+use common::{ctx, pair, payload};
 use ucxkit::transport::{Endpoint, ErrorKind, MemRegion, Worker};
 
 const T: Duration = Duration::from_secs(20);
@@ -73,6 +73,38 @@ async fn put_get_atomics_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_get_atomics_shm() {
     put_get_atomics("posix,cma,tcp,self", true).await;
+}
+
+/// Allocated regions read as zeros, also where UCX hands back memory a dropped region
+/// used, and allocating one does not make its memory resident.
+#[test]
+fn allocated_regions_read_as_zeros() {
+    for tls in ["tcp,self", "posix,cma,self"] {
+        let c = ctx(tls);
+        for round in 0..3 {
+            for len in [1usize, 100, 4096, 100_000, 3 << 20, 16 << 20] {
+                let r = c.alloc(len).unwrap();
+                assert!(r.to_vec().iter().all(|&b| b == 0), "{tls} round {round}: {len} bytes not zeroed");
+                // Dirty every byte before the region goes back to UCX.
+                r.write_at(0, &vec![0xa5; len]);
+            }
+        }
+        let before = resident_bytes();
+        let big = c.alloc(256 << 20).unwrap();
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(grown < 32 << 20, "{tls}: a 256 MiB region made {grown} bytes resident");
+        // Still zeros where read.
+        let mut b = [1u8; 16];
+        big.read_at((256 << 20) - 16, &mut b);
+        assert_eq!(b, [0; 16]);
+    }
+}
+
+/// This process's resident memory, from /proc/self/statm.
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
 }
 
 #[tokio::test]

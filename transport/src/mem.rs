@@ -113,6 +113,11 @@ impl Context {
     /// picks memory its transports prefer: shared-memory transports map it directly, so
     /// same-host puts and gets run at memory-copy speed (as `ucx_perftest` measures).
     ///
+    /// The region reads as zeros, but only pages that may hold something else are
+    /// written: memory fresh from the kernel is left untouched, so a large region takes
+    /// no time to allocate and occupies memory only as it is used (on Linux; where
+    /// `/proc/self/pagemap` cannot be read, every byte is written).
+    ///
     /// # Errors
     /// [`Error::MemMap`] when UCX cannot allocate or register the memory;
     /// [`Error::ApiMisuse`] for `len == 0`.
@@ -140,9 +145,93 @@ impl Context {
         if region.inner.ptr.is_null() {
             return Err(Error::MemMap { len, source: Status::INVALID_PARAM });
         }
-        // SAFETY: UCX allocated at least `len` writable bytes at ptr for this region.
-        unsafe { std::ptr::write_bytes(region.inner.ptr, 0, region.inner.len) };
+        // SAFETY: UCX allocated at least `len` writable bytes at ptr for this region,
+        // which nothing else knows of yet.
+        unsafe { zero_used_pages(region.inner.ptr, region.inner.len) };
         Ok(region)
+    }
+}
+
+/// Makes the `len` bytes at `ptr`, memory UCX has just allocated, read as zeros while
+/// leaving alone the pages that already do.
+///
+/// Depending on its allocation methods UCX takes memory from the kernel (new anonymous
+/// mappings, new shared-memory files or segments), whose pages read as zeros until
+/// written, or from the heap, whose pages may hold old data. Writing zeros over all of it
+/// would commit every page at once (a GiB region: a GiB resident, and a few hundred ms,
+/// before its first use). The page map tells which pages are mapped in or swapped out;
+/// only those are written. A page that is neither was never written since it was mapped
+/// or discarded, except in a file mapping, where it shows what the file holds: UCX maps
+/// only files it has just created, so they hold zeros too.
+///
+/// Where the page map cannot be read, every byte is written.
+///
+/// # Safety
+/// `ptr..ptr + len` must be writable memory that nothing else uses yet.
+unsafe fn zero_used_pages(ptr: *mut u8, len: usize) {
+    let start = ptr as usize;
+    let end = start + len;
+    let written = (|| -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        // SAFETY: sysconf has no preconditions.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as usize,
+            _ => return Err(std::io::ErrorKind::Unsupported.into()),
+        };
+        let map = std::fs::File::open("/proc/self/pagemap")?;
+        let (first, last) = (start / page, (end - 1) / page);
+        let mut entries = vec![0u8; PAGEMAP_BATCH * 8];
+        let mut p = first;
+        while p <= last {
+            let n = (last + 1 - p).min(PAGEMAP_BATCH);
+            map.read_exact_at(&mut entries[..n * 8], (p * 8) as u64)?;
+            // Pages that may hold data other than zeros are zeroed in runs.
+            let mut run: Option<usize> = None;
+            for (i, e) in entries[..n * 8].chunks_exact(8).enumerate() {
+                let e = u64::from_ne_bytes(e.try_into().expect("8-byte chunk"));
+                let used = e & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED) != 0;
+                match (used, run) {
+                    (true, None) => run = Some(p + i),
+                    (false, Some(r)) => {
+                        // SAFETY: within the caller's range (clamped), which is writable.
+                        unsafe { zero_pages(start, end, page, r, p + i) };
+                        run = None;
+                    }
+                    _ => {}
+                }
+            }
+            if let Some(r) = run {
+                // SAFETY: as above.
+                unsafe { zero_pages(start, end, page, r, p + n) };
+            }
+            p += n;
+        }
+        Ok(())
+    })();
+    if written.is_err() {
+        // SAFETY: the caller's range is writable.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+    }
+}
+
+/// Page-map entries read at a time (8 bytes each).
+const PAGEMAP_BATCH: usize = 4096;
+/// Page-map entry bit: the page is mapped in.
+const PAGEMAP_PRESENT: u64 = 1 << 63;
+/// Page-map entry bit: the page is swapped out.
+const PAGEMAP_SWAPPED: u64 = 1 << 62;
+
+/// Writes zeros over pages `from..to` (page numbers of size `page`), clamped to the
+/// byte range `start..end`.
+///
+/// # Safety
+/// `start..end` must be writable.
+unsafe fn zero_pages(start: usize, end: usize, page: usize, from: usize, to: usize) {
+    let a = (from * page).max(start);
+    let b = (to * page).min(end);
+    if a < b {
+        // SAFETY: a..b lies within start..end, which the caller guarantees writable.
+        unsafe { std::ptr::write_bytes(a as *mut u8, 0, b - a) };
     }
 }
 
@@ -568,6 +657,65 @@ impl Endpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn used_pages_are_zeroed_and_untouched_ones_left_alone() {
+        // Written pages (mapped in) are zeroed, partial pages at both ends included.
+        let mut v = vec![0xffu8; (1 << 20) + 3];
+        let (a, b) = (v.len() / 3, v.len() - 5);
+        // SAFETY: a slice of v, which nothing else uses.
+        unsafe { zero_used_pages(v[a..b].as_mut_ptr(), b - a) };
+        assert!(v[..a].iter().all(|&x| x == 0xff));
+        assert!(v[a..b].iter().all(|&x| x == 0));
+        assert!(v[b..].iter().all(|&x| x == 0xff));
+
+        // A fresh anonymous mapping's pages are neither written nor mapped in.
+        let len = 64 << 20;
+        // SAFETY: a new private anonymous mapping, unmapped below.
+        let m = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(m, libc::MAP_FAILED);
+        let p = m.cast::<u8>();
+        // One page written in the middle (a small page, not a transparent huge one): only
+        // it is zeroed again.
+        // SAFETY: p..p + len is the mapping.
+        unsafe {
+            libc::madvise(m, len, libc::MADV_NOHUGEPAGE);
+            p.add(len / 2).write(7);
+            zero_used_pages(p, len);
+        }
+        // Counted before the bytes are read: reading maps in the zero page everywhere.
+        let resident = resident_pages(p, len);
+        // SAFETY: p..p + len is the mapping.
+        let bytes = unsafe { std::slice::from_raw_parts(p, len) };
+        let all_zero = bytes.iter().all(|&x| x == 0);
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(m, len) };
+        assert!(all_zero);
+        assert_eq!(resident, 1, "pages of a fresh mapping made resident");
+    }
+
+    /// Pages of `p..p + len` mapped in, from the page map.
+    fn resident_pages(p: *mut u8, len: usize) -> usize {
+        use std::os::unix::fs::FileExt;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let map = std::fs::File::open("/proc/self/pagemap").unwrap();
+        let n = len / page;
+        let mut buf = vec![0u8; n * 8];
+        map.read_exact_at(&mut buf, (p as usize / page * 8) as u64).unwrap();
+        buf.chunks_exact(8)
+            .filter(|e| u64::from_ne_bytes((*e).try_into().unwrap()) & PAGEMAP_PRESENT != 0)
+            .count()
+    }
 
     #[test]
     fn key_envelope_roundtrip_and_rejects() {
