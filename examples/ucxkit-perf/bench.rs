@@ -184,8 +184,8 @@ pub(crate) struct Side<'a> {
     /// Client, bandwidth tests: send what UCX completes during the call with the
     /// borrowed-buffer `try_*` calls (`--immediate`).
     pub(crate) immediate: bool,
-    /// Client, two-sided bandwidth tests: send from a buffer never written
-    /// (`--unwritten-send`).
+    /// Client, bandwidth tests: move data out of memory never written
+    /// (`--unwritten-source`).
     pub(crate) unwritten: bool,
 }
 
@@ -236,6 +236,10 @@ pub(crate) async fn run_client(
     // put_lat: the server puts into a region of ours.
     let mine = if test == Test::PutLat { Some(w.context().alloc(size)?) } else { None };
     let mut cmd = format!("{} {size} {total} {recv_window}", test.name());
+    if test == Test::GetBw && side.unwritten {
+        // The server's region is what get_bw moves.
+        cmd += &format!(" {UNWRITTEN}");
+    }
     if let Some(r) = &mine {
         cmd += &format!(" {}", hex(&r.pack_key()?));
     }
@@ -251,9 +255,12 @@ pub(crate) async fn run_client(
         None => None,
     };
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
+    // put_bw's source is left as UCX allocated it with --unwritten-source.
     let local = if test.needs_region() {
         let r = w.context().alloc(size.max(8))?;
-        fill(&r);
+        if !(test == Test::PutBw && side.unwritten) {
+            fill(&r);
+        }
         Some(r)
     } else {
         None
@@ -261,11 +268,13 @@ pub(crate) async fn run_client(
     // Large messages of the two-sided bandwidth tests are sent from memory UCX
     // allocated, as ucx_perftest sends from its mapped buffer (UCX may back it with huge
     // pages, which copies of many MiB feel), written before the clock runs (real data in
-    // pages in place); with --unwritten-send from a buffer never written instead.
+    // pages in place) unless --unwritten-source leaves it as allocated.
     let two_sided = matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw);
-    let region_source = if two_sided && size >= REGION_SEND_MIN && !side.unwritten {
+    let region_source = if two_sided && size >= REGION_SEND_MIN {
         let r = w.context().alloc(size)?;
-        fill(&r);
+        if !side.unwritten {
+            fill(&r);
+        }
         Some(r)
     } else {
         None
@@ -463,12 +472,15 @@ fn payload(size: usize, fill: u8, last: u8) -> &'static [u8] {
     p
 }
 
-/// `size` bytes never written, kept for the rest of the run, as ucx_perftest's UCP tests
-/// send from memory they never write: a zeroed allocation, which the allocator takes from
-/// the kernel untouched for large sizes (its pages read as the shared zero page).
+/// `size` bytes never written, kept for the rest of the run (two-sided messages below
+/// `REGION_SEND_MIN` with `--unwritten-source`): a zeroed allocation, which is not a fill.
 fn unwritten(size: usize) -> &'static [u8] {
     payload(size, 0, 0)
 }
+
+/// The word of a command that asks the server for a region never written (get_bw with
+/// `--unwritten-source`).
+const UNWRITTEN: &str = "unwritten";
 
 /// A put_lat payload whose last byte is `marker`.
 fn marked(size: usize, marker: u8) -> &'static [u8] {
@@ -626,21 +638,40 @@ where
 pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
     let (w, ep) = (side.w, side.ep);
     let parts: Vec<&str> = cmd.split_whitespace().collect();
-    let (test, size, total, window, their_key) = match parts.as_slice() {
-        [t, s, n, win, rest @ ..] if rest.len() <= 1 => (
-            Test::from_name(t).ok_or_else(|| format!("unknown test {t:?}"))?,
-            s.parse::<usize>()?,
-            n.parse::<u64>()?,
-            win.parse::<usize>()?.max(1),
-            rest.first().copied(),
-        ),
+    // test size total window [unwritten] [key]
+    let (test, size, total, window, unwritten, their_key) = match parts.as_slice() {
+        [t, s, n, win, rest @ ..] => {
+            let (unwritten, rest) = match rest {
+                [UNWRITTEN, rest @ ..] => (true, rest),
+                _ => (false, rest),
+            };
+            if rest.len() > 1 {
+                return Err(format!("bad command {cmd:?}").into());
+            }
+            (
+                Test::from_name(t).ok_or_else(|| format!("unknown test {t:?}"))?,
+                s.parse::<usize>()?,
+                n.parse::<u64>()?,
+                win.parse::<usize>()?.max(1),
+                unwritten,
+                rest.first().copied(),
+            )
+        }
         _ => return Err(format!("bad command {cmd:?}").into()),
     };
     test.check_size(size)?;
     // put_lat polls the last byte the client's put writes: exactly `size` bytes.
     let region = match test {
         Test::PutLat => Some(w.context().alloc(size)?),
-        t if t.needs_region() => Some(w.context().alloc(size.max(8))?),
+        // Left as UCX allocated it: zeros, in pages never written where the memory is
+        // fresh. get_bw's source is written first unless the client asked otherwise.
+        t if t.needs_region() => {
+            let r = w.context().alloc(size.max(8))?;
+            if test == Test::GetBw && !unwritten {
+                fill(&r);
+            }
+            Some(r)
+        }
         _ => None,
     };
     let their_key = match their_key {

@@ -103,14 +103,15 @@ struct Args {
     /// short messages.
     #[arg(long)]
     immediate: bool,
-    /// Two-sided bandwidth tests (tag_bw, stream_bw, am_bw): send from a buffer this
-    /// program never writes, as ucx_perftest's UCP tests do (they never write their
-    /// buffers). Untouched memory reads as the kernel's shared zero page, which stays in
-    /// cache, so copy-based transports (TCP, shared memory) move large messages faster
-    /// than with real data. By default messages from 64 KiB on are sent from memory UCX
-    /// allocated and this program wrote before the run, as an application's data would be.
-    #[arg(long)]
-    unwritten_send: bool,
+    /// Bandwidth tests: move data out of memory never written, as ucx_perftest's UCP
+    /// tests do (they never write their buffers): the messages of tag_bw, stream_bw and
+    /// am_bw, put_bw's source and get_bw's remote region are left as UCX allocated them.
+    /// Untouched memory from the kernel reads as its shared zero page, which stays in
+    /// cache, so copy-based transports (TCP) move large messages faster than real data.
+    /// By default that memory is written before the run, as an application's data would
+    /// be.
+    #[arg(long, alias = "unwritten-send")]
+    unwritten_source: bool,
     /// UCX transports to use.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
     transport: Transport,
@@ -431,7 +432,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     let progress = !args.quiet && std::io::stderr().is_terminal();
     let mut rows: Vec<Row> = Vec::new();
     let mut side =
-        Side { w: &w, ep: &ep, am: &mut am, immediate: args.immediate, unwritten: args.unwritten_send };
+        Side { w: &w, ep: &ep, am: &mut am, immediate: args.immediate, unwritten: args.unwritten_source };
     for (k, &(test, size)) in runs.iter().enumerate() {
         if progress {
             eprint!("\r\x1b[K[{}/{}] {} {} ...", k + 1, runs.len(), test.name(), size::format_size(size));
