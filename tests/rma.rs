@@ -76,7 +76,8 @@ async fn put_get_atomics_shm() {
 }
 
 /// Allocated regions read as zeros, also where UCX hands back memory a dropped region
-/// used, and allocating one does not make its memory resident.
+/// used, and allocating one does not write its pages (UCX fills shared-memory files
+/// itself, through the file: that is not counted as this process's resident memory).
 #[test]
 fn allocated_regions_read_as_zeros() {
     for tls in ["tcp,self", "posix,cma,self"] {

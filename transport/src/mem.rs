@@ -114,9 +114,11 @@ impl Context {
     /// same-host puts and gets run at memory-copy speed (as `ucx_perftest` measures).
     ///
     /// The region reads as zeros, but only pages that may hold something else are
-    /// written: memory fresh from the kernel is left untouched, so a large region takes
-    /// no time to allocate and occupies memory only as it is used (on Linux; where
-    /// `/proc/self/pagemap` cannot be read, every byte is written).
+    /// written: memory fresh from the kernel is left untouched. Where UCX maps anonymous
+    /// memory (transports without shared memory), a large region then takes no time to
+    /// allocate and occupies memory only as it is used; UCX's shared-memory allocations
+    /// are filled by UCX itself when made. (Linux; where `/proc/self/pagemap` cannot be
+    /// read or does not behave as expected, every byte is written.)
     ///
     /// # Errors
     /// [`Error::MemMap`] when UCX cannot allocate or register the memory;
@@ -164,7 +166,8 @@ impl Context {
 /// or discarded, except in a file mapping, where it shows what the file holds: UCX maps
 /// only files it has just created, so they hold zeros too.
 ///
-/// Where the page map cannot be read, every byte is written.
+/// Where the page map cannot be read, or failed [`page_map_works`], every byte is
+/// written.
 ///
 /// # Safety
 /// `ptr..ptr + len` must be writable memory that nothing else uses yet.
@@ -173,11 +176,7 @@ unsafe fn zero_used_pages(ptr: *mut u8, len: usize) {
     let end = start + len;
     let written = (|| -> std::io::Result<()> {
         use std::os::unix::fs::FileExt;
-        // SAFETY: sysconf has no preconditions.
-        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
-            p if p > 0 => p as usize,
-            _ => return Err(std::io::ErrorKind::Unsupported.into()),
-        };
+        let page = page_map_works().ok_or(std::io::ErrorKind::Unsupported)?;
         let map = std::fs::File::open("/proc/self/pagemap")?;
         let (first, last) = (start / page, (end - 1) / page);
         let mut entries = vec![0u8; PAGEMAP_BATCH * 8];
@@ -212,6 +211,56 @@ unsafe fn zero_used_pages(ptr: *mut u8, len: usize) {
         // SAFETY: the caller's range is writable.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
     }
+}
+
+/// The page size, if this process's page map tells written pages from untouched ones:
+/// checked once on a mapping of its own (one page written, three not), so that a page map
+/// that reads but does not mean what it should (an emulator passing the host's through)
+/// makes [`zero_used_pages`] write everything.
+fn page_map_works() -> Option<usize> {
+    static WORKS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *WORKS.get_or_init(|| {
+        use std::os::unix::fs::FileExt;
+        // SAFETY: sysconf has no preconditions.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as usize,
+            _ => return None,
+        };
+        let len = 4 * page;
+        // SAFETY: a new private anonymous mapping, unmapped below.
+        let m = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if m == libc::MAP_FAILED {
+            return None;
+        }
+        // SAFETY: m..m + len is the mapping; its second page is written.
+        unsafe {
+            libc::madvise(m, len, libc::MADV_NOHUGEPAGE);
+            m.cast::<u8>().add(page).write_volatile(1);
+        }
+        let mut entries = [0u8; 32];
+        let read = std::fs::File::open("/proc/self/pagemap")
+            .and_then(|f| f.read_exact_at(&mut entries, (m as usize / page * 8) as u64));
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(m, len) };
+        read.ok()?;
+        let used: Vec<bool> = entries
+            .chunks_exact(8)
+            .map(|e| {
+                u64::from_ne_bytes(e.try_into().expect("8-byte chunk")) & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED)
+                    != 0
+            })
+            .collect();
+        (used == [false, true, false, false]).then_some(page)
+    })
 }
 
 /// Page-map entries read at a time (8 bytes each).
@@ -660,6 +709,7 @@ mod tests {
 
     #[test]
     fn used_pages_are_zeroed_and_untouched_ones_left_alone() {
+        assert!(page_map_works().is_some(), "this machine's page map failed the check");
         // Written pages (mapped in) are zeroed, partial pages at both ends included.
         let mut v = vec![0xffu8; (1 << 20) + 3];
         let (a, b) = (v.len() / 3, v.len() - 5);
