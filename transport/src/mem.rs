@@ -187,9 +187,7 @@ unsafe fn zero_used_pages(ptr: *mut u8, len: usize) {
             // Pages that may hold data other than zeros are zeroed in runs.
             let mut run: Option<usize> = None;
             for (i, e) in entries[..n * 8].chunks_exact(8).enumerate() {
-                let e = u64::from_ne_bytes(e.try_into().expect("8-byte chunk"));
-                let used = e & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED) != 0;
-                match (used, run) {
+                match (entry_used(e), run) {
                     (true, None) => run = Some(p + i),
                     (false, Some(r)) => {
                         // SAFETY: within the caller's range (clamped), which is writable.
@@ -226,8 +224,34 @@ fn page_map_works() -> Option<usize> {
             p if p > 0 => p as usize,
             _ => return None,
         };
-        let len = 4 * page;
-        // SAFETY: a new private anonymous mapping, unmapped below.
+        let m = SmallPageMapping::new(4 * page)?;
+        // SAFETY: the second page lies inside the mapping.
+        unsafe { m.ptr.add(page).write_volatile(1) };
+        let mut entries = [0u8; 32];
+        std::fs::File::open("/proc/self/pagemap")
+            .and_then(|f| f.read_exact_at(&mut entries, (m.ptr as usize / page * 8) as u64))
+            .ok()?;
+        let used: Vec<bool> = entries.chunks_exact(8).map(entry_used).collect();
+        (used == [false, true, false, false]).then_some(page)
+    })
+}
+
+/// Whether a page-map entry (8 bytes) shows a page mapped in or swapped out.
+fn entry_used(e: &[u8]) -> bool {
+    let e = u64::from_ne_bytes(e.try_into().expect("8-byte page-map entry"));
+    e & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED) != 0
+}
+
+/// A private anonymous mapping of small pages (no transparent huge pages), unmapped on
+/// drop: the ground truth [`page_map_works`] checks the page map against.
+struct SmallPageMapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl SmallPageMapping {
+    fn new(len: usize) -> Option<SmallPageMapping> {
+        // SAFETY: a new private anonymous mapping, owned by the value returned.
         let m = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -241,26 +265,18 @@ fn page_map_works() -> Option<usize> {
         if m == libc::MAP_FAILED {
             return None;
         }
-        // SAFETY: m..m + len is the mapping; its second page is written.
-        unsafe {
-            libc::madvise(m, len, libc::MADV_NOHUGEPAGE);
-            m.cast::<u8>().add(page).write_volatile(1);
-        }
-        let mut entries = [0u8; 32];
-        let read = std::fs::File::open("/proc/self/pagemap")
-            .and_then(|f| f.read_exact_at(&mut entries, (m as usize / page * 8) as u64));
-        // SAFETY: the mapping made above, no longer used.
-        unsafe { libc::munmap(m, len) };
-        read.ok()?;
-        let used: Vec<bool> = entries
-            .chunks_exact(8)
-            .map(|e| {
-                u64::from_ne_bytes(e.try_into().expect("8-byte chunk")) & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED)
-                    != 0
-            })
-            .collect();
-        (used == [false, true, false, false]).then_some(page)
-    })
+        // SAFETY: the mapping just made. Failure leaves huge pages allowed, which only
+        // makes the check fail (and every byte be written).
+        unsafe { libc::madvise(m, len, libc::MADV_NOHUGEPAGE) };
+        Some(SmallPageMapping { ptr: m.cast(), len })
+    }
+}
+
+impl Drop for SmallPageMapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping this value owns, no longer used.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
 }
 
 /// Page-map entries read at a time (8 bytes each).
@@ -719,52 +735,30 @@ mod tests {
         assert!(v[a..b].iter().all(|&x| x == 0));
         assert!(v[b..].iter().all(|&x| x == 0xff));
 
-        // A fresh anonymous mapping's pages are neither written nor mapped in.
-        let len = 64 << 20;
-        // SAFETY: a new private anonymous mapping, unmapped below.
-        let m = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(m, libc::MAP_FAILED);
-        let p = m.cast::<u8>();
-        // One page written in the middle (a small page, not a transparent huge one): only
-        // it is zeroed again.
-        // SAFETY: p..p + len is the mapping.
+        // A fresh anonymous mapping's pages are neither written nor mapped in. One page
+        // written in the middle: only it is zeroed again.
+        let m = SmallPageMapping::new(64 << 20).unwrap();
+        // SAFETY: the page written lies inside the mapping, which nothing else uses.
         unsafe {
-            libc::madvise(m, len, libc::MADV_NOHUGEPAGE);
-            p.add(len / 2).write(7);
-            zero_used_pages(p, len);
+            m.ptr.add(m.len / 2).write(7);
+            zero_used_pages(m.ptr, m.len);
         }
         // Counted before the bytes are read: reading maps in the zero page everywhere.
-        let resident = resident_pages(p, len);
-        // SAFETY: p..p + len is the mapping.
-        let bytes = unsafe { std::slice::from_raw_parts(p, len) };
-        let all_zero = bytes.iter().all(|&x| x == 0);
-        // SAFETY: the mapping made above, no longer used.
-        unsafe { libc::munmap(m, len) };
-        assert!(all_zero);
-        assert_eq!(resident, 1, "pages of a fresh mapping made resident");
+        let used = used_pages(m.ptr, m.len);
+        // SAFETY: the mapping's bytes, which nothing writes meanwhile.
+        let bytes = unsafe { std::slice::from_raw_parts(m.ptr, m.len) };
+        assert!(bytes.iter().all(|&x| x == 0));
+        assert_eq!(used, 1, "pages of a fresh mapping made resident");
     }
 
-    /// Pages of `p..p + len` mapped in, from the page map.
-    fn resident_pages(p: *mut u8, len: usize) -> usize {
+    /// Pages of `p..p + len` mapped in or swapped out, from the page map.
+    fn used_pages(p: *mut u8, len: usize) -> usize {
         use std::os::unix::fs::FileExt;
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let page = page_map_works().unwrap();
         let map = std::fs::File::open("/proc/self/pagemap").unwrap();
-        let n = len / page;
-        let mut buf = vec![0u8; n * 8];
+        let mut buf = vec![0u8; len / page * 8];
         map.read_exact_at(&mut buf, (p as usize / page * 8) as u64).unwrap();
-        buf.chunks_exact(8)
-            .filter(|e| u64::from_ne_bytes((*e).try_into().unwrap()) & PAGEMAP_PRESENT != 0)
-            .count()
+        buf.chunks_exact(8).filter(|e| entry_used(e)).count()
     }
 
     #[test]
