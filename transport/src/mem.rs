@@ -177,9 +177,11 @@ unsafe fn zero_used_pages(ptr: *mut u8, len: usize) {
     let written = (|| -> std::io::Result<()> {
         use std::os::unix::fs::FileExt;
         let page = page_map_works().ok_or(std::io::ErrorKind::Unsupported)?;
+        // Opened for each call, not kept: a descriptor kept open would, in a child forked
+        // after it was opened, still read the parent's page map.
         let map = std::fs::File::open("/proc/self/pagemap")?;
         let (first, last) = (start / page, (end - 1) / page);
-        let mut entries = vec![0u8; PAGEMAP_BATCH * 8];
+        let mut entries = vec![0u8; (last + 1 - first).min(PAGEMAP_BATCH) * 8];
         let mut p = first;
         while p <= last {
             let n = (last + 1 - p).min(PAGEMAP_BATCH);
