@@ -257,11 +257,7 @@ pub(crate) async fn run_client(
     // Registered source/sink for one-sided bandwidth tests (as ucx_perftest uses).
     // put_bw's source is left as UCX allocated it with --unwritten-source.
     let local = if test.needs_region() {
-        let r = w.context().alloc(size.max(8))?;
-        if !(test == Test::PutBw && side.unwritten) {
-            fill(&r);
-        }
-        Some(r)
+        Some(alloc_region(w, size.max(8), !(test == Test::PutBw && side.unwritten))?)
     } else {
         None
     };
@@ -271,11 +267,7 @@ pub(crate) async fn run_client(
     // pages in place) unless --unwritten-source leaves it as allocated.
     let two_sided = matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw);
     let region_source = if two_sided && size >= REGION_SEND_MIN {
-        let r = w.context().alloc(size)?;
-        if !side.unwritten {
-            fill(&r);
-        }
-        Some(r)
+        Some(alloc_region(w, size, !side.unwritten)?)
     } else {
         None
     };
@@ -487,6 +479,17 @@ fn marked(size: usize, marker: u8) -> &'static [u8] {
     payload(size, 0x5a, marker)
 }
 
+/// A region of `len` bytes allocated by UCX, as ucx_perftest allocates its buffers,
+/// [`fill`]ed if `written`, else left as allocated (zeros, in pages never written where
+/// the memory is fresh from the kernel).
+fn alloc_region(w: &Worker, len: usize, written: bool) -> AnyResult<MemRegion> {
+    let r = w.context().alloc(len)?;
+    if written {
+        fill(&r);
+    }
+    Ok(r)
+}
+
 /// Writes a pattern over all of `r`, so that its pages are in place before the clock
 /// runs and hold real data (memory never written reads as the kernel's shared zero page,
 /// which stays in cache: ucx_perftest's UCP tests, which never write their buffers, send
@@ -663,15 +666,8 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
     // put_lat polls the last byte the client's put writes: exactly `size` bytes.
     let region = match test {
         Test::PutLat => Some(w.context().alloc(size)?),
-        // Left as UCX allocated it: zeros, in pages never written where the memory is
-        // fresh. get_bw's source is written first unless the client asked otherwise.
-        t if t.needs_region() => {
-            let r = w.context().alloc(size.max(8))?;
-            if test == Test::GetBw && !unwritten {
-                fill(&r);
-            }
-            Some(r)
-        }
+        // get_bw's source is written first unless the client asked otherwise.
+        t if t.needs_region() => Some(alloc_region(w, size.max(8), test == Test::GetBw && !unwritten)?),
         _ => None,
     };
     let their_key = match their_key {
