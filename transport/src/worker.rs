@@ -239,6 +239,8 @@ static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// is then destroyed once its in-flight requests, and the closes of endpoints dropped
 /// without [`crate::Endpoint::close`], have finished, or after 2 s; while it waits, the thread
 /// dropping it also progresses the other workers of the process, which may be the peers.
+/// The buffers of operations UCX still has not completed then are leaked, not freed: the
+/// peer may yet read them (a rendezvous send) or write them (a receive it is filling).
 ///
 /// **Several workers in one process.** UCX (1.13, the same code in 1.22) keeps a socket
 /// event it could not deliver at once under the socket's fd number; when a connection dies
