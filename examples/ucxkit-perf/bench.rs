@@ -336,61 +336,28 @@ pub(crate) async fn run_client(
         }
         Test::TagBw | Test::StreamBw | Test::AmBw | Test::PutBw | Test::GetBw | Test::AtomicRate => {
             let key = key.as_ref();
-            let mut inflight: VecDeque<Op> = VecDeque::with_capacity(window);
-            for i in 0..total {
-                if i == warmup {
-                    // Drain the warm-up operations before starting the clock.
-                    while let Some(f) = inflight.pop_front() {
-                        f.finish().await?;
-                    }
-                    clock.restart();
+            // --immediate: a message UCX sends during the call needs no operation.
+            let immediate = side.immediate && size <= IMMEDIATE_MAX;
+            let try_now = || if immediate { sent_now(test, ep, payload, key) } else { Ok(false) };
+            let run = Window { clock: &mut clock, total, warmup, window };
+            match test {
+                Test::TagBw | Test::StreamBw | Test::AmBw => match &region_source {
+                    Some(r) => run.keep(try_now, || send(test, ep, r.slice(0..size))).await?,
+                    None => run.keep(try_now, || send(test, ep, payload)).await?,
+                },
+                Test::PutBw => {
+                    let (src, key) = (local.as_ref().ok_or("no region")?, key.ok_or("no key")?);
+                    run.keep(try_now, || ep.put(src.slice(0..size), key, 0)).await?
                 }
-                // --immediate: a message UCX sends during the call needs no operation.
-                if side.immediate && size <= IMMEDIATE_MAX && sent_now(test, ep, payload, key)? {
-                    if i >= warmup {
-                        clock.record()?;
-                    }
-                    continue;
+                Test::GetBw => {
+                    let (dst, key) = (local.as_ref().ok_or("no region")?, key.ok_or("no key")?);
+                    run.keep(try_now, || ep.get(dst.slice(0..size), size, key, 0)).await?
                 }
-                if inflight.len() == window {
-                    inflight.pop_front().expect("window is full").finish().await?;
-                    if i >= warmup {
-                        clock.record()?;
-                    }
-                }
-                let op = match test {
-                    Test::TagBw | Test::StreamBw | Test::AmBw => match &region_source {
-                        Some(r) => Op::SendRegion(send(test, ep, r.slice(0..size))),
-                        None => Op::Send(send(test, ep, payload)),
-                    },
-                    Test::PutBw => {
-                        let src = local.as_ref().ok_or("no region")?.slice(0..size);
-                        Op::Put(ep.put(src, key.ok_or("no key")?, 0))
-                    }
-                    Test::GetBw => {
-                        let dst = local.as_ref().ok_or("no region")?.slice(0..size);
-                        Op::Get(ep.get(dst, size, key.ok_or("no key")?, 0))
-                    }
-                    _ => Op::Atomic(ep.atomic_add(key.ok_or("no key")?, 0, 1)),
-                };
-                // Only operations left in flight take a place in the window, as in
-                // ucx_perftest: one UCX completed at once (a put into memory it maps, a
-                // short send) is finished here.
-                if op.completed_immediately() {
-                    op.finish_now()?;
-                    if i >= warmup {
-                        clock.record()?;
-                    }
-                } else {
-                    inflight.push_back(op);
+                _ => {
+                    let key = key.ok_or("no key")?;
+                    run.keep(try_now, || ep.atomic_add(key, 0, 1)).await?
                 }
             }
-            while let Some(f) = inflight.pop_front() {
-                f.finish().await?;
-                clock.record()?;
-            }
-            // Every measured operation is timed, the last ones without what follows.
-            clock.close_batch()?;
             if matches!(test, Test::PutBw | Test::AtomicRate) {
                 // Complete at the target, not only locally.
                 ep.flush().await?;
@@ -501,58 +468,102 @@ fn fill(r: &MemRegion) {
     }
 }
 
-/// One outstanding operation of a bandwidth test.
-enum Op {
-    Send(ucxkit::transport::SendOp<&'static [u8]>),
-    SendRegion(ucxkit::transport::SendOp<RegionSlice>),
-    Put(ucxkit::transport::Put<RegionSlice>),
-    Get(ucxkit::transport::Get<RegionSlice>),
-    Atomic(ucxkit::transport::Atomic),
+/// An operation of a bandwidth test: posted when made, and kept in the window until it
+/// completes unless UCX completed it at once.
+trait WindowOp: std::future::Future + Sized {
+    fn completed_immediately(&self) -> bool;
+    /// The operation's error, from its result.
+    fn check(out: Self::Output) -> AnyResult<()>;
 }
 
-impl Op {
+impl<B: Send + 'static> WindowOp for ucxkit::transport::SendOp<B> {
     fn completed_immediately(&self) -> bool {
-        match self {
-            Op::Send(f) => f.completed_immediately(),
-            Op::SendRegion(f) => f.completed_immediately(),
-            Op::Put(f) => f.completed_immediately(),
-            Op::Get(f) => f.completed_immediately(),
-            Op::Atomic(f) => f.completed_immediately(),
-        }
+        ucxkit::transport::SendOp::completed_immediately(self)
     }
+    fn check(out: Self::Output) -> AnyResult<()> {
+        Ok(out.0?)
+    }
+}
 
-    /// Finishes an operation that completed immediately: its future is ready at the
-    /// first poll, so it is polled once, in place, outside the task's own await.
-    fn finish_now(self) -> AnyResult<()> {
-        use futures_util::FutureExt;
-        const NOT_READY: &str = "an operation that completed immediately was not ready";
-        match self {
-            Op::Send(f) => f.now_or_never().ok_or(NOT_READY)?.0?,
-            Op::SendRegion(f) => f.now_or_never().ok_or(NOT_READY)?.0?,
-            Op::Put(f) => f.now_or_never().ok_or(NOT_READY)?.0?,
-            Op::Get(f) => {
-                f.now_or_never().ok_or(NOT_READY)?.0?;
-            }
-            Op::Atomic(f) => {
-                f.now_or_never().ok_or(NOT_READY)??;
-            }
-        }
+impl<B: ucxkit::transport::IoBufMut> WindowOp for ucxkit::transport::RecvOp<B> {
+    fn completed_immediately(&self) -> bool {
+        ucxkit::transport::RecvOp::completed_immediately(self)
+    }
+    fn check(out: Self::Output) -> AnyResult<()> {
+        out.0?;
         Ok(())
     }
+}
 
-    async fn finish(self) -> AnyResult<()> {
-        match self {
-            Op::Send(f) => f.await.0?,
-            Op::SendRegion(f) => f.await.0?,
-            Op::Put(f) => f.await.0?,
-            Op::Get(f) => {
-                f.await.0?;
+impl WindowOp for ucxkit::transport::Atomic {
+    fn completed_immediately(&self) -> bool {
+        ucxkit::transport::Atomic::completed_immediately(self)
+    }
+    fn check(out: Self::Output) -> AnyResult<()> {
+        out?;
+        Ok(())
+    }
+}
+
+/// The client loop of a bandwidth test.
+struct Window<'a> {
+    clock: &'a mut Clock,
+    total: u64,
+    warmup: u64,
+    window: usize,
+}
+
+impl Window<'_> {
+    /// Runs `total` operations, the first `warmup` unmeasured, keeping up to `window` in
+    /// flight. Each is first offered to `sent_now` (`--immediate`), and made with `post`
+    /// when that did not send it. As in ucx_perftest, only operations left in flight take
+    /// a place in the window; one UCX completed at once is finished right here.
+    ///
+    /// Generic over the operation, so that the window holds one future type and the hot
+    /// loop makes no choice of test.
+    async fn keep<O: WindowOp>(
+        self,
+        mut sent_now: impl FnMut() -> AnyResult<bool>,
+        mut post: impl FnMut() -> O,
+    ) -> AnyResult<()> {
+        let Window { clock, total, warmup, window } = self;
+        let mut inflight: VecDeque<O> = VecDeque::with_capacity(window);
+        for i in 0..total {
+            if i == warmup {
+                // Drain the warm-up operations before starting the clock.
+                while let Some(op) = inflight.pop_front() {
+                    O::check(op.await)?;
+                }
+                clock.restart();
             }
-            Op::Atomic(f) => {
-                f.await?;
+            if sent_now()? {
+                if i >= warmup {
+                    clock.record()?;
+                }
+                continue;
+            }
+            if inflight.len() == window {
+                O::check(inflight.pop_front().expect("window is full").await)?;
+                if i >= warmup {
+                    clock.record()?;
+                }
+            }
+            let op = post();
+            if op.completed_immediately() {
+                O::check(op.await)?;
+                if i >= warmup {
+                    clock.record()?;
+                }
+            } else {
+                inflight.push_back(op);
             }
         }
-        Ok(())
+        while let Some(op) = inflight.pop_front() {
+            O::check(op.await)?;
+            clock.record()?;
+        }
+        // Every measured operation is timed, the last ones without what follows.
+        clock.close_batch()
     }
 }
 
