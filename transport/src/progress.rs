@@ -66,7 +66,12 @@ impl Signal {
     /// progress queue (a rendezvous get, a pending send) without any fd event.
     #[inline]
     pub(crate) fn kick(&self) {
-        if self.sleeping.load(Ordering::Acquire) {
+        // The first kick after the driver went to sleep takes the flag and wakes it; the
+        // ones after it, until the driver runs (every pending post while a waiting future
+        // keeps the runtime busy), cost one load instead of a compare-and-swap in
+        // `Notify`. A wake-up left over from a kick that raced with the driver waking on
+        // its own ends its next sleep early, which costs one more turn, nothing else.
+        if self.sleeping.load(Ordering::Acquire) && self.sleeping.swap(false, Ordering::AcqRel) {
             self.notify.notify_one();
         }
     }
