@@ -283,3 +283,32 @@ async fn spin(inner: &WorkerInner, signal: &Signal) {
         tokio::task::yield_now().await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether a wake-up is stored for the driver (consuming it).
+    async fn woken(s: &Signal) -> bool {
+        tokio::time::timeout(Duration::from_millis(20), s.notify.notified()).await.is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_kick_wakes_a_sleeping_driver_and_only_the_first_notifies() {
+        let s = Signal::default();
+        // An awake driver needs no wake-up.
+        s.kick();
+        assert!(!woken(&s).await, "a kick woke a driver that was not sleeping");
+        // A sleeping one gets exactly one, from the first kick, which takes the flag.
+        s.sleeping.store(true, Ordering::Release);
+        s.kick();
+        assert!(!s.sleeping.load(Ordering::Acquire), "the first kick left the flag set");
+        s.kick();
+        assert!(woken(&s).await, "a kick did not wake the sleeping driver");
+        assert!(!woken(&s).await, "a later kick stored another wake-up");
+        // Asleep again: woken again.
+        s.sleeping.store(true, Ordering::Release);
+        s.kick();
+        assert!(woken(&s).await, "a kick did not wake the driver after its next sleep");
+    }
+}
