@@ -101,11 +101,13 @@ fn allocated_regions_read_as_zeros() {
     }
 }
 
-/// This process's resident memory, from /proc/self/statm.
+/// This process's resident memory, from the `VmRSS` line of /proc/self/status (in KiB,
+/// whatever the page size).
 fn resident_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    pages * 4096
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS in /proc/self/status");
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
 }
 
 #[tokio::test]
