@@ -69,7 +69,8 @@ impl RawLock {
 
     /// Takes the lock if it is free.
     pub(crate) fn try_lock(&self) -> Option<LockGuard<'_>> {
-        self.try_take().then_some(LockGuard { lock: self })
+        // `then`, not `then_some`: a guard made and dropped on failure would unlock.
+        self.try_take().then(|| LockGuard { lock: self })
     }
 
     #[inline(always)]
@@ -209,12 +210,14 @@ mod tests {
         drop(lock.lock());
     }
 
-    /// `try_lock` takes a free lock only, and what it takes is released like any other.
+    /// `try_lock` takes a free lock only, a failed one leaves the lock held, and what it
+    /// takes is released like any other.
     #[test]
     fn try_lock_takes_only_a_free_lock() {
         let lock = RawLock::new();
         let g = lock.lock();
         assert!(lock.try_lock().is_none());
+        assert!(lock.try_lock().is_none(), "a failed try_lock released the lock");
         drop(g);
         let g = lock.try_lock().expect("free");
         assert!(lock.try_lock().is_none());
