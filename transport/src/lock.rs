@@ -198,6 +198,31 @@ mod tests {
         assert_eq!(unsafe { *c.n.get() }, THREADS * EACH);
     }
 
+    /// A holder that lets go without waking a sleeper (the store-load race the module
+    /// documentation describes, made here by releasing with a bare store) delays the
+    /// sleeper by at most `SLEEP_BOUND`, never forever.
+    #[test]
+    fn a_missed_wake_up_does_not_strand_the_sleeper() {
+        use std::sync::atomic::Ordering;
+        use std::time::Duration;
+
+        let lock = Arc::new(RawLock::new());
+        std::mem::forget(lock.lock());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = lock.clone();
+        std::thread::spawn(move || {
+            drop(waiter.lock());
+            let _ = tx.send(());
+        });
+        while lock.sleepers.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        // Past its spin, into the futex.
+        std::thread::sleep(super::SLEEP_BOUND * 3);
+        lock.state.store(super::FREE, Ordering::Release);
+        rx.recv_timeout(Duration::from_secs(10)).expect("the sleeper never took the released lock");
+    }
+
     /// A guard dropped by a panic lets the lock go.
     #[test]
     fn unwinding_releases() {
