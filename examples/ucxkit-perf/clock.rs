@@ -130,11 +130,10 @@ impl Clock {
     }
 
     fn flush(&mut self) -> AnyResult<()> {
-        for i in 0..self.pending.len() {
-            let ns = self.nanos(self.pending[i]);
-            self.hist.record(ns)?;
+        let Clock { ticks, pending, hist, .. } = self;
+        for t in pending.drain(..) {
+            hist.record(ticks.delta_as_nanos(0, t))?;
         }
-        self.pending.clear();
         Ok(())
     }
 
