@@ -64,11 +64,6 @@ impl Clock {
         self.ticks.raw()
     }
 
-    /// `ticks` in nanoseconds.
-    fn nanos(&self, ticks: u64) -> u64 {
-        self.ticks.delta_as_nanos(0, ticks)
-    }
-
     /// At the start of iteration `i` of a latency test (after posting its message), or
     /// with `i` = the iteration count after the last one: ends iteration `i - 1`.
     #[inline]
@@ -114,7 +109,7 @@ impl Clock {
     pub(crate) fn close_batch(&mut self) -> AnyResult<()> {
         let n = std::mem::take(&mut self.batched);
         if let Some(mean) = self.now().saturating_sub(self.last).checked_div(n) {
-            self.hist.record_n(self.nanos(mean), n)?;
+            self.hist.record_n(self.ticks.delta_as_nanos(0, mean), n)?;
             self.last += mean * n;
         }
         Ok(())

@@ -92,13 +92,12 @@ impl RawLock {
             // Counted in before the last look, so that a holder letting go after that
             // look sees the count (barring the race the module documentation describes).
             self.sleepers.fetch_add(1, Ordering::SeqCst);
-            if self.try_take() {
-                self.sleepers.fetch_sub(1, Ordering::Relaxed);
-                return;
-            }
-            futex_wait(&self.state, LOCKED, SLEEP_BOUND);
+            let taken = self.try_take() || {
+                futex_wait(&self.state, LOCKED, SLEEP_BOUND);
+                self.try_take()
+            };
             self.sleepers.fetch_sub(1, Ordering::Relaxed);
-            if self.try_take() {
+            if taken {
                 return;
             }
         }
