@@ -61,6 +61,12 @@ fn main() {
     if let Some(inc) = ucx.include_dirs.first() {
         println!("cargo:include={}", inc.display());
     }
+    // For `ucx_sys::INCLUDE_DIRS` and `ucx_sys::LIB_DIRS`.
+    for (var, dirs) in [("UCX_SYS_INCLUDE_DIRS", &ucx.include_dirs), ("UCX_SYS_LIB_DIRS", &ucx.lib_dirs)] {
+        let joined = env::join_paths(dirs).unwrap_or_else(|e| panic!("UCX directories {dirs:?}: {e}"));
+        let joined = joined.into_string().unwrap_or_else(|d| panic!("UCX directory list {d:?} is not UTF-8"));
+        println!("cargo:rustc-env={var}={joined}");
+    }
 
     let builder = bindgen::Builder::default()
         .header("wrapper.h")

@@ -27,6 +27,13 @@ pub const API_MINOR: u32 = UCP_API_MINOR;
 /// Major version of the UCX API these bindings were generated from (`UCP_API_MAJOR`).
 pub const API_MAJOR: u32 = UCP_API_MAJOR;
 
+/// The directories of the UCX headers these bindings were generated from, separated by
+/// `:` as in `PATH`: for building C code against the same UCX (`-I` each).
+pub const INCLUDE_DIRS: &str = env!("UCX_SYS_INCLUDE_DIRS");
+/// The directories of the UCX libraries this crate links, separated by `:`; empty when
+/// they are in the linker's default search path (Debian's `libucx-dev`).
+pub const LIB_DIRS: &str = env!("UCX_SYS_LIB_DIRS");
+
 /// `UCS_PTR_RAW_STATUS(ptr)`: the status encoded in a pointer returned by a `*_nb[x]` call.
 #[inline(always)]
 pub fn UCS_PTR_RAW_STATUS(ptr: *const core::ffi::c_void) -> ucs_status_t {
