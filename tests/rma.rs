@@ -149,6 +149,41 @@ async fn bad_keys_and_bounds_are_errors() {
     assert_eq!(&two, b"ok");
 }
 
+/// A key in UCX's own form (for and from plain UCX programs): the range the caller gives
+/// bounds the operations, and bytes that do not follow UCX's layout, or a range that
+/// wraps around, are errors before UCX parses anything.
+#[tokio::test]
+async fn ucx_keys_with_a_given_range() {
+    let (_s, _c, _sep, cep, region) = setup("tcp,self", 8192, false).await;
+    let raw = region.pack_ucx_key().unwrap();
+    let enveloped = region.pack_key().unwrap();
+    assert!(enveloped.windows(raw.len()).any(|w| w == raw), "pack_key wraps the same UCX key");
+    // Only the second half of the region is offered.
+    let key = cep.unpack_ucx_key(&raw, region.addr() + 4096, 4096).unwrap();
+    assert_eq!(key.len(), 4096);
+    let (r, _) = cep.put(payload(3, 4096), &key, 0).await;
+    r.unwrap();
+    cep.flush().await.unwrap();
+    let all = region.to_vec();
+    assert!(all[..4096].iter().all(|&b| b == 0), "the first half stays untouched");
+    assert!(all[4096..] == payload(3, 4096)[..]);
+    let (r, _) = cep.put(vec![1u8; 2], &key, 4095).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput, "past the range given");
+    // Bad input.
+    let bad = |b: &[u8], addr: u64, len: u64| cep.unpack_ucx_key(b, addr, len).unwrap_err().kind();
+    assert_eq!(bad(&raw, u64::MAX - 10, 100), ErrorKind::InvalidInput);
+    assert_eq!(bad(b"", 0, 1), ErrorKind::InvalidInput);
+    assert_eq!(bad(&raw[..8], region.addr(), 1), ErrorKind::InvalidInput);
+    let mut long_domain = raw.clone();
+    assert!(raw.len() < 9 + 1 + 0xff && raw[..8] != [0; 8], "a short key with a domain");
+    long_domain[9] = 0xff; // the first domain's size byte
+    assert_eq!(bad(&long_domain, region.addr(), 1), ErrorKind::InvalidInput);
+    // Still working.
+    let (r, got) = cep.get(Vec::with_capacity(16), 16, &key, 0).await;
+    r.unwrap();
+    assert!(got[..] == payload(3, 4096)[..16]);
+}
+
 /// The caller's region handle is dropped while a put from it and a get into it are in
 /// flight: the operations' own references keep it registered and allocated.
 #[tokio::test]

@@ -396,6 +396,22 @@ impl MemRegion {
     /// # Errors
     /// [`Error::Worker`] when UCX cannot pack the key.
     pub fn pack_key(&self) -> Result<Vec<u8>> {
+        self.with_ucx_key(|rkey| encode_key(self.addr(), self.len() as u64, rkey))
+    }
+
+    /// The key exactly as `ucp_rkey_pack` makes it, without the address, length and
+    /// checksum [`MemRegion::pack_key`] adds: for a plain UCX program, which unpacks it
+    /// with `ucp_ep_rkey_unpack` and addresses the region at [`MemRegion::addr`] (up to
+    /// [`MemRegion::len`] bytes). Between ucxkit processes use [`MemRegion::pack_key`].
+    ///
+    /// # Errors
+    /// [`Error::Worker`] when UCX cannot pack the key.
+    pub fn pack_ucx_key(&self) -> Result<Vec<u8>> {
+        self.with_ucx_key(<[u8]>::to_vec)
+    }
+
+    /// Packs the region's key (`ucp_rkey_pack`) and hands the bytes to `f`.
+    fn with_ucx_key<T>(&self, f: impl FnOnce(&[u8]) -> T) -> Result<T> {
         let mut buf: *mut std::ffi::c_void = std::ptr::null_mut();
         let mut size = 0usize;
         // SAFETY: context and memory handle are valid; out-pointers are valid.
@@ -403,8 +419,7 @@ impl MemRegion {
             .check()
             .map_err(|source| Error::Worker { op: "ucp_rkey_pack", source })?;
         // SAFETY: UCX returned `size` readable bytes at buf.
-        let rkey = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) };
-        let out = encode_key(self.addr(), self.len() as u64, rkey);
+        let out = f(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) });
         // SAFETY: releases the buffer UCX allocated above, once.
         unsafe { sys::ucp_rkey_buffer_release(buf) };
         Ok(out)
@@ -699,9 +714,36 @@ impl Endpoint {
     /// [`Error::ApiMisuse`] when the endpoint failed or was closed.
     pub fn unpack_key(&self, bytes: &[u8]) -> Result<RemoteKey> {
         let (addr, len, ucx) = decode_key(bytes)?;
+        self.unpack(addr, len, ucx)
+    }
+
+    /// Unpacks a key as `ucp_rkey_pack` made it, from a plain UCX program (or
+    /// [`MemRegion::pack_ucx_key`]), for the `len` bytes at the peer's address `addr`,
+    /// which the peer tells separately: puts, gets and atomics are then checked against
+    /// that range.
+    ///
+    /// # Errors
+    /// [`Error::BadRemoteKey`] for a range that wraps around the address space, for bytes
+    /// that do not follow UCX's key layout (checked before UCX parses them) or that UCX
+    /// refuses; [`Error::ConnectionReset`] or [`Error::ApiMisuse`] when the endpoint
+    /// failed or was closed.
+    pub fn unpack_ucx_key(&self, bytes: &[u8], addr: u64, len: u64) -> Result<RemoteKey> {
+        let bad = |reason: String| Error::BadRemoteKey { reason };
+        if addr.checked_add(len).is_none() {
+            return Err(bad(format!("region {addr:#x}+{len} wraps around")));
+        }
+        if bytes.len() > MAX_UCX_KEY {
+            return Err(bad(format!("{} bytes is too long for a UCX key", bytes.len())));
+        }
+        check_ucx_key(bytes).map_err(bad)?;
+        self.unpack(addr, len, bytes)
+    }
+
+    /// Unpacks UCX key bytes whose layout was checked, for `len` bytes at `addr`.
+    fn unpack(&self, addr: u64, len: u64, ucx: &[u8]) -> Result<RemoteKey> {
         let rkey = self.with_handle("unpack_key", |_, h| {
             let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
-            // SAFETY: h is live under the lock; ucx is a key packed by UCX (its envelope
+            // SAFETY: h is live under the lock; ucx is a key packed by UCX (its layout
             // checked); rkey is a valid out-pointer.
             Status(unsafe { sys::ucp_ep_rkey_unpack(h, ucx.as_ptr().cast(), &mut rkey) })
                 .check()
