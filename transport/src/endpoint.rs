@@ -243,6 +243,8 @@ impl Worker {
         let ep = self.create_ep(Target::Socket(&addr), Peer::Socket(addr), peer_mode)?;
         if opts.handshake {
             ep.client_handshake(opts.timeout).await?;
+        } else {
+            ep.await_wired(opts.timeout, "connect").await?;
         }
         ep.check_required(&opts.require_transports)?;
         Ok(ep)
@@ -475,6 +477,37 @@ impl Endpoint {
         drop(guard);
         self.start_watch(identity);
         Ok(())
+    }
+
+    /// Without the handshake, on an endpoint made through a listener (either side):
+    /// waits until UCX has wired it up, as a flush completes only then. UCX 1.13 replays
+    /// operations posted before that with the settings of the half-made endpoint, and over
+    /// shared memory that aborts the process (a rendezvous key larger than the room
+    /// reserved for it, a short message longer than the transport takes). The handshake's
+    /// round trip waits for the same.
+    pub(crate) async fn await_wired(&self, timeout: std::time::Duration, op: &'static str) -> Result<()> {
+        let wired = async {
+            let posted = self.with_handle(op, |st, h| {
+                let param = op_param(st, self.worker_inner().no_imm);
+                // SAFETY: h is live under the lock; the callback and user_data are ours.
+                let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
+                Ok(Posted::from_ptr(p, Completion::OK, false))
+            })?;
+            let status = self.wait(posted).await.status();
+            if status.is_ok() {
+                return Ok(());
+            }
+            let source = self.failure().unwrap_or(status);
+            Err(match op {
+                // Nobody accepted.
+                "connect" => Error::Unreachable { peer: self.inner.peer.clone(), source },
+                _ => Error::from_op(op, &self.inner.peer, source),
+            })
+        };
+        match tokio::time::timeout(timeout, wired).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout { op, peer: self.inner.peer.clone(), after: timeout }),
+        }
     }
 
     /// Server side: waits for the client's hello on this (accepted) endpoint.

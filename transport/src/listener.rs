@@ -261,6 +261,8 @@ impl ConnectionRequest {
             })?;
         if opts.handshake {
             ep.server_handshake(opts.timeout).await?;
+        } else {
+            ep.await_wired(opts.timeout, "accept").await?;
         }
         ep.check_required(&opts.require_transports)?;
         Ok(ep)

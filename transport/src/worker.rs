@@ -72,10 +72,15 @@ pub struct EndpointOptions {
     /// Error handling for the endpoint (default [`ErrorMode::Auto`]).
     pub error_mode: ErrorMode,
     /// Run ucxkit's connection handshake (default true). Turn it off to talk to plain UCX
-    /// programs: tagged messages are then wire-compatible with any UCX application, but
-    /// `connect` returns before the peer is known to exist and no liveness watch runs.
+    /// programs: tagged messages, active messages, streams and remote memory are then
+    /// wire-compatible with any UCX application, but no liveness watch runs. Without it,
+    /// connecting and accepting through a listener still return only once UCX has wired
+    /// the endpoint up (a flush: the peer has to progress its worker), since UCX 1.13
+    /// can abort on operations posted before that; connecting to a worker address
+    /// returns at once, before the peer is known to exist.
     pub handshake: bool,
-    /// How long the handshake may take (default 10 s).
+    /// How long connecting or accepting may take: the handshake, or without it the
+    /// wire-up through a listener (default 10 s).
     pub timeout: Duration,
     /// Transports the endpoint must use (for example `["posix"]` or `["rc_mlx5"]`),
     /// checked once it is connected (see [`crate::Endpoint::transports`]): when UCX did
