@@ -1,9 +1,9 @@
 //! ucxkit against a plain UCX program (`tests/peers/plain_ucx_peer.c`, built here with the
 //! C compiler against the UCX ucxkit was built with): tagged messages, active messages
-//! (eager and rendezvous), remote keys in UCX's own form with put, get and atomics both
-//! ways, and byte streams, with ucxkit's handshake off, over TCP and over shared memory,
-//! with ucxkit connecting and accepting, in both error-handling modes. Every byte that
-//! comes back is checked.
+//! (eager and rendezvous), remote keys in UCX's own form both ways (put, get and atomics
+//! into the program's memory, its put into ucxkit's), and byte streams, with ucxkit's
+//! handshake off, over TCP and over shared memory, with ucxkit connecting and accepting,
+//! in both error-handling modes. Every byte that comes back is checked.
 
 #![forbid(unsafe_code)]
 
@@ -104,7 +104,7 @@ async fn ucxkit_connects(tls: &str, mode: ErrorMode, transport: &str) {
     let w = ctx(tls).create_worker().unwrap();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let ep = tokio::time::timeout(T, w.connect_with(addr, opts(mode))).await.unwrap().unwrap();
-    exchange(&w, &ep, tls, transport).await;
+    exchange(&w, &ep, tls, transport, mode == ErrorMode::Peer).await;
     finish(child, ep).await;
 }
 
@@ -118,7 +118,7 @@ async fn ucxkit_accepts(tls: &str, mode: ErrorMode, transport: &str) {
     let child = start_peer(&["connect", mode_arg, "127.0.0.1", &port], tls);
     let request = tokio::time::timeout(T, listener.next()).await.unwrap().unwrap();
     let ep = tokio::time::timeout(T, request.accept_with(opts(mode))).await.unwrap().unwrap();
-    exchange(&w, &ep, tls, transport).await;
+    exchange(&w, &ep, tls, transport, mode == ErrorMode::Peer).await;
     finish(child, ep).await;
 }
 
@@ -130,10 +130,13 @@ async fn finish(mut child: Child, ep: Endpoint) {
 }
 
 /// Every phase of the peer's protocol; the connection uses `transport`.
-async fn exchange(w: &Worker, ep: &Endpoint, tls: &str, transport: &str) {
+async fn exchange(w: &Worker, ep: &Endpoint, tls: &str, transport: &str, peer_mode: bool) {
     tags(ep, tls).await;
     active_messages(w, ep, tls).await;
-    remote_memory(w, ep, tls).await;
+    // UCX 1.22 has no protocol for atomics over TCP in peer error mode (see
+    // tests/rma.rs, `atomics_in_peer_mode_over_tcp`), and fails the endpoint.
+    let atomics = ucx_sys::API_MINOR == 13 || !(peer_mode && transport == "tcp");
+    remote_memory(w, ep, tls, atomics).await;
     let used = ep.transports().unwrap();
     assert!(used.iter().any(|t| t == transport), "expected {transport} among {used:?}");
     stream(ep, tls).await;
@@ -198,7 +201,7 @@ fn key_message(addr: u64, len: u64, ucx_key: &[u8]) -> Vec<u8> {
     [&addr.to_ne_bytes()[..], &len.to_ne_bytes(), ucx_key].concat()
 }
 
-async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str) {
+async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str, atomics: bool) {
     // The peer's region, through the key it packed with ucp_rkey_pack.
     let (r, msg) =
         tokio::time::timeout(T, ep.tag_recv(TAG_MY_KEY, tag::EXACT, Vec::with_capacity(4096))).await.unwrap();
@@ -211,18 +214,20 @@ async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str) {
     tokio::time::timeout(T, ep.put(data.clone(), &key, 4096)).await.unwrap().0.unwrap();
     let (r, _) = bounded(ep.put(vec![1u8; 2], &key, len - 1)).await;
     assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput, "the peer's region ends where it said");
-    assert_eq!(bounded(ep.atomic_fetch_add(&key, 0, 5)).await.unwrap(), 0);
-    assert_eq!(bounded(ep.atomic_compare_swap(&key, 0, 5, 77)).await.unwrap(), 5);
-    bounded(ep.atomic_add(&key, 8, 3)).await.unwrap();
+    let mut expect = vec![0u8; PEER_REGION];
+    if atomics {
+        assert_eq!(bounded(ep.atomic_fetch_add(&key, 0, 5)).await.unwrap(), 0);
+        assert_eq!(bounded(ep.atomic_compare_swap(&key, 0, 5, 77)).await.unwrap(), 5);
+        bounded(ep.atomic_add(&key, 8, 3)).await.unwrap();
+        expect[0..8].copy_from_slice(&77u64.to_ne_bytes());
+        expect[8..16].copy_from_slice(&3u64.to_ne_bytes());
+    }
     bounded(ep.flush()).await.unwrap();
     let (r, got) = tokio::time::timeout(T, ep.get(Vec::with_capacity(data.len()), data.len(), &key, 4096))
         .await
         .unwrap();
     r.unwrap();
     assert!(got == data, "{tls}: get differs from put");
-    let mut expect = vec![0u8; PEER_REGION];
-    expect[0..8].copy_from_slice(&77u64.to_ne_bytes());
-    expect[8..16].copy_from_slice(&3u64.to_ne_bytes());
     expect[4096..4096 + data.len()].copy_from_slice(&data);
     bounded(ep.tag_send(TAG_EXPECT, expect)).await.0.unwrap();
     let (r, verdict) =

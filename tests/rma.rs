@@ -8,8 +8,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{ctx, pair, payload};
-use ucxkit::transport::{Endpoint, ErrorKind, MemRegion, Worker};
+use common::{ctx, pair, pair_with, payload};
+use ucxkit::transport::{Endpoint, ErrorKind, ErrorMode, MemRegion, ProgressMode, Worker};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -147,6 +147,29 @@ async fn bad_keys_and_bounds_are_errors() {
     let mut two = [0u8; 2];
     region.read_at(0, &mut two);
     assert_eq!(&two, b"ok");
+}
+
+/// Atomics over TCP in peer error mode: UCX 1.13 emulates them; UCX 1.22 has no protocol
+/// for them there, and the operation is an `Unsupported` error naming the transport (UCX
+/// then fails the endpoint), never a bare `Canceled` or a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn atomics_in_peer_mode_over_tcp() {
+    let (_s, _c, sep, cep) = pair_with("tcp,self", ErrorMode::Peer, ProgressMode::Event).await;
+    let region = sep.worker().context().alloc(4096).unwrap();
+    let key = cep.unpack_key(&region.pack_key().unwrap()).unwrap();
+    match tokio::time::timeout(T, cep.atomic_fetch_add(&key, 0, 5)).await.unwrap() {
+        Ok(v) => {
+            assert_eq!(v, 0);
+            assert_eq!(tokio::time::timeout(T, cep.atomic_swap(&key, 0, 9)).await.unwrap().unwrap(), 5);
+        }
+        Err(e) => {
+            let minor = ucx_sys::API_MINOR;
+            assert_ne!(minor, 13, "UCX 1.13 emulates atomics over TCP: {e}");
+            assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+            let text = e.to_string();
+            assert!(text.contains("atomic_fetch_add") && text.contains("tcp"), "{text}");
+        }
+    }
 }
 
 /// A key in UCX's own form (for and from plain UCX programs): the range the caller gives

@@ -19,7 +19,7 @@ use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::{op_param, Endpoint};
-use crate::error::Result;
+use crate::error::{Result, Status};
 use crate::mem::RemoteKey;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{Completion, Posted};
@@ -157,6 +157,7 @@ impl Endpoint {
 
     fn atomic(&self, kind: AtomicKind, key: &RemoteKey, offset: u64, x: u64, z: u64, fetch: bool) -> Atomic {
         let op = match kind {
+            AtomicKind::Add if fetch => "atomic_fetch_add",
             AtomicKind::Add => "atomic_add",
             AtomicKind::Swap => "atomic_swap",
             AtomicKind::CompareSwap => "atomic_compare_swap",
@@ -237,6 +238,13 @@ pub type Get<B> = RecvOp<B>;
 /// Future of the atomic operations: resolves to the word's previous value (0 for
 /// [`Endpoint::atomic_add`], which does not fetch).
 ///
+/// # Errors
+/// [`crate::Error::OutOfBounds`] for a word outside the key's region or not 8-byte
+/// aligned; [`crate::Error::Unsupported`] when UCX has no protocol for remote atomics
+/// over the endpoint's transports (UCX 1.22 over TCP in peer error mode, which then also
+/// fails the endpoint: use [`crate::ErrorMode::None`] for atomics over TCP there);
+/// [`crate::Error::ConnectionReset`] when the endpoint failed.
+///
 /// # Cancel safety
 /// Memory-safe to drop at any time; the operation still takes effect.
 #[must_use = "an atomic operation's result is only known when awaited"]
@@ -294,11 +302,35 @@ impl Future for Atomic {
             Poll::Ready(Ok((c, words))) => {
                 this.key = None;
                 if !c.status().is_ok() {
-                    return Poll::Ready(Err(this.ep.error_of(this.op, c.status())));
+                    return Poll::Ready(Err(this.failure(c.status())));
                 }
                 Poll::Ready(Ok(words.reply()))
             }
         }
+    }
+}
+
+impl Atomic {
+    /// The error for an atomic that completed with a failed `status`. ucxkit never
+    /// cancels an atomic, and a failed or closed endpoint reports itself: UCX canceling
+    /// one on an endpoint still open means it found no protocol for remote atomics over
+    /// the endpoint's transports (UCX 1.22 over TCP in peer error mode, where it does not
+    /// emulate them).
+    #[cold]
+    #[inline(never)]
+    fn failure(&self, status: Status) -> crate::Error {
+        let open = self.ep.with_handle(self.op, |_, _| Ok(())).is_ok();
+        if status == Status::CANCELED && open {
+            return crate::Error::Unsupported {
+                what: format!(
+                    "{} on an endpoint over {}: UCX canceled it, having no protocol for remote \
+                     atomics there (UCX does not emulate them over TCP in peer error mode)",
+                    self.op,
+                    self.ep.transports().map(|t| t.join(",")).unwrap_or_else(|_| "unknown transports".into()),
+                ),
+            };
+        }
+        self.ep.error_of(self.op, status)
     }
 }
 
