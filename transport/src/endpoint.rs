@@ -234,7 +234,8 @@ impl Worker {
     /// With the handshake on (the default), returns once the peer has accepted the
     /// connection and answered; a closed port, an unreachable host or a peer that never
     /// answers is an error ([`Error::Unreachable`], [`Error::ConnectionReset`],
-    /// [`Error::Timeout`]).
+    /// [`Error::Timeout`]). With it off (a plain UCX server), returns once UCX has wired
+    /// the endpoint up with the server, within `opts.timeout` as well.
     ///
     /// # Cancel safety
     /// Safe to drop: the half-made endpoint is closed.

@@ -231,7 +231,9 @@ impl ConnectionRequest {
     }
 
     /// Accepts the connection. With the handshake on, waits for the client's hello
-    /// (bounded by `opts.timeout`), so the endpoint returned is ready for traffic.
+    /// (bounded by `opts.timeout`), so the endpoint returned is ready for traffic; with
+    /// it off (a plain UCX client), waits until UCX has wired the endpoint up, within the
+    /// same bound.
     ///
     /// # Cancel safety
     /// Safe to drop: the half-accepted endpoint is closed.
