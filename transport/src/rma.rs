@@ -311,22 +311,25 @@ impl Future for Atomic {
 }
 
 impl Atomic {
-    /// The error for an atomic that completed with a failed `status`. ucxkit never
-    /// cancels an atomic, and a failed or closed endpoint reports itself: UCX canceling
-    /// one on an endpoint still open means it found no protocol for remote atomics over
-    /// the endpoint's transports (UCX 1.22 over TCP in peer error mode, where it does not
-    /// emulate them).
+    /// The error for an atomic that completed with a failed `status`. UCX cancels an
+    /// atomic only when its endpoint is closed forcibly or when it finds no protocol for
+    /// remote atomics over the endpoint's transports (UCX 1.22 over TCP in peer error
+    /// mode, where it does not emulate them; it then fails the endpoint as well, possibly
+    /// before this future is polled, so a failure recorded since does not change the
+    /// verdict).
     #[cold]
     #[inline(never)]
     fn failure(&self, status: Status) -> crate::Error {
-        let open = self.ep.with_handle(self.op, |_, _| Ok(())).is_ok();
-        if status == Status::CANCELED && open {
+        if status == Status::CANCELED && !self.ep.closed_forcibly() {
+            let over = match self.ep.transports() {
+                Ok(t) if !t.is_empty() => format!(" over {}", t.join(",")),
+                _ => String::new(),
+            };
             return crate::Error::Unsupported {
                 what: format!(
-                    "{} on an endpoint over {}: UCX canceled it, having no protocol for remote \
-                     atomics there (UCX does not emulate them over TCP in peer error mode)",
+                    "{} on an endpoint{over}: UCX canceled it, having no protocol for remote atomics \
+                     there (UCX 1.22 does not emulate them over TCP in peer error mode)",
                     self.op,
-                    self.ep.transports().map(|t| t.join(",")).unwrap_or_else(|_| "unknown transports".into()),
                 ),
             };
         }

@@ -481,6 +481,8 @@ pub(crate) struct EpState {
     /// A close requested while stream data was out: the UCX handle and whether to
     /// force; done when the last piece is released.
     pub(crate) deferred_close: Option<(sys::ucp_ep_h, bool)>,
+    /// Closed forcibly (`UCP_EP_CLOSE_FLAG_FORCE`), which cancels what was in flight.
+    pub(crate) forced: bool,
 }
 
 impl EpState {
@@ -499,6 +501,7 @@ impl EpState {
             stream_end: None,
             data_out: 0,
             deferred_close: None,
+            forced: false,
             stream_waiters: Vec::new(),
             endpoint: std::sync::Weak::new(),
         }
@@ -780,6 +783,7 @@ impl State {
         if h.is_null() {
             return None;
         }
+        e.forced = force;
         // Borrowed stream data still points into UCX's buffers of this endpoint: close
         // once it is all released (`release_stream_data`).
         let defer = e.data_out > 0;
