@@ -240,10 +240,13 @@ pub type Get<B> = RecvOp<B>;
 ///
 /// # Errors
 /// [`crate::Error::OutOfBounds`] for a word outside the key's region or not 8-byte
-/// aligned; [`crate::Error::Unsupported`] when UCX has no protocol for remote atomics
-/// over the endpoint's transports (UCX 1.22 over TCP in peer error mode, which then also
-/// fails the endpoint: use [`crate::ErrorMode::None`] for atomics over TCP there);
-/// [`crate::Error::ConnectionReset`] when the endpoint failed.
+/// aligned; [`crate::Error::ConnectionReset`] when the endpoint failed;
+/// [`crate::Error::Unsupported`] when UCX has no protocol for remote atomics over the
+/// endpoint's transports. That is the case over TCP in peer error mode from UCX 1.16 on
+/// (its protocol selection leaves out the software emulation there; measured with 1.22),
+/// and UCX then fails the endpoint too, sometimes before it cancels the atomic, which
+/// then ends with `ConnectionReset`: use [`crate::ErrorMode::None`] for atomics over TCP
+/// with those versions.
 ///
 /// # Cancel safety
 /// Memory-safe to drop at any time; the operation still takes effect.
@@ -313,10 +316,10 @@ impl Future for Atomic {
 impl Atomic {
     /// The error for an atomic that completed with a failed `status`. UCX cancels an
     /// atomic only when its endpoint is closed forcibly or when it finds no protocol for
-    /// remote atomics over the endpoint's transports (UCX 1.22 over TCP in peer error
-    /// mode, where it does not emulate them; it then fails the endpoint as well, possibly
-    /// before this future is polled, so a failure recorded since does not change the
-    /// verdict).
+    /// remote atomics over the endpoint's transports (UCX 1.16 and later over TCP in peer
+    /// error mode, where it does not emulate them; it then fails the endpoint as well,
+    /// possibly before this future is polled, so a failure recorded since does not change
+    /// the verdict).
     #[cold]
     #[inline(never)]
     fn failure(&self, status: Status) -> crate::Error {
@@ -328,7 +331,7 @@ impl Atomic {
             return crate::Error::Unsupported {
                 what: format!(
                     "{} on an endpoint{over}: UCX canceled it, having no protocol for remote atomics \
-                     there (UCX 1.22 does not emulate them over TCP in peer error mode)",
+                     there (UCX 1.16 and later do not emulate them over TCP in peer error mode)",
                     self.op,
                 ),
             };
