@@ -19,6 +19,9 @@ use crate::liveness::PidWatch;
 use crate::request::{Completion, Posted, Request};
 use crate::worker::{self, EndpointOptions, EpState, HsWait, State, Worker};
 
+/// How long [`Endpoint::close`] waits for the peer to close its end first.
+const CLOSE_FIRST_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 pub(crate) struct EndpointInner {
     pub(crate) worker: Worker,
     pub(crate) id: u64,
@@ -440,7 +443,7 @@ impl Endpoint {
     /// or it was closed.
     #[cold]
     fn unusable(&self, st: &State, op: &'static str) -> Error {
-        match st.eps.get(&self.inner.id).and_then(|e| e.failed) {
+        match st.eps.get(&self.inner.id).filter(|e| !e.closing).and_then(|e| e.failed) {
             Some(s) => Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: s },
             None => Error::ApiMisuse(format!("{op} on a closed endpoint ({})", self.inner.peer)),
         }
@@ -637,10 +640,28 @@ impl Endpoint {
     /// `tokio::time::timeout`: in [`crate::ErrorMode::None`] UCX cannot tell such a peer
     /// from a slow one.
     ///
+    /// On the connecting side of a connection made through a listener, with the
+    /// handshake and without peer error handling, the peer closes its end first: this
+    /// side flushes what it sent, asks the peer to close (a handshake notice), waits for
+    /// its disconnect (up to a second, then closes anyway), and closes. When
+    /// the connecting side disconnects first over shared memory, UCX (1.13 and 1.22 alike)
+    /// keeps one socket of the connecting worker open until that worker is destroyed; a
+    /// process that connects and closes again and again would run out of descriptors.
+    /// The accepting side's pending receives on the endpoint end with
+    /// [`Error::ConnectionReset`], as they do whenever the peer closes.
+    ///
     /// # Cancel safety
     /// Safe to drop; the close continues in the background.
     pub async fn close(self) -> Result<()> {
         let id = self.inner.id;
+        self.worker_inner().locked(|st| {
+            if let Some(e) = st.eps.get_mut(&id) {
+                e.closing = true;
+            }
+        });
+        if self.closes_after_peer() {
+            let _ = tokio::time::timeout(CLOSE_FIRST_WAIT, self.ask_peer_to_close_first()).await;
+        }
         let posted = self.worker_inner().locked(|st| {
             if st.eps.get(&id).is_some_and(|e| e.failed.is_some()) {
                 // A failed peer will not answer: nothing to wait for.
@@ -659,6 +680,37 @@ impl Endpoint {
                     Err(Error::from_op("close", &self.inner.peer, c.status()))
                 }
             }
+        }
+    }
+
+    /// Whether [`Endpoint::close`] lets the peer close first: this side connected
+    /// through a listener, with the handshake (the peer is ucxkit), without peer error
+    /// handling, and the endpoint still works.
+    fn closes_after_peer(&self) -> bool {
+        matches!(self.inner.peer, Peer::Socket(_))
+            && !self.inner.peer_mode
+            && self.peer_identity().is_some()
+            && self.failure().is_none()
+    }
+
+    /// Flushes, asks the peer to close its end first (`CloseFirst`) and waits until it
+    /// has (the endpoint fails with its disconnect).
+    async fn ask_peer_to_close_first(&self) {
+        if self.flush().await.is_err() {
+            return;
+        }
+        let asked = self.with_handle("close", |st, h| {
+            let m = Message {
+                kind: Kind::CloseFirst,
+                peer_mode: false,
+                nonce: 0,
+                identity: ProcessIdentity::current(),
+            };
+            st.send_handshake(h, m.encode(), true);
+            Ok(())
+        });
+        if asked.is_ok() {
+            self.failed().await;
         }
     }
 

@@ -12,15 +12,17 @@
 //! |---|---|---|
 //! | 0 | 4 | magic `0x484b4355` ("UCKH") |
 //! | 4 | 1 | version (1) |
-//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end |
+//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end, 5 close first |
 //! | 6 | 1 | error mode: 0 none, 1 peer |
 //! | 7 | 1 | nack reason (0 otherwise) |
 //! | 8 | 8 | nonce chosen by the connecting side, echoed; for stream end, the total bytes the sender wrote to the stream |
 //! | 16 | 36 | sender's process identity |
 //!
-//! After the handshake the same message carries one more notice: `StreamEnd`, sent on
-//! the endpoint when its stream writer shuts down, so that the peer's reader can report
-//! end of stream once it has read every byte written before it.
+//! After the handshake the same message carries two notices: `StreamEnd`, sent on the
+//! endpoint when its stream writer shuts down, so that the peer's reader can report end
+//! of stream once it has read every byte written before it; and `CloseFirst`, sent by the
+//! connecting side of a connection made through a listener when it closes, asking the
+//! accepting side to close its end first (see [`crate::Endpoint::close`]).
 //!
 //! Every field is validated; anything else is rejected with a reason, never trusted.
 
@@ -42,6 +44,8 @@ pub(crate) enum Kind {
     Nack(NackReason),
     /// The sender's stream writer shut down after writing `nonce` bytes.
     StreamEnd,
+    /// The sender, which connected, is closing the connection: close this end first.
+    CloseFirst,
 }
 
 /// Why a hello was refused.
@@ -90,6 +94,7 @@ impl Message {
             Kind::Ack => (2, 0),
             Kind::Nack(r) => (3, r.code()),
             Kind::StreamEnd => (4, 0),
+            Kind::CloseFirst => (5, 0),
         };
         v.push(kind);
         v.push(self.peer_mode as u8);
@@ -116,6 +121,7 @@ impl Message {
             (3, 1) => Kind::Nack(NackReason::ErrorModeMismatch),
             (3, 2) => Kind::Nack(NackReason::Malformed),
             (4, 0) => Kind::StreamEnd,
+            (5, 0) => Kind::CloseFirst,
             (k, r) => return Err(format!("bad handshake kind {k} / reason {r}")),
         };
         let peer_mode = match b[6] {
@@ -145,6 +151,7 @@ mod tests {
             Kind::Nack(NackReason::ErrorModeMismatch),
             Kind::Nack(NackReason::Malformed),
             Kind::StreamEnd,
+            Kind::CloseFirst,
         ] {
             let m = sample(k);
             let b = m.encode();

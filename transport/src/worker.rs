@@ -483,6 +483,9 @@ pub(crate) struct EpState {
     pub(crate) deferred_close: Option<(sys::ucp_ep_h, bool)>,
     /// Closed forcibly (`UCP_EP_CLOSE_FLAG_FORCE`), which cancels what was in flight.
     pub(crate) forced: bool,
+    /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
+    /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
+    pub(crate) closing: bool,
 }
 
 impl EpState {
@@ -502,6 +505,7 @@ impl EpState {
             data_out: 0,
             deferred_close: None,
             forced: false,
+            closing: false,
             stream_waiters: Vec::new(),
             endpoint: std::sync::Weak::new(),
         }
@@ -602,13 +606,15 @@ pub(crate) struct State {
     pub(crate) closes: IdSet<*mut Slot>,
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     probe_waiters: Vec<Waker>,
-    /// Whether `probe_waiters`, `outbox` or `failed` may hold something for
+    /// Whether `probe_waiters`, `outbox`, `failed` or `close_first` may hold something for
     /// [`WorkerInner::progress_locked`] to do after a progress call.
     chores: bool,
     pub(crate) eps: EpTable,
     pub(crate) by_handle: IdMap<usize, u64>,
     pub(crate) next_id: u64,
     failed: Vec<(u64, Status)>,
+    /// Endpoints whose connecting peer asked this side to close first (`CloseFirst`).
+    close_first: Vec<u64>,
     pub(crate) connects: IdMap<u64, HsWait>,
     pub(crate) accepts: IdMap<usize, HsWait>,
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
@@ -642,6 +648,7 @@ impl State {
             by_handle: IdMap::default(),
             next_id: 1,
             failed: Vec::new(),
+            close_first: Vec::new(),
             connects: IdMap::default(),
             accepts: IdMap::default(),
             outbox: Vec::new(),
@@ -1030,6 +1037,14 @@ impl WorkerInner {
                 st.fail_ep(id, status, false);
             }
         }
+        if !st.close_first.is_empty() {
+            // The peer is closing: this end fails as if it had disconnected, and closes
+            // (flushing what it sent) before the peer's own close goes out.
+            for id in std::mem::take(&mut st.close_first) {
+                st.fail_ep(id, Status::CONNECTION_RESET, false);
+                st.close_unwaited(id);
+            }
+        }
         // Replies and failures are handled; probes wait for an event.
         st.chores = !st.probe_waiters.is_empty();
     }
@@ -1322,6 +1337,14 @@ unsafe extern "C" fn handshake_am_cb(
                     None => tracing::debug!("stream end notice for no known endpoint"),
                 }
             }
+            Kind::CloseFirst => match st.by_handle.get(&(reply_ep as usize)).copied() {
+                Some(id) => {
+                    // Closed after the progress call: not from inside a UCX callback.
+                    st.close_first.push(id);
+                    st.chores = true;
+                }
+                None => tracing::debug!("close-first notice for no known endpoint"),
+            },
             Kind::Ack | Kind::Nack(_) => {
                 if let Some(w) = st.connects.get_mut(&m.nonce) {
                     w.result = Some(match m.kind {

@@ -1,0 +1,67 @@
+//! Connections made and closed again and again through one listener leave nothing behind:
+//! the process's file descriptors stay level. Over shared memory this needs the
+//! connecting side to let the accepting side close first (`Endpoint::close`): when the
+//! connecting side disconnects first, UCX keeps one socket of the connecting worker open
+//! per connection.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{ctx, loopback};
+use ucxkit::transport::tag;
+
+const T: Duration = Duration::from_secs(20);
+
+/// One test at a time: descriptors are counted for the whole process.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Open file descriptors of this process.
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count()
+}
+
+/// `rounds` connections, each carrying one message, closed by the connecting side (whose
+/// close lets the peer go first), after some warm-up rounds; returns how many descriptors
+/// the rounds left open.
+async fn churn(tls: &str, rounds: u64) -> usize {
+    let _serial = SERIAL.lock().await;
+    let c = ctx(tls);
+    let server = c.create_worker().unwrap();
+    let client = c.create_worker().unwrap();
+    let listener = server.listen(loopback()).unwrap();
+    let addr = listener.local_addr();
+    let mut before = 0;
+    for i in 0..rounds + 10 {
+        if i == 10 {
+            before = fds();
+        }
+        let (a, b) = tokio::time::timeout(T, async { tokio::join!(listener.accept(), client.connect(addr)) })
+            .await
+            .expect("connecting in time");
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let recv = server.tag_recv(i, tag::EXACT, Vec::with_capacity(64));
+        b.tag_send(i, vec![7u8; 64]).await.0.unwrap();
+        let (r, _) = tokio::time::timeout(T, recv).await.unwrap();
+        r.unwrap();
+        tokio::time::timeout(T, b.close()).await.expect("closing in time").unwrap();
+        // The accepting side was closed at the peer's request: its endpoint has failed.
+        tokio::time::timeout(T, a.failed()).await.expect("the accepting side sees the close");
+        drop(a);
+    }
+    fds().saturating_sub(before)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_leave_no_descriptors_shm() {
+    let left = churn("posix,cma,tcp,self", 60).await;
+    assert!(left <= 5, "60 connections over shared memory left {left} descriptors open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_leave_no_descriptors_tcp() {
+    let left = churn("tcp,self", 60).await;
+    assert!(left <= 5, "60 connections over TCP left {left} descriptors open");
+}
