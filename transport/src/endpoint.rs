@@ -643,8 +643,8 @@ impl Endpoint {
     /// On the connecting side of a connection made through a listener, with the
     /// handshake and without peer error handling, the peer closes its end first: this
     /// side flushes what it sent, asks the peer to close (a handshake notice), waits for
-    /// its disconnect (up to a second, then closes anyway), and closes. When
-    /// the connecting side disconnects first over shared memory, UCX (1.13 and 1.22 alike)
+    /// its disconnect (up to a second, then closes anyway), and closes. When the
+    /// connecting side disconnects first over shared memory, UCX (1.13 and 1.22 alike)
     /// keeps one socket of the connecting worker open until that worker is destroyed; a
     /// process that connects and closes again and again would run out of descriptors.
     /// The accepting side's pending receives on the endpoint end with
