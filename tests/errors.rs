@@ -52,17 +52,28 @@ fn closed_port() -> std::net::SocketAddr {
 #[tokio::test]
 async fn connecting_to_a_closed_port_fails_clearly() {
     let _serial = SERIAL.lock().await;
-    for mode in [ErrorMode::Peer, ErrorMode::None, ErrorMode::Auto] {
+    // Without the handshake too: connecting then waits for UCX's wire-up, which fails.
+    for (mode, handshake) in [
+        (ErrorMode::Peer, true),
+        (ErrorMode::None, true),
+        (ErrorMode::Auto, true),
+        (ErrorMode::Peer, false),
+        (ErrorMode::None, false),
+    ] {
         let c = ctx("tcp,self");
         let w = c.create_worker().unwrap();
         let addr = closed_port();
-        let opts =
-            EndpointOptions { error_mode: mode, timeout: Duration::from_secs(5), ..Default::default() };
+        let opts = EndpointOptions {
+            error_mode: mode,
+            handshake,
+            timeout: Duration::from_secs(5),
+            ..Default::default()
+        };
         let t0 = Instant::now();
         let err = w.connect_with(addr, opts).await.unwrap_err();
-        assert!(err.kind() == ErrorKind::Unreachable, "{mode:?}: {err}");
+        assert!(err.kind() == ErrorKind::Unreachable, "{mode:?}, handshake {handshake}: {err}");
         assert!(err.to_string().contains(&addr.to_string()), "error names the peer: {err}");
-        eprintln!("{mode:?}: {err} after {:?}", t0.elapsed());
+        eprintln!("{mode:?}, handshake {handshake}: {err} after {:?}", t0.elapsed());
     }
 }
 
