@@ -498,13 +498,7 @@ impl Endpoint {
     /// round trip waits for the same.
     pub(crate) async fn await_wired(&self, timeout: std::time::Duration, op: &'static str) -> Result<()> {
         let wired = async {
-            let posted = self.with_handle(op, |st, h| {
-                let param = op_param(st, self.worker_inner().no_imm);
-                // SAFETY: h is live under the lock; the callback and user_data are ours.
-                let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
-                Ok(Posted::from_ptr(p, Completion::OK, false))
-            })?;
-            let status = self.wait(posted).await.status();
+            let status = self.flush_completion(op).await?.status();
             if status.is_ok() {
                 return Ok(());
             }
@@ -622,14 +616,19 @@ impl Endpoint {
     /// # Cancel safety
     /// Safe to drop; the flush still happens.
     pub async fn flush(&self) -> Result<()> {
-        let posted = self.with_handle("flush", |st, h| {
+        let c = self.flush_completion("flush").await?;
+        self.result_of("flush", c)
+    }
+
+    /// Posts `ucp_ep_flush_nbx` (for `op`) and waits for its completion.
+    async fn flush_completion(&self, op: &'static str) -> Result<Completion> {
+        let posted = self.with_handle(op, |st, h| {
             let param = op_param(st, self.worker_inner().no_imm);
             // SAFETY: h is live under the lock; the callback and user_data are ours.
             let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
             Ok(Posted::from_ptr(p, Completion::OK, false))
         })?;
-        let c = self.wait(posted).await;
-        self.result_of("flush", c)
+        Ok(self.wait(posted).await)
     }
 
     /// Closes the endpoint gracefully: flushes outstanding operations and disconnects
