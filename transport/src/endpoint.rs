@@ -365,13 +365,6 @@ impl Endpoint {
         self.worker_inner().locked(|st| st.eps.get(&id).and_then(|e| e.failed))
     }
 
-    /// Whether ucxkit closed this endpoint forcibly (a failure in peer mode), which
-    /// cancels the operations still in flight.
-    pub(crate) fn closed_forcibly(&self) -> bool {
-        let id = self.inner.id;
-        self.worker_inner().locked(|st| st.eps.get(&id).is_some_and(|e| e.forced))
-    }
-
     /// Waits until this endpoint fails (the peer died or the connection broke) and
     /// returns UCX's reason; stays pending while the endpoint works, and forever on one
     /// closed without failing. Useful to end work that waits on the peer through

@@ -323,7 +323,9 @@ impl Atomic {
     #[cold]
     #[inline(never)]
     fn failure(&self, status: Status) -> crate::Error {
-        if status == Status::CANCELED && !self.ep.closed_forcibly() {
+        // ucxkit closes an endpoint forcibly exactly when it failed in peer mode.
+        let closed_forcibly = self.ep.inner.peer_mode && self.ep.failure().is_some();
+        if status == Status::CANCELED && !closed_forcibly {
             let over = match self.ep.transports() {
                 Ok(t) if !t.is_empty() => format!(" over {}", t.join(",")),
                 _ => String::new(),

@@ -481,8 +481,6 @@ pub(crate) struct EpState {
     /// A close requested while stream data was out: the UCX handle and whether to
     /// force; done when the last piece is released.
     pub(crate) deferred_close: Option<(sys::ucp_ep_h, bool)>,
-    /// Closed forcibly (`UCP_EP_CLOSE_FLAG_FORCE`), which cancels what was in flight.
-    pub(crate) forced: bool,
     /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
     /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
     pub(crate) closing: bool,
@@ -504,7 +502,6 @@ impl EpState {
             stream_end: None,
             data_out: 0,
             deferred_close: None,
-            forced: false,
             closing: false,
             stream_waiters: Vec::new(),
             endpoint: std::sync::Weak::new(),
@@ -790,7 +787,6 @@ impl State {
         if h.is_null() {
             return None;
         }
-        e.forced = force;
         // Borrowed stream data still points into UCX's buffers of this endpoint: close
         // once it is all released (`release_stream_data`).
         let defer = e.data_out > 0;
