@@ -691,19 +691,29 @@ impl Endpoint {
         if self.flush().await.is_err() {
             return;
         }
-        let asked = self.with_handle("close", |st, h| {
+        if self.send_notice("close", Kind::CloseFirst, |_| 0).is_ok() {
+            self.failed().await;
+        }
+    }
+
+    /// Sends a handshake notice of `kind` on this endpoint (whose handshake is done), with
+    /// the nonce `nonce` computes under the worker lock.
+    pub(crate) fn send_notice(
+        &self,
+        op: &'static str,
+        kind: Kind,
+        nonce: impl FnOnce(&State) -> u64,
+    ) -> Result<()> {
+        self.with_handle(op, |st, h| {
             let m = Message {
-                kind: Kind::CloseFirst,
-                peer_mode: false,
-                nonce: 0,
+                kind,
+                peer_mode: self.inner.peer_mode,
+                nonce: nonce(st),
                 identity: ProcessIdentity::current(),
             };
             st.send_handshake(h, m.encode(), true);
             Ok(())
-        });
-        if asked.is_ok() {
-            self.failed().await;
-        }
+        })
     }
 
     /// Waits for a posted request that owns no buffer (not a close).

@@ -27,8 +27,7 @@ use ucx_sys as sys;
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
-use crate::handshake::{Kind, Message};
-use crate::identity::ProcessIdentity;
+use crate::handshake::Kind;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{stream_recv_cb, Completion, Posted};
 use crate::worker::{OpKind, State};
@@ -264,17 +263,8 @@ impl Endpoint {
             });
         }
         let id = self.inner.id;
-        self.with_handle("stream_shutdown", |st, h| {
-            let total = st.eps.get(&id).map_or(0, |e| e.stream_tx);
-            let m = Message {
-                kind: Kind::StreamEnd,
-                peer_mode: self.inner.peer_mode,
-                nonce: total,
-                identity: ProcessIdentity::current(),
-            };
-            st.send_handshake(h, m.encode(), true);
-            Ok(())
-        })
+        // The nonce carries the total bytes written.
+        self.send_notice("stream_shutdown", Kind::StreamEnd, |st| st.eps.get(&id).map_or(0, |e| e.stream_tx))
     }
 
     /// Whether the peer has ended its stream and every byte it wrote has been received.
