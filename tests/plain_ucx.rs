@@ -103,7 +103,7 @@ async fn ucxkit_connects(tls: &str, mode: ErrorMode, transport: &str) {
     let port = peer_port(&mut child).await;
     let w = ctx(tls).create_worker().unwrap();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let ep = tokio::time::timeout(T, w.connect_with(addr, opts(mode))).await.unwrap().unwrap();
+    let ep = bounded(w.connect_with(addr, opts(mode))).await.unwrap();
     exchange(&w, &ep, tls, transport, mode == ErrorMode::Peer).await;
     finish(child, ep).await;
 }
@@ -116,8 +116,8 @@ async fn ucxkit_accepts(tls: &str, mode: ErrorMode, transport: &str) {
     let port = listener.local_addr().port().to_string();
     let mode_arg = if mode == ErrorMode::Peer { "peer" } else { "none" };
     let child = start_peer(&["connect", mode_arg, "127.0.0.1", &port], tls);
-    let request = tokio::time::timeout(T, listener.next()).await.unwrap().unwrap();
-    let ep = tokio::time::timeout(T, request.accept_with(opts(mode))).await.unwrap().unwrap();
+    let request = bounded(listener.next()).await.unwrap();
+    let ep = bounded(request.accept_with(opts(mode))).await.unwrap();
     exchange(&w, &ep, tls, transport, mode == ErrorMode::Peer).await;
     finish(child, ep).await;
 }
@@ -155,9 +155,9 @@ async fn tags(ep: &Endpoint, tls: &str) {
         pending.push((t, len, recv, send));
     }
     for (t, len, recv, send) in pending {
-        let (r, _) = tokio::time::timeout(T, send).await.unwrap();
+        let (r, _) = bounded(send).await;
         r.unwrap();
-        let (r, back) = tokio::time::timeout(T, recv).await.unwrap();
+        let (r, back) = bounded(recv).await;
         let info = r.unwrap_or_else(|e| panic!("{tls}: echo of {len} bytes: {e}"));
         assert_eq!(info.sender_tag, t | REPLY_BIT);
         assert_eq!(info.len, len);
@@ -181,12 +181,12 @@ async fn active_messages(w: &Worker, ep: &Endpoint, tls: &str) {
         let data = payload(500 + i as u64, len);
         let opts = AmSendOptions { proto, ..Default::default() };
         let send = ep.am_send_with(AM_ECHO, header.as_bytes(), data.clone(), opts);
-        let m = tokio::time::timeout(T, rx.recv()).await.expect("the echo arrives");
+        let m = bounded(rx.recv()).await;
         assert_eq!(m.header(), header.as_bytes());
-        let (r, back) = tokio::time::timeout(T, m.into_vec()).await.unwrap();
+        let (r, back) = bounded(m.into_vec()).await;
         r.unwrap();
         assert!(back == data, "{tls}: active-message echo of {len} bytes ({proto:?}) differs");
-        tokio::time::timeout(T, send).await.unwrap().0.unwrap();
+        bounded(send).await.0.unwrap();
     }
     bounded(ep.am_send(AM_ECHO, b"end", Vec::new())).await.0.unwrap();
 }
@@ -203,15 +203,14 @@ fn key_message(addr: u64, len: u64, ucx_key: &[u8]) -> Vec<u8> {
 
 async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str, atomics: bool) {
     // The peer's region, through the key it packed with ucp_rkey_pack.
-    let (r, msg) =
-        tokio::time::timeout(T, ep.tag_recv(TAG_MY_KEY, tag::EXACT, Vec::with_capacity(4096))).await.unwrap();
+    let (r, msg) = bounded(ep.tag_recv(TAG_MY_KEY, tag::EXACT, Vec::with_capacity(4096))).await;
     r.unwrap();
     let word = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().unwrap());
     let (addr, len) = (word(0), word(8));
     assert_eq!(len, PEER_REGION as u64);
     let key = ep.unpack_ucx_key(&msg[16..], addr, len).unwrap();
     let data = payload(9, 20_000);
-    tokio::time::timeout(T, ep.put(data.clone(), &key, 4096)).await.unwrap().0.unwrap();
+    bounded(ep.put(data.clone(), &key, 4096)).await.0.unwrap();
     let (r, _) = bounded(ep.put(vec![1u8; 2], &key, len - 1)).await;
     assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput, "the peer's region ends where it said");
     let mut expect = vec![0u8; PEER_REGION];
@@ -223,15 +222,12 @@ async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str, atomics: bool) {
         expect[8..16].copy_from_slice(&3u64.to_ne_bytes());
     }
     bounded(ep.flush()).await.unwrap();
-    let (r, got) = tokio::time::timeout(T, ep.get(Vec::with_capacity(data.len()), data.len(), &key, 4096))
-        .await
-        .unwrap();
+    let (r, got) = bounded(ep.get(Vec::with_capacity(data.len()), data.len(), &key, 4096)).await;
     r.unwrap();
     assert!(got == data, "{tls}: get differs from put");
     expect[4096..4096 + data.len()].copy_from_slice(&data);
     bounded(ep.tag_send(TAG_EXPECT, expect)).await.0.unwrap();
-    let (r, verdict) =
-        tokio::time::timeout(T, ep.tag_recv(TAG_VERDICT, tag::EXACT, Vec::with_capacity(16))).await.unwrap();
+    let (r, verdict) = bounded(ep.tag_recv(TAG_VERDICT, tag::EXACT, Vec::with_capacity(16))).await;
     r.unwrap();
     assert_eq!(verdict, b"same", "{tls}: the peer's region holds what ucxkit wrote");
     drop(key);
@@ -240,8 +236,7 @@ async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str, atomics: bool) {
     let region = w.context().alloc(100_000).unwrap();
     let msg = key_message(region.addr(), region.len() as u64, &region.pack_ucx_key().unwrap());
     bounded(ep.tag_send(TAG_YOUR_KEY, msg)).await.0.unwrap();
-    let (r, done) =
-        tokio::time::timeout(T, ep.tag_recv(TAG_PUT_DONE, tag::EXACT, Vec::with_capacity(8))).await.unwrap();
+    let (r, done) = bounded(ep.tag_recv(TAG_PUT_DONE, tag::EXACT, Vec::with_capacity(8))).await;
     r.unwrap();
     assert_eq!(done, b"done");
     let pattern: Vec<u8> = (0..region.len()).map(|i| (i * 7 + 3) as u8).collect();
@@ -253,7 +248,7 @@ async fn stream(ep: &Endpoint, tls: &str) {
         let data = payload(700 + i as u64, len);
         bounded(ep.stream_send((len as u64).to_ne_bytes().to_vec())).await.0.unwrap();
         bounded(ep.stream_send(data.clone())).await.0.unwrap();
-        let (r, back) = tokio::time::timeout(T, ep.stream_recv_exact(vec![0u8; len])).await.unwrap();
+        let (r, back) = bounded(ep.stream_recv_exact(vec![0u8; len])).await;
         r.unwrap();
         assert!(back == data, "{tls}: stream echo of {len} bytes differs");
     }
