@@ -70,3 +70,68 @@ fn drop_without_close_is_clean() {
     let took = t.elapsed();
     assert!(took < Duration::from_millis(1500), "the child took {took:?}: a close was waited out");
 }
+
+/// The child of `closes_are_quiet`: per transport, connections through a listener closed
+/// every ordinary way (the connecting side first, through ucxkit's close-first exchange;
+/// the accepting side first; with the handshake off, either side first), each side
+/// closing after it has seen the other's close. UCX's lines go to stdout and ucxkit's
+/// `tracing` output (debug) to stderr.
+#[tokio::test]
+#[ignore = "the child half of closes_are_quiet; the parent runs it"]
+async fn close_child() {
+    if std::env::var_os("UCXKIT_CLOSE_CHILD").is_none() {
+        return;
+    }
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(tracing_subscriber::EnvFilter::new("ucxkit::ucx=debug"))
+        .init();
+    const LIMIT: Duration = Duration::from_secs(20);
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        let c = ctx(tls);
+        let a = c.create_worker().unwrap();
+        let b = c.create_worker().unwrap();
+        let l = a.listen(loopback()).unwrap();
+        for handshake in [true, false] {
+            for connecting_first in [true, false] {
+                let opts = ucxkit::transport::EndpointOptions { handshake, ..Default::default() };
+                let (acc, ep) = tokio::join!(
+                    async { l.next().await.unwrap().accept_with(opts.clone()).await },
+                    b.connect_with(l.local_addr(), opts.clone())
+                );
+                let (acc, ep) = (acc.unwrap(), ep.unwrap());
+                let recv = a.tag_recv(1, tag::EXACT, Vec::with_capacity(64));
+                ep.tag_send(1, vec![7u8; 64]).await.0.unwrap();
+                assert_eq!(recv.await.1, vec![7u8; 64]);
+                let (first, second) = if connecting_first { (ep, acc) } else { (acc, ep) };
+                let case = format!("{tls}, handshake {handshake}, connecting side first {connecting_first}");
+                tokio::time::timeout(LIMIT, first.close()).await.expect(&case).expect(&case);
+                tokio::time::timeout(LIMIT, second.failed()).await.expect(&case);
+                tokio::time::timeout(LIMIT, second.close()).await.expect(&case).expect(&case);
+            }
+        }
+    }
+}
+
+/// Closing connections in the ordinary ways makes UCX print nothing: the error lines UCX
+/// logs when the side closing second flushes its dead lanes go to ucxkit's `tracing`
+/// output instead (and show up there, so the scenario did produce them).
+#[test]
+fn closes_are_quiet() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "close_child", "--ignored", "--nocapture"])
+        .env("UCXKIT_CLOSE_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child failed: {}\n{text}", out.status);
+    assert!(text.contains("1 passed"), "the child ran nothing:\n{text}");
+    let reports: Vec<&str> =
+        text.lines().filter(|l| l.contains("UCX  ERROR") || l.contains("UCX  WARN")).collect();
+    assert!(reports.is_empty(), "UCX reported problems on close:\n{}", reports.join("\n"));
+    assert!(
+        text.contains("closing a failed endpoint: req"),
+        "no UCX flush error reached tracing: the scenario no longer closes a failed endpoint\n{text}"
+    );
+}

@@ -1,1 +1,3 @@
 #include <ucp/api/ucp.h>
+#include <ucs/debug/log_def.h>
+#include <stdio.h>

@@ -90,6 +90,7 @@ impl ContextBuilder {
 
     /// Creates the context (`ucp_config_read`, `ucp_config_modify`, `ucp_init`).
     pub fn build(self) -> Result<Context> {
+        crate::ucx_log::install();
         let features = self.features | Features::REQUIRED;
         let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
         // SAFETY: NULL prefix and file name are allowed; `config` is a valid out-pointer.

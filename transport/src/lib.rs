@@ -109,6 +109,7 @@ mod request;
 pub mod rma;
 pub mod stream;
 pub mod tag;
+mod ucx_log;
 mod worker;
 
 pub use address::WorkerAddress;

@@ -30,6 +30,7 @@ use crate::identity::ProcessIdentity;
 use crate::lock::RawLock;
 use crate::progress::{self, ProgressMode};
 use crate::request::{self, Slot};
+use crate::ucx_log;
 
 /// How endpoints handle a failed peer (`ucp_err_handling_mode_t`), applied on both sides
 /// of a connection, accepted endpoints included.
@@ -790,20 +791,24 @@ impl State {
         // Borrowed stream data still points into UCX's buffers of this endpoint: close
         // once it is all released (`release_stream_data`).
         let defer = e.data_out > 0;
+        let failed = e.failed.is_some();
         if defer {
             e.deferred_close = Some((h, force));
         }
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
-        (!defer).then(|| self.close_handle(h, force))
+        (!defer).then(|| self.close_handle(h, force, failed))
     }
 
-    /// `ucp_ep_close_nbx` on a handle already taken out of the tables.
-    fn close_handle(&mut self, h: sys::ucp_ep_h, force: bool) -> request::Posted {
+    /// `ucp_ep_close_nbx` on a handle already taken out of the tables. The flushing close
+    /// of an endpoint that has `failed` makes UCX log an error for each of its (dead)
+    /// lanes: those lines go to `tracing` ([`ucx_log::quietly`]).
+    fn close_handle(&mut self, h: sys::ucp_ep_h, force: bool, failed: bool) -> request::Posted {
         let param = self.flagged_param(if force { sys::UCP_EP_CLOSE_FLAG_FORCE.0 as u32 } else { 0 });
         // SAFETY: h is a live endpoint of this worker, closed once (its handle was just
         // taken out of the table); the lock is held.
-        let p = unsafe { sys::ucp_ep_close_nbx(h, &param) };
+        let close = || unsafe { sys::ucp_ep_close_nbx(h, &param) };
+        let p = if failed { ucx_log::quietly(close) } else { close() };
         request::Posted::from_ptr(p, request::Completion::OK, false)
     }
 
@@ -820,7 +825,8 @@ impl State {
         e.data_out -= 1;
         if e.data_out == 0 {
             if let Some((h, force)) = e.deferred_close.take() {
-                let p = self.close_handle(h, force);
+                let failed = e.failed.is_some();
+                let p = self.close_handle(h, force, failed);
                 self.finish_close(id, p);
             }
         }

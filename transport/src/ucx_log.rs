@@ -1,0 +1,124 @@
+//! UCX's log as ucxkit sees it: a handler, put ahead of UCX's own printing once per
+//! process, that takes out of UCX's output the error lines UCX prints about something
+//! ucxkit does on purpose and already knows the outcome of, and hands them to `tracing`
+//! (target `ucxkit::ucx`, level debug) instead. Every other line goes to UCX's output as
+//! before.
+//!
+//! One such line today: closing an endpoint that has already failed (its peer closed
+//! first, or went away) flushes its lanes, which UCX has replaced by stubs that fail, and
+//! UCX logs `error during flush: Endpoint timeout` for each lane unless the endpoint uses
+//! peer error handling (where UCX itself logs it at trace level). UCX 1.13 refuses a
+//! forced close without peer error handling, so that flushing close is the only way to
+//! release the endpoint: without this filter, the side that closes second printed two or
+//! three UCX errors for every ordinary connection.
+//!
+//! The filter applies only on a thread inside such a close ([`quietly`]), so that UCX
+//! errors of anything else, other UCX users in the process included, still print.
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_uint, CStr};
+use std::sync::Once;
+
+use ucx_sys as sys;
+
+thread_local! {
+    /// Set while this thread closes an endpoint that has failed.
+    static QUIET: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Puts [`handler`] ahead of UCX's log handlers, once per process. UCX calls the handlers
+/// pushed last first.
+pub(crate) fn install() {
+    static ONCE: Once = Once::new();
+    // SAFETY: `handler` has the signature UCX expects and lives as long as the process.
+    ONCE.call_once(|| unsafe { sys::ucs_log_push_handler(Some(handler)) });
+}
+
+/// Runs `f` (a close of a failed endpoint) with UCX's flush errors on this thread sent to
+/// `tracing` instead of UCX's output.
+pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            QUIET.set(self.0);
+        }
+    }
+    let _reset = Reset(QUIET.replace(true));
+    f()
+}
+
+/// Whether a UCX log line is the flush error of a lane of a failed endpoint.
+fn is_quieted(file: &CStr, level: sys::ucs_log_level_t, format: &CStr) -> bool {
+    level == sys::UCS_LOG_LEVEL_ERROR
+        && file.to_bytes().ends_with(b"flush.c")
+        && format.to_bytes().windows(FLUSH_ERROR.len()).any(|w| w == FLUSH_ERROR)
+}
+
+/// The part of UCX's format string (1.13 to 1.22) that names the line.
+const FLUSH_ERROR: &[u8] = b"error during flush";
+
+/// `ucs_log_func_t`: keeps the quieted lines from UCX's output.
+unsafe extern "C" fn handler(
+    file: *const c_char,
+    _line: c_uint,
+    _function: *const c_char,
+    level: sys::ucs_log_level_t,
+    _comp: *const sys::ucs_log_component_config_t,
+    format: *const c_char,
+    ap: *mut sys::__va_list_tag,
+) -> sys::ucs_log_func_rc_t {
+    if !QUIET.try_with(Cell::get).unwrap_or(false) || file.is_null() || format.is_null() {
+        return sys::UCS_LOG_FUNC_RC_CONTINUE;
+    }
+    // SAFETY: UCX passes NUL-terminated strings valid for the call.
+    let (file, fmt) = unsafe { (CStr::from_ptr(file), CStr::from_ptr(format)) };
+    if !is_quieted(file, level, fmt) {
+        return sys::UCS_LOG_FUNC_RC_CONTINUE;
+    }
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: `format` and `ap` are the message UCX logs (UCX starts `ap` afresh for each
+    // handler); vsnprintf writes at most buf.len() bytes, NUL included.
+    let n = unsafe { sys::vsnprintf(buf.as_mut_ptr(), buf.len() as _, format, ap) };
+    let text = if n < 0 {
+        fmt.to_string_lossy()
+    } else {
+        // SAFETY: vsnprintf NUL-terminated the buffer.
+        unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy()
+    };
+    // A panicking subscriber must not unwind into UCX.
+    let _ = std::panic::catch_unwind(|| {
+        tracing::debug!(target: "ucxkit::ucx", "closing a failed endpoint: {text}");
+    });
+    sys::UCS_LOG_FUNC_RC_STOP
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_flush_errors_are_quieted() {
+        let fmt13 = c"req %p: error during flush: %s, flush comp %p count reduced to %d";
+        let fmt22 = c"req %p: error during flush: %s";
+        let flush = c"/build/ucx/src/ucp/rma/flush.c";
+        assert!(is_quieted(flush, sys::UCS_LOG_LEVEL_ERROR, fmt13));
+        assert!(is_quieted(flush, sys::UCS_LOG_LEVEL_ERROR, fmt22));
+        assert!(!is_quieted(flush, sys::UCS_LOG_LEVEL_WARN, fmt22));
+        assert!(!is_quieted(c"ucp_ep.c", sys::UCS_LOG_LEVEL_ERROR, fmt22));
+        assert!(!is_quieted(flush, sys::UCS_LOG_LEVEL_ERROR, c"flush failed: %s"));
+    }
+
+    #[test]
+    fn quietly_restores_the_flag() {
+        assert!(!QUIET.get());
+        quietly(|| {
+            assert!(QUIET.get());
+            quietly(|| assert!(QUIET.get()));
+            assert!(QUIET.get());
+        });
+        assert!(!QUIET.get());
+        let r = std::panic::catch_unwind(|| quietly(|| panic!("inside")));
+        assert!(r.is_err());
+        assert!(!QUIET.get());
+    }
+}
