@@ -1,8 +1,8 @@
 //! Connections made and closed again and again through one listener leave nothing behind:
 //! the process's file descriptors stay level. Over shared memory this needs the
-//! connecting side to let the accepting side close first (`Endpoint::close`): when the
-//! connecting side disconnects first, UCX keeps one socket of the connecting worker open
-//! per connection.
+//! connecting side to let the accepting side close first (`Endpoint::close`, and the
+//! background close of a dropped endpoint): when the connecting side disconnects first,
+//! UCX keeps one socket of the connecting worker open per connection.
 
 #![forbid(unsafe_code)]
 
@@ -23,10 +23,19 @@ fn fds() -> usize {
     std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count()
 }
 
-/// `rounds` connections, each carrying one message, closed by the connecting side (whose
-/// close lets the peer go first), after some warm-up rounds; returns how many descriptors
-/// the rounds left open.
-async fn churn(tls: &str, rounds: u64) -> usize {
+/// How the connecting side ends each connection.
+#[derive(Clone, Copy)]
+enum End {
+    /// `Endpoint::close().await`.
+    Close,
+    /// The endpoint dropped.
+    Drop,
+}
+
+/// `rounds` connections, each carrying one message, ended by the connecting side (which
+/// lets the peer go first) as `end` says, after some warm-up rounds; returns how many
+/// descriptors the rounds left open.
+async fn churn(tls: &str, rounds: u64, end: End) -> usize {
     let _serial = SERIAL.lock().await;
     let c = ctx(tls);
     let server = c.create_worker().unwrap();
@@ -46,7 +55,10 @@ async fn churn(tls: &str, rounds: u64) -> usize {
         b.tag_send(i, vec![7u8; 64]).await.0.unwrap();
         let (r, _) = tokio::time::timeout(T, recv).await.unwrap();
         r.unwrap();
-        tokio::time::timeout(T, b.close()).await.expect("closing in time").unwrap();
+        match end {
+            End::Close => tokio::time::timeout(T, b.close()).await.expect("closing in time").unwrap(),
+            End::Drop => drop(b),
+        }
         // The accepting side was closed at the peer's request: its endpoint has failed.
         tokio::time::timeout(T, a.failed()).await.expect("the accepting side sees the close");
         drop(a);
@@ -56,12 +68,18 @@ async fn churn(tls: &str, rounds: u64) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_leave_no_descriptors_shm() {
-    let left = churn("posix,cma,tcp,self", 60).await;
+    let left = churn("posix,cma,tcp,self", 60, End::Close).await;
     assert!(left <= 5, "60 connections over shared memory left {left} descriptors open");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_connections_leave_no_descriptors_shm() {
+    let left = churn("posix,cma,tcp,self", 60, End::Drop).await;
+    assert!(left <= 5, "60 dropped connections over shared memory left {left} descriptors open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_leave_no_descriptors_tcp() {
-    let left = churn("tcp,self", 60).await;
+    let left = churn("tcp,self", 60, End::Close).await;
     assert!(left <= 5, "60 connections over TCP left {left} descriptors open");
 }

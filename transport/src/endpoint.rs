@@ -17,10 +17,7 @@ use crate::handshake::{Kind, Message};
 use crate::identity::ProcessIdentity;
 use crate::liveness::PidWatch;
 use crate::request::{Completion, Posted, Request};
-use crate::worker::{self, EndpointOptions, EpState, HsWait, State, Worker};
-
-/// How long [`Endpoint::close`] waits for the peer to close its end first.
-const CLOSE_FIRST_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+use crate::worker::{self, EndpointOptions, EpState, HsWait, State, Worker, CLOSE_FIRST_WAIT};
 
 pub(crate) struct EndpointInner {
     pub(crate) worker: Worker,
@@ -33,28 +30,50 @@ pub(crate) struct EndpointInner {
     watch: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
+impl EndpointInner {
+    /// Whether the handshake told who the peer is (it is ucxkit).
+    fn identity_known(&self) -> bool {
+        self.identity.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+}
+
 impl Drop for EndpointInner {
     fn drop(&mut self) {
         if let Some(w) = self.watch.lock().unwrap_or_else(|e| e.into_inner()).take() {
             w.abort();
         }
         let id = self.id;
-        self.worker.shared.inner.locked(|st| {
+        // The connecting side of a listener connection to a ucxkit peer lets the peer close
+        // first, as `Endpoint::close` does, but in the background.
+        let lets_peer_close =
+            matches!(self.peer, Peer::Socket(_)) && !self.peer_mode && self.identity_known();
+        let inner = &self.worker.shared.inner;
+        let lingers = inner.locked(|st| {
             let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
+            if open && lets_peer_close && st.linger(id) {
+                tracing::debug!(ep = id, "endpoint dropped without close(): the peer closes first");
+                return true;
+            }
             if open {
                 tracing::debug!(ep = id, "endpoint dropped without close(): closing in the background");
                 st.close_unwaited(id);
             }
             st.eps.remove(&id);
+            false
         });
+        if lingers {
+            // The driver moves it on (the flush, the peer's disconnect, the deadline).
+            inner.signal.kick();
+        }
     }
 }
 
 /// A connection to one peer.
 ///
 /// Cheap to clone; clones share the connection. Dropping the last clone closes the
-/// endpoint in the background (flushing what was sent); [`Endpoint::close`] does it
-/// explicitly and waits.
+/// endpoint in the background (flushing what was sent; on the connecting side of a
+/// listener connection, after letting the peer close first, as [`Endpoint::close`]
+/// describes); [`Endpoint::close`] does it explicitly and waits.
 #[derive(Clone)]
 pub struct Endpoint {
     pub(crate) inner: Arc<EndpointInner>,
@@ -705,13 +724,8 @@ impl Endpoint {
         nonce: impl FnOnce(&State) -> u64,
     ) -> Result<()> {
         self.with_handle(op, |st, h| {
-            let m = Message {
-                kind,
-                peer_mode: self.inner.peer_mode,
-                nonce: nonce(st),
-                identity: ProcessIdentity::current(),
-            };
-            st.send_handshake(h, m.encode(), true);
+            let nonce = nonce(st);
+            st.send_notice(h, kind, self.inner.peer_mode, nonce);
             Ok(())
         })
     }

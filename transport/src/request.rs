@@ -424,6 +424,12 @@ impl Request {
         unsafe { (*self.slot()).state == SlotState::Done }
     }
 
+    /// The completion, the request released, if the callback already ran (under the
+    /// lock `st` comes from); else the request back.
+    pub(crate) fn take_if_done(self, st: &mut State) -> Result<Completion, Request> {
+        take_done(st, self.slot()).ok_or(self)
+    }
+
     /// Binds this request to endpoint `ep`: the endpoint's failure ends it as `kind`
     /// says ([`State::fail_ep`]). Puts it at the head of the worker's list of bound
     /// requests, which [`free`] takes it out of.

@@ -455,6 +455,20 @@ impl Drop for EpTable {
     }
 }
 
+/// How long closing on the connecting side waits for the peer to close first
+/// ([`crate::Endpoint::close`], [`State::linger`]) before it closes anyway.
+pub(crate) const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
+
+/// An endpoint whose last handle was dropped, waiting for its peer to close first
+/// ([`State::linger`]).
+struct Linger {
+    id: u64,
+    /// The flush posted before the close-first notice, while it runs.
+    flush: Option<request::Request>,
+    /// When it is closed anyway.
+    until: Instant,
+}
+
 /// Per-endpoint bookkeeping, under the worker lock.
 pub(crate) struct EpState {
     /// NULL once closed.
@@ -604,8 +618,8 @@ pub(crate) struct State {
     pub(crate) closes: IdSet<*mut Slot>,
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     probe_waiters: Vec<Waker>,
-    /// Whether `probe_waiters`, `outbox`, `failed` or `close_first` may hold something for
-    /// [`WorkerInner::progress_locked`] to do after a progress call.
+    /// Whether `probe_waiters`, `outbox`, `failed`, `close_first` or `lingering` may hold
+    /// something for [`WorkerInner::progress_locked`] to do after a progress call.
     chores: bool,
     pub(crate) eps: EpTable,
     pub(crate) by_handle: IdMap<usize, u64>,
@@ -613,6 +627,9 @@ pub(crate) struct State {
     failed: Vec<(u64, Status)>,
     /// Endpoints whose connecting peer asked this side to close first (`CloseFirst`).
     close_first: Vec<u64>,
+    /// Endpoints dropped on the connecting side, waiting for their peer to close first
+    /// ([`State::linger`]).
+    lingering: Vec<Linger>,
     pub(crate) connects: IdMap<u64, HsWait>,
     pub(crate) accepts: IdMap<usize, HsWait>,
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
@@ -647,6 +664,7 @@ impl State {
             next_id: 1,
             failed: Vec::new(),
             close_first: Vec::new(),
+            lingering: Vec::new(),
             connects: IdMap::default(),
             accepts: IdMap::default(),
             outbox: Vec::new(),
@@ -851,6 +869,99 @@ impl State {
         }
     }
 
+    /// For the last handle of endpoint `id` going away on the connecting side of a
+    /// listener connection (handshake done, no peer error handling): the background
+    /// version of [`crate::Endpoint::close`]'s close-first exchange. Flushes, then (once
+    /// the flush is done, see [`State::tend_lingering`]) asks the peer to close first, and
+    /// keeps the endpoint's entry until the peer's disconnect fails it or
+    /// [`CLOSE_FIRST_WAIT`] passes; then closes it. (A `close()` given up on midway
+    /// lingers too: a second notice is harmless.) Returns false, having done nothing, for
+    /// an endpoint that cannot take part (closed, failed, in peer mode, stream data out):
+    /// the caller closes it at once.
+    pub(crate) fn linger(&mut self, id: u64) -> bool {
+        let Some(e) = self.eps.get(&id) else { return false };
+        if e.handle.is_null() || e.failed.is_some() || e.peer_mode || e.data_out > 0 {
+            return false;
+        }
+        let h = e.handle;
+        let param = self.flagged_param(0);
+        // SAFETY: h is a live endpoint of this worker; the lock is held.
+        let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
+        let flush = match request::Posted::from_ptr(p, request::Completion::OK, false) {
+            request::Posted::Pending(r) => Some(r),
+            request::Posted::Done(c) if c.status().is_ok() => {
+                self.send_notice(h, Kind::CloseFirst, false, 0);
+                None
+            }
+            request::Posted::Done(_) => return false,
+        };
+        self.lingering.push(Linger { id, flush, until: Instant::now() + CLOSE_FIRST_WAIT });
+        self.chores = true;
+        true
+    }
+
+    /// Moves the lingering endpoints on: one whose flush finished sends its close-first
+    /// notice; one that failed (the peer closed, as asked), whose flush failed, or whose
+    /// time is up is closed and forgotten.
+    fn tend_lingering(&mut self, now: Instant) {
+        let mut i = 0;
+        while i < self.lingering.len() {
+            let id = self.lingering[i].id;
+            let (alive, h) = match self.eps.get(&id) {
+                Some(e) => (e.failed.is_none() && !e.handle.is_null(), e.handle),
+                None => (false, std::ptr::null_mut()),
+            };
+            let mut done = !alive || now >= self.lingering[i].until;
+            if !done {
+                if let Some(r) = self.lingering[i].flush.take() {
+                    match r.take_if_done(self) {
+                        Ok(c) if c.status().is_ok() => self.send_notice(h, Kind::CloseFirst, false, 0),
+                        Ok(_) => done = true,
+                        Err(r) => self.lingering[i].flush = Some(r),
+                    }
+                }
+            }
+            if done {
+                let l = self.lingering.swap_remove(i);
+                self.end_linger(l);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Closes a lingering endpoint now and forgets it (its handle is gone).
+    fn end_linger(&mut self, l: Linger) {
+        if let Some(r) = l.flush {
+            self.release(request::Posted::Pending(r));
+        }
+        self.close_unwaited(l.id);
+        self.eps.remove(&l.id);
+    }
+
+    /// The peer of endpoint `ep` refused a notice (a ucxkit without `CloseFirst`): a
+    /// lingering endpoint there stops waiting for it.
+    fn notice_refused(&mut self, ep: sys::ucp_ep_h) {
+        let Some(&id) = self.by_handle.get(&(ep as usize)) else { return };
+        if let Some(l) = self.lingering.iter_mut().find(|l| l.id == id) {
+            l.until = Instant::now();
+            self.chores = true;
+        }
+    }
+
+    /// Closes every lingering endpoint at once (the worker is going away).
+    fn end_all_lingering(&mut self) {
+        for l in std::mem::take(&mut self.lingering) {
+            self.end_linger(l);
+        }
+    }
+
+    /// Sends a handshake notice of `kind` (after the handshake) on `ep`.
+    pub(crate) fn send_notice(&mut self, ep: sys::ucp_ep_h, kind: Kind, peer_mode: bool, nonce: u64) {
+        let m = Message { kind, peer_mode, nonce, identity: ProcessIdentity::current() };
+        self.send_handshake(ep, m.encode(), true);
+    }
+
     /// Lets the close request of endpoint `id` that nobody waits for finish in the
     /// background ([`request::park_close`]), so that destroying the worker does not cut
     /// it off inside UCX, which reports such a close as failed and its request as leaked.
@@ -1047,8 +1158,12 @@ impl WorkerInner {
                 st.close_unwaited(id);
             }
         }
-        // Replies and failures are handled; probes wait for an event.
-        st.chores = !st.probe_waiters.is_empty();
+        if !st.lingering.is_empty() {
+            st.tend_lingering(Instant::now());
+        }
+        // Replies and failures are handled; probes wait for an event, lingering endpoints
+        // for their peer's close or their deadline.
+        st.chores = !st.probe_waiters.is_empty() || !st.lingering.is_empty();
     }
 
     /// Arms the worker's event fd (`ucp_worker_arm`). OK: armed, the fd signals the next
@@ -1189,6 +1304,8 @@ impl Drop for WorkerInner {
         // release call, or during the wait below).
         // SAFETY: exclusive access (we are in drop); the worker is not destroyed yet.
         unsafe { st.am_unclaimed.release_all(st.handle) };
+        // Endpoints waiting for their peer to close first close now.
+        st.end_all_lingering();
         // Let parked operations (sends to slow peers, closes of dropped endpoints)
         // finish, bounded. Their peer may be another worker of this process that only
         // this thread would progress (a single-thread runtime, blocked here): other live
@@ -1361,6 +1478,9 @@ unsafe extern "C" fn handshake_am_cb(
                     if let Some(k) = w.waker.take() {
                         st.after.wake(k);
                     }
+                } else if matches!(m.kind, Kind::Nack(_)) && !reply_ep.is_null() {
+                    // The answer to a notice a peer did not understand.
+                    st.notice_refused(reply_ep);
                 } else {
                     tracing::debug!(nonce = m.nonce, "handshake reply for no pending connect");
                 }
