@@ -62,6 +62,14 @@ async fn churn(tls: &str, rounds: u64, end: End) -> usize {
         // The accepting side was closed at the peer's request: its endpoint has failed.
         tokio::time::timeout(T, a.failed()).await.expect("the accepting side sees the close");
         drop(a);
+        // A dropped endpoint stays with its worker until the peer's close reaches it.
+        tokio::time::timeout(T, async {
+            while client.parked_requests() > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the connecting side's endpoint closes");
     }
     fds().saturating_sub(before)
 }

@@ -111,6 +111,16 @@ async fn close_child() {
                 tokio::time::timeout(LIMIT, second.close()).await.expect(&case).expect(&case);
             }
         }
+        // The connecting side drops its endpoint, which waits for the peer to close first,
+        // and at once its worker, which closes it without waiting.
+        let b = c.create_worker().unwrap();
+        let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
+        let (acc, ep) = (acc.unwrap(), ep.unwrap());
+        drop(ep);
+        assert_eq!(b.parked_requests(), 1, "{tls}: the dropped endpoint waits for its peer");
+        drop(b);
+        tokio::time::timeout(LIMIT, acc.failed()).await.expect(tls);
+        tokio::time::timeout(LIMIT, acc.close()).await.expect(tls).expect(tls);
     }
 }
 

@@ -72,7 +72,7 @@ fn main() {
         .header("wrapper.h")
         .clang_args(ucx.include_dirs.iter().map(|d| format!("-I{}", d.display())))
         .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
-        .allowlist_function("ucp_.*|ucs_status_string|ucs_cpu_.*|ucs_log_push_handler|vsnprintf")
+        .allowlist_function("ucp_.*|ucs_status_string|ucs_cpu_.*|ucs_log_push_handler")
         .allowlist_type("ucp_.*|ucs_.*")
         .allowlist_var("UCP_.*|UCS_.*")
         .derive_default(true)

@@ -1,3 +1,2 @@
 #include <ucp/api/ucp.h>
 #include <ucs/debug/log_def.h>
-#include <stdio.h>

@@ -154,6 +154,11 @@ async fn sleep_once(
     signal.sleeping.store(true, Ordering::Release);
     let status = inner.locked(|st| {
         while inner.progress_locked(st) != 0 {}
+        // Dropped endpoints waiting for their peer to close first: their deadline passes
+        // with no event to announce it (the fallback timer below brings the driver back).
+        if st.any_lingering() {
+            st.end_overdue_lingering(std::time::Instant::now());
+        }
         // Probes (`tag_recv_any`) are woken when a progress call reports events; a
         // message that became visible in a call reporting none would leave them asleep,
         // so they look again before the driver sleeps.

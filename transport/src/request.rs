@@ -169,6 +169,21 @@ pub(crate) unsafe extern "C" fn stream_recv_cb(
     unsafe { complete(req, status, length, 0, user) }
 }
 
+/// Completion callback of the flush a lingering endpoint posts before its close-first
+/// notice ([`State::linger`]): tells the worker, then completes as [`send_cb`] does. The
+/// endpoint is the one the request is bound to.
+pub(crate) unsafe extern "C" fn linger_flush_cb(
+    req: *mut c_void,
+    status: sys::ucs_status_t,
+    user: *mut c_void,
+) {
+    // SAFETY: as in send_cb; the slot is read before `complete` may free it.
+    let (ep, st) = unsafe { ((*req.cast::<Slot>()).bound_ep, &mut *user.cast::<State>()) };
+    st.linger_flushed(ep);
+    // SAFETY: as in send_cb.
+    unsafe { complete(req, status, 0, 0, user) }
+}
+
 /// Records a request's completion in its slot (or, for a parked one, lets its values go
 /// and frees it). Inlined into each callback: one call less between UCX's progress and
 /// the slot, on the path of every message that completes after posting.

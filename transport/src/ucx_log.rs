@@ -13,10 +13,13 @@
 //! three UCX errors for every ordinary connection.
 //!
 //! The filter applies only on a thread inside such a close ([`quietly`]), so that UCX
-//! errors of anything else, other UCX users in the process included, still print.
+//! errors of anything else, other UCX users in the process included, still print. UCX's
+//! log handlers are process-wide: this one is pushed at the first [`crate::Context`] and
+//! stays for the life of the process; a handler another library pushes later runs before
+//! it, and one pushed earlier does not see the lines it keeps back.
 
 use std::cell::Cell;
-use std::ffi::{c_char, c_uint, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::Once;
 
 use ucx_sys as sys;
@@ -26,12 +29,34 @@ thread_local! {
     static QUIET: Cell<bool> = const { Cell::new(false) };
 }
 
+/// `ucs_log_func_t` with its `va_list` taken as a pointer. That is how a `va_list`
+/// argument is passed on the 64-bit targets UCX supports: on x86-64 it is an array that
+/// decays to a pointer to its first element; on AArch64 it is a 32-byte structure, which
+/// the procedure call standard passes as a pointer to a copy; on POWER it is a pointer.
+type Handler = unsafe extern "C" fn(
+    *const c_char,
+    c_uint,
+    *const c_char,
+    sys::ucs_log_level_t,
+    *const sys::ucs_log_component_config_t,
+    *const c_char,
+    *mut c_void,
+) -> sys::ucs_log_func_rc_t;
+
+extern "C" {
+    /// C's `vsnprintf`, its `va_list` taken as a pointer as in [`Handler`].
+    fn vsnprintf(buf: *mut c_char, len: usize, format: *const c_char, ap: *mut c_void) -> c_int;
+}
+
 /// Puts [`handler`] ahead of UCX's log handlers, once per process. UCX calls the handlers
 /// pushed last first.
 pub(crate) fn install() {
     static ONCE: Once = Once::new();
-    // SAFETY: `handler` has the signature UCX expects and lives as long as the process.
-    ONCE.call_once(|| unsafe { sys::ucs_log_push_handler(Some(handler)) });
+    // SAFETY: the two function pointer types differ only in how they spell the va_list
+    // parameter, which both pass the same way ([`Handler`]).
+    let f = unsafe { std::mem::transmute::<Option<Handler>, sys::ucs_log_func_t>(Some(handler)) };
+    // SAFETY: `handler` lives as long as the process.
+    ONCE.call_once(|| unsafe { sys::ucs_log_push_handler(f) });
 }
 
 /// Runs `f` (a close of a failed endpoint) with UCX's flush errors on this thread sent to
@@ -65,7 +90,7 @@ unsafe extern "C" fn handler(
     level: sys::ucs_log_level_t,
     _comp: *const sys::ucs_log_component_config_t,
     format: *const c_char,
-    ap: *mut sys::__va_list_tag,
+    ap: *mut c_void,
 ) -> sys::ucs_log_func_rc_t {
     if !QUIET.try_with(Cell::get).unwrap_or(false) || file.is_null() || format.is_null() {
         return sys::UCS_LOG_FUNC_RC_CONTINUE;
@@ -78,7 +103,7 @@ unsafe extern "C" fn handler(
     let mut buf = [0 as c_char; 256];
     // SAFETY: `format` and `ap` are the message UCX logs (UCX starts `ap` afresh for each
     // handler); vsnprintf writes at most buf.len() bytes, NUL included.
-    let n = unsafe { sys::vsnprintf(buf.as_mut_ptr(), buf.len() as _, format, ap) };
+    let n = unsafe { vsnprintf(buf.as_mut_ptr(), buf.len(), format, ap) };
     let text = if n < 0 {
         fmt.to_string_lossy()
     } else {

@@ -248,6 +248,12 @@ static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// The buffers of operations UCX still has not completed then are leaked, not freed: the
 /// peer may yet read them (a rendezvous send) or write them (a receive it is filling).
 ///
+/// An endpoint dropped on the connecting side of a listener connection stays with its
+/// worker for up to about a second after its last handle is gone, until its peer has
+/// closed first (see [`crate::Endpoint::close`]); it counts in
+/// [`Worker::parked_requests`]. A worker dropped meanwhile closes it at once, the
+/// connecting side first.
+///
 /// **Several workers in one process.** UCX (1.13, the same code in 1.22) keeps a socket
 /// event it could not deliver at once under the socket's fd number; when a connection dies
 /// in one worker while another worker of the same process opens a socket, the fd can be
@@ -322,9 +328,10 @@ impl Worker {
     }
 
     /// Operations whose futures were dropped while UCX still owned their buffers, and
-    /// closes of endpoints dropped without [`crate::Endpoint::close`], still running.
+    /// closes of endpoints dropped without [`crate::Endpoint::close`], still running
+    /// (those waiting for their peer to close first included).
     pub fn parked_requests(&self) -> usize {
-        self.shared.inner.locked(|st| st.parked)
+        self.shared.inner.locked(|st| st.parked + st.lingering())
     }
 
     /// The raw handle: valid while this worker (or a clone, endpoint or listener of it)
@@ -461,13 +468,29 @@ pub(crate) const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
 
 /// An endpoint whose last handle was dropped, waiting for its peer to close first
 /// ([`State::linger`]).
-struct Linger {
-    id: u64,
+pub(crate) struct Linger {
     /// The flush posted before the close-first notice, while it runs.
     flush: Option<request::Request>,
-    /// When it is closed anyway.
-    until: Instant,
 }
+
+/// Lingering endpoints, for the worker lock's holder to move on cheaply: the ones with
+/// news (flush finished, endpoint failed) listed, the deadlines in order (all waits are
+/// equal), the clock read only now and then.
+#[derive(Default)]
+struct Lingering {
+    /// Endpoints still lingering.
+    live: usize,
+    /// (deadline, endpoint), oldest first; may name endpoints no longer lingering.
+    deadlines: std::collections::VecDeque<(Instant, u64)>,
+    /// Endpoints whose flush finished or which failed since they were last looked at.
+    news: Vec<u64>,
+    /// Progress calls since the clock was last read for the deadlines.
+    ticks: u32,
+}
+
+/// While endpoints linger: every how many progress calls the deadlines are checked (the
+/// driver also checks before it sleeps).
+const LINGER_CLOCK_EVERY: u32 = 64;
 
 /// Per-endpoint bookkeeping, under the worker lock.
 pub(crate) struct EpState {
@@ -499,6 +522,11 @@ pub(crate) struct EpState {
     /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
     /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
     pub(crate) closing: bool,
+    /// UCX reported the endpoint failed (its lanes are dead): closing it makes UCX log
+    /// flush errors, which go to `tracing` ([`ucx_log::quietly`]).
+    lanes_failed: bool,
+    /// Dropped on the connecting side, waiting for the peer to close first.
+    linger: Option<Linger>,
 }
 
 impl EpState {
@@ -518,6 +546,8 @@ impl EpState {
             data_out: 0,
             deferred_close: None,
             closing: false,
+            lanes_failed: false,
+            linger: None,
             stream_waiters: Vec::new(),
             endpoint: std::sync::Weak::new(),
         }
@@ -629,7 +659,7 @@ pub(crate) struct State {
     close_first: Vec<u64>,
     /// Endpoints dropped on the connecting side, waiting for their peer to close first
     /// ([`State::linger`]).
-    lingering: Vec<Linger>,
+    lingering: Lingering,
     pub(crate) connects: IdMap<u64, HsWait>,
     pub(crate) accepts: IdMap<usize, HsWait>,
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
@@ -664,7 +694,7 @@ impl State {
             next_id: 1,
             failed: Vec::new(),
             close_first: Vec::new(),
-            lingering: Vec::new(),
+            lingering: Lingering::default(),
             connects: IdMap::default(),
             accepts: IdMap::default(),
             outbox: Vec::new(),
@@ -792,6 +822,11 @@ impl State {
             // Failed in peer mode: closed forcibly.
             self.close_unwaited(id);
         }
+        if self.eps.get(&id).is_some_and(|e| e.linger.is_some()) {
+            // Most likely the peer closing, as asked.
+            self.lingering.news.push(id);
+            self.chores = true;
+        }
         self.after.kick();
     }
 
@@ -809,24 +844,24 @@ impl State {
         // Borrowed stream data still points into UCX's buffers of this endpoint: close
         // once it is all released (`release_stream_data`).
         let defer = e.data_out > 0;
-        let failed = e.failed.is_some();
+        let lanes_failed = e.lanes_failed;
         if defer {
             e.deferred_close = Some((h, force));
         }
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
-        (!defer).then(|| self.close_handle(h, force, failed))
+        (!defer).then(|| self.close_handle(h, force, lanes_failed))
     }
 
     /// `ucp_ep_close_nbx` on a handle already taken out of the tables. The flushing close
-    /// of an endpoint that has `failed` makes UCX log an error for each of its (dead)
-    /// lanes: those lines go to `tracing` ([`ucx_log::quietly`]).
-    fn close_handle(&mut self, h: sys::ucp_ep_h, force: bool, failed: bool) -> request::Posted {
+    /// of an endpoint whose `lanes_failed` (UCX reported it failed) makes UCX log an error
+    /// for each of its dead lanes: those lines go to `tracing` ([`ucx_log::quietly`]).
+    fn close_handle(&mut self, h: sys::ucp_ep_h, force: bool, lanes_failed: bool) -> request::Posted {
         let param = self.flagged_param(if force { sys::UCP_EP_CLOSE_FLAG_FORCE.0 as u32 } else { 0 });
         // SAFETY: h is a live endpoint of this worker, closed once (its handle was just
         // taken out of the table); the lock is held.
         let close = || unsafe { sys::ucp_ep_close_nbx(h, &param) };
-        let p = if failed { ucx_log::quietly(close) } else { close() };
+        let p = if lanes_failed { ucx_log::quietly(close) } else { close() };
         request::Posted::from_ptr(p, request::Completion::OK, false)
     }
 
@@ -843,8 +878,8 @@ impl State {
         e.data_out -= 1;
         if e.data_out == 0 {
             if let Some((h, force)) = e.deferred_close.take() {
-                let failed = e.failed.is_some();
-                let p = self.close_handle(h, force, failed);
+                let lanes_failed = e.lanes_failed;
+                let p = self.close_handle(h, force, lanes_failed);
                 self.finish_close(id, p);
             }
         }
@@ -871,89 +906,123 @@ impl State {
 
     /// For the last handle of endpoint `id` going away on the connecting side of a
     /// listener connection (handshake done, no peer error handling): the background
-    /// version of [`crate::Endpoint::close`]'s close-first exchange. Flushes, then (once
-    /// the flush is done, see [`State::tend_lingering`]) asks the peer to close first, and
-    /// keeps the endpoint's entry until the peer's disconnect fails it or
-    /// [`CLOSE_FIRST_WAIT`] passes; then closes it. (A `close()` given up on midway
-    /// lingers too: a second notice is harmless.) Returns false, having done nothing, for
-    /// an endpoint that cannot take part (closed, failed, in peer mode, stream data out):
-    /// the caller closes it at once.
+    /// version of [`crate::Endpoint::close`]'s close-first exchange. Flushes; once the
+    /// flush is done, asks the peer to close first; keeps the endpoint's entry until the
+    /// peer's disconnect fails it or [`CLOSE_FIRST_WAIT`] passes (checked after progress
+    /// calls, within [`LINGER_CLOCK_EVERY`] of them or before the driver sleeps), and
+    /// then closes it. As with `close()`, the peer's pending receives on its end fail with
+    /// `ConnectionReset`. (A `close()` given up on midway lingers too: a second notice is
+    /// harmless.) Returns false, having done nothing, for an endpoint that cannot take
+    /// part (closed, failed, in peer mode, stream data out): the caller closes it at once.
     pub(crate) fn linger(&mut self, id: u64) -> bool {
         let Some(e) = self.eps.get(&id) else { return false };
-        if e.handle.is_null() || e.failed.is_some() || e.peer_mode || e.data_out > 0 {
+        if e.handle.is_null() || e.failed.is_some() || e.peer_mode || e.data_out > 0 || e.linger.is_some() {
             return false;
         }
         let h = e.handle;
-        let param = self.flagged_param(0);
-        // SAFETY: h is a live endpoint of this worker; the lock is held.
+        let mut param = self.flagged_param(0);
+        param.cb.send = Some(request::linger_flush_cb);
+        // SAFETY: h is a live endpoint of this worker; the lock is held. The callback finds
+        // the endpoint through the request's binding, made before any progress call.
         let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
         let flush = match request::Posted::from_ptr(p, request::Completion::OK, false) {
-            request::Posted::Pending(r) => Some(r),
+            request::Posted::Pending(r) => {
+                r.bind(self, id, OpKind::Finish);
+                Some(r)
+            }
             request::Posted::Done(c) if c.status().is_ok() => {
                 self.send_notice(h, Kind::CloseFirst, false, 0);
                 None
             }
             request::Posted::Done(_) => return false,
         };
-        self.lingering.push(Linger { id, flush, until: Instant::now() + CLOSE_FIRST_WAIT });
+        if let Some(e) = self.eps.get_mut(&id) {
+            e.linger = Some(Linger { flush });
+        }
+        self.lingering.live += 1;
+        self.lingering.deadlines.push_back((Instant::now() + CLOSE_FIRST_WAIT, id));
         self.chores = true;
         true
     }
 
-    /// Moves the lingering endpoints on: one whose flush finished sends its close-first
-    /// notice; one that failed (the peer closed, as asked), whose flush failed, or whose
-    /// time is up is closed and forgotten.
-    fn tend_lingering(&mut self, now: Instant) {
-        let mut i = 0;
-        while i < self.lingering.len() {
-            let id = self.lingering[i].id;
-            let (alive, h) = match self.eps.get(&id) {
-                Some(e) => (e.failed.is_none() && !e.handle.is_null(), e.handle),
-                None => (false, std::ptr::null_mut()),
-            };
-            let mut done = !alive || now >= self.lingering[i].until;
-            if !done {
-                if let Some(r) = self.lingering[i].flush.take() {
-                    match r.take_if_done(self) {
-                        Ok(c) if c.status().is_ok() => self.send_notice(h, Kind::CloseFirst, false, 0),
-                        Ok(_) => done = true,
-                        Err(r) => self.lingering[i].flush = Some(r),
-                    }
+    /// After a progress call while endpoints linger: moves on the ones with news, and
+    /// now and then closes those whose time is up.
+    fn tend_lingering(&mut self) {
+        for id in std::mem::take(&mut self.lingering.news) {
+            self.advance_linger(id);
+        }
+        self.lingering.ticks = self.lingering.ticks.wrapping_add(1);
+        if self.lingering.ticks % LINGER_CLOCK_EVERY == 0 {
+            self.end_overdue_lingering(Instant::now());
+        }
+    }
+
+    /// A lingering endpoint whose flush finished sends its close-first notice; one that
+    /// failed (the peer closed, as asked) or whose flush failed is closed.
+    fn advance_linger(&mut self, id: u64) {
+        let Some(e) = self.eps.get_mut(&id) else { return };
+        let Some(l) = e.linger.as_mut() else { return };
+        if e.failed.is_some() || e.handle.is_null() {
+            return self.end_linger(id);
+        }
+        let h = e.handle;
+        let Some(r) = l.flush.take() else { return };
+        match r.take_if_done(self) {
+            Ok(c) if c.status().is_ok() => self.send_notice(h, Kind::CloseFirst, false, 0),
+            Ok(_) => self.end_linger(id),
+            Err(r) => {
+                if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
+                    l.flush = Some(r);
                 }
-            }
-            if done {
-                let l = self.lingering.swap_remove(i);
-                self.end_linger(l);
-            } else {
-                i += 1;
             }
         }
     }
 
-    /// Closes a lingering endpoint now and forgets it (its handle is gone).
-    fn end_linger(&mut self, l: Linger) {
+    /// Closes the lingering endpoints whose deadline is before `now`. Called by the driver
+    /// before it sleeps, too.
+    pub(crate) fn end_overdue_lingering(&mut self, now: Instant) {
+        while let Some(&(until, id)) = self.lingering.deadlines.front() {
+            if until > now {
+                break;
+            }
+            self.lingering.deadlines.pop_front();
+            self.end_linger(id);
+        }
+    }
+
+    /// Closes lingering endpoint `id` now and forgets it (its handle is gone); nothing if
+    /// it no longer lingers.
+    fn end_linger(&mut self, id: u64) {
+        let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.take()) else { return };
+        self.lingering.live -= 1;
         if let Some(r) = l.flush {
             self.release(request::Posted::Pending(r));
         }
-        self.close_unwaited(l.id);
-        self.eps.remove(&l.id);
-    }
-
-    /// The peer of endpoint `ep` refused a notice (a ucxkit without `CloseFirst`): a
-    /// lingering endpoint there stops waiting for it.
-    fn notice_refused(&mut self, ep: sys::ucp_ep_h) {
-        let Some(&id) = self.by_handle.get(&(ep as usize)) else { return };
-        if let Some(l) = self.lingering.iter_mut().find(|l| l.id == id) {
-            l.until = Instant::now();
-            self.chores = true;
-        }
+        self.close_unwaited(id);
+        self.eps.remove(&id);
     }
 
     /// Closes every lingering endpoint at once (the worker is going away).
     fn end_all_lingering(&mut self) {
-        for l in std::mem::take(&mut self.lingering) {
-            self.end_linger(l);
+        for (_, id) in std::mem::take(&mut self.lingering.deadlines) {
+            self.end_linger(id);
         }
+    }
+
+    /// Whether endpoints linger (for the driver).
+    pub(crate) fn any_lingering(&self) -> bool {
+        self.lingering.live > 0
+    }
+
+    /// Endpoints still lingering.
+    pub(crate) fn lingering(&self) -> usize {
+        self.lingering.live
+    }
+
+    /// For [`request::linger_flush_cb`]: the flush of lingering endpoint `id` finished.
+    pub(crate) fn linger_flushed(&mut self, id: u64) {
+        self.lingering.news.push(id);
+        self.chores = true;
     }
 
     /// Sends a handshake notice of `kind` (after the handshake) on `ep`.
@@ -1147,6 +1216,9 @@ impl WorkerInner {
         }
         if !st.failed.is_empty() {
             for (id, status) in std::mem::take(&mut st.failed) {
+                if let Some(e) = st.eps.get_mut(&id) {
+                    e.lanes_failed = true;
+                }
                 st.fail_ep(id, status, false);
             }
         }
@@ -1158,12 +1230,12 @@ impl WorkerInner {
                 st.close_unwaited(id);
             }
         }
-        if !st.lingering.is_empty() {
-            st.tend_lingering(Instant::now());
+        if st.lingering.live > 0 {
+            st.tend_lingering();
         }
         // Replies and failures are handled; probes wait for an event, lingering endpoints
-        // for their peer's close or their deadline.
-        st.chores = !st.probe_waiters.is_empty() || !st.lingering.is_empty();
+        // for their flush, their peer's close or their deadline.
+        st.chores = !st.probe_waiters.is_empty() || st.lingering.live > 0;
     }
 
     /// Arms the worker's event fd (`ucp_worker_arm`). OK: armed, the fd signals the next
@@ -1478,9 +1550,6 @@ unsafe extern "C" fn handshake_am_cb(
                     if let Some(k) = w.waker.take() {
                         st.after.wake(k);
                     }
-                } else if matches!(m.kind, Kind::Nack(_)) && !reply_ep.is_null() {
-                    // The answer to a notice a peer did not understand.
-                    st.notice_refused(reply_ep);
                 } else {
                     tracing::debug!(nonce = m.nonce, "handshake reply for no pending connect");
                 }
