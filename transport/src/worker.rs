@@ -254,13 +254,17 @@ static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// [`Worker::parked_requests`]. A worker dropped meanwhile closes it at once, the
 /// connecting side first.
 ///
-/// **Several workers in one process.** UCX (1.13, the same code in 1.22) keeps a socket
-/// event it could not deliver at once under the socket's fd number; when a connection dies
-/// in one worker while another worker of the same process opens a socket, the fd can be
-/// reused before the event is handled, and a UCX built with assertions (Debian's is)
-/// aborts the process (`async.c: handler->async == async`). One worker per process, the
-/// usual layout, never meets it; workers in one process whose connections may fail should
-/// not open connections at the same moment.
+/// **Several workers in one process, UCX before 1.18.** UCX keeps a socket event it could
+/// not deliver at once under the socket's fd number, and before 1.18 removing the socket's
+/// handler did not drop that event; when a connection dies in one worker while another
+/// worker of the same process opens a socket, the fd can be reused before the event is
+/// handled, and a UCX built with assertions (Debian's 1.13 is) aborts the process
+/// (`async.c: handler->async == async`; without assertions, the other worker's handler
+/// runs unsynchronized). UCX 1.18 and later purge the event on removal. One worker per
+/// process, the usual layout, never meets it; on older UCX, workers in one process whose
+/// connections may fail should not open connections at the same moment. (Accepted
+/// endpoints are created on their listener's worker, so UCX never moves a socket between
+/// workers, which would meet it too.)
 #[derive(Clone)]
 pub struct Worker {
     pub(crate) shared: Arc<WorkerShared>,
