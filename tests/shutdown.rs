@@ -1,7 +1,9 @@
-//! Shutting down without explicit closes: endpoints dropped, then their workers at once.
-//! Each close must finish before its worker is destroyed, with no error or leak report
-//! from UCX. UCX reports to stderr, so the scenario runs in a child process (this test
-//! binary again, with `UCXKIT_SHUTDOWN_CHILD` set) whose stderr the parent reads.
+//! Closing and shutting down, as UCX reports them: endpoints dropped, then their workers
+//! at once (each close must finish before its worker is destroyed, with no error or leak
+//! report from UCX); connections closed every ordinary way (no UCX error lines); a
+//! dropped endpoint whose peer never answers (closed when its wait is up). UCX and
+//! ucxkit's `tracing` write to the process's output, so each scenario runs in a child
+//! process (this test binary again, with a variable set) whose output the parent reads.
 
 #![forbid(unsafe_code)]
 
@@ -53,15 +55,7 @@ async fn shutdown_child() {
 #[test]
 fn drop_without_close_is_clean() {
     let t = Instant::now();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "shutdown_child", "--ignored", "--nocapture"])
-        .env("UCXKIT_SHUTDOWN_CHILD", "1")
-        .output()
-        .unwrap();
-    // UCX logs to stdout unless told otherwise.
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "child failed: {}\n{text}", out.status);
-    assert!(text.contains("1 passed"), "the child ran nothing:\n{text}");
+    let text = child("shutdown_child", "UCXKIT_SHUTDOWN_CHILD");
     let reports: Vec<&str> =
         text.lines().filter(|l| l.contains("UCX  ERROR") || l.contains("UCX  WARN")).collect();
     assert!(reports.is_empty(), "UCX reported problems at shutdown:\n{}", reports.join("\n"));
@@ -69,6 +63,21 @@ fn drop_without_close_is_clean() {
     // closes before it gives up (the child takes about 0.1 s when none is).
     let took = t.elapsed();
     assert!(took < Duration::from_millis(1500), "the child took {took:?}: a close was waited out");
+}
+
+/// Runs the child test `name` (this test binary again, with `env` set) and returns its
+/// stdout and stderr, having checked that it ran and passed.
+fn child(name: &str, env: &str) -> String {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--nocapture"])
+        .env(env, "1")
+        .output()
+        .unwrap();
+    // UCX logs to stdout unless told otherwise.
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child failed: {}\n{text}", out.status);
+    assert!(text.contains("1 passed"), "the child ran nothing:\n{text}");
+    text
 }
 
 /// The child of `closes_are_quiet`: per transport, connections through a listener closed
@@ -129,19 +138,67 @@ async fn close_child() {
 /// output instead (and show up there, so the scenario did produce them).
 #[test]
 fn closes_are_quiet() {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "close_child", "--ignored", "--nocapture"])
-        .env("UCXKIT_CLOSE_CHILD", "1")
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "child failed: {}\n{text}", out.status);
-    assert!(text.contains("1 passed"), "the child ran nothing:\n{text}");
+    let text = child("close_child", "UCXKIT_CLOSE_CHILD");
     let reports: Vec<&str> =
         text.lines().filter(|l| l.contains("UCX  ERROR") || l.contains("UCX  WARN")).collect();
     assert!(reports.is_empty(), "UCX reported problems on close:\n{}", reports.join("\n"));
     assert!(
         text.contains("closing a failed endpoint: req"),
         "no UCX flush error reached tracing: the scenario no longer closes a failed endpoint\n{text}"
+    );
+}
+
+/// The child of `a_silent_peer_is_closed_at_the_deadline`: the accepting worker runs on a
+/// thread of its own, which stops progressing it once the connection is made; the
+/// connecting side drops its endpoint, which waits for the peer to close first, and is
+/// closed when the wait is up. ucxkit's `tracing` output (debug) goes to stderr.
+#[tokio::test]
+#[ignore = "the child half of a_silent_peer_is_closed_at_the_deadline; the parent runs it"]
+async fn silent_peer_child() {
+    if std::env::var_os("UCXKIT_SILENT_PEER_CHILD").is_none() {
+        return;
+    }
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(tracing_subscriber::EnvFilter::new("ucxkit_transport=debug"))
+        .init();
+    let c = ctx("posix,cma,tcp,self");
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (resume_tx, resume_rx) = std::sync::mpsc::channel::<()>();
+    let server_ctx = c.clone();
+    let server = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let w = server_ctx.create_worker().unwrap();
+            let l = w.listen(loopback()).unwrap();
+            addr_tx.send(l.local_addr()).unwrap();
+            let acc = l.accept().await.unwrap();
+            // The only thread that progresses this worker blocks: the peer is silent.
+            resume_rx.recv().unwrap();
+            drop((acc, l, w));
+        });
+    });
+    // Blocking this runtime's thread is harmless here: nothing of it runs yet.
+    let addr = addr_rx.recv().unwrap();
+    let w = c.create_worker().unwrap();
+    let ep = tokio::time::timeout(Duration::from_secs(20), w.connect(addr)).await.unwrap().unwrap();
+    drop(ep);
+    assert_eq!(w.parked_requests(), 1, "the dropped endpoint waits for its peer");
+    // Past the one second wait, with the driver's fallback wake-ups to notice it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    resume_tx.send(()).unwrap();
+    drop(w);
+    server.join().unwrap();
+}
+
+/// A dropped endpoint whose peer never closes first is closed once the wait is up, with
+/// no event from the peer to prompt it.
+#[test]
+fn a_silent_peer_is_closed_at_the_deadline() {
+    let text = child("silent_peer_child", "UCXKIT_SILENT_PEER_CHILD");
+    assert!(
+        text.contains("the peer did not close first in time"),
+        "the dropped endpoint was not closed at its deadline:\n{text}"
     );
 }

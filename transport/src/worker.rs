@@ -967,13 +967,16 @@ impl State {
         let Some(e) = self.eps.get_mut(&id) else { return };
         let Some(l) = e.linger.as_mut() else { return };
         if e.failed.is_some() || e.handle.is_null() {
-            return self.end_linger(id);
+            self.end_linger(id);
+            return;
         }
         let h = e.handle;
         let Some(r) = l.flush.take() else { return };
         match r.take_if_done(self) {
             Ok(c) if c.status().is_ok() => self.send_notice(h, Kind::CloseFirst, false, 0),
-            Ok(_) => self.end_linger(id),
+            Ok(_) => {
+                self.end_linger(id);
+            }
             Err(r) => {
                 if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
                     l.flush = Some(r);
@@ -990,20 +993,26 @@ impl State {
                 break;
             }
             self.lingering.deadlines.pop_front();
-            self.end_linger(id);
+            if self.end_linger(id) {
+                tracing::debug!(
+                    ep = id,
+                    "the peer did not close first in time: closing the dropped endpoint"
+                );
+            }
         }
     }
 
-    /// Closes lingering endpoint `id` now and forgets it (its handle is gone); nothing if
-    /// it no longer lingers.
-    fn end_linger(&mut self, id: u64) {
-        let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.take()) else { return };
+    /// Closes lingering endpoint `id` now and forgets it (its handle is gone); nothing
+    /// (false) if it no longer lingers.
+    fn end_linger(&mut self, id: u64) -> bool {
+        let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.take()) else { return false };
         self.lingering.live -= 1;
         if let Some(r) = l.flush {
             self.release(request::Posted::Pending(r));
         }
         self.close_unwaited(id);
         self.eps.remove(&id);
+        true
     }
 
     /// Closes every lingering endpoint at once (the worker is going away).
