@@ -4,6 +4,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod netns;
+
 use std::net::SocketAddr;
 
 use ucxkit::transport::{Context, Endpoint, EndpointOptions, ErrorMode, ProgressMode, Worker};

@@ -1,0 +1,208 @@
+//! Hosts for multi-host tests on one machine: network namespaces joined by a veth pair,
+//! made by the test and removed when the rig is dropped (also when the test fails), and
+//! processes started inside them (`ip netns exec`), killed when their handle is dropped.
+
+use std::io::{BufRead, BufReader};
+use std::net::IpAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Two namespaces, `a` and `b`, each with loopback up and one end of a veth pair,
+/// addressed `10.213.N.1` and `10.213.N.2` (/24).
+pub struct TwoHosts {
+    pub a: String,
+    pub b: String,
+    pub addr_a: IpAddr,
+    pub addr_b: IpAddr,
+    /// The veth device in each namespace (UCX's device name there).
+    pub dev_a: String,
+    pub dev_b: String,
+}
+
+/// Runs `ip` with `args`; an error names the command and what it printed.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("running ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Whether this process may create network namespaces (root, `ip` present).
+pub fn available() -> Result<(), String> {
+    let probe = format!("ucxk{}p", std::process::id());
+    ip(&["netns", "add", &probe])?;
+    ip(&["netns", "del", &probe])
+}
+
+impl TwoHosts {
+    /// Makes the two namespaces and the link between them.
+    pub fn new() -> Result<TwoHosts, String> {
+        let pid = std::process::id();
+        // Distinct per process, so that test processes running at once do not collide
+        // (interface names have at most 15 characters).
+        let net = 1 + pid % 250;
+        let hosts = TwoHosts {
+            a: format!("ucxk{pid}a"),
+            b: format!("ucxk{pid}b"),
+            addr_a: format!("10.213.{net}.1").parse().unwrap(),
+            addr_b: format!("10.213.{net}.2").parse().unwrap(),
+            dev_a: format!("uk{pid}a"),
+            dev_b: format!("uk{pid}b"),
+        };
+        // From here on, Drop removes whatever was made.
+        ip(&["netns", "add", &hosts.a])?;
+        ip(&["netns", "add", &hosts.b])?;
+        ip(&[
+            "link",
+            "add",
+            &hosts.dev_a,
+            "netns",
+            &hosts.a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &hosts.dev_b,
+            "netns",
+            &hosts.b,
+        ])?;
+        for (ns, dev, addr) in
+            [(&hosts.a, &hosts.dev_a, hosts.addr_a), (&hosts.b, &hosts.dev_b, hosts.addr_b)]
+        {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+        }
+        // UCX leaves out devices that are not up yet when a context opens them: wait until
+        // both ends report their carrier.
+        for (ns, dev) in [(&hosts.a, &hosts.dev_a), (&hosts.b, &hosts.dev_b)] {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let out = Command::new("ip")
+                    .args(["-n", ns, "link", "show", dev])
+                    .output()
+                    .map_err(|e| format!("running ip: {e}"))?;
+                if String::from_utf8_lossy(&out.stdout).contains("state UP") {
+                    break;
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(format!("{dev} in {ns} did not come up"));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        Ok(hosts)
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes the veth end in it, and with it the pair.
+        for ns in [&self.a, &self.b] {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+/// A process in a namespace, its stdout read line by line; killed when dropped.
+pub struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    /// Everything read so far, for error messages.
+    pub seen: Vec<String>,
+}
+
+impl Proc {
+    /// Runs the child test `name` of this test binary in namespace `ns`, with `env` set.
+    /// Its stderr goes to the test's.
+    pub fn child_test(ns: &str, name: &str, env: &[(&str, String)]) -> Proc {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns])
+            .arg(exe)
+            .args(["--exact", name, "--ignored", "--nocapture", "--test-threads", "1"])
+            .stdout(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("starting a process in a namespace");
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc { child, lines, seen: Vec::new() }
+    }
+
+    /// Waits (at most `limit`) for a line holding `marker` and returns what follows it
+    /// (the test harness may print its own words first on the line).
+    pub fn expect_line(&mut self, marker: &str, limit: Duration) -> Result<String, String> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if let Some(at) = line.find(marker) {
+                        return Ok(line[at + marker.len()..].trim().to_string());
+                    }
+                }
+                Err(_) => {
+                    return Err(format!(
+                        "no line with {marker:?} within {limit:?}; output so far:\n{}",
+                        self.seen.join("\n")
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits (at most `limit`) for the process to exit; its success, and the rest of its
+    /// output.
+    pub fn finish(&mut self, limit: Duration) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
+                // The reader thread has the last lines.
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                    self.seen.push(line);
+                }
+                return if status.success() {
+                    Ok(())
+                } else {
+                    Err(format!("exited with {status}; output:\n{}", self.seen.join("\n")))
+                };
+            }
+            if std::time::Instant::now() >= deadline {
+                self.kill();
+                return Err(format!("still running after {limit:?}; output:\n{}", self.seen.join("\n")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.kill();
+        }
+    }
+}
