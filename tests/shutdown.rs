@@ -165,6 +165,7 @@ async fn silent_peer_child() {
         .init();
     let c = ctx("posix,cma,tcp,self");
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (connected_tx, connected_rx) = tokio::sync::oneshot::channel::<()>();
     let (resume_tx, resume_rx) = std::sync::mpsc::channel::<()>();
     let server_ctx = c.clone();
     let server = std::thread::spawn(move || {
@@ -174,7 +175,11 @@ async fn silent_peer_child() {
             let l = w.listen(loopback()).unwrap();
             addr_tx.send(l.local_addr()).unwrap();
             let acc = l.accept().await.unwrap();
-            // The only thread that progresses this worker blocks: the peer is silent.
+            // Progressing until the client has its answer (UCX may need this side's
+            // progress to deliver it)...
+            let _ = connected_rx.await;
+            // ...then the only thread that progresses this worker blocks: the peer is
+            // silent.
             resume_rx.recv().unwrap();
             drop((acc, l, w));
         });
@@ -183,6 +188,9 @@ async fn silent_peer_child() {
     let addr = addr_rx.recv().unwrap();
     let w = c.create_worker().unwrap();
     let ep = tokio::time::timeout(Duration::from_secs(20), w.connect(addr)).await.unwrap().unwrap();
+    connected_tx.send(()).unwrap();
+    // Let the server thread reach its block first.
+    tokio::time::sleep(Duration::from_millis(50)).await;
     drop(ep);
     assert_eq!(w.parked_requests(), 1, "the dropped endpoint waits for its peer");
     // Past the one second wait, with the driver's fallback wake-ups to notice it.

@@ -529,6 +529,8 @@ pub(crate) struct EpState {
     /// UCX reported the endpoint failed (its lanes are dead): closing it makes UCX log
     /// flush errors, which go to `tracing` ([`ucx_log::quietly`]).
     lanes_failed: bool,
+    /// Failed because ucxkit saw the peer process exit, UCX not knowing.
+    peer_exited: bool,
     /// Dropped on the connecting side, waiting for the peer to close first.
     linger: Option<Linger>,
 }
@@ -551,6 +553,7 @@ impl EpState {
             deferred_close: None,
             closing: false,
             lanes_failed: false,
+            peer_exited: false,
             linger: None,
             stream_waiters: Vec::new(),
             endpoint: std::sync::Weak::new(),
@@ -799,6 +802,7 @@ impl State {
         let Some(e) = self.eps.get_mut(&id) else { return };
         if e.failed.is_none() {
             e.failed = Some(status);
+            e.peer_exited = peer_exited;
         }
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         tracing::debug!(ep = id, %status, "endpoint failed");
@@ -1008,7 +1012,11 @@ impl State {
         let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.take()) else { return false };
         self.lingering.live -= 1;
         if let Some(r) = l.flush {
-            self.release(request::Posted::Pending(r));
+            // Parked, not given back: a worker being destroyed then waits for it, as UCX
+            // requires of every request it still runs.
+            if let Err(r) = r.take_if_done(self) {
+                self.park(request::Posted::Pending(r), Box::new(()));
+            }
         }
         self.close_unwaited(id);
         self.eps.remove(&id);
@@ -1047,10 +1055,12 @@ impl State {
     /// Lets the close request of endpoint `id` that nobody waits for finish in the
     /// background ([`request::park_close`]), so that destroying the worker does not cut
     /// it off inside UCX, which reports such a close as failed and its request as leaked.
-    /// The flushing close of an endpoint that failed without peer error handling may
-    /// never finish: that one is released to UCX at once instead.
+    /// The flushing close of an endpoint whose peer process ucxkit saw exit, without peer
+    /// error handling (UCX does not know), may never finish: that one is released to UCX
+    /// at once instead. Other failed endpoints' closes finish: UCX discards lanes it
+    /// found dead, and a peer that asked to be closed first waits for the disconnect.
     pub(crate) fn finish_close(&mut self, id: u64, posted: request::Posted) {
-        let hopeless = self.eps.get(&id).is_some_and(|e| e.failed.is_some() && !e.peer_mode);
+        let hopeless = self.eps.get(&id).is_some_and(|e| e.peer_exited && !e.peer_mode);
         match posted {
             request::Posted::Pending(r) if !hopeless && !r.is_done(self) => {
                 // SAFETY: a pending close request of ours, under the lock.
