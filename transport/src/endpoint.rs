@@ -31,9 +31,13 @@ pub(crate) struct EndpointInner {
 }
 
 impl EndpointInner {
-    /// Whether the handshake told who the peer is (it is ucxkit).
-    fn identity_known(&self) -> bool {
-        self.identity.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    /// Whether closing this endpoint lets the peer close first (see
+    /// [`Endpoint::close`]): this side connected through a listener, with the handshake
+    /// (the peer is ucxkit), without peer error handling.
+    fn lets_peer_close_first(&self) -> bool {
+        matches!(self.peer, Peer::Socket(_))
+            && !self.peer_mode
+            && self.identity.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 }
 
@@ -43,10 +47,8 @@ impl Drop for EndpointInner {
             w.abort();
         }
         let id = self.id;
-        // The connecting side of a listener connection to a ucxkit peer lets the peer close
-        // first, as `Endpoint::close` does, but in the background.
-        let lets_peer_close =
-            matches!(self.peer, Peer::Socket(_)) && !self.peer_mode && self.identity_known();
+        // As `Endpoint::close` does, but in the background.
+        let lets_peer_close = self.lets_peer_close_first();
         let inner = &self.worker.shared.inner;
         let lingers = inner.locked(|st| {
             let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
@@ -694,14 +696,10 @@ impl Endpoint {
         }
     }
 
-    /// Whether [`Endpoint::close`] lets the peer close first: this side connected
-    /// through a listener, with the handshake (the peer is ucxkit), without peer error
-    /// handling, and the endpoint still works.
+    /// Whether [`Endpoint::close`] lets the peer close first: it may, and the endpoint
+    /// still works.
     fn closes_after_peer(&self) -> bool {
-        matches!(self.inner.peer, Peer::Socket(_))
-            && !self.inner.peer_mode
-            && self.peer_identity().is_some()
-            && self.failure().is_none()
+        self.inner.lets_peer_close_first() && self.failure().is_none()
     }
 
     /// Flushes, asks the peer to close its end first (`CloseFirst`) and waits until it

@@ -156,7 +156,7 @@ async fn sleep_once(
         while inner.progress_locked(st) != 0 {}
         // Dropped endpoints waiting for their peer to close first: their deadline passes
         // with no event to announce it (the fallback timer below brings the driver back).
-        if st.any_lingering() {
+        if st.lingering() > 0 {
             st.end_overdue_lingering(std::time::Instant::now());
         }
         // Probes (`tag_recv_any`) are woken when a progress call reports events; a

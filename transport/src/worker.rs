@@ -1030,11 +1030,6 @@ impl State {
         }
     }
 
-    /// Whether endpoints linger (for the driver).
-    pub(crate) fn any_lingering(&self) -> bool {
-        self.lingering.live > 0
-    }
-
     /// Endpoints still lingering.
     pub(crate) fn lingering(&self) -> usize {
         self.lingering.live
@@ -1253,7 +1248,9 @@ impl WorkerInner {
                 st.close_unwaited(id);
             }
         }
-        if st.lingering.live > 0 {
+        if st.lingering.live > 0 || !st.lingering.news.is_empty() {
+            // (News of an endpoint no longer lingering, its parked flush finishing, is
+            // dropped here.)
             st.tend_lingering();
         }
         // Replies and failures are handled; probes wait for an event, lingering endpoints
