@@ -4,8 +4,8 @@
 //! (target `ucxkit::ucx`, level debug) instead. Every other line goes to UCX's output as
 //! before.
 //!
-//! One such line today: closing an endpoint that has already failed (its peer closed
-//! first, or went away) flushes its lanes, which UCX has replaced by stubs that fail, and
+//! One such line today: closing an endpoint UCX has already failed (its peer closed
+//! first, or its connection broke) flushes its lanes, which UCX has replaced by stubs that fail, and
 //! UCX logs `error during flush: Endpoint timeout` for each lane unless the endpoint uses
 //! peer error handling (where UCX itself logs it at trace level). UCX 1.13 refuses a
 //! forced close without peer error handling, so that flushing close is the only way to
@@ -25,7 +25,7 @@ use std::sync::Once;
 use ucx_sys as sys;
 
 thread_local! {
-    /// Set while this thread closes an endpoint that has failed.
+    /// Set while this thread closes an endpoint UCX has failed.
     static QUIET: Cell<bool> = const { Cell::new(false) };
 }
 
@@ -59,7 +59,7 @@ pub(crate) fn install() {
     ONCE.call_once(|| unsafe { sys::ucs_log_push_handler(f) });
 }
 
-/// Runs `f` (a close of a failed endpoint) with UCX's flush errors on this thread sent to
+/// Runs `f` (a close of an endpoint UCX failed) with UCX's flush errors on this thread sent to
 /// `tracing` instead of UCX's output.
 pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> T {
     struct Reset(bool);
