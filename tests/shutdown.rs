@@ -126,7 +126,8 @@ async fn close_child() {
         let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
         let (acc, ep) = (acc.unwrap(), ep.unwrap());
         drop(ep);
-        assert_eq!(b.parked_requests(), 1, "{tls}: the dropped endpoint waits for its peer");
+        // (The close-first notice may be in flight too.)
+        assert!(b.parked_requests() >= 1, "{tls}: the dropped endpoint waits for its peer");
         drop(b);
         tokio::time::timeout(LIMIT, acc.failed()).await.expect(tls);
         tokio::time::timeout(LIMIT, acc.close()).await.expect(tls).expect(tls);
@@ -192,7 +193,7 @@ async fn silent_peer_child() {
     // Let the server thread reach its block first.
     tokio::time::sleep(Duration::from_millis(50)).await;
     drop(ep);
-    assert_eq!(w.parked_requests(), 1, "the dropped endpoint waits for its peer");
+    assert!(w.parked_requests() >= 1, "the dropped endpoint waits for its peer");
     // Past the one second wait, with the driver's fallback wake-ups to notice it.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     resume_tx.send(()).unwrap();
