@@ -5,11 +5,20 @@
 use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
+/// Distinguishes the rigs of one test process (its tests run in parallel).
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A name part unique to this process and call.
+fn unique() -> String {
+    format!("{}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
 /// Two namespaces, `a` and `b`, each with loopback up and one end of a veth pair,
-/// addressed `10.213.N.1` and `10.213.N.2` (/24).
+/// addressed `10.213.7.1` and `10.213.7.2` (/24).
 pub struct TwoHosts {
     pub a: String,
     pub b: String,
@@ -30,27 +39,35 @@ fn ip(args: &[&str]) -> Result<(), String> {
     }
 }
 
-/// Whether this process may create network namespaces (root, `ip` present).
+/// Whether this process may create network namespaces: `Err` with the reason when it
+/// lacks the privilege (not root). Any other failure (no `ip`, say) panics: the suite
+/// runs as root and must not skip these tests quietly.
 pub fn available() -> Result<(), String> {
-    let probe = format!("ucxk{}p", std::process::id());
-    ip(&["netns", "add", &probe])?;
-    ip(&["netns", "del", &probe])
+    let probe = format!("ucxk{}p", unique());
+    match ip(&["netns", "add", &probe]) {
+        Ok(()) => {
+            ip(&["netns", "del", &probe]).unwrap();
+            Ok(())
+        }
+        Err(e) if e.contains("Operation not permitted") || e.contains("Permission denied") => Err(e),
+        Err(e) => panic!("cannot make network namespaces: {e}"),
+    }
 }
 
 impl TwoHosts {
     /// Makes the two namespaces and the link between them.
     pub fn new() -> Result<TwoHosts, String> {
-        let pid = std::process::id();
-        // Distinct per process, so that test processes running at once do not collide
-        // (interface names have at most 15 characters).
-        let net = 1 + pid % 250;
+        // Names distinct per process and rig, so that tests running at once do not
+        // collide (interface names have at most 15 characters). The addresses may repeat:
+        // each pair of namespaces is a network of its own.
+        let u = unique();
         let hosts = TwoHosts {
-            a: format!("ucxk{pid}a"),
-            b: format!("ucxk{pid}b"),
-            addr_a: format!("10.213.{net}.1").parse().unwrap(),
-            addr_b: format!("10.213.{net}.2").parse().unwrap(),
-            dev_a: format!("uk{pid}a"),
-            dev_b: format!("uk{pid}b"),
+            a: format!("ucxk{u}a"),
+            b: format!("ucxk{u}b"),
+            addr_a: "10.213.7.1".parse().unwrap(),
+            addr_b: "10.213.7.2".parse().unwrap(),
+            dev_a: format!("uk{u}a"),
+            dev_b: format!("uk{u}b"),
         };
         // From here on, Drop removes whatever was made.
         ip(&["netns", "add", &hosts.a])?;
