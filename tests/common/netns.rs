@@ -54,9 +54,25 @@ pub fn available() -> Result<(), String> {
     }
 }
 
+/// Deletes the namespaces a test process left behind when it was killed before its rigs
+/// were dropped (`ucxk<pid>x...`, the process gone).
+fn remove_stale() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else { return };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(name) = line.split_whitespace().next() else { continue };
+        let Some(pid) = name.strip_prefix("ucxk").and_then(|r| r.split('x').next()) else { continue };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = ip(&["netns", "del", name]);
+        }
+    }
+}
+
 impl TwoHosts {
-    /// Makes the two namespaces and the link between them.
+    /// Makes the two namespaces and the link between them (first removing any that a
+    /// killed test process left).
     pub fn new() -> Result<TwoHosts, String> {
+        remove_stale();
         // Names distinct per process and rig, so that tests running at once do not
         // collide (interface names have at most 15 characters). The addresses may repeat:
         // each pair of namespaces is a network of its own.
