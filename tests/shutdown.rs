@@ -120,8 +120,22 @@ async fn close_child() {
                 tokio::time::timeout(LIMIT, second.close()).await.expect(&case).expect(&case);
             }
         }
-        // The connecting side drops its endpoint, which waits for the peer to close first,
-        // and at once its worker, which closes it without waiting.
+        // The connecting side drops its endpoint, which waits for the peer to close first
+        // and then closes (UCX has failed it by then: its flush errors are quieted).
+        let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
+        let (acc, ep) = (acc.unwrap(), ep.unwrap());
+        drop(ep);
+        tokio::time::timeout(LIMIT, acc.failed()).await.expect(tls);
+        tokio::time::timeout(LIMIT, async {
+            while b.parked_requests() > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect(tls);
+        tokio::time::timeout(LIMIT, acc.close()).await.expect(tls).expect(tls);
+        // Again, and at once its worker is dropped too, which closes the endpoint without
+        // waiting.
         let b = c.create_worker().unwrap();
         let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
         let (acc, ep) = (acc.unwrap(), ep.unwrap());
@@ -167,6 +181,7 @@ async fn silent_peer_child() {
     let c = ctx("posix,cma,tcp,self");
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (connected_tx, connected_rx) = tokio::sync::oneshot::channel::<()>();
+    let (blocked_tx, blocked_rx) = std::sync::mpsc::channel::<()>();
     let (resume_tx, resume_rx) = std::sync::mpsc::channel::<()>();
     let server_ctx = c.clone();
     let server = std::thread::spawn(move || {
@@ -181,6 +196,7 @@ async fn silent_peer_child() {
             let _ = connected_rx.await;
             // ...then the only thread that progresses this worker blocks: the peer is
             // silent.
+            blocked_tx.send(()).unwrap();
             resume_rx.recv().unwrap();
             drop((acc, l, w));
         });
@@ -190,8 +206,9 @@ async fn silent_peer_child() {
     let w = c.create_worker().unwrap();
     let ep = tokio::time::timeout(Duration::from_secs(20), w.connect(addr)).await.unwrap().unwrap();
     connected_tx.send(()).unwrap();
-    // Let the server thread reach its block first.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Blocking this thread until the server's blocks: nothing of this runtime needs to
+    // run meanwhile.
+    blocked_rx.recv().unwrap();
     drop(ep);
     assert!(w.parked_requests() >= 1, "the dropped endpoint waits for its peer");
     // Past the one second wait, with the driver's fallback wake-ups to notice it.

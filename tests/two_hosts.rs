@@ -56,6 +56,7 @@ async fn two_hosts_server() {
     println!("PORT {}", l.local_addr().port());
     let served = async {
         let ep = l.accept().await.unwrap();
+        assert!(!ep.is_watched(), "the client, on another host, is watched through a pidfd");
         let region = ctx.alloc(REGION).unwrap();
         ep.tag_send(KEY, region.pack_key().unwrap()).await.0.unwrap();
         loop {
@@ -91,12 +92,16 @@ async fn two_hosts_client() {
     let run = async {
         let mut b = Context::builder();
         if let Ok(t) = std::env::var("UCXKIT_TCP_USER_TIMEOUT") {
-            b = b.config("TCP_USER_TIMEOUT", t);
+            // Keepalive probes too, so that the timeout applies even with nothing
+            // unacknowledged in flight when the link goes.
+            b = b.config("TCP_USER_TIMEOUT", t).config("TCP_KEEPIDLE", "1s").config("TCP_KEEPINTVL", "1s");
         }
         let ctx = b.build().unwrap();
         let w = ctx.create_worker().unwrap();
         let ep = w.connect(server).await.unwrap();
         assert!(ep.uses_peer_error_mode(), "ErrorMode::Auto did not pick peer mode for a remote peer");
+        // Only UCX can notice the server's death: no pidfd watch across hosts.
+        assert!(!ep.is_watched(), "the server, on another host, is watched through a pidfd");
         let lanes = ep.lanes().unwrap();
         assert!(
             !lanes.is_empty() && lanes.iter().all(|l| l.transport == "tcp" && l.device == dev),
@@ -172,6 +177,7 @@ fn two_hosts_with(fault: Fault) {
         panic!("client: {e}\nserver output:\n{}", server.seen.join("\n"));
     }
     server.expect_line("SERVED", Duration::from_secs(10)).unwrap();
+    let t = std::time::Instant::now();
     match fault {
         Fault::Kill => server.kill(),
         Fault::LinkDown => {
@@ -183,7 +189,9 @@ fn two_hosts_with(fault: Fault) {
         }
     }
     client.finish(DEATH_BOUND + Duration::from_secs(20)).unwrap();
+    let took = t.elapsed();
     assert!(client.seen.iter().any(|l| l.contains("PEER-DEATH-OK")), "{}", client.seen.join("\n"));
+    eprintln!("two_hosts ({fault:?}): the client finished {took:?} after the fault");
     for l in client.seen.iter().filter(|l| l.contains("LANES") || l.contains("PEER-DEATH-OK")) {
         eprintln!("two_hosts ({fault:?}) client: {}", l.trim_start_matches("test two_hosts_client ... "));
     }

@@ -1,6 +1,7 @@
 //! Hosts for multi-host tests on one machine: network namespaces joined by a veth pair,
 //! made by the test and removed when the rig is dropped (also when the test fails), and
-//! processes started inside them (`ip netns exec`), killed when their handle is dropped.
+//! processes started inside them (`ip netns exec`, each in a PID namespace of its own),
+//! killed when their handle is dropped.
 
 use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
@@ -149,12 +150,14 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Runs the child test `name` of this test binary in namespace `ns`, with `env` set.
-    /// Its stderr goes to the test's.
+    /// Runs the child test `name` of this test binary in network namespace `ns` and a PID
+    /// namespace of its own (as on another machine, its peers cannot watch it through a
+    /// pidfd), with `env` set. Its stderr goes to the test's. Killing it kills `unshare`,
+    /// whose death kills the child (`--kill-child`).
     pub fn child_test(ns: &str, name: &str, env: &[(&str, String)]) -> Proc {
         let exe = std::env::current_exe().unwrap();
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns])
+        cmd.args(["netns", "exec", ns, "unshare", "--pid", "--fork", "--kill-child"])
             .arg(exe)
             .args(["--exact", name, "--ignored", "--nocapture", "--test-threads", "1"])
             .stdout(Stdio::piped());
@@ -213,8 +216,11 @@ impl Proc {
                 self.seen.push(line);
             }
             if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
-                // The reader thread has the last lines.
-                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                // The reader thread has the last lines; it ends at the pipe's end.
+                let until = std::time::Instant::now() + Duration::from_secs(10);
+                while let Ok(line) =
+                    self.lines.recv_timeout(until.saturating_duration_since(std::time::Instant::now()))
+                {
                     self.seen.push(line);
                 }
                 return if status.success() {

@@ -287,13 +287,14 @@ pub(crate) unsafe fn park_slot(slot: *mut Slot, keep: Box<dyn Any + Send>) {
     s.parked = Some(keep);
 }
 
-/// Parks a pending close request that nobody waits for: it counts in `State::parked`
-/// and is listed in `State::closes`, so that a worker being destroyed lets it finish
-/// (bounded), then gives back any still running ([`give_up_closes`]).
+/// Parks a pending close request that nobody waits for (or another request that owns no
+/// memory and may never finish: a lingering endpoint's flush): it counts in
+/// `State::parked` and is listed in `State::closes`, so that a worker being destroyed
+/// lets it finish (bounded), then gives back any still running ([`give_up_closes`]).
 ///
 /// # Safety
-/// `slot` is a pending close request of ours with nothing parked; the worker lock is
-/// held (`st` comes from it).
+/// `slot` is a pending request of ours that owns no memory, with nothing parked; the
+/// worker lock is held (`st` comes from it).
 pub(crate) unsafe fn park_close(st: &mut State, slot: *mut Slot) {
     // SAFETY: per contract.
     unsafe {

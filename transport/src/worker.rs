@@ -1012,10 +1012,12 @@ impl State {
         let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.take()) else { return false };
         self.lingering.live -= 1;
         if let Some(r) = l.flush {
-            // Parked, not given back: a worker being destroyed then waits for it, as UCX
-            // requires of every request it still runs.
+            // Parked with the closes, not given back: a worker being destroyed waits for
+            // it (bounded) as UCX requires of every request it still runs, then gives it
+            // up like a close that never finished.
             if let Err(r) = r.take_if_done(self) {
-                self.park(request::Posted::Pending(r), Box::new(()));
+                // SAFETY: a pending request of ours that owns no memory, under the lock.
+                unsafe { request::park_close(self, r.raw().cast::<Slot>()) }
             }
         }
         self.close_unwaited(id);
@@ -1234,6 +1236,9 @@ impl WorkerInner {
         }
         if !st.failed.is_empty() {
             for (id, status) in std::mem::take(&mut st.failed) {
+                // (A failure UCX reports during a bare progress loop, such as the drain in
+                // `fail_ep`, is marked here only at the next chores; a close in between
+                // prints UCX's flush errors.)
                 if let Some(e) = st.eps.get_mut(&id) {
                     e.lanes_failed = true;
                 }
