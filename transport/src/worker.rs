@@ -44,7 +44,11 @@ use crate::ucx_log;
 pub enum ErrorMode {
     /// The default: [`ErrorMode::None`] when the peer runs on this host (a local or
     /// loopback IP, or a worker address from this host), [`ErrorMode::Peer`] otherwise.
-    /// Both sides reach the same choice for the same connection.
+    /// Both sides reach the same choice for the same connection. An IP is local when it
+    /// is an address of this process's network namespace; a worker address when it comes
+    /// from the same machine (boot id): two network namespaces of one machine are remote
+    /// to each other by IP (TCP over their link) and local by worker address (shared
+    /// memory, which they share).
     #[default]
     Auto,
     /// `UCP_ERR_HANDLING_MODE_PEER`: UCX detects failed peers and fails their
