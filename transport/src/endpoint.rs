@@ -17,7 +17,7 @@ use crate::handshake::{Kind, Message};
 use crate::identity::ProcessIdentity;
 use crate::liveness::PidWatch;
 use crate::request::{Completion, Posted, Request};
-use crate::worker::{self, EndpointOptions, EpState, HsWait, State, Worker, CLOSE_FIRST_WAIT};
+use crate::worker::{self, EndpointOptions, EpState, HsWait, State, Worker};
 
 pub(crate) struct EndpointInner {
     pub(crate) worker: Worker,
@@ -51,6 +51,10 @@ impl Drop for EndpointInner {
         let lets_peer_close = self.lets_peer_close_first();
         let inner = &self.worker.shared.inner;
         let lingers = inner.locked(|st| {
+            if st.lingers(id) {
+                // A `close()` given up on while its peer closes first: it goes on.
+                return false;
+            }
             let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
             if open && lets_peer_close && st.linger(id) {
                 tracing::debug!(ep = id, "endpoint dropped without close(): the peer closes first");
@@ -656,7 +660,9 @@ impl Endpoint {
     /// On the connecting side of a connection made through a listener, with the
     /// handshake and without peer error handling, the peer closes its end first: this
     /// side flushes what it sent, asks the peer to close (a handshake notice), waits for
-    /// its disconnect (up to a second, then closes anyway), and closes. When the
+    /// its disconnect, and closes; after a second without it, this side closes anyway and
+    /// returns without waiting for that close to finish (it goes on in the background).
+    /// Dropping the last handle does the same in the background. When the
     /// connecting side disconnects first over shared memory, UCX (1.13 and 1.22 alike)
     /// keeps one socket of the connecting worker open until that worker is destroyed; a
     /// process that connects and closes again and again would run out of descriptors.
@@ -667,13 +673,19 @@ impl Endpoint {
     /// Safe to drop; the close continues in the background.
     pub async fn close(self) -> Result<()> {
         let id = self.inner.id;
-        self.worker_inner().locked(|st| {
+        let lets_peer_close = self.inner.lets_peer_close_first();
+        let inner = self.worker_inner();
+        let lingers = inner.locked(|st| {
             if let Some(e) = st.eps.get_mut(&id) {
                 e.closing = true;
             }
+            lets_peer_close && st.linger(id)
         });
-        if self.closes_after_peer() {
-            let _ = tokio::time::timeout(CLOSE_FIRST_WAIT, self.ask_peer_to_close_first()).await;
+        if lingers {
+            // The driver moves it on (the flush, the peer's disconnect, the deadline).
+            inner.signal.kick();
+            std::future::poll_fn(|cx| inner.locked(|st| st.wait_linger(id, cx.waker()))).await;
+            return Ok(());
         }
         let posted = self.worker_inner().locked(|st| {
             if st.eps.get(&id).is_some_and(|e| e.failed.is_some()) {
@@ -693,23 +705,6 @@ impl Endpoint {
                     Err(Error::from_op("close", &self.inner.peer, c.status()))
                 }
             }
-        }
-    }
-
-    /// Whether [`Endpoint::close`] lets the peer close first: it may, and the endpoint
-    /// still works.
-    fn closes_after_peer(&self) -> bool {
-        self.inner.lets_peer_close_first() && self.failure().is_none()
-    }
-
-    /// Flushes, asks the peer to close its end first (`CloseFirst`) and waits until it
-    /// has (the endpoint fails with its disconnect).
-    async fn ask_peer_to_close_first(&self) {
-        if self.flush().await.is_err() {
-            return;
-        }
-        if self.send_notice("close", Kind::CloseFirst, |_| 0).is_ok() {
-            self.failed().await;
         }
     }
 

@@ -317,9 +317,10 @@ impl Atomic {
     /// The error for an atomic that completed with a failed `status`. UCX cancels an
     /// atomic only when its endpoint is closed forcibly or when it finds no protocol for
     /// remote atomics over the endpoint's transports (UCX 1.16 and later over TCP in peer
-    /// error mode, where it does not emulate them; it then fails the endpoint as well,
-    /// possibly before this future is polled, so a failure recorded since does not change
-    /// the verdict).
+    /// error mode, where it does not emulate them). In that case UCX fails the endpoint
+    /// as well; if ucxkit has recorded that failure by the time this future is polled,
+    /// the endpoint counts as closed forcibly and the atomic ends with `ConnectionReset`,
+    /// as the type's documentation says.
     #[cold]
     #[inline(never)]
     fn failure(&self, status: Status) -> crate::Error {

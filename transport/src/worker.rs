@@ -471,14 +471,16 @@ impl Drop for EpTable {
 }
 
 /// How long closing on the connecting side waits for the peer to close first
-/// ([`crate::Endpoint::close`], [`State::linger`]) before it closes anyway.
-pub(crate) const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
+/// ([`State::linger`]) before it closes anyway.
+const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
 
-/// An endpoint whose last handle was dropped, waiting for its peer to close first
+/// An endpoint being closed on the connecting side, waiting for its peer to close first
 /// ([`State::linger`]).
-pub(crate) struct Linger {
+struct Linger {
     /// The flush posted before the close-first notice, while it runs.
     flush: Option<request::Request>,
+    /// [`crate::Endpoint::close`] calls waiting for the end.
+    waiters: Vec<Waker>,
 }
 
 /// Lingering endpoints, for the worker lock's holder to move on cheaply: the ones with
@@ -535,7 +537,7 @@ pub(crate) struct EpState {
     lanes_failed: bool,
     /// Failed because ucxkit saw the peer process exit, UCX not knowing.
     peer_exited: bool,
-    /// Dropped on the connecting side, waiting for the peer to close first.
+    /// Closed or dropped on the connecting side, waiting for the peer to close first.
     linger: Option<Linger>,
 }
 
@@ -916,16 +918,16 @@ impl State {
         }
     }
 
-    /// For the last handle of endpoint `id` going away on the connecting side of a
-    /// listener connection (handshake done, no peer error handling): the background
-    /// version of [`crate::Endpoint::close`]'s close-first exchange. Flushes; once the
+    /// Closes endpoint `id` on the connecting side of a listener connection (handshake
+    /// done, no peer error handling) by letting the peer close first, for
+    /// [`crate::Endpoint::close`] and for the drop of its last handle: flushes; once the
     /// flush is done, asks the peer to close first; keeps the endpoint's entry until the
     /// peer's disconnect fails it or [`CLOSE_FIRST_WAIT`] passes (checked after progress
     /// calls, within [`LINGER_CLOCK_EVERY`] of them or before the driver sleeps), and
-    /// then closes it. As with `close()`, the peer's pending receives on its end fail with
-    /// `ConnectionReset`. (A `close()` given up on midway lingers too: a second notice is
-    /// harmless.) Returns false, having done nothing, for an endpoint that cannot take
-    /// part (closed, failed, in peer mode, stream data out): the caller closes it at once.
+    /// then closes it, waking the `close()` calls waiting ([`State::wait_linger`]). The
+    /// peer's pending receives on its end fail with `ConnectionReset`. Returns false,
+    /// having done nothing, for an endpoint that cannot take part (closed, failed, in
+    /// peer mode, stream data out, or lingering already).
     pub(crate) fn linger(&mut self, id: u64) -> bool {
         let Some(e) = self.eps.get(&id) else { return false };
         if e.handle.is_null() || e.failed.is_some() || e.peer_mode || e.data_out > 0 || e.linger.is_some() {
@@ -949,7 +951,7 @@ impl State {
             request::Posted::Done(_) => return false,
         };
         if let Some(e) = self.eps.get_mut(&id) {
-            e.linger = Some(Linger { flush });
+            e.linger = Some(Linger { flush, waiters: Vec::new() });
         }
         self.lingering.live += 1;
         self.lingering.deadlines.push_back((Instant::now() + CLOSE_FIRST_WAIT, id));
@@ -1015,6 +1017,8 @@ impl State {
     fn end_linger(&mut self, id: u64) -> bool {
         let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.take()) else { return false };
         self.lingering.live -= 1;
+        let mut waiters = l.waiters;
+        self.after.wake_all(&mut waiters);
         if let Some(r) = l.flush {
             // Parked with the closes, not given back: a worker being destroyed waits for
             // it (bounded) as UCX requires of every request it still runs, then gives it
@@ -1039,6 +1043,24 @@ impl State {
     /// Endpoints still lingering.
     pub(crate) fn lingering(&self) -> usize {
         self.lingering.live
+    }
+
+    /// Whether endpoint `id` lingers.
+    pub(crate) fn lingers(&self, id: u64) -> bool {
+        self.eps.get(&id).is_some_and(|e| e.linger.is_some())
+    }
+
+    /// Until endpoint `id` stops lingering: Pending, with `waker` woken at the end.
+    pub(crate) fn wait_linger(&mut self, id: u64, waker: &Waker) -> Poll<()> {
+        match self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
+            Some(l) => {
+                if !l.waiters.iter().any(|w| w.will_wake(waker)) {
+                    l.waiters.push(waker.clone());
+                }
+                Poll::Pending
+            }
+            None => Poll::Ready(()),
+        }
     }
 
     /// For [`request::linger_flush_cb`]: the flush of lingering endpoint `id` finished.
