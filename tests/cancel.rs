@@ -75,14 +75,9 @@ async fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
     std::future::poll_fn(|cx: &mut Context<'_>| Poll::Ready(Pin::new(&mut *f).poll(cx))).await
 }
 
+/// Waits (at most 2 s) for every parked buffer of `w` to be released.
 async fn wait_parked_zero(w: &Worker) {
-    for _ in 0..2000 {
-        if w.parked_requests() == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    panic!("parked requests never drained: {}", w.parked_requests());
+    common::wait_parked_zero(w, Duration::from_secs(2)).await;
 }
 
 /// Sends `data` with tag `t` and checks that a new receive gets it whole: the worker

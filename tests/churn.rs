@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{ctx, loopback};
+use common::{ctx, loopback, wait_parked_zero};
 use ucxkit::transport::tag;
 
 const T: Duration = Duration::from_secs(20);
@@ -63,13 +63,7 @@ async fn churn(tls: &str, rounds: u64, end: End) -> usize {
         tokio::time::timeout(T, a.failed()).await.expect("the accepting side sees the close");
         drop(a);
         // A dropped endpoint stays with its worker until the peer's close reaches it.
-        tokio::time::timeout(T, async {
-            while client.parked_requests() > 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the connecting side's endpoint closes");
+        wait_parked_zero(&client, T).await;
     }
     fds().saturating_sub(before)
 }

@@ -12,7 +12,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ctx, loopback};
+use common::{child_run, ctx, loopback, wait_parked_zero};
 use ucxkit::transport::tag;
 
 /// The child: per transport, two workers of one single-thread runtime connect through a
@@ -88,14 +88,9 @@ fn child(name: &str, env: &str) -> String {
 #[tokio::test]
 #[ignore = "the child half of closes_are_quiet; the parent runs it"]
 async fn close_child() {
-    if std::env::var_os("UCXKIT_CLOSE_CHILD").is_none() {
+    if !child_run("UCXKIT_CLOSE_CHILD", "ucxkit::ucx=debug") {
         return;
     }
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_env_filter(tracing_subscriber::EnvFilter::new("ucxkit::ucx=debug"))
-        .init();
     const LIMIT: Duration = Duration::from_secs(20);
     for tls in ["posix,cma,tcp,self", "tcp,self"] {
         let c = ctx(tls);
@@ -126,13 +121,7 @@ async fn close_child() {
         let (acc, ep) = (acc.unwrap(), ep.unwrap());
         drop(ep);
         tokio::time::timeout(LIMIT, acc.failed()).await.expect(tls);
-        tokio::time::timeout(LIMIT, async {
-            while b.parked_requests() > 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect(tls);
+        wait_parked_zero(&b, LIMIT).await;
         tokio::time::timeout(LIMIT, acc.close()).await.expect(tls).expect(tls);
         // Again, and at once its worker is dropped too, which closes the endpoint without
         // waiting.
@@ -170,14 +159,9 @@ fn closes_are_quiet() {
 #[tokio::test]
 #[ignore = "the child half of a_silent_peer_is_closed_at_the_deadline; the parent runs it"]
 async fn silent_peer_child() {
-    if std::env::var_os("UCXKIT_SILENT_PEER_CHILD").is_none() {
+    if !child_run("UCXKIT_SILENT_PEER_CHILD", "ucxkit_transport=debug") {
         return;
     }
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_env_filter(tracing_subscriber::EnvFilter::new("ucxkit_transport=debug"))
-        .init();
     let c = ctx("posix,cma,tcp,self");
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (connected_tx, connected_rx) = tokio::sync::oneshot::channel::<()>();

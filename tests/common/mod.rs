@@ -74,3 +74,32 @@ pub fn payload(seed: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+/// Waits (at most `limit`) until `w` holds no parked request and no endpoint waiting for
+/// its peer to close first ([`Worker::parked_requests`] is 0); panics past the limit.
+pub async fn wait_parked_zero(w: &Worker, limit: std::time::Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    while w.parked_requests() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "parked requests never drained: {}",
+            w.parked_requests()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// In a child test (this test binary run again by its parent): whether the variable
+/// `env` is set, that is, whether this is the child's run; if so, sends ucxkit's
+/// `tracing` output for `filter` (an `EnvFilter`) to stderr.
+pub fn child_run(env: &str, filter: &str) -> bool {
+    if std::env::var_os(env).is_none() {
+        return false;
+    }
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .init();
+    true
+}
