@@ -32,6 +32,7 @@ const TAG_EXPECT: u64 = 0x7fff_ffff_ffff_fff2;
 const TAG_VERDICT: u64 = 0x7fff_ffff_ffff_fff3;
 const TAG_YOUR_KEY: u64 = 0x7fff_ffff_ffff_fff4;
 const TAG_PUT_DONE: u64 = 0x7fff_ffff_ffff_fff5;
+const TAG_BYE: u64 = 0x7fff_ffff_ffff_fff6;
 const AM_ECHO: u16 = 7;
 const AM_ECHO_BACK: u16 = 8;
 const PEER_REGION: usize = 64 * 1024;
@@ -122,8 +123,17 @@ async fn ucxkit_accepts(tls: &str, mode: ErrorMode, transport: &str) {
     finish(child, ep).await;
 }
 
-/// Both sides close (each flushing), and the peer ends successfully.
+/// Waits until the peer has read everything (its bye, or its disconnect, which it sends
+/// only after the bye), then both sides close (each flushing) and the peer ends
+/// successfully. Closing before that could drop the last stream bytes: UCX discards
+/// what arrives for an endpoint whose peer disconnected, and the disconnect can overtake
+/// data on another lane.
 async fn finish(mut child: Child, ep: Endpoint) {
+    let (r, bye) = bounded(ep.tag_recv(TAG_BYE, tag::EXACT, Vec::with_capacity(8))).await;
+    match r {
+        Ok(_) => assert_eq!(bye, b"bye"),
+        Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionReset, "waiting for the peer's bye: {e}"),
+    }
     bounded(ep.close()).await.expect("closing after the peer was served");
     let status = bounded(child.wait()).await.unwrap();
     assert!(status.success(), "the plain UCX peer failed: {status}");
