@@ -1,16 +1,17 @@
 //! Streams: raw ordered bytes, the `AsyncRead + AsyncWrite` adapter carrying a framed
-//! protocol, `tokio::io::copy`, end of stream, and failure.
+//! protocol, `tokio::io::copy`, end of stream, bytes that outlive their writer's close,
+//! and failure.
 
 #![forbid(unsafe_code)]
 
 mod common;
 
 use bytes::Bytes;
-use common::{pair, payload};
+use common::{pair, pair_with, payload};
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
-use ucxkit::transport::{ErrorKind, UcxStream};
+use ucxkit::transport::{Endpoint, ErrorKind, ErrorMode, ProgressMode, UcxStream};
 
 const T: std::time::Duration = std::time::Duration::from_secs(20);
 
@@ -222,4 +223,93 @@ async fn zero_copy_receive_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_copy_receive_shm() {
     zero_copy_receive("posix,cma,tcp,self").await;
+}
+
+/// How the writer of [`bytes_outlive_the_writers_close`] goes away.
+#[derive(Clone, Copy, Debug)]
+enum Gone {
+    /// `close().await`.
+    Close,
+    /// Dropping its last handle (the close runs in the background).
+    Drop,
+}
+
+/// Everything a side wrote before it closed (or dropped) its endpoint can be read by the
+/// peer afterwards, however late, in whichever direction, and then the end of stream:
+/// UCX itself discards the unread stream bytes of an endpoint whose peer disconnected.
+/// Also: a raw receive after the bytes returns them, and an exact receive larger than
+/// what is left fails without taking any.
+async fn bytes_outlive_the_writers_close(tls: &str, mode: ErrorMode) {
+    for gone in [Gone::Close, Gone::Drop] {
+        for accepting_writes in [false, true] {
+            let (_s, _c, sep, cep) = pair_with(tls, mode, ProgressMode::Event).await;
+            let (writer, reader) = if accepting_writes { (sep, cep) } else { (cep, sep) };
+            let case = format!("{tls} {mode:?} {gone:?}, accepting side writes: {accepting_writes}");
+            let data = payload(11, 300_000);
+            let mut w = UcxStream::new(writer.clone());
+            w.write_all(&data).await.unwrap();
+            w.shutdown().await.unwrap();
+            drop(w);
+            match gone {
+                Gone::Close => tokio::time::timeout(T, writer.close()).await.unwrap().unwrap(),
+                Gone::Drop => drop(writer),
+            }
+            // The reader's end fails with the writer's close; read only then.
+            let status = tokio::time::timeout(T, reader.failed()).await.unwrap();
+            assert!(status.is_peer_failure(), "{case}: {status}");
+            read_after_close(&reader, &data, &case).await;
+        }
+    }
+}
+
+/// Reads `data` from `ep` whose peer closed: a few bytes raw, an exact receive that asks
+/// for too much (refused, nothing taken), the rest through the adapter, then the end.
+async fn read_after_close(ep: &Endpoint, data: &[u8], case: &str) {
+    let (r, head) = ep.stream_recv(Vec::with_capacity(10)).await;
+    assert_eq!(r.unwrap(), 10, "{case}");
+    assert_eq!(head, data[..10], "{case}");
+    let (r, _) = ep.stream_recv_exact(vec![0u8; data.len()]).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset, "{case}: more than is left");
+    let mut rest = Vec::new();
+    UcxStream::new(ep.clone()).read_to_end(&mut rest).await.unwrap();
+    assert!(rest == data[10..], "{case}: {} of {} bytes after the close", rest.len() + 10, data.len());
+    let (r, _) = ep.stream_recv(Vec::with_capacity(10)).await;
+    assert_eq!(r.unwrap(), 0, "{case}: end of stream");
+    assert!(ep.stream_recv_data().await.unwrap().is_none(), "{case}: end of stream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_outlive_the_writers_close_tcp() {
+    bytes_outlive_the_writers_close("tcp,self", ErrorMode::None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_outlive_the_writers_close_shm() {
+    bytes_outlive_the_writers_close("posix,cma,tcp,self", ErrorMode::None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_outlive_the_writers_close_peer_mode() {
+    bytes_outlive_the_writers_close("tcp,self", ErrorMode::Peer).await;
+}
+
+/// Zero-copy reads get what a closed peer wrote too (as one piece of ucxkit's memory),
+/// and without the peer's shutdown, what follows the bytes is the failure, not an end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_copy_read_after_close_and_no_end_without_shutdown() {
+    let (_s, _c, sep, cep) = pair("posix,cma,tcp,self").await;
+    let data = payload(12, 100_000);
+    cep.stream_send(data.clone()).await.0.unwrap();
+    tokio::time::timeout(T, cep.close()).await.unwrap().unwrap();
+    tokio::time::timeout(T, sep.failed()).await.unwrap();
+    let mut got = Vec::new();
+    while got.len() < data.len() {
+        let piece = tokio::time::timeout(T, sep.stream_recv_data()).await.unwrap().unwrap().expect("bytes");
+        got.extend_from_slice(&piece);
+    }
+    assert!(got == data);
+    let e = sep.stream_recv_data().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}");
+    let (r, _) = sep.stream_recv(Vec::with_capacity(8)).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset);
 }

@@ -31,13 +31,17 @@ pub(crate) struct EndpointInner {
 }
 
 impl EndpointInner {
-    /// Whether closing this endpoint lets the peer close first (see
-    /// [`Endpoint::close`]): this side connected through a listener, with the handshake
-    /// (the peer is ucxkit), without peer error handling.
-    fn lets_peer_close_first(&self) -> bool {
-        matches!(self.peer, Peer::Socket(_))
-            && !self.peer_mode
-            && self.identity.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    /// The notice with which closing this endpoint goes through the peer (see
+    /// [`Endpoint::close`]), if it does: a connection made through a listener, with the
+    /// handshake (the peer is ucxkit). The connecting side asks the peer to close first,
+    /// the accepting side tells it that it is closing.
+    fn close_notice(&self) -> Option<Kind> {
+        self.identity.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?;
+        match self.peer {
+            Peer::Socket(_) => Some(Kind::CloseFirst),
+            Peer::Accepted(_) => Some(Kind::Closing),
+            Peer::Address(_) | Peer::Any => None,
+        }
     }
 }
 
@@ -48,16 +52,16 @@ impl Drop for EndpointInner {
         }
         let id = self.id;
         // As `Endpoint::close` does, but in the background.
-        let lets_peer_close = self.lets_peer_close_first();
+        let notice = self.close_notice();
         let inner = &self.worker.shared.inner;
         let lingers = inner.locked(|st| {
             if st.lingers(id) {
-                // A `close()` given up on while its peer closes first: it goes on.
+                // A `close()` given up on while it closes through the peer: it goes on.
                 return false;
             }
             let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
-            if open && lets_peer_close && st.linger(id) {
-                tracing::debug!(ep = id, "endpoint dropped without close(): the peer closes first");
+            if open && notice.is_some_and(|k| st.linger(id, k)) {
+                tracing::debug!(ep = id, "endpoint dropped without close(): closing through the peer");
                 return true;
             }
             if open {
@@ -77,9 +81,9 @@ impl Drop for EndpointInner {
 /// A connection to one peer.
 ///
 /// Cheap to clone; clones share the connection. Dropping the last clone closes the
-/// endpoint in the background (flushing what was sent; on the connecting side of a
-/// listener connection, after letting the peer close first, as [`Endpoint::close`]
-/// describes); [`Endpoint::close`] does it explicitly and waits.
+/// endpoint in the background (flushing what was sent; on a listener connection made
+/// with the handshake, through the peer, as [`Endpoint::close`] describes);
+/// [`Endpoint::close`] does it explicitly and waits.
 #[derive(Clone)]
 pub struct Endpoint {
     pub(crate) inner: Arc<EndpointInner>,
@@ -657,29 +661,44 @@ impl Endpoint {
     /// `tokio::time::timeout`: in [`crate::ErrorMode::None`] UCX cannot tell such a peer
     /// from a slow one.
     ///
-    /// On the connecting side of a connection made through a listener, with the
-    /// handshake and without peer error handling, the peer closes its end first: this
-    /// side flushes what it sent, asks the peer to close (a handshake notice), waits for
-    /// its disconnect, and closes; after a second without it, this side closes anyway and
-    /// returns without waiting for that close to finish (it goes on in the background).
-    /// Dropping the last handle does the same in the background. When the
-    /// connecting side disconnects first over shared memory, UCX (1.13 and 1.22 alike)
-    /// keeps one socket of the connecting worker open until that worker is destroyed; a
-    /// process that connects and closes again and again would run out of descriptors.
-    /// The accepting side's pending receives on the endpoint end with
-    /// [`Error::ConnectionReset`], as they do whenever the peer closes.
+    /// A connection made through a listener with the handshake closes through the peer,
+    /// in either error mode, so that nothing sent before the close is lost and the
+    /// accepting side disconnects first. This side flushes what it sent and sends a
+    /// notice, which arrives after all of it. On the connecting side the notice asks the
+    /// peer to close: the peer takes in what arrived (see below) and disconnects, and
+    /// this side then closes. On the accepting side it says that this side is closing:
+    /// the peer takes in what arrived and answers, and this side then closes (the
+    /// disconnect fails the peer's end). After a second without the peer's part (a peer
+    /// that does not progress its worker), this side closes anyway and returns without
+    /// waiting for that close to finish (it goes on in the background). Dropping the last
+    /// handle does the same in the background.
+    ///
+    /// Why: UCX discards the stream bytes an endpoint has received but not yet read when
+    /// its peer disconnects, and a disconnect can overtake data still in flight; with the
+    /// exchange, the peer's unread stream bytes are moved out of UCX first, and its reads
+    /// return them after the close, then the end of stream (when this side called
+    /// [`Endpoint::stream_shutdown`], as [`crate::UcxStream`]'s shutdown does) or
+    /// [`Error::ConnectionReset`]. And when the connecting side disconnects first over
+    /// shared memory, UCX (1.13 and 1.22 alike) keeps one socket of the connecting worker
+    /// open until that worker is destroyed; a process that connects and closes again and
+    /// again would run out of descriptors. Other operations the peer has pending on the
+    /// endpoint end with [`Error::ConnectionReset`], as they do whenever the peer closes.
+    ///
+    /// Without the handshake (the peer may be a plain UCX program) or for an endpoint
+    /// made from a worker address, the close is UCX's own: end the conversation with an
+    /// acknowledgment before closing, as plain UCX programs do.
     ///
     /// # Cancel safety
     /// Safe to drop; the close continues in the background.
     pub async fn close(self) -> Result<()> {
         let id = self.inner.id;
-        let lets_peer_close = self.inner.lets_peer_close_first();
+        let notice = self.inner.close_notice();
         let inner = self.worker_inner();
         let lingers = inner.locked(|st| {
             if let Some(e) = st.eps.get_mut(&id) {
                 e.closing = true;
             }
-            lets_peer_close && st.linger(id)
+            notice.is_some_and(|k| st.linger(id, k))
         });
         if lingers {
             // The driver moves it on (the flush, the peer's disconnect, the deadline).

@@ -12,17 +12,21 @@
 //! |---|---|---|
 //! | 0 | 4 | magic `0x484b4355` ("UCKH") |
 //! | 4 | 1 | version (1) |
-//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end, 5 close first |
+//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end, 5 close first, 6 closing |
 //! | 6 | 1 | error mode: 0 none, 1 peer |
 //! | 7 | 1 | nack reason (0 otherwise) |
 //! | 8 | 8 | nonce chosen by the connecting side, echoed; for stream end, the total bytes the sender wrote to the stream |
 //! | 16 | 36 | sender's process identity |
 //!
-//! After the handshake the same message carries two notices: `StreamEnd`, sent on the
+//! After the handshake the same message carries three notices: `StreamEnd`, sent on the
 //! endpoint when its stream writer shuts down, so that the peer's reader can report end
-//! of stream once it has read every byte written before it; and `CloseFirst`, sent by the
-//! connecting side of a connection made through a listener when it closes, asking the
-//! accepting side to close its end first (see [`crate::Endpoint::close`]).
+//! of stream once it has read every byte written before it; and, for the close of a
+//! connection made through a listener (see [`crate::Endpoint::close`]), `CloseFirst`,
+//! asking the accepting side to close its end now (sent by the connecting side when it
+//! closes, and as its answer to `Closing`), and `Closing`, sent by the accepting side
+//! when it closes, so that the connecting side takes in what arrived before the
+//! disconnect and answers `CloseFirst`. Each goes after everything the sender sent
+//! before it on the endpoint, so whoever receives one has everything before it too.
 //!
 //! Every field is validated; anything else is rejected with a reason, never trusted.
 
@@ -44,8 +48,12 @@ pub(crate) enum Kind {
     Nack(NackReason),
     /// The sender's stream writer shut down after writing `nonce` bytes.
     StreamEnd,
-    /// The sender, which connected, is closing the connection: close this end first.
+    /// Close this end now: the sender, which connected, is closing the connection (or
+    /// answers [`Kind::Closing`]).
     CloseFirst,
+    /// The sender, which accepted, is closing the connection: take in what arrived, and
+    /// answer [`Kind::CloseFirst`].
+    Closing,
 }
 
 /// Why a hello was refused.
@@ -95,6 +103,7 @@ impl Message {
             Kind::Nack(r) => (3, r.code()),
             Kind::StreamEnd => (4, 0),
             Kind::CloseFirst => (5, 0),
+            Kind::Closing => (6, 0),
         };
         v.push(kind);
         v.push(self.peer_mode as u8);
@@ -122,6 +131,7 @@ impl Message {
             (3, 2) => Kind::Nack(NackReason::Malformed),
             (4, 0) => Kind::StreamEnd,
             (5, 0) => Kind::CloseFirst,
+            (6, 0) => Kind::Closing,
             (k, r) => return Err(format!("bad handshake kind {k} / reason {r}")),
         };
         let peer_mode = match b[6] {
@@ -152,6 +162,7 @@ mod tests {
             Kind::Nack(NackReason::Malformed),
             Kind::StreamEnd,
             Kind::CloseFirst,
+            Kind::Closing,
         ] {
             let m = sample(k);
             let b = m.encode();

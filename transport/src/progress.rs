@@ -154,7 +154,7 @@ async fn sleep_once(
     signal.sleeping.store(true, Ordering::Release);
     let status = inner.locked(|st| {
         while inner.progress_locked(st) != 0 {}
-        // Dropped endpoints waiting for their peer to close first: their deadline passes
+        // Endpoints closing through their peer: their deadline passes
         // with no event to announce it (the fallback timer below brings the driver back).
         if st.lingering() > 0 {
             st.end_overdue_lingering(std::time::Instant::now());

@@ -169,8 +169,8 @@ pub(crate) unsafe extern "C" fn stream_recv_cb(
     unsafe { complete(req, status, length, 0, user) }
 }
 
-/// Completion callback of the flush a lingering endpoint posts before its close-first
-/// notice ([`State::linger`]): tells the worker, then completes as [`send_cb`] does. The
+/// Completion callback of the flush a lingering endpoint posts before its close notice
+/// ([`State::linger`]): tells the worker, then completes as [`send_cb`] does. The
 /// endpoint is the one the request is bound to.
 pub(crate) unsafe extern "C" fn linger_flush_cb(
     req: *mut c_void,

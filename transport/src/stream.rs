@@ -14,6 +14,13 @@
 //! control channel, how many bytes were written in all; the peer's reader reports end of
 //! stream once it has received all of them. It needs the connection handshake (a peer
 //! reached without it is not known to understand the notice).
+//!
+//! # Closing
+//! What a ucxkit peer wrote before it closed (or dropped) its endpoint is not lost when
+//! this side has not read it yet: the close goes through the peer (see
+//! [`Endpoint::close`]), which moves the unread bytes out of UCX before the disconnect
+//! would discard them. Reads return them after the close, then the end of stream if the
+//! peer shut its stream down, [`Error::ConnectionReset`] otherwise.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -55,12 +62,15 @@ pub type StreamRecv<B> = RecvOp<B>;
 /// (`ucp_stream_data_release`) when dropped. From [`Endpoint::stream_recv_data`].
 ///
 /// Holding one keeps its endpoint from closing: [`Endpoint::close`] (or a failure) then
-/// finishes the close once every piece is dropped.
+/// finishes the close once every piece is dropped. (Bytes that ucxkit took out of UCX
+/// when the peer closed come as one piece of its own memory instead.)
 pub struct StreamData {
     ep: Endpoint,
+    /// UCX's endpoint handle, or NULL for a piece of ucxkit's own memory (`kept`).
     handle: sys::ucp_ep_h,
     data: *mut u8,
     len: usize,
+    kept: Vec<u8>,
 }
 
 // SAFETY: the bytes are UCX's receive buffer, owned by this value until it is released,
@@ -74,6 +84,9 @@ impl std::ops::Deref for StreamData {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
+        if self.handle.is_null() {
+            return &self.kept;
+        }
         // SAFETY: UCX handed out `len` readable bytes at `data`, valid until released in
         // drop.
         unsafe { std::slice::from_raw_parts(self.data, self.len) }
@@ -82,13 +95,16 @@ impl std::ops::Deref for StreamData {
 
 impl std::fmt::Debug for StreamData {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamData").field("len", &self.len).finish()
+        f.debug_struct("StreamData").field("len", &self.len()).finish()
     }
 }
 
 impl Drop for StreamData {
     fn drop(&mut self) {
         let (id, h, data) = (self.ep.inner.id, self.handle, self.data);
+        if h.is_null() {
+            return;
+        }
         // SAFETY: handle and data come from one ucp_stream_recv_data_nb on this endpoint
         // and are released once, here, under the lock.
         self.ep.worker_inner().locked(|st| unsafe { st.release_stream_data(id, h, data.cast()) });
@@ -118,6 +134,23 @@ impl Endpoint {
             inner.poll_until(
                 cx,
                 |st| {
+                    // (Not after this side's own close: using it is misuse then.)
+                    let open = st.eps.get_mut(&id).filter(|e| !e.closing);
+                    if let Some(e) = open.filter(|e| !e.kept().is_empty()) {
+                        // Bytes taken in when the peer closed come first.
+                        let kept = e.take_kept();
+                        st.after.wake_all(&mut e.stream_waiters);
+                        return Some(Ok(Some(StreamData {
+                            ep: self.clone(),
+                            handle: std::ptr::null_mut(),
+                            data: std::ptr::null_mut(),
+                            len: kept.len(),
+                            kept,
+                        })));
+                    }
+                    if st.eps.get(&id).is_some_and(|e| !e.closing && e.stream_ended()) {
+                        return Some(Ok(None));
+                    }
                     let h = match self.live_handle(st, "stream_recv_data") {
                         Ok(h) => h,
                         Err(e) => return Some(Err(e)),
@@ -140,10 +173,8 @@ impl Endpoint {
                             handle: h,
                             data: p.cast(),
                             len,
+                            kept: Vec::new(),
                         })));
-                    }
-                    if st.eps.get(&id).is_some_and(|e| e.stream_ended()) {
-                        return Some(Ok(None));
                     }
                     None
                 },
@@ -221,11 +252,34 @@ impl Endpoint {
         let capacity = buf.bytes_total();
         let ptr = buf.stable_mut_ptr();
         let id = self.inner.id;
-        let posted = self.with_live("stream_recv", |st, h| {
-            let ended = st.eps.get(&id).is_some_and(|e| e.stream_ended());
-            if capacity == 0 || ended {
-                return Posted::Done(Completion::OK);
+        let posted = self.worker_inner().locked(|st| {
+            // (Not after this side's own close: using it is misuse then.)
+            if let Some(e) = st.eps.get_mut(&id).filter(|e| !e.closing) {
+                if !e.kept().is_empty() {
+                    // Bytes taken in when the peer closed come first (nothing else can
+                    // arrive after them).
+                    let n = e.kept().len().min(capacity);
+                    if wait_all && n < capacity {
+                        return Err(Box::new(Error::ConnectionReset {
+                            op: "stream_recv_exact",
+                            peer: self.inner.peer.clone(),
+                            source: crate::error::Status::CONNECTION_RESET,
+                        }));
+                    }
+                    // SAFETY: the buffer is valid for `capacity` >= n bytes and not
+                    // aliased (owned by this call).
+                    unsafe { std::ptr::copy_nonoverlapping(e.kept().as_ptr(), ptr, n) };
+                    e.consume_kept(n);
+                    if e.stream_ended() {
+                        st.after.wake_all(&mut e.stream_waiters);
+                    }
+                    return Ok(Posted::Done(Completion::ok(n)));
+                }
+                if capacity == 0 || e.stream_ended() {
+                    return Ok(Posted::Done(Completion::OK));
+                }
             }
+            let h = self.live_handle(st, "stream_recv").map_err(Box::new)?;
             let mut length = 0usize;
             let param = stream_param(st, wait_all);
             // SAFETY: h is live under the lock; the buffer is valid for `capacity` bytes
@@ -237,7 +291,7 @@ impl Endpoint {
                 Posted::Pending(r) => r.bind(st, id, OpKind::Finish),
                 Posted::Done(_) => {}
             }
-            posted
+            Ok(posted)
         });
         if matches!(posted, Ok(Posted::Pending(_))) {
             self.worker_inner().posted();
@@ -424,6 +478,9 @@ impl AsyncRead for UcxStream {
                         match r {
                             Ok(0) => this.eof = true,
                             Ok(_) => {}
+                            // The peer ended its stream and closed: the receive failed
+                            // with the close, every byte having arrived before.
+                            Err(_) if this.ep.stream_ended() => this.eof = true,
                             Err(e) => return Poll::Ready(Err(e.into())),
                         }
                     }

@@ -337,7 +337,7 @@ impl Worker {
 
     /// Operations whose futures were dropped while UCX still owned their buffers, and
     /// closes of endpoints dropped without [`crate::Endpoint::close`], still running
-    /// (those waiting for their peer to close first included).
+    /// (those still closing through their peer included).
     pub fn parked_requests(&self) -> usize {
         self.shared.inner.locked(|st| st.parked + st.lingering())
     }
@@ -470,14 +470,16 @@ impl Drop for EpTable {
     }
 }
 
-/// How long closing on the connecting side waits for the peer to close first
-/// ([`State::linger`]) before it closes anyway.
+/// How long a closing endpoint waits for its peer ([`State::linger`]) before it closes
+/// anyway.
 const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
 
-/// An endpoint being closed on the connecting side, waiting for its peer to close first
-/// ([`State::linger`]).
+/// An endpoint being closed through its peer ([`State::linger`]).
 struct Linger {
-    /// The flush posted before the close-first notice, while it runs.
+    /// The notice sent once the flush is done: [`Kind::CloseFirst`] on the connecting
+    /// side, [`Kind::Closing`] on the accepting side.
+    notice: Kind,
+    /// The flush posted before the notice, while it runs.
     flush: Option<request::Request>,
     /// [`crate::Endpoint::close`] calls waiting for the end.
     waiters: Vec<Waker>,
@@ -519,6 +521,11 @@ pub(crate) struct EpState {
     pub(crate) stream_rx: u64,
     /// The peer's stream writer shut down after this many bytes.
     pub(crate) stream_end: Option<u64>,
+    /// Stream bytes taken out of UCX because the peer closed (they would go with the
+    /// endpoint), from `kept_at` on still unread ([`State::keep_stream`]). Counted in
+    /// `stream_rx` already.
+    kept: Vec<u8>,
+    kept_at: usize,
     /// Tasks waiting for stream progress (end of stream, failure) or for the endpoint's
     /// failure ([`crate::Endpoint::failed`]).
     pub(crate) stream_waiters: Vec<Waker>,
@@ -537,7 +544,7 @@ pub(crate) struct EpState {
     lanes_failed: bool,
     /// Failed because ucxkit saw the peer process exit, UCX not knowing.
     peer_exited: bool,
-    /// Closed or dropped on the connecting side, waiting for the peer to close first.
+    /// Closed or dropped, closing through the peer ([`State::linger`]).
     linger: Option<Linger>,
 }
 
@@ -555,6 +562,8 @@ impl EpState {
             stream_tx: 0,
             stream_rx: 0,
             stream_end: None,
+            kept: Vec::new(),
+            kept_at: 0,
             data_out: 0,
             deferred_close: None,
             closing: false,
@@ -566,9 +575,32 @@ impl EpState {
         }
     }
 
-    /// Whether the peer ended its stream and every byte it wrote has been received.
+    /// Whether the peer ended its stream and every byte it wrote has been received (and
+    /// read).
     pub(crate) fn stream_ended(&self) -> bool {
-        self.stream_end.is_some_and(|n| self.stream_rx >= n)
+        self.stream_end.is_some_and(|n| self.stream_rx >= n) && self.kept_at == self.kept.len()
+    }
+
+    /// Stream bytes kept from a closed peer and not read yet ([`State::keep_stream`]).
+    pub(crate) fn kept(&self) -> &[u8] {
+        &self.kept[self.kept_at..]
+    }
+
+    /// Marks the first `n` bytes of [`EpState::kept`] read.
+    pub(crate) fn consume_kept(&mut self, n: usize) {
+        self.kept_at += n;
+        if self.kept_at == self.kept.len() {
+            self.kept = Vec::new();
+            self.kept_at = 0;
+        }
+    }
+
+    /// Takes the rest of [`EpState::kept`].
+    pub(crate) fn take_kept(&mut self) -> Vec<u8> {
+        let mut v = std::mem::take(&mut self.kept);
+        v.drain(..self.kept_at);
+        self.kept_at = 0;
+        v
     }
 }
 
@@ -661,17 +693,19 @@ pub(crate) struct State {
     pub(crate) closes: IdSet<*mut Slot>,
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     probe_waiters: Vec<Waker>,
-    /// Whether `probe_waiters`, `outbox`, `failed`, `close_first` or `lingering` may hold
-    /// something for [`WorkerInner::progress_locked`] to do after a progress call.
+    /// Whether `probe_waiters`, `outbox`, `failed`, `close_first`, `peer_closing` or
+    /// `lingering` may hold something for [`WorkerInner::progress_locked`] to do after a
+    /// progress call.
     chores: bool,
     pub(crate) eps: EpTable,
     pub(crate) by_handle: IdMap<usize, u64>,
     pub(crate) next_id: u64,
     failed: Vec<(u64, Status)>,
-    /// Endpoints whose connecting peer asked this side to close first (`CloseFirst`).
+    /// Endpoints whose peer asked this side to close first (`CloseFirst`).
     close_first: Vec<u64>,
-    /// Endpoints dropped on the connecting side, waiting for their peer to close first
-    /// ([`State::linger`]).
+    /// Endpoints whose accepting peer is closing (`Closing`).
+    peer_closing: Vec<u64>,
+    /// Endpoints closed or dropped, closing through their peer ([`State::linger`]).
     lingering: Lingering,
     pub(crate) connects: IdMap<u64, HsWait>,
     pub(crate) accepts: IdMap<usize, HsWait>,
@@ -707,6 +741,7 @@ impl State {
             next_id: 1,
             failed: Vec::new(),
             close_first: Vec::new(),
+            peer_closing: Vec::new(),
             lingering: Lingering::default(),
             connects: IdMap::default(),
             accepts: IdMap::default(),
@@ -899,6 +934,39 @@ impl State {
         }
     }
 
+    /// Takes every stream byte UCX holds for endpoint `id` into the endpoint's own buffer
+    /// ([`EpState::kept`]), where receives find it first: the peer is closing, and UCX
+    /// discards an endpoint's unread stream bytes when it fails or closes. Everything the
+    /// peer sent before its close notice has arrived (the notice came after it), so
+    /// nothing is left behind in UCX.
+    pub(crate) fn keep_stream(&mut self, id: u64) {
+        let Some(e) = self.eps.get_mut(&id) else { return };
+        let h = e.handle;
+        if h.is_null() {
+            return;
+        }
+        let mut took = false;
+        loop {
+            let mut len = 0usize;
+            // SAFETY: h is a live endpoint of this worker; the lock is held; this is not
+            // inside a UCX callback. Without the stream feature UCX returns an error.
+            let p = unsafe { sys::ucp_stream_recv_data_nb(h, &mut len) };
+            if p.is_null() || sys::UCS_PTR_IS_ERR(p) {
+                break;
+            }
+            // SAFETY: UCX handed out `len` readable bytes at p, valid until released.
+            e.kept.extend_from_slice(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) });
+            // SAFETY: p comes from the call above on h, released once.
+            unsafe { sys::ucp_stream_data_release(h, p) };
+            e.stream_rx += len as u64;
+            took = true;
+        }
+        if took {
+            tracing::debug!(ep = id, bytes = e.kept().len(), "stream bytes kept from a closing peer");
+            self.after.wake_all(&mut e.stream_waiters);
+        }
+    }
+
     /// Releases a request that owns no memory and that nobody waits for.
     pub(crate) fn release(&mut self, posted: request::Posted) {
         if let request::Posted::Pending(r) = posted {
@@ -918,22 +986,24 @@ impl State {
         }
     }
 
-    /// Closes endpoint `id` on the connecting side of a listener connection (handshake
-    /// done, no peer error handling) by letting the peer close first, for
-    /// [`crate::Endpoint::close`] and for the drop of its last handle: flushes; once the
-    /// flush is done, asks the peer to close first; keeps the endpoint's entry until the
-    /// peer's disconnect fails it or [`CLOSE_FIRST_WAIT`] passes (checked after progress
-    /// calls, within [`LINGER_CLOCK_EVERY`] of them or before the driver sleeps), and
-    /// then closes it, waking the `close()` calls waiting ([`State::wait_linger`]). The
-    /// peer's pending receives on its end fail with `ConnectionReset`. Returns false,
-    /// having done nothing, for an endpoint that cannot take part (closed, failed, in
-    /// peer mode, stream data out, or lingering already).
-    pub(crate) fn linger(&mut self, id: u64) -> bool {
+    /// Closes endpoint `id` of a listener connection made with the handshake through its
+    /// peer, for [`crate::Endpoint::close`] and for the drop of its last handle, so that
+    /// the accepting side disconnects first and each side takes in what the other sent
+    /// before: flushes; once the flush is done, sends `notice` ([`Kind::CloseFirst`] on
+    /// the connecting side: the peer takes in what arrived and closes; [`Kind::Closing`]
+    /// on the accepting side: the peer takes in what arrived and answers `CloseFirst`,
+    /// upon which this side closes); keeps the endpoint's entry until it fails (the
+    /// peer's disconnect, or this side's close on `CloseFirst`) or [`CLOSE_FIRST_WAIT`]
+    /// passes (checked after progress calls, within [`LINGER_CLOCK_EVERY`] of them or
+    /// before the driver sleeps), and then closes it, waking the `close()` calls waiting
+    /// ([`State::wait_linger`]). Returns false, having done nothing, for an endpoint that
+    /// cannot take part (closed, failed, stream data out, or lingering already).
+    pub(crate) fn linger(&mut self, id: u64, notice: Kind) -> bool {
         let Some(e) = self.eps.get(&id) else { return false };
-        if e.handle.is_null() || e.failed.is_some() || e.peer_mode || e.data_out > 0 || e.linger.is_some() {
+        if e.handle.is_null() || e.failed.is_some() || e.data_out > 0 || e.linger.is_some() {
             return false;
         }
-        let h = e.handle;
+        let (h, peer_mode) = (e.handle, e.peer_mode);
         let mut param = self.flagged_param(0);
         param.cb.send = Some(request::linger_flush_cb);
         // SAFETY: h is a live endpoint of this worker; the lock is held. The callback finds
@@ -945,13 +1015,13 @@ impl State {
                 Some(r)
             }
             request::Posted::Done(c) if c.status().is_ok() => {
-                self.send_notice(h, Kind::CloseFirst, false, 0);
+                self.send_notice(h, notice, peer_mode, 0);
                 None
             }
             request::Posted::Done(_) => return false,
         };
         if let Some(e) = self.eps.get_mut(&id) {
-            e.linger = Some(Linger { flush, waiters: Vec::new() });
+            e.linger = Some(Linger { notice, flush, waiters: Vec::new() });
         }
         self.lingering.live += 1;
         self.lingering.deadlines.push_back((Instant::now() + CLOSE_FIRST_WAIT, id));
@@ -971,8 +1041,8 @@ impl State {
         }
     }
 
-    /// A lingering endpoint whose flush finished sends its close-first notice; one that
-    /// failed (the peer closed, as asked) or whose flush failed is closed.
+    /// A lingering endpoint whose flush finished sends its notice; one that failed (the
+    /// peer closed, as asked) or whose flush failed is closed.
     fn advance_linger(&mut self, id: u64) {
         let Some(e) = self.eps.get_mut(&id) else { return };
         let Some(l) = e.linger.as_mut() else { return };
@@ -980,10 +1050,10 @@ impl State {
             self.end_linger(id);
             return;
         }
-        let h = e.handle;
+        let (h, peer_mode, notice) = (e.handle, e.peer_mode, l.notice);
         let Some(r) = l.flush.take() else { return };
         match r.take_if_done(self) {
-            Ok(c) if c.status().is_ok() => self.send_notice(h, Kind::CloseFirst, false, 0),
+            Ok(c) if c.status().is_ok() => self.send_notice(h, notice, peer_mode, 0),
             Ok(_) => {
                 self.end_linger(id);
             }
@@ -1004,10 +1074,7 @@ impl State {
             }
             self.lingering.deadlines.pop_front();
             if self.end_linger(id) {
-                tracing::debug!(
-                    ep = id,
-                    "the peer did not close first in time: closing the dropped endpoint"
-                );
+                tracing::debug!(ep = id, "the peer did not answer in time: closing the endpoint");
             }
         }
     }
@@ -1272,11 +1339,26 @@ impl WorkerInner {
             }
         }
         if !st.close_first.is_empty() {
-            // The peer is closing: this end fails as if it had disconnected, and closes
-            // (flushing what it sent) before the peer's own close goes out.
+            // The peer is closing, or answers this side's `Closing`: what it sent stays
+            // readable, this end closes (flushing what it sent) before the peer's own
+            // close goes out, and fails as if the peer had disconnected.
             for id in std::mem::take(&mut st.close_first) {
+                st.keep_stream(id);
+                if let Some(p) = st.close_ep(id, false) {
+                    st.finish_close(id, p);
+                }
                 st.fail_ep(id, Status::CONNECTION_RESET, false);
-                st.close_unwaited(id);
+            }
+        }
+        if !st.peer_closing.is_empty() {
+            // The accepting peer is closing: what it sent stays readable after its
+            // disconnect, which it sends once this side answers.
+            for id in std::mem::take(&mut st.peer_closing) {
+                st.keep_stream(id);
+                if let Some(e) = st.eps.get(&id).filter(|e| !e.handle.is_null()) {
+                    let (h, peer_mode) = (e.handle, e.peer_mode);
+                    st.send_notice(h, Kind::CloseFirst, peer_mode, 0);
+                }
             }
         }
         if st.lingering.live > 0 || !st.lingering.news.is_empty() {
@@ -1427,7 +1509,7 @@ impl Drop for WorkerInner {
         // release call, or during the wait below).
         // SAFETY: exclusive access (we are in drop); the worker is not destroyed yet.
         unsafe { st.am_unclaimed.release_all(st.handle) };
-        // Endpoints waiting for their peer to close first close now.
+        // Endpoints still closing through their peer close now.
         st.end_all_lingering();
         // Let parked operations (sends to slow peers, closes of dropped endpoints)
         // finish, bounded. Their peer may be another worker of this process that only
@@ -1586,6 +1668,14 @@ unsafe extern "C" fn handshake_am_cb(
                     st.chores = true;
                 }
                 None => tracing::debug!("close-first notice for no known endpoint"),
+            },
+            Kind::Closing => match st.by_handle.get(&(reply_ep as usize)).copied() {
+                Some(id) => {
+                    // Answered after the progress call: not from inside a UCX callback.
+                    st.peer_closing.push(id);
+                    st.chores = true;
+                }
+                None => tracing::debug!("closing notice for no known endpoint"),
             },
             Kind::Ack | Kind::Nack(_) => {
                 if let Some(w) = st.connects.get_mut(&m.nonce) {
