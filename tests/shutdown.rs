@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{child_run, ctx, loopback, wait_parked_zero};
-use ucxkit::transport::tag;
+use ucxkit::transport::{tag, ErrorMode};
 
 /// The child: per transport, two workers of one single-thread runtime connect through a
 /// listener and exchange an eager and a rendezvous message each way; then one endpoint's
@@ -82,7 +82,8 @@ fn child(name: &str, env: &str) -> String {
 
 /// The child of `closes_are_quiet`: per transport, connections through a listener closed
 /// every ordinary way (the connecting side first, through ucxkit's close-first exchange;
-/// the accepting side first; with the handshake off, either side first), each side
+/// the accepting side first, through its closing exchange; with the handshake off,
+/// either side first; each in both error modes), each side
 /// closing after it has seen the other's close. UCX's lines go to stdout and ucxkit's
 /// `tracing` output (debug) to stderr.
 #[tokio::test]
@@ -97,23 +98,26 @@ async fn close_child() {
         let a = c.create_worker().unwrap();
         let b = c.create_worker().unwrap();
         let l = a.listen(loopback()).unwrap();
-        for handshake in [true, false] {
-            for connecting_first in [true, false] {
-                let opts = ucxkit::transport::EndpointOptions { handshake, ..Default::default() };
-                let (acc, ep) = tokio::join!(
-                    async { l.next().await.unwrap().accept_with(opts.clone()).await },
-                    b.connect_with(l.local_addr(), opts.clone())
-                );
-                let (acc, ep) = (acc.unwrap(), ep.unwrap());
-                let recv = a.tag_recv(1, tag::EXACT, Vec::with_capacity(64));
-                ep.tag_send(1, vec![7u8; 64]).await.0.unwrap();
-                assert_eq!(recv.await.1, vec![7u8; 64]);
-                let (first, second) = if connecting_first { (ep, acc) } else { (acc, ep) };
-                let case = format!("{tls}, handshake {handshake}, connecting side first {connecting_first}");
-                tokio::time::timeout(LIMIT, first.close()).await.expect(&case).expect(&case);
-                tokio::time::timeout(LIMIT, second.failed()).await.expect(&case);
-                tokio::time::timeout(LIMIT, second.close()).await.expect(&case).expect(&case);
-            }
+        let cases = [true, false].into_iter().flat_map(|h| {
+            [true, false].into_iter().flat_map(move |c| [ErrorMode::Auto, ErrorMode::Peer].map(|m| (h, c, m)))
+        });
+        for (handshake, connecting_first, error_mode) in cases {
+            let opts = ucxkit::transport::EndpointOptions { handshake, error_mode, ..Default::default() };
+            let (acc, ep) = tokio::join!(
+                async { l.next().await.unwrap().accept_with(opts.clone()).await },
+                b.connect_with(l.local_addr(), opts.clone())
+            );
+            let (acc, ep) = (acc.unwrap(), ep.unwrap());
+            let recv = a.tag_recv(1, tag::EXACT, Vec::with_capacity(64));
+            ep.tag_send(1, vec![7u8; 64]).await.0.unwrap();
+            assert_eq!(recv.await.1, vec![7u8; 64]);
+            let (first, second) = if connecting_first { (ep, acc) } else { (acc, ep) };
+            let case = format!(
+                "{tls}, handshake {handshake}, connecting side first {connecting_first}, {error_mode:?}"
+            );
+            tokio::time::timeout(LIMIT, first.close()).await.expect(&case).expect(&case);
+            tokio::time::timeout(LIMIT, second.failed()).await.expect(&case);
+            tokio::time::timeout(LIMIT, second.close()).await.expect(&case).expect(&case);
         }
         // The connecting side drops its endpoint, which waits for the peer to close first
         // and then closes (UCX has failed it by then: its flush errors are quieted).
@@ -208,7 +212,7 @@ async fn silent_peer_child() {
 fn a_silent_peer_is_closed_at_the_deadline() {
     let text = child("silent_peer_child", "UCXKIT_SILENT_PEER_CHILD");
     assert!(
-        text.contains("the peer did not close first in time"),
+        text.contains("the peer did not answer in time"),
         "the dropped endpoint was not closed at its deadline:\n{text}"
     );
 }
