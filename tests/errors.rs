@@ -146,6 +146,18 @@ async fn bad_config_is_an_error() {
     assert!(err.to_string().contains("RNDV_THRESH"), "{err}");
 }
 
+/// Indirect wire ids stay on (without them UCX reads freed memory for a message from an
+/// endpoint closed since): turning them off is refused; asking for them is fine.
+#[tokio::test]
+async fn indirect_ids_cannot_be_turned_off() {
+    for v in ["off", "auto", "n"] {
+        let err = ucxkit::transport::Context::builder().config("PROTO_INDIRECT_ID", v).build().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{v}: {err}");
+        assert!(err.to_string().contains("PROTO_INDIRECT_ID"), "{err}");
+    }
+    ucxkit::transport::Context::builder().config("UCX_PROTO_INDIRECT_ID", "on").build().unwrap();
+}
+
 /// A required transport that UCX did not pick fails the connection loudly
 /// (`MissingTransport` where it is checked, a reset on the side whose peer refused first); one it did pick passes, and the lanes name transport and device. Over shared
 /// memory with tcp allowed, UCX picks posix for data, so requiring tcp must fail.

@@ -51,6 +51,9 @@ impl std::ops::BitOr for Features {
     }
 }
 
+/// UCX's setting for indirect wire ids (see [`ContextBuilder::build`]).
+const INDIRECT_ID: &str = "PROTO_INDIRECT_ID";
+
 /// Builds a [`Context`]. Obtained from [`Context::builder`].
 #[derive(Clone, Debug, Default)]
 pub struct ContextBuilder {
@@ -89,6 +92,15 @@ impl ContextBuilder {
     }
 
     /// Creates the context (`ucp_config_read`, `ucp_config_modify`, `ucp_init`).
+    ///
+    /// UCX's `PROTO_INDIRECT_ID` is always on (the environment's `UCX_PROTO_INDIRECT_ID`
+    /// is overridden, and setting it otherwise through [`ContextBuilder::config`] is an
+    /// error): by default UCX names an endpoint without peer error handling on the wire by
+    /// its address, and a message naming an endpoint closed meanwhile (a rendezvous
+    /// message still unmatched, or stream or active-message data in flight when the
+    /// endpoint closed) then makes UCX read freed memory when it is matched or arrives;
+    /// with indirect ids UCX looks the endpoint up and drops the message, and the receive
+    /// that matched it ends with an error.
     pub fn build(self) -> Result<Context> {
         crate::ucx_log::install();
         let features = self.features | Features::REQUIRED;
@@ -97,7 +109,16 @@ impl ContextBuilder {
         let st = Status(unsafe { sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) });
         st.check().map_err(|source| Error::Config { name: "(read)".into(), value: String::new(), source })?;
         let guard = ConfigGuard(config);
-        for (name, value) in &self.config {
+        if let Some((_, v)) = self.config.iter().find(|(n, _)| n.eq_ignore_ascii_case(INDIRECT_ID)) {
+            if !v.eq_ignore_ascii_case("on") && !v.eq_ignore_ascii_case("y") && !v.eq_ignore_ascii_case("yes")
+            {
+                return Err(Error::ApiMisuse(format!(
+                    "UCX config {INDIRECT_ID}={v:?}: ucxkit needs it on (see ContextBuilder::build)"
+                )));
+            }
+        }
+        let defaults = [(INDIRECT_ID.to_string(), "on".to_string())];
+        for (name, value) in defaults.iter().chain(&self.config) {
             let (Ok(n), Ok(v)) = (CString::new(name.as_str()), CString::new(value.as_str())) else {
                 return Err(Error::ApiMisuse(format!("UCX config {name:?}={value:?} contains NUL")));
             };
