@@ -1,9 +1,12 @@
 //! Closing and shutting down, as UCX reports them: endpoints dropped, then their workers
 //! at once (each close must finish before its worker is destroyed, with no error or leak
 //! report from UCX); connections closed every ordinary way (no UCX error lines); a
-//! dropped endpoint whose peer never answers (closed when its wait is up). UCX and
-//! ucxkit's `tracing` write to the process's output, so each scenario runs in a child
-//! process (this test binary again, with a variable set) whose output the parent reads.
+//! dropped endpoint whose peer never answers (closed when its wait is up); a close while
+//! large sends are in flight (they arrive); a rendezvous message from an endpoint closed
+//! since (an error, not a read of freed memory). UCX and
+//! ucxkit's `tracing` write to the process's output, so the scenarios that check it run
+//! in a child process (this test binary again, with a variable set) whose output the
+//! parent reads.
 
 #![forbid(unsafe_code)]
 
@@ -13,7 +16,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{child_run, ctx, loopback, wait_parked_zero};
-use ucxkit::transport::{tag, ErrorMode};
+use ucxkit::transport::{tag, AmProto, AmSendOptions, EndpointOptions, ErrorMode};
 
 /// The child: per transport, two workers of one single-thread runtime connect through a
 /// listener and exchange an eager and a rendezvous message each way; then one endpoint's
@@ -215,4 +218,76 @@ fn a_silent_peer_is_closed_at_the_deadline() {
         text.contains("the peer did not answer in time"),
         "the dropped endpoint was not closed at its deadline:\n{text}"
     );
+}
+
+/// Large sends still in flight when their endpoint is closed reach the peer: the close
+/// (through the peer, from either side) waits for them until the peer's receives take
+/// them, here posted a while after the close began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_waits_for_sends_in_flight() {
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        for accepting_sends in [false, true] {
+            let case = format!("{tls}, accepting side sends: {accepting_sends}");
+            let (sw, cw, sep, cep) = common::pair(tls).await;
+            let (sender, receiver) = if accepting_sends { (sep, &cw) } else { (cep, &sw) };
+            let data = common::payload(21, 4 << 20);
+            let mut am = receiver.am_recv(9).unwrap();
+            let tag_send = sender.tag_send(5, data.clone());
+            let opts = AmSendOptions { proto: AmProto::Rendezvous, ..Default::default() };
+            let am_send = sender.am_send_with(9, b"h", data.clone(), opts);
+            let close = tokio::spawn(sender.close());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let (r, got) = receiver.tag_recv(5, tag::EXACT, Vec::with_capacity(data.len())).await;
+            r.unwrap_or_else(|e| panic!("{case}: tag receive: {e}"));
+            assert!(got == data, "{case}: tag bytes differ");
+            let m = tokio::time::timeout(Duration::from_secs(20), am.recv()).await.expect(&case);
+            let (r, got) = m.into_vec().await;
+            r.unwrap_or_else(|e| panic!("{case}: active-message fetch: {e}"));
+            assert!(got == data, "{case}: active-message bytes differ");
+            tag_send.await.0.unwrap_or_else(|e| panic!("{case}: tag send: {e}"));
+            am_send.await.0.unwrap_or_else(|e| panic!("{case}: active-message send: {e}"));
+            close.await.unwrap().unwrap_or_else(|e| panic!("{case}: close: {e}"));
+        }
+    }
+}
+
+/// A rendezvous message (tagged, or an active message's payload) that arrived from an
+/// endpoint this side then closed is matched or fetched with an error, and the worker
+/// goes on: UCX names the endpoint in such messages, and by default (without peer error
+/// handling) by its address, which the close freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_from_a_closed_endpoint_fails_safely() {
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        let c = ctx(tls);
+        let opts = EndpointOptions { handshake: false, ..Default::default() };
+        let a = c.worker().endpoint_options(opts.clone()).build().unwrap();
+        let b = c.worker().endpoint_options(opts).build().unwrap();
+        let l = a.listen(loopback()).unwrap();
+        let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
+        let (acc, ep) = (acc.unwrap(), ep.unwrap());
+        let mut am = a.am_recv(9).unwrap();
+        let data = common::payload(22, 4 << 20);
+        let opts = AmSendOptions { proto: AmProto::Rendezvous, ..Default::default() };
+        let sends = (ep.tag_send(5, data.clone()), ep.am_send_with(9, b"h", data.clone(), opts));
+        let m = tokio::time::timeout(Duration::from_secs(20), am.recv()).await.expect(tls);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while a.tag_probe(5, tag::EXACT).is_none() {
+            assert!(Instant::now() < deadline, "{tls}: the tagged message arrives");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::timeout(Duration::from_secs(20), acc.close()).await.expect(tls).expect(tls);
+        let (r, _) = a.tag_recv(5, tag::EXACT, Vec::with_capacity(data.len())).await;
+        assert!(r.is_err(), "{tls}: a message from a closed endpoint");
+        let (r, _) = m.into_vec().await;
+        assert!(r.is_err(), "{tls}: a payload from a closed endpoint");
+        drop((sends, ep));
+        // The worker still works.
+        let (acc, ep) = tokio::join!(l.accept(), b.connect(l.local_addr()));
+        let (acc, ep) = (acc.unwrap(), ep.unwrap());
+        let recv = acc.tag_recv(6, tag::EXACT, Vec::with_capacity(data.len()));
+        ep.tag_send(6, data.clone()).await.0.unwrap();
+        let (r, got) = recv.await;
+        r.unwrap();
+        assert!(got == data, "{tls}: after the failed message");
+    }
 }

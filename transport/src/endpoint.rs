@@ -663,15 +663,23 @@ impl Endpoint {
     ///
     /// A connection made through a listener with the handshake closes through the peer,
     /// in either error mode, so that nothing sent before the close is lost and the
-    /// accepting side disconnects first. This side flushes what it sent and sends a
-    /// notice, which arrives after all of it. On the connecting side the notice asks the
-    /// peer to close: the peer takes in what arrived (see below) and disconnects, and
-    /// this side then closes. On the accepting side it says that this side is closing:
-    /// the peer takes in what arrived and answers, and this side then closes (the
-    /// disconnect fails the peer's end). After a second without the peer's part (a peer
-    /// that does not progress its worker), this side closes anyway and returns without
-    /// waiting for that close to finish (it goes on in the background). Dropping the last
-    /// handle does the same in the background.
+    /// accepting side disconnects first. This side flushes what it sent and waits until
+    /// its operations on the endpoint have finished (a large send finishes when the
+    /// peer's receive takes it), then sends a notice, which arrives after all of it. On
+    /// the connecting side the notice asks the peer to close: the peer takes in what
+    /// arrived (see below) and disconnects, and this side then closes. On the accepting
+    /// side it says that this side is closing: the peer takes in what arrived and
+    /// answers, and this side then closes (the disconnect fails the peer's end). Each
+    /// wait is bounded: after a second with operations still running, the notice goes
+    /// anyway (asking the peer to close first, from either side: UCX purges what still
+    /// runs on an endpoint whose peer disconnected, and must not be asked to close one
+    /// itself), and those operations then end with [`Error::ConnectionReset`]; after a
+    /// second more without the peer's part (a peer that does not progress its worker, or
+    /// one that does not know the notice), this side closes anyway and returns without
+    /// waiting for that close to finish (it goes on in the background). Other clones see
+    /// the endpoint closed from the start. Dropping the last handle does the same in the
+    /// background. (While a [`crate::StreamData`] piece of this endpoint is held, or once
+    /// it failed, the close is UCX's own, as below.)
     ///
     /// Why: UCX discards the stream bytes an endpoint has received but not yet read when
     /// its peer disconnects, and a disconnect can overtake data still in flight; with the
@@ -698,7 +706,8 @@ impl Endpoint {
             if let Some(e) = st.eps.get_mut(&id) {
                 e.closing = true;
             }
-            notice.is_some_and(|k| st.linger(id, k))
+            // (A close from another clone while it lingers waits for the same end.)
+            st.lingers(id) || notice.is_some_and(|k| st.linger(id, k))
         });
         if lingers {
             // The driver moves it on (the flush, the peer's disconnect, the deadline).

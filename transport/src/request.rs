@@ -201,8 +201,13 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             if slot.close {
                 st.closes.remove(&req.cast::<Slot>());
             }
+            let ep = slot.bound_ep;
             // SAFETY: req is ours, completed, and nothing refers to it any more.
             unsafe { free(st, req.cast()) };
+            if st.lingering.live > 0 && ep != 0 {
+                // A closing endpoint may be waiting for this operation.
+                st.linger_op_done(ep);
+            }
         }
         SlotState::Pending => {
             slot.state = SlotState::Done;
@@ -211,6 +216,10 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             slot.sender_tag = tag;
             if let Some(w) = slot.waker.take() {
                 st.after.wake(w);
+            }
+            if st.lingering.live > 0 && slot.bound_ep != 0 {
+                // A closing endpoint may be waiting for this operation.
+                st.linger_op_done(slot.bound_ep);
             }
         }
         // ucxkit already finished it (`fail_pending`: the peer process died); the owner
@@ -339,6 +348,15 @@ pub(crate) unsafe fn fail_pending(slot: *mut Slot, status: Status, st: &mut Stat
             st.after.wake(w);
         }
     }
+}
+
+/// Whether the bound request `slot` is still running (its callback has not run).
+///
+/// # Safety
+/// `slot` is a live bound request of ours; the worker lock is held.
+pub(crate) unsafe fn is_running(slot: *mut Slot) -> bool {
+    // SAFETY: per contract.
+    unsafe { (*slot).state != SlotState::Done }
 }
 
 /// The completion of `slot` if its callback ran, releasing the request (`free`).

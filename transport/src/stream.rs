@@ -33,7 +33,7 @@ use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::handshake::Kind;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{stream_recv_cb, Completion, Posted};
@@ -288,7 +288,7 @@ impl Endpoint {
             let posted = Posted::from_ptr(p, Completion::ok(length), false);
             match &posted {
                 Posted::Done(c) if c.status().is_ok() => st.stream_received(id, length),
-                Posted::Pending(r) => r.bind(st, id, OpKind::Finish),
+                Posted::Pending(r) => r.bind(st, id, OpKind::StreamRecv),
                 Posted::Done(_) => {}
             }
             Ok(posted)
@@ -321,7 +321,8 @@ impl Endpoint {
         self.send_notice("stream_shutdown", Kind::StreamEnd, |st| st.eps.get(&id).map_or(0, |e| e.stream_tx))
     }
 
-    /// Whether the peer has ended its stream and every byte it wrote has been received.
+    /// Whether the peer has ended its stream and every byte it wrote has been received
+    /// and read.
     pub fn stream_ended(&self) -> bool {
         let id = self.inner.id;
         self.worker_inner().locked(|st| st.eps.get(&id).is_some_and(|e| e.stream_ended()))
@@ -452,6 +453,10 @@ impl std::fmt::Debug for UcxStream {
 impl AsyncRead for UcxStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        // Set once the peer's end was seen while the receive was pending: it is polled
+        // once more (it may have completed with the last bytes in between) before it is
+        // given up.
+        let mut end_seen = false;
         loop {
             if this.pos < this.rbuf.len() {
                 let n = out.remaining().min(this.rbuf.len() - this.pos);
@@ -473,6 +478,7 @@ impl AsyncRead for UcxStream {
                 Some(recv) => match Pin::new(recv).poll(cx) {
                     Poll::Ready((r, buf)) => {
                         this.pending = None;
+                        end_seen = false;
                         this.rbuf = buf;
                         this.pos = 0;
                         match r {
@@ -480,14 +486,22 @@ impl AsyncRead for UcxStream {
                             Ok(_) => {}
                             // The peer ended its stream and closed: the receive failed
                             // with the close, every byte having arrived before.
-                            Err(_) if this.ep.stream_ended() => this.eof = true,
+                            Err(e)
+                                if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::Canceled)
+                                    && this.ep.stream_ended() =>
+                            {
+                                this.eof = true
+                            }
                             Err(e) => return Poll::Ready(Err(e.into())),
                         }
                     }
-                    Poll::Pending => {
+                    Poll::Pending if !end_seen => {
                         if !this.ep.poll_stream_end(cx) {
                             return Poll::Pending;
                         }
+                        end_seen = true;
+                    }
+                    Poll::Pending => {
                         // The peer's stream ended and every byte arrived, so the pending
                         // receive can only complete when the endpoint closes: leave it
                         // with the worker (its buffer parked) and report the end.

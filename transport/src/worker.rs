@@ -476,9 +476,14 @@ const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
 
 /// An endpoint being closed through its peer ([`State::linger`]).
 struct Linger {
-    /// The notice sent once the flush is done: [`Kind::CloseFirst`] on the connecting
-    /// side, [`Kind::Closing`] on the accepting side.
+    /// The notice sent once the flush is done and the endpoint's operations have
+    /// finished: [`Kind::CloseFirst`] on the connecting side, [`Kind::Closing`] on the
+    /// accepting side.
     notice: Kind,
+    /// Whether the notice went out.
+    sent: bool,
+    /// Whether the peer refused the notice (it does not know it): close at once.
+    refused: bool,
     /// The flush posted before the notice, while it runs.
     flush: Option<request::Request>,
     /// [`crate::Endpoint::close`] calls waiting for the end.
@@ -489,13 +494,14 @@ struct Linger {
 /// news (flush finished, endpoint failed) listed, the deadlines in order (all waits are
 /// equal), the clock read only now and then.
 #[derive(Default)]
-struct Lingering {
+pub(crate) struct Lingering {
     /// Endpoints still lingering.
-    live: usize,
+    pub(crate) live: usize,
     /// (deadline, endpoint), oldest first; may name endpoints no longer lingering.
     deadlines: std::collections::VecDeque<(Instant, u64)>,
-    /// Endpoints whose flush finished or which failed since they were last looked at.
-    news: Vec<u64>,
+    /// Endpoints whose flush or one of whose operations finished, or which failed, since
+    /// they were last looked at.
+    pub(crate) news: Vec<u64>,
     /// Progress calls since the clock was last read for the deadlines.
     ticks: u32,
 }
@@ -609,10 +615,14 @@ impl EpState {
 pub(crate) enum OpKind {
     /// An unmatched tag receive: canceled (`ucp_request_cancel`).
     Cancel,
-    /// Anything UCX cannot cancel (sends, stream receives, RMA, fetches): UCX purges it
-    /// when it learns of the failure; when only ucxkit knows (a dead same-host peer in
-    /// error mode None), ucxkit finishes it (see [`State::fail_ep`]).
+    /// Anything UCX cannot cancel (sends, RMA, fetches): UCX purges it when it learns of
+    /// the failure; when only ucxkit knows (a dead same-host peer in error mode None),
+    /// ucxkit finishes it (see [`State::fail_ep`]). A closing endpoint waits for these
+    /// before it closes ([`State::linger`]).
     Finish,
+    /// A stream receive: as [`OpKind::Finish`], but a closing endpoint does not wait for
+    /// it (it ends only when the peer writes).
+    StreamRecv,
 }
 
 /// A pending handshake.
@@ -706,7 +716,7 @@ pub(crate) struct State {
     /// Endpoints whose accepting peer is closing (`Closing`).
     peer_closing: Vec<u64>,
     /// Endpoints closed or dropped, closing through their peer ([`State::linger`]).
-    lingering: Lingering,
+    pub(crate) lingering: Lingering,
     pub(crate) connects: IdMap<u64, HsWait>,
     pub(crate) accepts: IdMap<usize, HsWait>,
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
@@ -942,14 +952,16 @@ impl State {
     pub(crate) fn keep_stream(&mut self, id: u64) {
         let Some(e) = self.eps.get_mut(&id) else { return };
         let h = e.handle;
-        if h.is_null() {
+        if h.is_null() || e.closing || e.linger.is_some() {
+            // (Closed by this side too: nobody reads any more.)
             return;
         }
         let mut took = false;
         loop {
             let mut len = 0usize;
             // SAFETY: h is a live endpoint of this worker; the lock is held; this is not
-            // inside a UCX callback. Without the stream feature UCX returns an error.
+            // inside a UCX callback. Without the stream feature UCX returns an error or
+            // nothing.
             let p = unsafe { sys::ucp_stream_recv_data_nb(h, &mut len) };
             if p.is_null() || sys::UCS_PTR_IS_ERR(p) {
                 break;
@@ -1003,7 +1015,7 @@ impl State {
         if e.handle.is_null() || e.failed.is_some() || e.data_out > 0 || e.linger.is_some() {
             return false;
         }
-        let (h, peer_mode) = (e.handle, e.peer_mode);
+        let h = e.handle;
         let mut param = self.flagged_param(0);
         param.cb.send = Some(request::linger_flush_cb);
         // SAFETY: h is a live endpoint of this worker; the lock is held. The callback finds
@@ -1014,19 +1026,63 @@ impl State {
                 r.bind(self, id, OpKind::Finish);
                 Some(r)
             }
-            request::Posted::Done(c) if c.status().is_ok() => {
-                self.send_notice(h, notice, peer_mode, 0);
-                None
-            }
+            request::Posted::Done(c) if c.status().is_ok() => None,
             request::Posted::Done(_) => return false,
         };
         if let Some(e) = self.eps.get_mut(&id) {
-            e.linger = Some(Linger { notice, flush, waiters: Vec::new() });
+            // Other clones see it closed from now on (operations posted after the notice
+            // would be lost); the handle stays for the flush, the notice and the close.
+            e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
+            e.linger = Some(Linger { notice, sent: false, refused: false, flush, waiters: Vec::new() });
         }
         self.lingering.live += 1;
         self.lingering.deadlines.push_back((Instant::now() + CLOSE_FIRST_WAIT, id));
+        self.lingering.news.push(id);
         self.chores = true;
         true
+    }
+
+    /// Whether an operation that a closing endpoint waits for (a send, RMA, a fetch; not
+    /// a receive) is still running on endpoint `id`.
+    fn ops_running(&self, id: u64) -> bool {
+        // SAFETY: bound_to yields live bound requests; the lock is held.
+        self.bound_to(id).any(|(r, kind)| kind == OpKind::Finish && unsafe { request::is_running(r) })
+    }
+
+    /// Sends lingering endpoint `id`'s notice: its own, or [`Kind::CloseFirst`] when
+    /// operations still run on it (then the peer must close first: UCX requires an
+    /// endpoint that closes itself to have none, and purges them when the peer's
+    /// disconnect fails it).
+    fn send_linger_notice(&mut self, id: u64) {
+        let running = self.ops_running(id);
+        let Some(e) = self.eps.get_mut(&id) else { return };
+        let (h, peer_mode) = (e.handle, e.peer_mode);
+        let Some(l) = e.linger.as_mut() else { return };
+        if l.sent || h.is_null() {
+            return;
+        }
+        l.sent = true;
+        let notice = if running { Kind::CloseFirst } else { l.notice };
+        self.send_notice(h, notice, peer_mode, 0);
+    }
+
+    /// The peer of lingering endpoint `id` refused its notice: closes it after this
+    /// progress call.
+    pub(crate) fn linger_refused(&mut self, id: u64) {
+        if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
+            l.refused = true;
+            self.lingering.news.push(id);
+            self.chores = true;
+        }
+    }
+
+    /// For [`request`]'s completion callbacks: an operation bound to endpoint `id`
+    /// finished while endpoints linger.
+    pub(crate) fn linger_op_done(&mut self, id: u64) {
+        if self.eps.get(&id).is_some_and(|e| e.linger.as_ref().is_some_and(|l| !l.sent)) {
+            self.lingering.news.push(id);
+            self.chores = true;
+        }
     }
 
     /// After a progress call while endpoints linger: moves on the ones with news, and
@@ -1041,40 +1097,62 @@ impl State {
         }
     }
 
-    /// A lingering endpoint whose flush finished sends its notice; one that failed (the
-    /// peer closed, as asked) or whose flush failed is closed.
+    /// A lingering endpoint whose flush and operations finished sends its notice; one
+    /// that failed (the peer closed, as asked) or whose flush failed is closed.
     fn advance_linger(&mut self, id: u64) {
         let Some(e) = self.eps.get_mut(&id) else { return };
         let Some(l) = e.linger.as_mut() else { return };
-        if e.failed.is_some() || e.handle.is_null() {
+        if e.failed.is_some() || e.handle.is_null() || l.refused {
             self.end_linger(id);
             return;
         }
-        let (h, peer_mode, notice) = (e.handle, e.peer_mode, l.notice);
-        let Some(r) = l.flush.take() else { return };
-        match r.take_if_done(self) {
-            Ok(c) if c.status().is_ok() => self.send_notice(h, notice, peer_mode, 0),
-            Ok(_) => {
-                self.end_linger(id);
-            }
-            Err(r) => {
-                if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
-                    l.flush = Some(r);
+        if l.sent {
+            return;
+        }
+        if let Some(r) = l.flush.take() {
+            match r.take_if_done(self) {
+                Ok(c) if c.status().is_ok() => {}
+                Ok(_) => {
+                    self.end_linger(id);
+                    return;
+                }
+                Err(r) => {
+                    if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
+                        l.flush = Some(r);
+                    }
+                    return;
                 }
             }
         }
+        // Sends still running wait for the peer to take them (or for the deadline).
+        if !self.ops_running(id) {
+            self.send_linger_notice(id);
+        }
     }
 
-    /// Closes the lingering endpoints whose deadline is before `now`. Called by the driver
-    /// before it sleeps, too.
+    /// Moves on the lingering endpoints whose deadline is before `now`: one still waiting
+    /// for its flush or operations sends its notice anyway and waits once more; one
+    /// whose peer did not answer is closed. Called by the driver before it sleeps, too.
     pub(crate) fn end_overdue_lingering(&mut self, now: Instant) {
         while let Some(&(until, id)) = self.lingering.deadlines.front() {
             if until > now {
                 break;
             }
             self.lingering.deadlines.pop_front();
-            if self.end_linger(id) {
-                tracing::debug!(ep = id, "the peer did not answer in time: closing the endpoint");
+            let sent = self.eps.get(&id).and_then(|e| e.linger.as_ref()).map(|l| l.sent);
+            match sent {
+                Some(false) => {
+                    tracing::debug!(
+                        ep = id,
+                        "operations still run on the closing endpoint: notice sent anyway"
+                    );
+                    self.send_linger_notice(id);
+                    self.lingering.deadlines.push_back((now + CLOSE_FIRST_WAIT, id));
+                }
+                Some(true) if self.end_linger(id) => {
+                    tracing::debug!(ep = id, "the peer did not answer in time: closing the endpoint");
+                }
+                _ => {}
             }
         }
     }
@@ -1355,7 +1433,7 @@ impl WorkerInner {
             // disconnect, which it sends once this side answers.
             for id in std::mem::take(&mut st.peer_closing) {
                 st.keep_stream(id);
-                if let Some(e) = st.eps.get(&id).filter(|e| !e.handle.is_null()) {
+                if let Some(e) = st.eps.get(&id).filter(|e| !e.handle.is_null() && e.failed.is_none()) {
                     let (h, peer_mode) = (e.handle, e.peer_mode);
                     st.send_notice(h, Kind::CloseFirst, peer_mode, 0);
                 }
@@ -1691,6 +1769,13 @@ unsafe extern "C" fn handshake_am_cb(
                     if let Some(k) = w.waker.take() {
                         st.after.wake(k);
                     }
+                } else if let Some(id) =
+                    st.by_handle.get(&(reply_ep as usize)).copied().filter(|&id| st.lingers(id))
+                {
+                    // A peer that does not know the close notice (an older ucxkit)
+                    // refused it: this side closes now instead of waiting for it.
+                    tracing::debug!(ep = id, "the peer refused the close notice");
+                    st.linger_refused(id);
                 } else {
                     tracing::debug!(nonce = m.nonce, "handshake reply for no pending connect");
                 }
