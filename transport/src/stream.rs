@@ -240,6 +240,13 @@ impl Endpoint {
 
     /// Receives exactly the buffer's capacity (`UCP_STREAM_RECV_FLAG_WAITALL`).
     ///
+    /// After the peer closed, bytes it sent that this side had not read yet are served
+    /// first; asking for more than is left fails with [`Error::ConnectionReset`] and
+    /// takes none of them. An exact receive still pending when the peer closes fails the
+    /// same way, but the bytes it had gathered are lost with it (UCX ends it with the
+    /// endpoint): read a stream to its end with [`Endpoint::stream_recv`] or
+    /// [`UcxStream`].
+    ///
     /// # Cancel safety
     /// As for [`Endpoint::stream_recv`].
     #[inline]
