@@ -155,6 +155,12 @@ async fn indirect_ids_cannot_be_turned_off() {
         assert_eq!(err.kind(), ErrorKind::InvalidInput, "{v}: {err}");
         assert!(err.to_string().contains("PROTO_INDIRECT_ID"), "{err}");
     }
+    let err = ucxkit::transport::Context::builder()
+        .config("PROTO_INDIRECT_ID", "on")
+        .config("PROTO_INDIRECT_ID", "off")
+        .build()
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "on then off: {err}");
     ucxkit::transport::Context::builder().config("UCX_PROTO_INDIRECT_ID", "on").build().unwrap();
 }
 

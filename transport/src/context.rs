@@ -109,9 +109,8 @@ impl ContextBuilder {
         let st = Status(unsafe { sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) });
         st.check().map_err(|source| Error::Config { name: "(read)".into(), value: String::new(), source })?;
         let guard = ConfigGuard(config);
-        if let Some((_, v)) = self.config.iter().find(|(n, _)| n.eq_ignore_ascii_case(INDIRECT_ID)) {
-            if !v.eq_ignore_ascii_case("on") && !v.eq_ignore_ascii_case("y") && !v.eq_ignore_ascii_case("yes")
-            {
+        for (_, v) in self.config.iter().filter(|(n, _)| n.eq_ignore_ascii_case(INDIRECT_ID)) {
+            if !["on", "y", "yes", "1"].iter().any(|on| v.eq_ignore_ascii_case(on)) {
                 return Err(Error::ApiMisuse(format!(
                     "UCX config {INDIRECT_ID}={v:?}: ucxkit needs it on (see ContextBuilder::build)"
                 )));
