@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{child_run, ctx, loopback, wait_parked_zero};
-use ucxkit::transport::{tag, AmProto, AmSendOptions, EndpointOptions, ErrorMode};
+use ucxkit::transport::{tag, AmProto, AmSendOptions, EndpointOptions, ErrorKind, ErrorMode};
 
 /// The child: per transport, two workers of one single-thread runtime connect through a
 /// listener and exchange an eager and a rendezvous message each way; then one endpoint's
@@ -220,11 +220,17 @@ fn a_silent_peer_is_closed_at_the_deadline() {
     );
 }
 
+/// The in-process tests below, one at a time: their connections come and go in several
+/// workers of this process at once, which UCX before 1.18 can abort on (see README,
+/// "Several workers in one process").
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Large sends still in flight when their endpoint is closed reach the peer: the close
 /// (through the peer, from either side) waits for them until the peer's receives take
 /// them, here posted a while after the close began.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_waits_for_sends_in_flight() {
+    let _serial = SERIAL.lock().await;
     for tls in ["posix,cma,tcp,self", "tcp,self"] {
         for accepting_sends in [false, true] {
             let case = format!("{tls}, accepting side sends: {accepting_sends}");
@@ -257,6 +263,7 @@ async fn close_waits_for_sends_in_flight() {
 /// handling) by its address, which the close freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_from_a_closed_endpoint_fails_safely() {
+    let _serial = SERIAL.lock().await;
     for tls in ["posix,cma,tcp,self", "tcp,self"] {
         let c = ctx(tls);
         let opts = EndpointOptions { handshake: false, ..Default::default() };
@@ -289,5 +296,52 @@ async fn a_message_from_a_closed_endpoint_fails_safely() {
         let (r, got) = recv.await;
         r.unwrap();
         assert!(got == data, "{tls}: after the failed message");
+    }
+}
+
+/// The peer closes (or drops) its end while this side's large sends to it are still
+/// running, never to be received: the sends end with `ConnectionReset` (UCX purges
+/// them when the peer's disconnect fails the endpoint; this side never asks UCX to
+/// close an endpoint with sends running), and both workers go on. Either side sending,
+/// both error modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_closes_while_sends_run() {
+    let _serial = SERIAL.lock().await;
+    const LIMIT: Duration = Duration::from_secs(20);
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        for mode in [ErrorMode::Auto, ErrorMode::Peer] {
+            for accepting_sends in [false, true] {
+                for drop_it in [false, true] {
+                    let case =
+                        format!("{tls} {mode:?}, accepting side sends: {accepting_sends}, drop: {drop_it}");
+                    let (sw, cw, sep, cep) =
+                        common::pair_with(tls, mode, ucxkit::transport::ProgressMode::Event).await;
+                    let (sender, closer) = if accepting_sends { (sep, cep) } else { (cep, sep) };
+                    let data = common::payload(23, 4 << 20);
+                    let opts = AmSendOptions { proto: AmProto::Rendezvous, ..Default::default() };
+                    let sends = (sender.tag_send(5, data.clone()), sender.am_send_with(9, b"h", data, opts));
+                    if drop_it {
+                        drop(closer);
+                    } else {
+                        tokio::time::timeout(LIMIT, closer.close()).await.expect(&case).expect(&case);
+                    }
+                    let (r, _) = tokio::time::timeout(LIMIT, sends.0).await.expect(&case);
+                    assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset, "{case}: tag send");
+                    let (r, _) = tokio::time::timeout(LIMIT, sends.1).await.expect(&case);
+                    assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset, "{case}: am send");
+                    tokio::time::timeout(LIMIT, sender.close()).await.expect(&case).expect(&case);
+                    // Both workers go on.
+                    for w in [&sw, &cw] {
+                        wait_parked_zero(w, LIMIT).await;
+                    }
+                    let l = sw.listen(loopback()).unwrap();
+                    let (a, b) = tokio::join!(l.accept(), cw.connect(l.local_addr()));
+                    let (a, b) = (a.unwrap(), b.unwrap());
+                    let recv = a.tag_recv(7, tag::EXACT, Vec::with_capacity(3));
+                    b.tag_send(7, b"abc".to_vec()).await.0.unwrap();
+                    assert_eq!(recv.await.1, b"abc", "{case}");
+                }
+            }
+        }
     }
 }

@@ -68,7 +68,7 @@ impl Drop for EndpointInner {
                 tracing::debug!(ep = id, "endpoint dropped without close(): closing in the background");
                 st.close_unwaited(id);
             }
-            st.eps.remove(&id);
+            st.forget_ep(id);
             false
         });
         if lingers {
@@ -695,6 +695,12 @@ impl Endpoint {
     /// Without the handshake (the peer may be a plain UCX program) or for an endpoint
     /// made from a worker address, the close is UCX's own: end the conversation with an
     /// acknowledgment before closing, as plain UCX programs do.
+    ///
+    /// UCX is never asked to close an endpoint while operations still run on it (a send
+    /// its peer has not taken yet): UCX 1.13 asserts then, or leaves the send pointing
+    /// at the freed endpoint. Such a close waits in the background until they finish or
+    /// fail (the peer's disconnect fails them), and `close()` returns without waiting
+    /// for it, as it does while a [`crate::StreamData`] piece is held.
     ///
     /// # Cancel safety
     /// Safe to drop; the close continues in the background.

@@ -201,12 +201,12 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             if slot.close {
                 st.closes.remove(&req.cast::<Slot>());
             }
-            let ep = slot.bound_ep;
+            let (ep, kind) = (slot.bound_ep, slot.kind);
             // SAFETY: req is ours, completed, and nothing refers to it any more.
             unsafe { free(st, req.cast()) };
-            if st.lingering.live > 0 && ep != 0 {
+            if (st.lingering.live > 0 || st.closes_waiting_ops > 0) && ep != 0 && kind == OpKind::Finish {
                 // A closing endpoint may be waiting for this operation.
-                st.linger_op_done(ep);
+                st.op_done(ep);
             }
         }
         SlotState::Pending => {
@@ -217,9 +217,12 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             if let Some(w) = slot.waker.take() {
                 st.after.wake(w);
             }
-            if st.lingering.live > 0 && slot.bound_ep != 0 {
+            if (st.lingering.live > 0 || st.closes_waiting_ops > 0)
+                && slot.bound_ep != 0
+                && slot.kind == OpKind::Finish
+            {
                 // A closing endpoint may be waiting for this operation.
-                st.linger_op_done(slot.bound_ep);
+                st.op_done(slot.bound_ep);
             }
         }
         // ucxkit already finished it (`fail_pending`: the peer process died); the owner

@@ -484,6 +484,9 @@ struct Linger {
     sent: bool,
     /// Whether the peer refused the notice (it does not know it): close at once.
     refused: bool,
+    /// The deadline in force (entries of [`Lingering::deadlines`] with another one are
+    /// stale).
+    deadline: Instant,
     /// The flush posted before the notice, while it runs.
     flush: Option<request::Request>,
     /// [`crate::Endpoint::close`] calls waiting for the end.
@@ -539,9 +542,14 @@ pub(crate) struct EpState {
     pub(crate) endpoint: std::sync::Weak<crate::endpoint::EndpointInner>,
     /// Zero-copy stream data ([`crate::StreamData`]) handed out and not yet released.
     pub(crate) data_out: usize,
-    /// A close requested while stream data was out: the UCX handle and whether to
-    /// force; done when the last piece is released.
+    /// A close requested while stream data was out or operations still ran on the
+    /// endpoint: the UCX handle and whether to force; done when the last piece is
+    /// released and the operations have finished ([`State::run_deferred_close`]).
     pub(crate) deferred_close: Option<(sys::ucp_ep_h, bool)>,
+    /// The deferred close waits for operations ([`State::ops_running`]).
+    close_waits_ops: bool,
+    /// Nothing refers to the entry any more: removed once its deferred close ran.
+    orphan: bool,
     /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
     /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
     pub(crate) closing: bool,
@@ -572,6 +580,8 @@ impl EpState {
             kept_at: 0,
             data_out: 0,
             deferred_close: None,
+            close_waits_ops: false,
+            orphan: false,
             closing: false,
             lanes_failed: false,
             peer_exited: false,
@@ -717,6 +727,8 @@ pub(crate) struct State {
     peer_closing: Vec<u64>,
     /// Endpoints closed or dropped, closing through their peer ([`State::linger`]).
     pub(crate) lingering: Lingering,
+    /// Endpoints whose close waits for operations still running on them.
+    pub(crate) closes_waiting_ops: usize,
     pub(crate) connects: IdMap<u64, HsWait>,
     pub(crate) accepts: IdMap<usize, HsWait>,
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
@@ -752,6 +764,7 @@ impl State {
             failed: Vec::new(),
             close_first: Vec::new(),
             peer_closing: Vec::new(),
+            closes_waiting_ops: 0,
             lingering: Lingering::default(),
             connects: IdMap::default(),
             accepts: IdMap::default(),
@@ -881,8 +894,9 @@ impl State {
             // Failed in peer mode: closed forcibly.
             self.close_unwaited(id);
         }
-        if self.eps.get(&id).is_some_and(|e| e.linger.is_some()) {
-            // Most likely the peer closing, as asked.
+        if self.eps.get(&id).is_some_and(|e| e.linger.is_some() || e.close_waits_ops) {
+            // Most likely the peer closing, as asked; a deferred close waits no more for
+            // operations UCX purges (or ucxkit finished above).
             self.lingering.news.push(id);
             self.chores = true;
         }
@@ -894,22 +908,69 @@ impl State {
     /// [`State::finish_close`]; None if it was closed already or the close waits for
     /// borrowed stream data (`release_stream_data` finishes it).
     pub(crate) fn close_ep(&mut self, id: u64, force: bool) -> Option<request::Posted> {
+        let ops = !force && self.ops_running(id);
         let e = self.eps.get_mut(&id)?;
         let h = std::mem::replace(&mut e.handle, std::ptr::null_mut());
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         if h.is_null() {
             return None;
         }
-        // Borrowed stream data still points into UCX's buffers of this endpoint: close
-        // once it is all released (`release_stream_data`).
-        let defer = e.data_out > 0;
-        let lanes_failed = e.lanes_failed;
-        if defer {
+        if e.data_out > 0 || ops {
+            // Borrowed stream data still points into UCX's buffers of this endpoint, or
+            // operations still run on it (a send the peer has not taken yet): UCX must
+            // not close an endpoint with sends running (1.13 asserts, or frees the
+            // endpoint they point to). Closed once the data is released and the
+            // operations have finished, or failed (UCX purges them when the endpoint
+            // fails). The handle stays known for the endpoint's failure.
             e.deferred_close = Some((h, force));
+            if ops {
+                e.close_waits_ops = true;
+                self.closes_waiting_ops += 1;
+            }
+            tracing::debug!(ep = id, ops, "close deferred");
+            return None;
         }
+        let lanes_failed = e.lanes_failed;
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
-        (!defer).then(|| self.close_handle(h, force, lanes_failed))
+        Some(self.close_handle(h, force, lanes_failed))
+    }
+
+    /// Runs endpoint `id`'s deferred close once nothing holds it any more (no stream data
+    /// out, no operation running); forcibly if it failed in peer mode meanwhile. Removes
+    /// an orphaned entry after.
+    pub(crate) fn run_deferred_close(&mut self, id: u64) {
+        let Some(e) = self.eps.get(&id) else { return };
+        if e.deferred_close.is_none() || e.data_out > 0 || (e.close_waits_ops && self.ops_running(id)) {
+            return;
+        }
+        let Some(e) = self.eps.get_mut(&id) else { return };
+        let Some((h, force)) = e.deferred_close.take() else { return };
+        if std::mem::take(&mut e.close_waits_ops) {
+            self.closes_waiting_ops -= 1;
+        }
+        let force = force || (e.failed.is_some() && e.peer_mode);
+        let (lanes_failed, orphan) = (e.lanes_failed, e.orphan);
+        self.by_handle.remove(&(h as usize));
+        self.accepts.remove(&(h as usize));
+        tracing::debug!(ep = id, "deferred close runs");
+        let p = self.close_handle(h, force, lanes_failed);
+        self.finish_close(id, p);
+        if orphan {
+            self.eps.remove(&id);
+        }
+    }
+
+    /// Forgets endpoint `id` (its last handle is gone, or it stopped lingering): removes
+    /// its entry, or leaves that to its deferred close.
+    pub(crate) fn forget_ep(&mut self, id: u64) {
+        match self.eps.get_mut(&id) {
+            Some(e) if e.deferred_close.is_some() => e.orphan = true,
+            Some(_) => {
+                self.eps.remove(&id);
+            }
+            None => {}
+        }
     }
 
     /// `ucp_ep_close_nbx` on a handle already taken out of the tables. The flushing close
@@ -936,11 +997,7 @@ impl State {
         let Some(e) = self.eps.get_mut(&id) else { return };
         e.data_out -= 1;
         if e.data_out == 0 {
-            if let Some((h, force)) = e.deferred_close.take() {
-                let lanes_failed = e.lanes_failed;
-                let p = self.close_handle(h, force, lanes_failed);
-                self.finish_close(id, p);
-            }
+            self.run_deferred_close(id);
         }
     }
 
@@ -1016,6 +1073,7 @@ impl State {
             return false;
         }
         let h = e.handle;
+        let deadline = Instant::now() + CLOSE_FIRST_WAIT;
         let mut param = self.flagged_param(0);
         param.cb.send = Some(request::linger_flush_cb);
         // SAFETY: h is a live endpoint of this worker; the lock is held. The callback finds
@@ -1033,10 +1091,11 @@ impl State {
             // Other clones see it closed from now on (operations posted after the notice
             // would be lost); the handle stays for the flush, the notice and the close.
             e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
-            e.linger = Some(Linger { notice, sent: false, refused: false, flush, waiters: Vec::new() });
+            e.linger =
+                Some(Linger { notice, sent: false, refused: false, deadline, flush, waiters: Vec::new() });
         }
         self.lingering.live += 1;
-        self.lingering.deadlines.push_back((Instant::now() + CLOSE_FIRST_WAIT, id));
+        self.lingering.deadlines.push_back((deadline, id));
         self.lingering.news.push(id);
         self.chores = true;
         true
@@ -1052,7 +1111,7 @@ impl State {
     /// Sends lingering endpoint `id`'s notice: its own, or [`Kind::CloseFirst`] when
     /// operations still run on it (then the peer must close first: UCX requires an
     /// endpoint that closes itself to have none, and purges them when the peer's
-    /// disconnect fails it).
+    /// disconnect fails it); the peer then has [`CLOSE_FIRST_WAIT`] from now.
     fn send_linger_notice(&mut self, id: u64) {
         let running = self.ops_running(id);
         let Some(e) = self.eps.get_mut(&id) else { return };
@@ -1062,24 +1121,31 @@ impl State {
             return;
         }
         l.sent = true;
-        let notice = if running { Kind::CloseFirst } else { l.notice };
+        l.deadline = Instant::now() + CLOSE_FIRST_WAIT;
+        let (notice, deadline) = (if running { Kind::CloseFirst } else { l.notice }, l.deadline);
+        self.lingering.deadlines.push_back((deadline, id));
         self.send_notice(h, notice, peer_mode, 0);
     }
 
     /// The peer of lingering endpoint `id` refused its notice: closes it after this
     /// progress call.
     pub(crate) fn linger_refused(&mut self, id: u64) {
-        if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
+        if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()).filter(|l| l.sent) {
+            tracing::debug!(ep = id, "the peer refused the close notice");
             l.refused = true;
             self.lingering.news.push(id);
             self.chores = true;
         }
     }
 
-    /// For [`request`]'s completion callbacks: an operation bound to endpoint `id`
-    /// finished while endpoints linger.
-    pub(crate) fn linger_op_done(&mut self, id: u64) {
-        if self.eps.get(&id).is_some_and(|e| e.linger.as_ref().is_some_and(|l| !l.sent)) {
+    /// For [`request`]'s completion callbacks, while endpoints linger or closes wait for
+    /// operations: an operation bound to endpoint `id` finished.
+    pub(crate) fn op_done(&mut self, id: u64) {
+        let waits = self
+            .eps
+            .get(&id)
+            .is_some_and(|e| e.close_waits_ops || e.linger.as_ref().is_some_and(|l| !l.sent));
+        if waits {
             self.lingering.news.push(id);
             self.chores = true;
         }
@@ -1090,6 +1156,7 @@ impl State {
     fn tend_lingering(&mut self) {
         for id in std::mem::take(&mut self.lingering.news) {
             self.advance_linger(id);
+            self.run_deferred_close(id);
         }
         self.lingering.ticks = self.lingering.ticks.wrapping_add(1);
         if self.lingering.ticks % LINGER_CLOCK_EVERY == 0 {
@@ -1139,20 +1206,16 @@ impl State {
                 break;
             }
             self.lingering.deadlines.pop_front();
-            let sent = self.eps.get(&id).and_then(|e| e.linger.as_ref()).map(|l| l.sent);
-            match sent {
-                Some(false) => {
-                    tracing::debug!(
-                        ep = id,
-                        "operations still run on the closing endpoint: notice sent anyway"
-                    );
-                    self.send_linger_notice(id);
-                    self.lingering.deadlines.push_back((now + CLOSE_FIRST_WAIT, id));
-                }
-                Some(true) if self.end_linger(id) => {
-                    tracing::debug!(ep = id, "the peer did not answer in time: closing the endpoint");
-                }
-                _ => {}
+            let Some(e) = self.eps.get(&id) else { continue };
+            let Some(l) = e.linger.as_ref().filter(|l| l.deadline == until) else { continue };
+            if e.failed.is_some() || e.handle.is_null() {
+                // (Its news is on the way; end it now all the same.)
+                self.end_linger(id);
+            } else if !l.sent {
+                tracing::debug!(ep = id, "operations still run on the closing endpoint: notice sent anyway");
+                self.send_linger_notice(id);
+            } else if self.end_linger(id) {
+                tracing::debug!(ep = id, "the peer did not answer in time: closing the endpoint");
             }
         }
     }
@@ -1174,7 +1237,7 @@ impl State {
             }
         }
         self.close_unwaited(id);
-        self.eps.remove(&id);
+        self.forget_ep(id);
         true
     }
 
@@ -1420,9 +1483,18 @@ impl WorkerInner {
             // The peer is closing, or answers this side's `Closing`: what it sent stays
             // readable, this end closes (flushing what it sent) before the peer's own
             // close goes out, and fails as if the peer had disconnected.
+            // With operations still running (sends the closing peer will not take), UCX
+            // must not be asked to close: in peer mode the close is forced (UCX purges
+            // them); otherwise this side asks the peer to close first in turn, and its
+            // disconnect makes UCX purge them.
             for id in std::mem::take(&mut st.close_first) {
                 st.keep_stream(id);
-                if let Some(p) = st.close_ep(id, false) {
+                let running = st.ops_running(id);
+                let Some(e) = st.eps.get(&id) else { continue };
+                let (h, peer_mode, lingers) = (e.handle, e.peer_mode, e.linger.is_some());
+                if running && !peer_mode && !lingers && !h.is_null() {
+                    st.send_notice(h, Kind::CloseFirst, false, 0);
+                } else if let Some(p) = st.close_ep(id, running && peer_mode) {
                     st.finish_close(id, p);
                 }
                 st.fail_ep(id, Status::CONNECTION_RESET, false);
@@ -1769,12 +1841,11 @@ unsafe extern "C" fn handshake_am_cb(
                     if let Some(k) = w.waker.take() {
                         st.after.wake(k);
                     }
-                } else if let Some(id) =
-                    st.by_handle.get(&(reply_ep as usize)).copied().filter(|&id| st.lingers(id))
+                } else if let (Kind::Nack(_), Some(id)) =
+                    (m.kind, st.by_handle.get(&(reply_ep as usize)).copied())
                 {
                     // A peer that does not know the close notice (an older ucxkit)
                     // refused it: this side closes now instead of waiting for it.
-                    tracing::debug!(ep = id, "the peer refused the close notice");
                     st.linger_refused(id);
                 } else {
                     tracing::debug!(nonce = m.nonce, "handshake reply for no pending connect");
