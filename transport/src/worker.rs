@@ -633,6 +633,9 @@ pub(crate) enum OpKind {
     /// A stream receive: as [`OpKind::Finish`], but a closing endpoint does not wait for
     /// it (it ends only when the peer writes).
     StreamRecv,
+    /// The flush a closing endpoint posts ([`State::linger`]): as [`OpKind::Finish`], but
+    /// the close does not wait for it (UCX's own close flushes).
+    LingerFlush,
 }
 
 /// A pending handshake.
@@ -1081,7 +1084,7 @@ impl State {
         let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
         let flush = match request::Posted::from_ptr(p, request::Completion::OK, false) {
             request::Posted::Pending(r) => {
-                r.bind(self, id, OpKind::Finish);
+                r.bind(self, id, OpKind::LingerFlush);
                 Some(r)
             }
             request::Posted::Done(c) if c.status().is_ok() => None,
