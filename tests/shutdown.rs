@@ -349,3 +349,37 @@ async fn the_peer_closes_while_sends_run() {
         }
     }
 }
+
+/// The child of `stuck_sends_both_ways_do_not_abort`: per transport, both sides of a
+/// connection without peer error handling hold a large send the other never receives;
+/// one side closes, then both workers are dropped. ucxkit's `tracing` output (warn) goes
+/// to stderr.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the child half of stuck_sends_both_ways_do_not_abort; the parent runs it"]
+async fn stuck_sends_child() {
+    if !child_run("UCXKIT_STUCK_SENDS_CHILD", "ucxkit_transport=warn") {
+        return;
+    }
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        let (sw, cw, sep, cep) = common::pair(tls).await;
+        let data = common::payload(24, 4 << 20);
+        let sends = (sep.tag_send(5, data.clone()), cep.tag_send(6, data));
+        tokio::time::timeout(Duration::from_secs(10), cep.close()).await.expect(tls).expect(tls);
+        drop((sends, sep, sw, cw));
+    }
+    // The workers' drops wait up to 2 s for the sends.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    println!("stuck sends: done");
+}
+
+/// Closing a connection on which both sides hold a rendezvous send the other never
+/// receives, without peer error handling: UCX has no way to end those sends, and must not
+/// be asked to close the endpoints; dropping the workers leaks them (with a warning)
+/// rather than letting UCX destroy endpoints with sends running, which aborts the
+/// process in UCX 1.13 (`ucp_ep_destroy_base: proto_reqs`).
+#[test]
+fn stuck_sends_both_ways_do_not_abort() {
+    let text = child("stuck_sends_child", "UCXKIT_STUCK_SENDS_CHILD");
+    assert!(text.contains("stuck sends: done"), "{text}");
+    assert_eq!(text.matches("the UCX worker and its context are leaked").count(), 4, "{text}");
+}

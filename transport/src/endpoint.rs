@@ -700,7 +700,12 @@ impl Endpoint {
     /// its peer has not taken yet): UCX 1.13 asserts then, or leaves the send pointing
     /// at the freed endpoint. Such a close waits in the background until they finish or
     /// fail (the peer's disconnect fails them), and `close()` returns without waiting
-    /// for it, as it does while a [`crate::StreamData`] piece is held.
+    /// for it, as it does while a [`crate::StreamData`] piece is held. Without peer error
+    /// handling, when both sides hold such sends (neither receiving the other's), neither
+    /// side can close: the sends stay pending until received, and a worker dropped with
+    /// them is left to the process (leaked, with a warning) rather than destroyed, which
+    /// would make UCX 1.13 abort. [`crate::ErrorMode::Peer`] has no such case (the close
+    /// is forced, and the sends end with [`Error::ConnectionReset`]).
     ///
     /// # Cancel safety
     /// Safe to drop; the close continues in the background.

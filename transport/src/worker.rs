@@ -337,9 +337,10 @@ impl Worker {
 
     /// Operations whose futures were dropped while UCX still owned their buffers, and
     /// closes of endpoints dropped without [`crate::Endpoint::close`], still running
-    /// (those still closing through their peer included).
+    /// (those still closing through their peer, and those waiting for operations still
+    /// running on their endpoint, included).
     pub fn parked_requests(&self) -> usize {
-        self.shared.inner.locked(|st| st.parked + st.lingering())
+        self.shared.inner.locked(|st| st.parked + st.lingering() + st.closes_waiting_ops)
     }
 
     /// The raw handle: valid while this worker (or a clone, endpoint or listener of it)
@@ -944,7 +945,14 @@ impl State {
     /// an orphaned entry after.
     pub(crate) fn run_deferred_close(&mut self, id: u64) {
         let Some(e) = self.eps.get(&id) else { return };
-        if e.deferred_close.is_none() || e.data_out > 0 || (e.close_waits_ops && self.ops_running(id)) {
+        // The peer process died unseen by UCX (no peer mode): its operations were finished
+        // by ucxkit and UCX will never end them; the close is hopeless anyway and is
+        // released at once (`finish_close`).
+        let hopeless = e.peer_exited && !e.peer_mode;
+        if e.deferred_close.is_none()
+            || e.data_out > 0
+            || (e.close_waits_ops && !hopeless && self.ops_running(id))
+        {
             return;
         }
         let Some(e) = self.eps.get_mut(&id) else { return };
@@ -952,7 +960,9 @@ impl State {
         if std::mem::take(&mut e.close_waits_ops) {
             self.closes_waiting_ops -= 1;
         }
-        let force = force || (e.failed.is_some() && e.peer_mode);
+        // Forced only in peer mode once UCX found the lanes dead (not when ucxkit marked it
+        // failed on the peer's request to close first: that close flushes).
+        let force = force || (e.peer_mode && (e.lanes_failed || e.peer_exited));
         let (lanes_failed, orphan) = (e.lanes_failed, e.orphan);
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
@@ -1495,7 +1505,7 @@ impl WorkerInner {
                 let running = st.ops_running(id);
                 let Some(e) = st.eps.get(&id) else { continue };
                 let (h, peer_mode, lingers) = (e.handle, e.peer_mode, e.linger.is_some());
-                if running && !peer_mode && !lingers && !h.is_null() {
+                if running && !peer_mode && !lingers && !h.is_null() && e.failed.is_none() {
                     st.send_notice(h, Kind::CloseFirst, false, 0);
                 } else if let Some(p) = st.close_ep(id, running && peer_mode) {
                     st.finish_close(id, p);
@@ -1521,7 +1531,7 @@ impl WorkerInner {
         }
         // Replies and failures are handled; probes wait for an event, lingering endpoints
         // for their flush, their peer's close or their deadline.
-        st.chores = !st.probe_waiters.is_empty() || st.lingering.live > 0;
+        st.chores = !st.probe_waiters.is_empty() || st.lingering.live > 0 || !st.lingering.news.is_empty();
     }
 
     /// Arms the worker's event fd (`ucp_worker_arm`). OK: armed, the fd signals the next
@@ -1669,11 +1679,15 @@ impl Drop for WorkerInner {
         // this thread would progress (a single-thread runtime, blocked here): other live
         // workers are progressed too, when free.
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
-        let others = if st.parked > 0 { live_workers() } else { Vec::new() };
+        let others = if st.parked > 0 || st.closes_waiting_ops > 0 { live_workers() } else { Vec::new() };
         let mut idle = 0u32;
-        while st.parked > 0 && std::time::Instant::now() < deadline {
+        while (st.parked > 0 || st.closes_waiting_ops > 0) && std::time::Instant::now() < deadline {
             // SAFETY: exclusive access (we are in drop); the worker is valid.
             let mut n = unsafe { sys::ucp_worker_progress(st.handle) };
+            // Closes that waited for operations run once those finished.
+            for id in std::mem::take(&mut st.lingering.news) {
+                st.run_deferred_close(id);
+            }
             for w in &others {
                 n += w.progress_if_free();
             }
@@ -1687,6 +1701,38 @@ impl Drop for WorkerInner {
                 // cost a whole core for the rest of the wait.
                 std::thread::sleep(DROP_IDLE_SLEEP);
             }
+        }
+        // Closes still waiting for operations: in peer mode forced now (UCX purges the
+        // operations); without it UCX offers no way to end them, and destroying the worker
+        // would destroy the endpoint with them (UCX 1.13 asserts; without assertions
+        // they keep pointing at it), so the UCX worker is left as it is, never progressed
+        // again, with its context (see `Worker`).
+        let stuck: Vec<u64> = st.eps.iter().filter(|(_, e)| e.close_waits_ops).map(|(&id, _)| id).collect();
+        let mut leak = false;
+        for id in stuck {
+            if st.eps.get(&id).is_some_and(|e| e.peer_mode) {
+                if let Some(e) = st.eps.get_mut(&id) {
+                    e.close_waits_ops = false;
+                    st.closes_waiting_ops -= 1;
+                    if let Some((h, _)) = e.deferred_close.take() {
+                        let p = st.close_handle(h, true, false);
+                        st.release(p);
+                    }
+                }
+            } else {
+                leak = true;
+            }
+        }
+        if leak {
+            tracing::warn!(
+                "a worker dropped with sends its peer never took, on an endpoint without peer error \
+                 handling: UCX cannot end them, so the UCX worker and its context are leaked instead of destroyed"
+            );
+            std::mem::forget(self.ctx.clone());
+            drop(others);
+            LIVE.lock().unwrap_or_else(PoisonError::into_inner).retain(|w| w.strong_count() > 0);
+            drop(std::mem::take(&mut st.after));
+            return;
         }
         // SAFETY: we are in drop, the worker not yet destroyed.
         unsafe { request::give_up_closes(st) };
