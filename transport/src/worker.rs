@@ -1684,7 +1684,14 @@ impl Drop for WorkerInner {
         while (st.parked > 0 || st.closes_waiting_ops > 0) && std::time::Instant::now() < deadline {
             // SAFETY: exclusive access (we are in drop); the worker is valid.
             let mut n = unsafe { sys::ucp_worker_progress(st.handle) };
-            // Closes that waited for operations run once those finished.
+            // Closes that waited for operations run once those finished (UCX purges them
+            // when the endpoint fails: such a close is quiet, as in `chores`).
+            for (id, status) in std::mem::take(&mut st.failed) {
+                if let Some(e) = st.eps.get_mut(&id) {
+                    e.lanes_failed = true;
+                    e.failed.get_or_insert(status);
+                }
+            }
             for id in std::mem::take(&mut st.lingering.news) {
                 st.run_deferred_close(id);
             }
