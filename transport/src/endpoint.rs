@@ -706,6 +706,10 @@ impl Endpoint {
     /// them is left to the process (leaked, with a warning) rather than destroyed, which
     /// would make UCX 1.13 abort. [`crate::ErrorMode::Peer`] has no such case (the close
     /// is forced, and the sends end with [`Error::ConnectionReset`]).
+    /// The same holds for sends that ucxkit ended itself because the peer process died
+    /// without UCX noticing (a same-host peer without peer error handling): UCX still
+    /// runs them, so the endpoint is closed only once UCX fails it too, and a worker
+    /// dropped before that is left to the process.
     ///
     /// # Cancel safety
     /// Safe to drop; the close continues in the background.

@@ -551,6 +551,10 @@ pub(crate) struct EpState {
     close_waits_ops: bool,
     /// Nothing refers to the entry any more: removed once its deferred close ran.
     orphan: bool,
+    /// ucxkit ended operations that UCX still runs (the peer process died unseen by UCX,
+    /// [`State::fail_ep`]): UCX must not close the endpoint until it fails it itself,
+    /// which purges them.
+    poisoned: bool,
     /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
     /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
     pub(crate) closing: bool,
@@ -583,6 +587,7 @@ impl EpState {
             deferred_close: None,
             close_waits_ops: false,
             orphan: false,
+            poisoned: false,
             closing: false,
             lanes_failed: false,
             peer_exited: false,
@@ -878,6 +883,11 @@ impl State {
         self.after.wake_all(&mut e.stream_waiters);
         // Collected first: canceling one can complete and unlink it.
         let bound: Vec<_> = self.bound_to(id).collect();
+        if !peer_mode && peer_exited && bound.iter().any(|&(_, kind)| kind != OpKind::Cancel) {
+            if let Some(e) = self.eps.get_mut(&id) {
+                e.poisoned = true;
+            }
+        }
         for (r, kind) in bound {
             if kind == OpKind::Cancel {
                 // SAFETY: r is a live pending tag receive of this worker (bound requests
@@ -912,7 +922,7 @@ impl State {
     /// [`State::finish_close`]; None if it was closed already or the close waits for
     /// borrowed stream data (`release_stream_data` finishes it).
     pub(crate) fn close_ep(&mut self, id: u64, force: bool) -> Option<request::Posted> {
-        let ops = !force && self.ops_running(id);
+        let ops = !force && (self.ops_running(id) || self.eps.get(&id).is_some_and(|e| e.poisoned));
         let e = self.eps.get_mut(&id)?;
         let h = std::mem::replace(&mut e.handle, std::ptr::null_mut());
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
@@ -945,14 +955,10 @@ impl State {
     /// an orphaned entry after.
     pub(crate) fn run_deferred_close(&mut self, id: u64) {
         let Some(e) = self.eps.get(&id) else { return };
-        // The peer process died unseen by UCX (no peer mode): its operations were finished
-        // by ucxkit and UCX will never end them; the close is hopeless anyway and is
-        // released at once (`finish_close`).
-        let hopeless = e.peer_exited && !e.peer_mode;
-        if e.deferred_close.is_none()
-            || e.data_out > 0
-            || (e.close_waits_ops && !hopeless && self.ops_running(id))
-        {
+        // (Operations ucxkit ended for a peer that died unseen by UCX still run in UCX
+        // until UCX fails the endpoint itself, if it ever does.)
+        let waits = e.close_waits_ops && ((e.poisoned && !e.lanes_failed) || self.ops_running(id));
+        if e.deferred_close.is_none() || e.data_out > 0 || waits {
             return;
         }
         let Some(e) = self.eps.get_mut(&id) else { return };
