@@ -961,22 +961,39 @@ impl State {
         if e.deferred_close.is_none() || e.data_out > 0 || waits {
             return;
         }
+        self.close_deferred(id, false);
+    }
+
+    /// Runs endpoint `id`'s deferred close now, forcibly if `force` (the worker is going
+    /// away and the close cannot wait any more).
+    fn close_deferred(&mut self, id: u64, force: bool) {
         let Some(e) = self.eps.get_mut(&id) else { return };
-        let Some((h, force)) = e.deferred_close.take() else { return };
+        let Some((h, asked_force)) = e.deferred_close.take() else { return };
         if std::mem::take(&mut e.close_waits_ops) {
             self.closes_waiting_ops -= 1;
         }
-        // Forced only in peer mode once UCX found the lanes dead (not when ucxkit marked it
+        // Forced in peer mode once UCX found the lanes dead (not when ucxkit marked it
         // failed on the peer's request to close first: that close flushes).
-        let force = force || (e.peer_mode && (e.lanes_failed || e.peer_exited));
+        let force = force || asked_force || (e.peer_mode && (e.lanes_failed || e.peer_exited));
         let (lanes_failed, orphan) = (e.lanes_failed, e.orphan);
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
-        tracing::debug!(ep = id, "deferred close runs");
+        tracing::debug!(ep = id, force, "deferred close runs");
         let p = self.close_handle(h, force, lanes_failed);
         self.finish_close(id, p);
         if orphan {
             self.eps.remove(&id);
+        }
+    }
+
+    /// Fails the endpoints UCX reported failed ([`ep_err_cb`]), noting that their lanes are
+    /// dead (closing them then makes UCX log flush errors, which go to `tracing`).
+    fn fail_reported(&mut self) {
+        for (id, status) in std::mem::take(&mut self.failed) {
+            if let Some(e) = self.eps.get_mut(&id) {
+                e.lanes_failed = true;
+            }
+            self.fail_ep(id, status, false);
         }
     }
 
@@ -1488,15 +1505,10 @@ impl WorkerInner {
             }
         }
         if !st.failed.is_empty() {
-            for (id, status) in std::mem::take(&mut st.failed) {
-                // (A failure UCX reports during a bare progress loop, such as the drain in
-                // `fail_ep`, is marked here only at the next chores; a close in between
-                // prints UCX's flush errors.)
-                if let Some(e) = st.eps.get_mut(&id) {
-                    e.lanes_failed = true;
-                }
-                st.fail_ep(id, status, false);
-            }
+            // (A failure UCX reports during a bare progress loop, such as the drain in
+            // `fail_ep`, is marked here only at the next chores; a close in between prints
+            // UCX's flush errors.)
+            st.fail_reported();
         }
         if !st.close_first.is_empty() {
             // The peer is closing, or answers this side's `Closing`: what it sent stays
@@ -1692,12 +1704,7 @@ impl Drop for WorkerInner {
             let mut n = unsafe { sys::ucp_worker_progress(st.handle) };
             // Closes that waited for operations run once those finished (UCX purges them
             // when the endpoint fails: such a close is quiet, as in `chores`).
-            for (id, status) in std::mem::take(&mut st.failed) {
-                if let Some(e) = st.eps.get_mut(&id) {
-                    e.lanes_failed = true;
-                    e.failed.get_or_insert(status);
-                }
-            }
+            st.fail_reported();
             for id in std::mem::take(&mut st.lingering.news) {
                 st.run_deferred_close(id);
             }
@@ -1724,14 +1731,7 @@ impl Drop for WorkerInner {
         let mut leak = false;
         for id in stuck {
             if st.eps.get(&id).is_some_and(|e| e.peer_mode) {
-                if let Some(e) = st.eps.get_mut(&id) {
-                    e.close_waits_ops = false;
-                    st.closes_waiting_ops -= 1;
-                    if let Some((h, _)) = e.deferred_close.take() {
-                        let p = st.close_handle(h, true, false);
-                        st.release(p);
-                    }
-                }
+                st.close_deferred(id, true);
             } else {
                 leak = true;
             }
