@@ -2,7 +2,8 @@
 //! at once (each close must finish before its worker is destroyed, with no error or leak
 //! report from UCX); connections closed every ordinary way (no UCX error lines); a
 //! dropped endpoint whose peer never answers (closed when its wait is up); a close while
-//! large sends are in flight (they arrive); a rendezvous message from an endpoint closed
+//! large sends are in flight (they arrive); messages received through an endpoint after
+//! its peer closed it; a rendezvous message from an endpoint closed
 //! since (an error, not a read of freed memory). UCX and
 //! ucxkit's `tracing` write to the process's output, so the scenarios that check it run
 //! in a child process (this test binary again, with a variable set) whose output the
@@ -16,7 +17,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{child_run, ctx, loopback, wait_parked_zero};
-use ucxkit::transport::{tag, AmProto, AmSendOptions, EndpointOptions, ErrorKind, ErrorMode};
+use ucxkit::transport::{tag, AmProto, AmSendOptions, EndpointOptions, ErrorKind, ErrorMode, ProgressMode};
 
 /// The child: per transport, two workers of one single-thread runtime connect through a
 /// listener and exchange an eager and a rendezvous message each way; then one endpoint's
@@ -253,6 +254,50 @@ async fn close_waits_for_sends_in_flight() {
             tag_send.await.0.unwrap_or_else(|e| panic!("{case}: tag send: {e}"));
             am_send.await.0.unwrap_or_else(|e| panic!("{case}: active-message send: {e}"));
             close.await.unwrap().unwrap_or_else(|e| panic!("{case}: close: {e}"));
+        }
+    }
+}
+
+/// Messages a peer sent just before closing (or dropping) its end can still be received
+/// through the endpoint after the close reached this side, plainly and vectored; a
+/// receive with no such message ends with `ConnectionReset`, and after this side's own
+/// close it is misuse. Either side sending, both error modes, shared memory and TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_sent_before_the_peer_closed_are_received_after() {
+    let _serial = SERIAL.lock().await;
+    const LIMIT: Duration = Duration::from_secs(20);
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        for mode in [ErrorMode::Auto, ErrorMode::Peer] {
+            for accepting_sends in [false, true] {
+                for drop_it in [false, true] {
+                    let case =
+                        format!("{tls} {mode:?}, accepting side sends: {accepting_sends}, drop: {drop_it}");
+                    let (_sw, _cw, sep, cep) = common::pair_with(tls, mode, ProgressMode::Event).await;
+                    let (sender, receiver) = if accepting_sends { (sep, cep) } else { (cep, sep) };
+                    let (short, long) = (common::payload(24, 100), common::payload(25, 4000));
+                    sender.tag_send(5, short.clone()).await.0.expect(&case);
+                    sender.tag_send(6, long.clone()).await.0.expect(&case);
+                    if drop_it {
+                        drop(sender);
+                    } else {
+                        tokio::time::timeout(LIMIT, sender.close()).await.expect(&case).expect(&case);
+                    }
+                    tokio::time::timeout(LIMIT, receiver.failed()).await.expect(&case);
+                    let (r, got) = receiver.tag_recv(5, tag::EXACT, Vec::with_capacity(200)).await;
+                    assert_eq!(r.expect(&case).len, short.len(), "{case}");
+                    assert!(got == short, "{case}: bytes differ");
+                    let bufs = vec![Vec::with_capacity(1000), Vec::with_capacity(3000)];
+                    let (r, got) = receiver.tag_recv_iov(6, tag::EXACT, bufs).await;
+                    assert_eq!(r.expect(&case).len, long.len(), "{case}");
+                    assert!(got.concat() == long, "{case}: vectored bytes differ");
+                    let (r, _) = receiver.tag_recv(5, tag::EXACT, Vec::with_capacity(200)).await;
+                    assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset, "{case}: none left");
+                    let clone = receiver.clone();
+                    tokio::time::timeout(LIMIT, receiver.close()).await.expect(&case).expect(&case);
+                    let (r, _) = clone.tag_recv(5, tag::EXACT, Vec::with_capacity(200)).await;
+                    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput, "{case}: after the close");
+                }
+            }
         }
     }
 }

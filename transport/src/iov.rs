@@ -151,10 +151,17 @@ fn post_recv_iov<B: IoBufMut>(
     let (ptr, count) = (iov.0.as_ptr(), iov.0.len());
     let inner = &worker.shared.inner;
     let posted = inner.locked(|st| {
-        if let Some(ep) = &ep {
-            ep.live_handle(st, "tag_recv")?;
-        }
         let param = recv_iov_param(st);
+        if let Some(ep) = &ep {
+            if let Err(e) = ep.live_handle(st, "tag_recv") {
+                let m = crate::tag::arrived_before_failure(st, tag, mask, e)?;
+                // SAFETY: m was just taken from this worker's queue; the iov array as
+                // below.
+                let p =
+                    unsafe { sys::ucp_tag_msg_recv_nbx(st.handle, ptr.cast_mut().cast(), count, m, &param) };
+                return Ok(Posted::from_ptr(p, Completion::OK, false).settle_recv(st, None));
+            }
+        }
         // SAFETY: the worker is valid under the lock; ptr is an iov array of `count`
         // entries describing the buffers, all kept (with the array) until UCX completes
         // the request, parked on drop.

@@ -19,7 +19,7 @@ use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, ErrorKind, Result, Status};
 use crate::op::{OpState, SendOp};
 use crate::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker};
@@ -121,8 +121,11 @@ impl Endpoint {
     }
 
     /// Receives a message matching `tag`/`mask` into `buf`, bound to this endpoint: if
-    /// the endpoint fails before a message matches, the receive ends with
-    /// [`Error::ConnectionReset`].
+    /// the endpoint fails (or its peer closes it) before a message matches, the receive
+    /// ends with [`Error::ConnectionReset`]. Posted after that, it still receives a
+    /// matching message that had arrived (a peer may send its last message and close at
+    /// once) and ends with [`Error::ConnectionReset`] only when there is none; after this
+    /// side's own close it is [`Error::ApiMisuse`].
     ///
     /// Matching itself is by tag only (UCX tag queues are per worker): encode the peer in
     /// the tag when several peers may send the same tag.
@@ -213,6 +216,32 @@ impl Worker {
     }
 }
 
+/// For a receive bound to an endpoint that can no longer be used (`refusal` says why): a
+/// message matching `tag`/`mask` that arrived before the endpoint failed or its peer
+/// closed it (a peer may send its last message and close at once), taken out of UCX's
+/// queue of unexpected messages for the caller to receive (`ucp_tag_msg_recv_nbx`). With
+/// no such message, or on an endpoint this side closed, the receive is refused.
+#[cold]
+#[inline(never)]
+pub(crate) fn arrived_before_failure(
+    st: &State,
+    tag: Tag,
+    mask: u64,
+    refusal: Error,
+) -> Result<sys::ucp_tag_message_h> {
+    if refusal.kind() != ErrorKind::ConnectionReset {
+        return Err(refusal);
+    }
+    let mut info = sys::ucp_tag_recv_info_t::default();
+    // SAFETY: the worker is valid under the lock; remove = 1 hands the message to the
+    // caller, which posts its receive under the same lock.
+    let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 1, &mut info) };
+    if m.is_null() {
+        return Err(refusal);
+    }
+    Ok(m)
+}
+
 /// Parameters for a tag receive. `no_imm` turns immediate completion off
 /// (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`): UCX then runs the callback inside the call instead of
 /// returning `UCS_OK`. Plain tag receives always need that, because UCX (1.13 to at least
@@ -246,10 +275,15 @@ fn post_recv<B: IoBufMut>(
     let capacity = buf.bytes_total();
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
-        if let Some(ep) = ep {
-            ep.live_handle(st, "tag_recv").map_err(Box::new)?;
-        }
         let param = recv_param(st, true);
+        if let Some(ep) = ep {
+            if let Err(e) = ep.live_handle(st, "tag_recv") {
+                let m = arrived_before_failure(st, tag, mask, e).map_err(Box::new)?;
+                // SAFETY: m was just taken from this worker's queue; buf as below.
+                let p = unsafe { sys::ucp_tag_msg_recv_nbx(st.handle, ptr.cast(), capacity, m, &param) };
+                return Ok(Posted::from_ptr(p, Completion::OK, false).settle_recv(st, None));
+            }
+        }
         // SAFETY: the worker is valid under the lock; buf's memory is valid for
         // `capacity` bytes and owned by the returned future until UCX completes (parked
         // on drop).
