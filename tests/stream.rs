@@ -293,6 +293,32 @@ async fn bytes_outlive_the_writers_close_peer_mode() {
     bytes_outlive_the_writers_close("tcp,self", ErrorMode::Peer).await;
 }
 
+/// An exact receive still pending when the writer closes (or drops) its end fails, but
+/// the bytes it had gathered are in the buffer it gives back, its length set to their
+/// count; either side writing, shared memory and TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_exact_receive_keeps_what_it_gathered() {
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        for gone in [Gone::Close, Gone::Drop] {
+            for accepting_writes in [false, true] {
+                let (_s, _c, sep, cep) = pair(tls).await;
+                let (writer, reader) = if accepting_writes { (sep, cep) } else { (cep, sep) };
+                let case = format!("{tls} {gone:?}, accepting side writes: {accepting_writes}");
+                let data = payload(13, 300_000);
+                let recv = reader.stream_recv_exact(Vec::with_capacity(1_000_000));
+                writer.stream_send(data.clone()).await.0.unwrap();
+                match gone {
+                    Gone::Close => tokio::time::timeout(T, writer.close()).await.unwrap().unwrap(),
+                    Gone::Drop => drop(writer),
+                }
+                let (r, got) = tokio::time::timeout(T, recv).await.expect(&case);
+                assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset, "{case}");
+                assert!(got == data, "{case}: {} of {} bytes kept", got.len(), data.len());
+            }
+        }
+    }
+}
+
 /// Zero-copy reads get what a closed peer wrote too (as one piece of ucxkit's memory),
 /// and without the peer's shutdown, what follows the bytes is the failure, not an end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -381,6 +381,12 @@ impl<B: IoBufMut> Future for RecvOp<B> {
             Poll::Ready(Ok((c, mut b))) => {
                 *this.extra = None;
                 if !c.status().is_ok() {
+                    if this.len.is_none() && c.len > 0 {
+                        // A stream receive that gathered some bytes before the endpoint
+                        // failed (or closed): they stay readable in the buffer.
+                        // SAFETY: UCX wrote c.len bytes at the start of the buffer.
+                        unsafe { b.set_init(c.len.min(b.bytes_total())) };
+                    }
                     return Poll::Ready((Err(this.failure(c.status())), b));
                 }
                 let n = this.len.unwrap_or(c.len).min(b.bytes_total());

@@ -242,10 +242,11 @@ impl Endpoint {
     ///
     /// After the peer closed, bytes it sent that this side had not read yet are served
     /// first; asking for more than is left fails with [`Error::ConnectionReset`] and
-    /// takes none of them. An exact receive still pending when the peer closes fails the
-    /// same way, but the bytes it had gathered are lost with it (UCX ends it with the
-    /// endpoint): read a stream to its end with [`Endpoint::stream_recv`] or
-    /// [`UcxStream`].
+    /// takes none of them. An exact receive still pending when the peer closes (or the
+    /// endpoint fails) fails the same way; the bytes it had gathered stay at the start of
+    /// the returned buffer, whose length says how many (`Vec`, `BytesMut`; a boxed slice
+    /// has no length to set: read a stream to its end with [`Endpoint::stream_recv`] or
+    /// [`UcxStream`] instead).
     ///
     /// # Cancel safety
     /// As for [`Endpoint::stream_recv`].
