@@ -154,7 +154,7 @@ fn post_recv_iov<B: IoBufMut>(
         let param = recv_iov_param(st);
         if let Some(ep) = &ep {
             if let Err(e) = ep.live_handle(st, "tag_recv") {
-                let m = crate::tag::arrived_before_failure(st, tag, mask, e)?;
+                let m = crate::tag::arrived_before_failure(inner, st, ep.inner.id, tag, mask, e)?;
                 // SAFETY: m was just taken from this worker's queue; the iov array as
                 // below.
                 let p =

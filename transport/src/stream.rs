@@ -246,7 +246,9 @@ impl Endpoint {
     /// endpoint fails) fails the same way; the bytes it had gathered stay at the start of
     /// the returned buffer, whose length says how many (`Vec`, `BytesMut`; a boxed slice
     /// has no length to set: read a stream to its end with [`Endpoint::stream_recv`] or
-    /// [`UcxStream`] instead).
+    /// [`UcxStream`] instead). The exception is a peer process on this host, without peer
+    /// error handling, that died: ucxkit ends the receive itself then, UCX not knowing,
+    /// and cannot tell how many bytes had landed.
     ///
     /// # Cancel safety
     /// As for [`Endpoint::stream_recv`].

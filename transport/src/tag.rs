@@ -22,7 +22,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, ErrorKind, Result, Status};
 use crate::op::{OpState, SendOp};
 use crate::request::{tag_recv_cb, Completion, Posted};
-use crate::worker::{State, Worker};
+use crate::worker::{State, Worker, WorkerInner};
 
 /// A 64-bit tag.
 pub type Tag = u64;
@@ -124,8 +124,11 @@ impl Endpoint {
     /// the endpoint fails (or its peer closes it) before a message matches, the receive
     /// ends with [`Error::ConnectionReset`]. Posted after that, it still receives a
     /// matching message that had arrived (a peer may send its last message and close at
-    /// once) and ends with [`Error::ConnectionReset`] only when there is none; after this
-    /// side's own close it is [`Error::ApiMisuse`].
+    /// once) and ends with [`Error::ConnectionReset`] only when there is none; as
+    /// matching is by tag, that message may come from another peer sending the same tag.
+    /// (Not when the peer was a process on this host, without peer error handling, that
+    /// died: it may have left a message half sent, whose receive would never end.) After
+    /// this side's own close it is [`Error::ApiMisuse`].
     ///
     /// Matching itself is by tag only (UCX tag queues are per worker): encode the peer in
     /// the tag when several peers may send the same tag.
@@ -216,22 +219,28 @@ impl Worker {
     }
 }
 
-/// For a receive bound to an endpoint that can no longer be used (`refusal` says why): a
-/// message matching `tag`/`mask` that arrived before the endpoint failed or its peer
+/// For a receive bound to endpoint `ep` that can no longer be used (`refusal` says why):
+/// a message matching `tag`/`mask` that arrived before the endpoint failed or its peer
 /// closed it (a peer may send its last message and close at once), taken out of UCX's
 /// queue of unexpected messages for the caller to receive (`ucp_tag_msg_recv_nbx`). With
-/// no such message, or on an endpoint this side closed, the receive is refused.
+/// no such message, or on an endpoint this side closed, the receive is refused; also
+/// when the peer process died unseen by UCX, which would leave the receive of a message
+/// it sent only in part (a rendezvous one, say) pending for ever.
 #[cold]
 #[inline(never)]
 pub(crate) fn arrived_before_failure(
-    st: &State,
+    inner: &WorkerInner,
+    st: &mut State,
+    ep: u64,
     tag: Tag,
     mask: u64,
     refusal: Error,
 ) -> Result<sys::ucp_tag_message_h> {
-    if refusal.kind() != ErrorKind::ConnectionReset {
+    if refusal.kind() != ErrorKind::ConnectionReset || st.peer_died_unseen(ep) {
         return Err(refusal);
     }
+    // What is still in the transport's queues arrived before the failure too.
+    inner.progress_locked(st);
     let mut info = sys::ucp_tag_recv_info_t::default();
     // SAFETY: the worker is valid under the lock; remove = 1 hands the message to the
     // caller, which posts its receive under the same lock.
@@ -278,7 +287,7 @@ fn post_recv<B: IoBufMut>(
         let param = recv_param(st, true);
         if let Some(ep) = ep {
             if let Err(e) = ep.live_handle(st, "tag_recv") {
-                let m = arrived_before_failure(st, tag, mask, e).map_err(Box::new)?;
+                let m = arrived_before_failure(inner, st, ep.inner.id, tag, mask, e).map_err(Box::new)?;
                 // SAFETY: m was just taken from this worker's queue; buf as below.
                 let p = unsafe { sys::ucp_tag_msg_recv_nbx(st.handle, ptr.cast(), capacity, m, &param) };
                 return Ok(Posted::from_ptr(p, Completion::OK, false).settle_recv(st, None));

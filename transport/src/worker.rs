@@ -1137,6 +1137,12 @@ impl State {
         true
     }
 
+    /// Whether endpoint `id` failed because its peer process died unseen by UCX (same
+    /// host, no peer error handling): UCX then never ends what that peer left half sent.
+    pub(crate) fn peer_died_unseen(&self, id: u64) -> bool {
+        self.eps.get(&id).is_some_and(|e| e.peer_exited && !e.peer_mode)
+    }
+
     /// Whether an operation that a closing endpoint waits for (a send, RMA, a fetch; not
     /// a receive) is still running on endpoint `id`.
     fn ops_running(&self, id: u64) -> bool {
