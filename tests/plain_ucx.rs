@@ -5,7 +5,7 @@
 //! handshake off, over TCP and over shared memory, with ucxkit connecting and accepting,
 //! in both error-handling modes. Every byte that comes back is checked.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod common;
 
@@ -211,6 +211,7 @@ fn key_message(addr: u64, len: u64, ucx_key: &[u8]) -> Vec<u8> {
     [&addr.to_ne_bytes()[..], &len.to_ne_bytes(), ucx_key].concat()
 }
 
+#[allow(unsafe_code)] // unpack_ucx_key: the caller vouches for the range
 async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str, atomics: bool) {
     // The peer's region, through the key it packed with ucp_rkey_pack.
     let (r, msg) = bounded(ep.tag_recv(TAG_MY_KEY, tag::EXACT, Vec::with_capacity(4096))).await;
@@ -218,7 +219,8 @@ async fn remote_memory(w: &Worker, ep: &Endpoint, tls: &str, atomics: bool) {
     let word = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().unwrap());
     let (addr, len) = (word(0), word(8));
     assert_eq!(len, PEER_REGION as u64);
-    let key = ep.unpack_ucx_key(&msg[16..], addr, len).unwrap();
+    // SAFETY: the range is the one the peer registered and sent with its key.
+    let key = unsafe { ep.unpack_ucx_key(&msg[16..], addr, len) }.unwrap();
     let data = payload(9, 20_000);
     bounded(ep.put(data.clone(), &key, 4096)).await.0.unwrap();
     let (r, _) = bounded(ep.put(vec![1u8; 2], &key, len - 1)).await;

@@ -101,7 +101,24 @@ impl ContextBuilder {
     /// endpoint closed) then makes UCX read freed memory when it is matched or arrives;
     /// with indirect ids UCX looks the endpoint up and drops the message, and the receive
     /// that matched it ends with an error.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the UCX library loaded at run time is older than the
+    /// headers ucxkit was built against (the calls made for the newer API would not be
+    /// honoured: a newer UCX copies an active message's header when asked, an older one
+    /// reads it until the send completes); [`Error::Config`] for a setting UCX refuses;
+    /// [`Error::CreateContext`] when `ucp_init` fails.
     pub fn build(self) -> Result<Context> {
+        let (major, minor, _) = Context::ucx_version();
+        if (major, minor) < (sys::API_MAJOR, sys::API_MINOR) {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "UCX {major}.{minor} loaded at run time, older than the UCX 1.{} headers ucxkit was built \
+                     against: rebuild against it, or load the newer library",
+                    sys::API_MINOR
+                ),
+            });
+        }
         crate::ucx_log::install();
         let features = self.features | Features::REQUIRED;
         let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();

@@ -81,7 +81,9 @@ impl Endpoint {
     /// Memory-safe to drop at any time: the buffers and the key are kept until UCX is
     /// done with every part.
     pub fn put_iov<B: IoBuf>(&self, bufs: Vec<B>, key: &RemoteKey, offset: u64) -> PutIov<B> {
-        let total: u64 = bufs.iter().map(|b| b.bytes_init() as u64).sum();
+        // Each length read once: the range checked is the range written.
+        let parts: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.stable_ptr(), b.bytes_init())).collect();
+        let total: u64 = parts.iter().map(|&(_, len)| len as u64).sum();
         let keep: Shared<B> = Arc::new(Mutex::new(None));
         let fail = |e, bufs| PutIov {
             ep: self.clone(),
@@ -97,7 +99,6 @@ impl Endpoint {
         let rkey = key.inner.rkey;
         let no_imm = self.worker_inner().no_imm;
         let id = self.inner.id;
-        let parts: Vec<(*const u8, usize)> = bufs.iter().map(|b| (b.stable_ptr(), b.bytes_init())).collect();
         let posted = self.with_handle("put", |st, h| {
             let mut out: Vec<Posted> = Vec::with_capacity(parts.len());
             let mut at = remote;

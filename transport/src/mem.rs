@@ -14,6 +14,13 @@
 //! against the region's bounds before it is posted. A key grants access to memory:
 //! accept keys only from peers you trust, as UCX trusts its peers' wire data.
 //!
+//! A region stays alive while this process's operations use it, but ucxkit cannot see
+//! a peer's: a peer holding the key can reach the memory until the region is dropped,
+//! and over transports that emulate remote access in software (TCP, shared memory's
+//! `cma`, the `self` loopback) UCX does not refuse a key whose region is gone, so a late
+//! put lands in freed memory. Drop a region only once every peer given its key is done
+//! with it (it said so, or its endpoint is closed), as with any RDMA library.
+//!
 //! Peers may write a region at any time, so its bytes are not exposed as Rust slices:
 //! copy in and out with [`MemRegion::read_at`] and [`MemRegion::write_at`], or use the
 //! region (or a [`RegionSlice`] of it) as the buffer of an operation. For the same
@@ -391,7 +398,8 @@ impl MemRegion {
     }
 
     /// Packs the key a peer needs to reach this region (`ucp_rkey_pack`), with the
-    /// region's address and length, into bytes to send to it.
+    /// region's address and length, into bytes to send to it. Keep the region until
+    /// every peer given the key is done with it (see the module docs).
     ///
     /// # Errors
     /// [`Error::Worker`] when UCX cannot pack the key.
@@ -506,6 +514,9 @@ const KEY_VERSION: u8 = 1;
 const KEY_HEADER: usize = 4 + 1 + 3 + 8 + 8 + 4;
 /// Packed UCX keys are a few hundred bytes; anything far larger is not one.
 const MAX_UCX_KEY: usize = 64 * 1024;
+/// Zero bytes after a key handed to `ucp_ep_rkey_unpack`: more than any transport's key
+/// (each domain's size is one byte).
+const KEY_PAD: usize = 256;
 
 /// Layout (little-endian): magic u32, version u8, 3 zero bytes, address u64, length
 /// u64, UCX key length u32, the UCX key, FNV-1a checksum u64 of everything before it.
@@ -722,12 +733,22 @@ impl Endpoint {
     /// which the peer tells separately: puts, gets and atomics are then checked against
     /// that range.
     ///
+    /// # Safety
+    /// `bytes` must be a key UCX packed, and the `len` bytes at `addr` must lie inside
+    /// the peer's region that it is the key of. ucxkit checks only the key's layout: UCX
+    /// trusts the transport keys inside (a zeroed shared-memory key makes UCX 1.13 abort),
+    /// and a UCX key carries no range. Over transports that emulate remote access in
+    /// software (TCP, the `self` loopback) UCX writes wherever the address points, so a
+    /// wrong range corrupts the peer's memory (this process's, when the peer is a worker
+    /// of it). [`Endpoint::unpack_key`] takes the range from the peer's
+    /// [`MemRegion::pack_key`] and checks the bytes' checksum, and needs no such promise.
+    ///
     /// # Errors
     /// [`Error::BadRemoteKey`] for a range that wraps around the address space, for bytes
     /// that do not follow UCX's key layout (checked before UCX parses them) or that UCX
     /// refuses; [`Error::ConnectionReset`] or [`Error::ApiMisuse`] when the endpoint
     /// failed or was closed.
-    pub fn unpack_ucx_key(&self, bytes: &[u8], addr: u64, len: u64) -> Result<RemoteKey> {
+    pub unsafe fn unpack_ucx_key(&self, bytes: &[u8], addr: u64, len: u64) -> Result<RemoteKey> {
         let bad = |reason: String| Error::BadRemoteKey { reason };
         if addr.checked_add(len).is_none() {
             return Err(bad(format!("region {addr:#x}+{len} wraps around")));
@@ -741,11 +762,16 @@ impl Endpoint {
 
     /// Unpacks UCX key bytes whose layout was checked, for `len` bytes at `addr`.
     fn unpack(&self, addr: u64, len: u64, ucx: &[u8]) -> Result<RemoteKey> {
+        // Each transport's unpacker reads the size of its own key, whatever size byte the
+        // layout gives it: zeros behind the bytes keep a short one inside the buffer.
+        let mut padded = Vec::with_capacity(ucx.len() + KEY_PAD);
+        padded.extend_from_slice(ucx);
+        padded.resize(ucx.len() + KEY_PAD, 0);
         let rkey = self.with_handle("unpack_key", |_, h| {
             let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
-            // SAFETY: h is live under the lock; ucx is a key packed by UCX (its layout
-            // checked); rkey is a valid out-pointer.
-            Status(unsafe { sys::ucp_ep_rkey_unpack(h, ucx.as_ptr().cast(), &mut rkey) })
+            // SAFETY: h is live under the lock; padded holds a key whose layout was
+            // checked, then KEY_PAD zero bytes; rkey is a valid out-pointer.
+            Status(unsafe { sys::ucp_ep_rkey_unpack(h, padded.as_ptr().cast(), &mut rkey) })
                 .check()
                 .map_err(|s| Error::BadRemoteKey { reason: format!("UCX refused it: {s}") })?;
             Ok(rkey)

@@ -77,7 +77,8 @@ impl Endpoint {
     /// Dropping the future is memory-safe at any time; the data may still be written.
     #[inline]
     pub fn put<B: IoBuf>(&self, buf: B, key: &RemoteKey, offset: u64) -> Put<B> {
-        let remote = match key.target(self, "put", offset, buf.bytes_init() as u64, 1) {
+        let checked = buf.bytes_init();
+        let remote = match key.target(self, "put", offset, checked as u64, 1) {
             Ok(a) => a,
             Err(e) => return SendOp::failed(self, "put", e, buf),
         };
@@ -90,8 +91,9 @@ impl Endpoint {
             |_, h, ptr, len, param| {
                 // SAFETY: h is live under the lock; the buffer and the rkey stay valid until
                 // the request completes (kept by the operation, parked on drop); the remote
-                // range was checked against the key's region.
-                unsafe { sys::ucp_put_nbx(h, ptr.cast(), len, remote, rkey, param) }
+                // range was checked against the key's region for `checked` bytes (a
+                // buffer is not bound to report the same length twice).
+                unsafe { sys::ucp_put_nbx(h, ptr.cast(), len.min(checked), remote, rkey, param) }
             },
         )
     }
