@@ -18,6 +18,22 @@ use common::{ctx, loopback};
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 use ucxkit::transport::{tag, EndpointOptions, Error, ErrorKind, ErrorMode, WorkerAddress};
 
+/// A UCX library older than the headers ucxkit was built against is refused when a
+/// context is made, with a message that says so. Run by the test command with the build
+/// against the newer UCX and Debian's older library loaded (`UCXKIT_OLDER_UCX=1`);
+/// otherwise it checks that the loaded library is not older than the headers.
+#[test]
+fn an_older_ucx_library_than_the_headers_is_refused() {
+    let older = std::env::var_os("UCXKIT_OLDER_UCX").is_some();
+    let (major, minor, _) = ucxkit::transport::Context::ucx_version();
+    assert_eq!(older, (major, minor) < (1, ucx_sys::API_MINOR), "UCXKIT_OLDER_UCX and the library disagree");
+    match ucxkit::transport::Context::builder().build() {
+        Err(Error::Unsupported { what }) if older => assert!(what.contains("older than the UCX"), "{what}"),
+        Ok(_) if !older => {}
+        other => panic!("older library: {older}, context: {:?}", other.map(|_| ())),
+    }
+}
+
 #[tokio::test]
 async fn malformed_worker_addresses_are_rejected() {
     let _serial = SERIAL.lock().await;
