@@ -153,21 +153,11 @@ fn post_recv_iov<B: IoBufMut>(
     let inner = &worker.shared.inner;
     let posted = inner.locked(|st| {
         let param = recv_iov_param(st);
-        if let Some(ep) = &ep {
-            if let Err(e) = ep.live_handle(st, "tag_recv") {
-                let m = crate::tag::arrived_before_failure(inner, st, ep.inner.id, tag, mask, e)?;
-                // SAFETY: m was just taken from this worker's queue; the iov array as
-                // below.
-                let p =
-                    unsafe { sys::ucp_tag_msg_recv_nbx(st.handle, ptr.cast_mut().cast(), count, m, &param) };
-                return Ok(Posted::from_ptr(p, Completion::OK, false).settle_recv(st, None));
-            }
+        // SAFETY: ptr is an iov array of `count` entries describing the buffers, all kept
+        // (with the array) until UCX completes the request, parked on drop.
+        unsafe {
+            crate::tag::post_tag_recv(inner, st, ep.as_ref(), ptr.cast_mut().cast(), count, tag, mask, &param)
         }
-        // SAFETY: the worker is valid under the lock; ptr is an iov array of `count`
-        // entries describing the buffers, all kept (with the array) until UCX completes
-        // the request, parked on drop.
-        let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast_mut().cast(), count, tag, mask, &param) };
-        Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.as_ref().map(|e| e.inner.id)))
     });
     if matches!(posted, Ok(Posted::Pending(_))) {
         inner.posted();

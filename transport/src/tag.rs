@@ -251,6 +251,41 @@ pub(crate) fn arrived_before_failure(
     Ok(m)
 }
 
+/// Posts a tag receive into `count` units at `ptr` (bytes, or iov entries, as `param`'s
+/// datatype says), under the worker lock: bound to `ep` when given, whose state is
+/// checked in the same critical section, so a receive is never posted on an endpoint that
+/// already failed (its failure would not cancel it); on one that did, a matching message
+/// that arrived before is received instead ([`arrived_before_failure`]).
+///
+/// # Safety
+/// `ptr` must describe memory valid for writes of `count` units (and an iov array the
+/// buffers it names) until UCX completes the request, kept by the caller's future and
+/// parked when it is dropped; `param` must come from `st`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn post_tag_recv(
+    inner: &WorkerInner,
+    st: &mut State,
+    ep: Option<&Endpoint>,
+    ptr: *mut std::ffi::c_void,
+    count: usize,
+    tag: Tag,
+    mask: u64,
+    param: &sys::ucp_request_param_t,
+) -> std::result::Result<Posted, Box<Error>> {
+    if let Some(ep) = ep {
+        if let Err(e) = ep.live_handle(st, "tag_recv") {
+            let m = arrived_before_failure(inner, st, ep.inner.id, tag, mask, e).map_err(Box::new)?;
+            // SAFETY: m was just taken from this worker's queue; the memory per contract.
+            let p = unsafe { sys::ucp_tag_msg_recv_nbx(st.handle, ptr, count, m, param) };
+            return Ok(Posted::from_ptr(p, Completion::OK, false).settle_recv(st, None));
+        }
+    }
+    // SAFETY: the worker is valid under the lock; the memory per contract.
+    let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr, count, tag, mask, param) };
+    Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.map(|e| e.inner.id)))
+}
+
 /// Parameters for a tag receive. `no_imm` turns immediate completion off
 /// (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`): UCX then runs the callback inside the call instead of
 /// returning `UCS_OK`. Plain tag receives always need that, because UCX (1.13 to at least
@@ -285,19 +320,9 @@ fn post_recv<B: IoBufMut>(
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
         let param = recv_param(st, true);
-        if let Some(ep) = ep {
-            if let Err(e) = ep.live_handle(st, "tag_recv") {
-                let m = arrived_before_failure(inner, st, ep.inner.id, tag, mask, e).map_err(Box::new)?;
-                // SAFETY: m was just taken from this worker's queue; buf as below.
-                let p = unsafe { sys::ucp_tag_msg_recv_nbx(st.handle, ptr.cast(), capacity, m, &param) };
-                return Ok(Posted::from_ptr(p, Completion::OK, false).settle_recv(st, None));
-            }
-        }
-        // SAFETY: the worker is valid under the lock; buf's memory is valid for
-        // `capacity` bytes and owned by the returned future until UCX completes (parked
-        // on drop).
-        let p = unsafe { sys::ucp_tag_recv_nbx(st.handle, ptr.cast(), capacity, tag, mask, &param) };
-        Ok(Posted::from_ptr(p, Completion::OK, true).settle_recv(st, ep.map(|e| e.inner.id)))
+        // SAFETY: buf's memory is valid for `capacity` bytes and owned by the returned
+        // future until UCX completes (parked on drop).
+        unsafe { post_tag_recv(inner, st, ep, ptr.cast(), capacity, tag, mask, &param) }
     });
     if matches!(posted, Ok(Posted::Pending(_))) {
         inner.posted();
