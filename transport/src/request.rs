@@ -184,6 +184,16 @@ pub(crate) unsafe extern "C" fn linger_flush_cb(
     unsafe { complete(req, status, 0, 0, user) }
 }
 
+/// An operation of `kind` bound to endpoint `ep` (0: none) finished: a closing endpoint
+/// may be waiting for it ([`State::op_done`]). One test of two counters while nothing
+/// closes.
+#[inline(always)]
+fn finished_on(st: &mut State, ep: u64, kind: OpKind) {
+    if (st.lingering.live > 0 || st.closes_waiting_ops > 0) && ep != 0 && kind == OpKind::Finish {
+        st.op_done(ep);
+    }
+}
+
 /// Records a request's completion in its slot (or, for a parked one, lets its values go
 /// and frees it). Inlined into each callback: one call less between UCX's progress and
 /// the slot, on the path of every message that completes after posting.
@@ -204,10 +214,7 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             let (ep, kind) = (slot.bound_ep, slot.kind);
             // SAFETY: req is ours, completed, and nothing refers to it any more.
             unsafe { free(st, req.cast()) };
-            if (st.lingering.live > 0 || st.closes_waiting_ops > 0) && ep != 0 && kind == OpKind::Finish {
-                // A closing endpoint may be waiting for this operation.
-                st.op_done(ep);
-            }
+            finished_on(st, ep, kind);
         }
         SlotState::Pending => {
             slot.state = SlotState::Done;
@@ -217,13 +224,7 @@ unsafe fn complete(req: *mut c_void, status: sys::ucs_status_t, len: usize, tag:
             if let Some(w) = slot.waker.take() {
                 st.after.wake(w);
             }
-            if (st.lingering.live > 0 || st.closes_waiting_ops > 0)
-                && slot.bound_ep != 0
-                && slot.kind == OpKind::Finish
-            {
-                // A closing endpoint may be waiting for this operation.
-                st.op_done(slot.bound_ep);
-            }
+            finished_on(st, slot.bound_ep, slot.kind);
         }
         // ucxkit already finished it (`fail_pending`: the peer process died); the owner
         // frees it when it polls.
