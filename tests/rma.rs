@@ -243,3 +243,40 @@ async fn region_outlives_dropped_handles() {
     tokio::time::timeout(T, cep.flush()).await.unwrap().unwrap();
     assert!(remote.to_vec() == payload(6, 1 << 20));
 }
+
+/// A key unpacked in the process that packed it holds its region: the region's last
+/// handle dropped, puts and gets through the key still reach live, registered memory
+/// (the test command runs this under valgrind, which would report a write to freed
+/// memory), and the memory goes once the key does. Registered and UCX-allocated regions.
+#[tokio::test]
+async fn region_kept_by_a_key_unpacked_in_its_own_process() {
+    for alloc in [false, true] {
+        let (_s, _c, _sep, cep, region) = setup("tcp,self", 1 << 16, alloc).await;
+        let key = cep.unpack_key(&region.pack_key().unwrap()).unwrap();
+        drop(region);
+        let data = payload(7, 1 << 16);
+        let (r, _) = tokio::time::timeout(T, cep.put(data.clone(), &key, 0)).await.unwrap();
+        r.unwrap();
+        tokio::time::timeout(T, cep.flush()).await.unwrap().unwrap();
+        let (r, got) =
+            tokio::time::timeout(T, cep.get(Vec::with_capacity(1 << 16), 1 << 16, &key, 0)).await.unwrap();
+        r.unwrap();
+        assert!(got == data, "alloc: {alloc}");
+        drop(key);
+    }
+}
+
+/// A key packed in this process for a region that is gone is refused when unpacked
+/// here: its memory may belong to something else by now.
+#[tokio::test]
+async fn a_key_of_a_region_gone_is_refused() {
+    let (_s, _c, _sep, cep, region) = setup("tcp,self", 4096, false).await;
+    let packed = region.pack_key().unwrap();
+    let kept = cep.unpack_key(&packed).unwrap();
+    drop(region);
+    // Still there through the first key.
+    let again = cep.unpack_key(&packed).unwrap();
+    drop((kept, again));
+    let e = cep.unpack_key(&packed).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+}

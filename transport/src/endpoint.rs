@@ -311,7 +311,9 @@ impl Worker {
     }
 }
 
-fn nonce() -> u64 {
+/// A random 64-bit value, different at each call (handshake nonces, the process token of
+/// packed memory keys).
+pub(crate) fn nonce() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();

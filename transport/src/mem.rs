@@ -14,12 +14,15 @@
 //! against the region's bounds before it is posted. A key grants access to memory:
 //! accept keys only from peers you trust, as UCX trusts its peers' wire data.
 //!
-//! A region stays alive while this process's operations use it, but ucxkit cannot see
-//! a peer's: a peer holding the key can reach the memory until the region is dropped,
-//! and over transports that emulate remote access in software (TCP, shared memory's
-//! `cma`, the `self` loopback) UCX does not refuse a key whose region is gone, so a late
-//! put lands in freed memory. Drop a region only once every peer given its key is done
-//! with it (it said so, or its endpoint is closed), as with any RDMA library.
+//! A region stays alive while this process's operations use it, and while a key
+//! unpacked in this process reaches it (the packed form names the process and region
+//! that made it, so a key unpacked where it was packed holds its region; unpacking one
+//! whose region is gone is an error). A peer process's accesses ucxkit cannot see: a
+//! peer holding the key can reach the memory until the region is dropped, and over
+//! transports that emulate remote access in software (TCP, shared memory's `cma`) UCX
+//! does not refuse a key whose region is gone, so a late put lands in freed memory. Drop
+//! a region only once every peer process given its key is done with it (it said so, or
+//! its endpoint is closed), as with any RDMA library.
 //!
 //! Peers may write a region at any time, so its bytes are not exposed as Rust slices:
 //! copy in and out with [`MemRegion::read_at`] and [`MemRegion::write_at`], or use the
@@ -47,6 +50,10 @@ pub struct MemRegion {
 
 struct MemInner {
     ctx: Arc<ContextInner>,
+    /// Unique in this process: names the region in the keys packed for it.
+    id: u64,
+    /// A key was packed: the region is listed in [`packed`].
+    packed: std::sync::atomic::AtomicBool,
     memh: sys::ucp_mem_h,
     ptr: *mut u8,
     len: usize,
@@ -65,6 +72,9 @@ unsafe impl Sync for MemInner {}
 
 impl Drop for MemInner {
     fn drop(&mut self) {
+        if *self.packed.get_mut() {
+            packed().remove(&self.id);
+        }
         // SAFETY: no operation holds the region any more (each holds a clone); the handle
         // came from ucp_mem_map on this context and is unmapped once. The owned buffer is
         // dropped after this, so UCX never sees freed memory registered.
@@ -112,7 +122,15 @@ impl Context {
             }
         };
         Ok(MemRegion {
-            inner: Arc::new(MemInner { ctx: self.inner.clone(), memh, ptr, len, owned: Some(raw) }),
+            inner: Arc::new(MemInner {
+                ctx: self.inner.clone(),
+                id: next_region_id(),
+                packed: false.into(),
+                memh,
+                ptr,
+                len,
+                owned: Some(raw),
+            }),
         })
     }
 
@@ -144,6 +162,8 @@ impl Context {
         let region = MemRegion {
             inner: Arc::new(MemInner {
                 ctx: self.inner.clone(),
+                id: next_region_id(),
+                packed: false.into(),
                 memh,
                 ptr: attr.address.cast(),
                 len: len.min(attr.length),
@@ -399,12 +419,16 @@ impl MemRegion {
 
     /// Packs the key a peer needs to reach this region (`ucp_rkey_pack`), with the
     /// region's address and length, into bytes to send to it. Keep the region until
-    /// every peer given the key is done with it (see the module docs).
+    /// every peer process given the key is done with it (see the module docs).
     ///
     /// # Errors
     /// [`Error::Worker`] when UCX cannot pack the key.
     pub fn pack_key(&self) -> Result<Vec<u8>> {
-        self.with_ucx_key(|rkey| encode_key(self.addr(), self.len() as u64, rkey))
+        if !self.inner.packed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            packed().insert(self.inner.id, Arc::downgrade(&self.inner));
+        }
+        let origin = Origin { process: process_token(), region: self.inner.id };
+        self.with_ucx_key(|rkey| encode_key(self.addr(), self.len() as u64, origin, rkey))
     }
 
     /// The key exactly as `ucp_rkey_pack` makes it, without the address, length and
@@ -510,8 +534,36 @@ unsafe impl IoBufMut for RegionSlice {
 }
 
 const KEY_MAGIC: u32 = 0x524b_4355; // "UCKR"
-const KEY_VERSION: u8 = 1;
-const KEY_HEADER: usize = 4 + 1 + 3 + 8 + 8 + 4;
+const KEY_VERSION: u8 = 2;
+const KEY_HEADER: usize = 4 + 1 + 3 + 8 + 8 + 8 + 8 + 4;
+
+/// Where a packed key comes from: the process (a random token drawn once per process)
+/// and the region in it. A key unpacked in the process that packed it holds its region
+/// (see [`Endpoint::unpack_key`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Origin {
+    process: u64,
+    region: u64,
+}
+
+/// This process's token in [`Origin`].
+fn process_token() -> u64 {
+    static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOKEN.get_or_init(crate::endpoint::nonce)
+}
+
+fn next_region_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The regions of this process whose key was packed, by id, for keys unpacked here.
+fn packed() -> std::sync::MutexGuard<'static, std::collections::HashMap<u64, std::sync::Weak<MemInner>>> {
+    static PACKED: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<u64, std::sync::Weak<MemInner>>>,
+    > = std::sync::OnceLock::new();
+    PACKED.get_or_init(Default::default).lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 /// Packed UCX keys are a few hundred bytes; anything far larger is not one.
 const MAX_UCX_KEY: usize = 64 * 1024;
 /// Zero bytes after a key handed to `ucp_ep_rkey_unpack`: more than any transport's key
@@ -519,14 +571,17 @@ const MAX_UCX_KEY: usize = 64 * 1024;
 const KEY_PAD: usize = 256;
 
 /// Layout (little-endian): magic u32, version u8, 3 zero bytes, address u64, length
-/// u64, UCX key length u32, the UCX key, FNV-1a checksum u64 of everything before it.
-fn encode_key(addr: u64, len: u64, rkey: &[u8]) -> Vec<u8> {
+/// u64, origin process u64, origin region u64, UCX key length u32, the UCX key, FNV-1a
+/// checksum u64 of everything before it.
+fn encode_key(addr: u64, len: u64, origin: Origin, rkey: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(KEY_HEADER + rkey.len() + 8);
     v.extend_from_slice(&KEY_MAGIC.to_le_bytes());
     v.push(KEY_VERSION);
     v.extend_from_slice(&[0; 3]);
     v.extend_from_slice(&addr.to_le_bytes());
     v.extend_from_slice(&len.to_le_bytes());
+    v.extend_from_slice(&origin.process.to_le_bytes());
+    v.extend_from_slice(&origin.region.to_le_bytes());
     v.extend_from_slice(&(rkey.len() as u32).to_le_bytes());
     v.extend_from_slice(rkey);
     let sum = crate::address::fnv1a(&v, &[]);
@@ -534,8 +589,8 @@ fn encode_key(addr: u64, len: u64, rkey: &[u8]) -> Vec<u8> {
     v
 }
 
-/// A parsed key envelope: (address, length, UCX key bytes).
-fn decode_key(b: &[u8]) -> Result<(u64, u64, &[u8])> {
+/// A parsed key envelope: (address, length, origin, UCX key bytes).
+fn decode_key(b: &[u8]) -> Result<(u64, u64, Origin, &[u8])> {
     let bad = |reason: String| Error::BadRemoteKey { reason };
     if b.len() < KEY_HEADER + 8 {
         return Err(bad(format!("{} bytes is too short for a packed key", b.len())));
@@ -552,7 +607,9 @@ fn decode_key(b: &[u8]) -> Result<(u64, u64, &[u8])> {
     if b[4] != KEY_VERSION || b[5..8] != [0, 0, 0] {
         return Err(bad(format!("unsupported key version {}", b[4])));
     }
-    let (addr, len, klen) = (u64_at(8), u64_at(16), u32_at(24) as usize);
+    let (addr, len) = (u64_at(8), u64_at(16));
+    let origin = Origin { process: u64_at(24), region: u64_at(32) };
+    let klen = u32_at(40) as usize;
     if klen == 0 || klen > MAX_UCX_KEY || b.len() != KEY_HEADER + klen + 8 {
         return Err(bad(format!("length field {klen} does not match the {} bytes given", b.len())));
     }
@@ -565,7 +622,7 @@ fn decode_key(b: &[u8]) -> Result<(u64, u64, &[u8])> {
     }
     let ucx = &b[KEY_HEADER..KEY_HEADER + klen];
     check_ucx_key(ucx).map_err(bad)?;
-    Ok((addr, len, ucx))
+    Ok((addr, len, origin, ucx))
 }
 
 /// Walks UCX's packed-key layout (`ucp_rkey_pack`: the memory-domain bitmap as a u64,
@@ -614,6 +671,9 @@ pub(crate) struct RkeyInner {
     pub(crate) rkey: sys::ucp_rkey_h,
     pub(crate) addr: u64,
     pub(crate) len: u64,
+    /// The region, for a key unpacked in the process that packed it; held, never read,
+    /// and released after the key is destroyed.
+    _region: Option<Arc<MemInner>>,
 }
 
 // SAFETY: the rkey handle is only used under its endpoint's worker lock.
@@ -717,15 +777,30 @@ impl RemoteKey {
 
 impl Endpoint {
     /// Unpacks a key a peer made with [`MemRegion::pack_key`] (`ucp_ep_rkey_unpack`), for
-    /// use on this endpoint.
+    /// use on this endpoint. A key packed in this process (for a worker talking to
+    /// another of the process, or to itself) holds its region alive for as long as the
+    /// key lives.
     ///
     /// # Errors
     /// [`Error::BadRemoteKey`] for bytes that are not a packed key (envelope, checksum
-    /// and UCX's own layout are checked before UCX parses them) or that UCX refuses; [`Error::ConnectionReset`] or
-    /// [`Error::ApiMisuse`] when the endpoint failed or was closed.
+    /// and UCX's own layout are checked before UCX parses them), that UCX refuses, or
+    /// that were packed in this process for a region since dropped;
+    /// [`Error::ConnectionReset`] or [`Error::ApiMisuse`] when the endpoint failed or was
+    /// closed.
     pub fn unpack_key(&self, bytes: &[u8]) -> Result<RemoteKey> {
-        let (addr, len, ucx) = decode_key(bytes)?;
-        self.unpack(addr, len, ucx)
+        let (addr, len, origin, ucx) = decode_key(bytes)?;
+        let mut region = None;
+        if origin.process == process_token() {
+            // A region of this process: the key holds it, so that its memory outlives
+            // every access through the key (no peer process is involved to promise it).
+            region = packed().get(&origin.region).and_then(std::sync::Weak::upgrade);
+            if region.is_none() {
+                return Err(Error::BadRemoteKey {
+                    reason: "the region of this process the key was packed for is gone".into(),
+                });
+            }
+        }
+        self.unpack(addr, len, ucx, region)
     }
 
     /// Unpacks a key as `ucp_rkey_pack` made it, from a plain UCX program (or
@@ -757,11 +832,12 @@ impl Endpoint {
             return Err(bad(format!("{} bytes is too long for a UCX key", bytes.len())));
         }
         check_ucx_key(bytes).map_err(bad)?;
-        self.unpack(addr, len, bytes)
+        self.unpack(addr, len, bytes, None)
     }
 
-    /// Unpacks UCX key bytes whose layout was checked, for `len` bytes at `addr`.
-    fn unpack(&self, addr: u64, len: u64, ucx: &[u8]) -> Result<RemoteKey> {
+    /// Unpacks UCX key bytes whose layout was checked, for `len` bytes at `addr`; the key
+    /// holds `region` (the memory it reaches, when in this process).
+    fn unpack(&self, addr: u64, len: u64, ucx: &[u8], region: Option<Arc<MemInner>>) -> Result<RemoteKey> {
         // Each transport's unpacker reads the size of its own key, whatever size byte the
         // layout gives it: zeros behind the bytes keep a short one inside the buffer.
         let mut padded = Vec::with_capacity(ucx.len() + KEY_PAD);
@@ -784,6 +860,7 @@ impl Endpoint {
                 rkey,
                 addr,
                 len,
+                _region: region,
             }),
         })
     }
@@ -834,9 +911,10 @@ mod tests {
     #[test]
     fn key_envelope_roundtrip_and_rejects() {
         let key = ucx_key(&[5, 9]);
-        let k = encode_key(0x1000, 4096, &key);
-        let (a, l, u) = decode_key(&k).unwrap();
-        assert_eq!((a, l, u), (0x1000, 4096, &key[..]));
+        let origin = Origin { process: 7, region: 11 };
+        let k = encode_key(0x1000, 4096, origin, &key);
+        let (a, l, o, u) = decode_key(&k).unwrap();
+        assert_eq!((a, l, o, u), (0x1000, 4096, origin, &key[..]));
         assert!(decode_key(&k[..k.len() - 1]).is_err());
         assert!(decode_key(&[k.clone(), vec![0]].concat()).is_err());
         assert!(decode_key(&[]).is_err());
@@ -845,7 +923,7 @@ mod tests {
             b[i] ^= 0x40;
             assert!(decode_key(&b).is_err(), "flipped byte {i} accepted");
         }
-        let wrap = encode_key(u64::MAX - 1, 10, &ucx_key(&[3]));
+        let wrap = encode_key(u64::MAX - 1, 10, origin, &ucx_key(&[3]));
         assert!(decode_key(&wrap).is_err());
     }
 
