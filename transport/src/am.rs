@@ -581,12 +581,23 @@ fn panic_message(p: &(dyn Any + Send)) -> String {
     }
 }
 
+/// Whether an arriving message's payload is still at the sender, to be fetched
+/// (rendezvous). An empty rendezvous payload is not: there is nothing to fetch, and
+/// UCX 1.13 never frees the descriptor of one fetched after its callback, so such a
+/// message is taken like an eager one (returning `UCS_OK` releases its sender).
+#[inline(always)]
+fn is_rndv(len: usize, param: &sys::ucp_am_recv_param_t) -> bool {
+    len > 0 && param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0
+}
+
 /// Whether an arriving message travels as a [`Short`]: header and payload fit, and its
 /// payload is not still at the sender nor does it carry the sender's endpoint.
 #[inline(always)]
 fn is_short(header_len: usize, len: usize, param: &sys::ucp_am_recv_param_t) -> bool {
-    let not_short = (sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 | sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0) as u64;
-    header_len <= SHORT_MAX && len <= SHORT_MAX - header_len && param.recv_attr & not_short == 0
+    header_len <= SHORT_MAX
+        && len <= SHORT_MAX - header_len
+        && param.recv_attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0 as u64 == 0
+        && !is_rndv(len, param)
 }
 
 /// Builds the queued form of an arriving message and the status to return to UCX
@@ -622,7 +633,7 @@ unsafe fn incoming(
         Weak::new()
     };
     let meta = |payload| Meta { bytes_len: 0, header_len: 0, payload, reply, reply_ep: None, worker: None };
-    let (long, ret) = if param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0 {
+    let (long, ret) = if is_rndv(len, param) {
         (Long::new(meta(Payload::Rndv { desc: data, len }), header, &[]), sys::UCS_INPROGRESS)
     } else if len >= HOLD_MIN && param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_DATA.0 as u64 != 0 {
         (Long::new(meta(Payload::Held { desc: data, len }), header, &[]), sys::UCS_INPROGRESS)
@@ -887,8 +898,7 @@ unsafe extern "C" fn unclaimed_cb(
         };
         // SAFETY: as above.
         let (id, param) = unsafe { (*entry, &*param) };
-        let rndv = param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
-        let held = if rndv { 0 } else { len };
+        let held = if is_rndv(len, param) { 0 } else { len };
         if let Some(reg) = st.am.get_mut(&id).map(|r| &mut **r as *mut AmReg) {
             // Registered since (a registration replaces this callback; should UCX still
             // route a message here, it goes to the registration all the same).

@@ -195,7 +195,8 @@ impl Endpoint {
 
     /// Sends the bytes of `buf` on this endpoint's stream (`ucp_stream_send_nbx`). They
     /// are posted before this returns, so sends are ordered by call; await the future to
-    /// learn when the buffer is free again.
+    /// learn when the buffer is free again. An empty buffer completes at once without
+    /// reaching UCX (an empty stream message made UCX 1.13 abort the receiving process).
     ///
     /// # Cancel safety
     /// Dropping the returned future is memory-safe at any time; the bytes are still sent.
@@ -208,6 +209,11 @@ impl Endpoint {
             buf,
             || None,
             |st, h, ptr, len, param| {
+                if len == 0 {
+                    // Nothing to send: done (UCS_OK), and never an empty message on the
+                    // wire, which UCX 1.13's receiving side asserts on.
+                    return std::ptr::null_mut();
+                }
                 // SAFETY: h is live under the lock; the buffer stays valid and unmoved until
                 // the request completes (IoBuf contract; parked on drop).
                 let p = unsafe { sys::ucp_stream_send_nbx(h, ptr.cast(), len, param) };
