@@ -166,6 +166,26 @@ async fn bad_config_is_an_error() {
     assert!(err.to_string().contains("RNDV_THRESH"), "{err}");
 }
 
+/// A name UCX does not know is refused with the name in the message (UCX itself would
+/// keep it and ignore it); settings of the core and of transport modules, with or
+/// without the `UCX_` prefix, are taken.
+#[tokio::test]
+async fn unknown_settings_are_errors() {
+    for name in ["NO_SUCH_SETTING_XYZ", "UCX_TCP_SNDBUFF", "tls"] {
+        let err = ucxkit::transport::Context::builder().config(name, "1").build().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{name}: {err}");
+        assert!(err.to_string().contains(name.trim_start_matches("UCX_")), "{name}: {err}");
+    }
+    ucxkit::transport::Context::builder()
+        .config("UCX_TLS", "tcp,self")
+        .config("TCP_SNDBUF", "1m")
+        .config("POSIX_USE_PROC_LINK", "y")
+        .config("LOG_LEVEL", "warn")
+        .config("RNDV_THRESH", "8k")
+        .build()
+        .unwrap();
+}
+
 /// Indirect wire ids stay on (without them UCX reads freed memory for a message from an
 /// endpoint closed since): turning them off is refused; asking for them is fine.
 #[tokio::test]

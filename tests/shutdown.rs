@@ -406,7 +406,7 @@ async fn stuck_sends_child() {
         return;
     }
     for tls in ["posix,cma,tcp,self", "tcp,self"] {
-        let (sw, cw, sep, cep) = common::pair(tls).await;
+        let (sw, cw, sep, cep) = common::pair_with(tls, ErrorMode::None, ProgressMode::Event).await;
         let data = common::payload(24, 4 << 20);
         let sends = (sep.tag_send(5, data.clone()), cep.tag_send(6, data));
         tokio::time::timeout(Duration::from_secs(10), cep.close()).await.expect(tls).expect(tls);

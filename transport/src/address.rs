@@ -8,8 +8,9 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `0x41584355` ("UCXA") |
-//! | 4 | 1 | version (1) |
-//! | 5 | 3 | zero |
+//! | 4 | 1 | version (2) |
+//! | 5 | 1 | flags: bit 0, the worker's context carries messages through shared memory |
+//! | 6 | 2 | zero |
 //! | 8 | 36 | the worker's process identity |
 //! | 44 | 4 | length N of the UCX address |
 //! | 48 | 8 | FNV-1a 64 of bytes 0..48 and the UCX address |
@@ -21,7 +22,9 @@ use crate::error::{Error, Result};
 use crate::identity::{self, ProcessIdentity};
 
 const MAGIC: u32 = 0x4158_4355;
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// Flag: the worker's context has a shared-memory transport that carries messages.
+const FLAG_SHARED_MEMORY: u8 = 1;
 const HEADER: usize = 56;
 /// Largest UCX address accepted (UCX's are a few hundred bytes to a few KiB).
 const MAX_UCX_LEN: usize = 1 << 20;
@@ -34,10 +37,11 @@ pub struct WorkerAddress {
 }
 
 impl WorkerAddress {
-    pub(crate) fn wrap(identity: &ProcessIdentity, ucx: &[u8]) -> WorkerAddress {
+    pub(crate) fn wrap(identity: &ProcessIdentity, shared_memory: bool, ucx: &[u8]) -> WorkerAddress {
         let mut b = Vec::with_capacity(HEADER + ucx.len());
         b.extend_from_slice(&MAGIC.to_le_bytes());
-        b.extend_from_slice(&[VERSION, 0, 0, 0]);
+        let flags = if shared_memory { FLAG_SHARED_MEMORY } else { 0 };
+        b.extend_from_slice(&[VERSION, flags, 0, 0]);
         identity.encode(&mut b);
         b.extend_from_slice(&(ucx.len() as u32).to_le_bytes());
         let sum = fnv1a(&b, ucx);
@@ -56,8 +60,11 @@ impl WorkerAddress {
         if magic != MAGIC {
             return bad(format!("bad magic {magic:#010x}"));
         }
-        if bytes[4] != VERSION || bytes[5..8] != [0, 0, 0] {
+        if bytes[4] != VERSION {
             return bad(format!("unsupported version {}", bytes[4]));
+        }
+        if bytes[5] & !FLAG_SHARED_MEMORY != 0 || bytes[6..8] != [0, 0] {
+            return bad(format!("unknown flags {:#04x} {:#04x} {:#04x}", bytes[5], bytes[6], bytes[7]));
         }
         let n = u32::from_le_bytes(bytes[44..48].try_into().expect("4 bytes")) as usize;
         if n == 0 || n > MAX_UCX_LEN || bytes.len() != HEADER + n {
@@ -68,6 +75,31 @@ impl WorkerAddress {
             return bad("checksum mismatch (corrupted or truncated)".into());
         }
         Ok(WorkerAddress { bytes: bytes.to_vec() })
+    }
+
+    /// Wraps a worker address in UCX's own form, the bytes `ucp_worker_get_address`
+    /// returns: the way to connect to a plain UCX program by address
+    /// ([`crate::Worker::connect_address_with`], with the handshake off). The address
+    /// carries no process identity, so [`crate::ErrorMode::Auto`] treats its worker as
+    /// remote (peer error mode) and no liveness watch runs.
+    ///
+    /// # Errors
+    /// [`Error::BadAddress`] for an empty address or one longer than any UCX makes.
+    ///
+    /// # Safety
+    /// `bytes` must be a worker address exactly as `ucp_worker_get_address` returned it,
+    /// from a UCX whose address format this one reads (any UCX release from 1.13 on), of
+    /// a peer trusted with this process's memory: UCX parses it without checking lengths,
+    /// and acts on what it names (shared-memory segments it maps, processes whose
+    /// memory it reads and writes, network addresses it connects to). Corrupt bytes can
+    /// make UCX read out of bounds or abort the process.
+    pub unsafe fn from_ucx_bytes(bytes: &[u8]) -> Result<WorkerAddress> {
+        if bytes.is_empty() || bytes.len() > MAX_UCX_LEN {
+            return Err(Error::BadAddress {
+                reason: format!("a UCX worker address of {} bytes", bytes.len()),
+            });
+        }
+        Ok(WorkerAddress::wrap(&ProcessIdentity::default(), false, bytes))
     }
 
     /// The encoded address.
@@ -84,6 +116,12 @@ impl WorkerAddress {
     pub fn identity(&self) -> ProcessIdentity {
         ProcessIdentity::decode(&self.bytes[8..8 + identity::ENCODED_LEN])
             .expect("invariant: checked at construction")
+    }
+
+    /// Whether the worker's context carries messages through shared memory (see
+    /// [`crate::Context::has_shared_memory`]); false for an address in UCX's own form.
+    pub fn has_shared_memory(&self) -> bool {
+        self.bytes[5] & FLAG_SHARED_MEMORY != 0
     }
 
     /// A short fingerprint for logs and errors.
@@ -114,9 +152,13 @@ mod tests {
     #[test]
     fn roundtrip_and_rejects() {
         let me = ProcessIdentity::current();
-        let a = WorkerAddress::wrap(&me, b"ucx-address-bytes");
+        let a = WorkerAddress::wrap(&me, true, b"ucx-address-bytes");
         let b = WorkerAddress::from_bytes(a.as_bytes()).unwrap();
         assert_eq!(a, b);
+        assert!(b.has_shared_memory());
+        assert!(!WorkerAddress::from_bytes(WorkerAddress::wrap(&me, false, b"x").as_bytes())
+            .unwrap()
+            .has_shared_memory());
         assert_eq!(b.ucx_bytes(), b"ucx-address-bytes");
         assert_eq!(b.identity(), me);
 

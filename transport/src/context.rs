@@ -1,8 +1,9 @@
 //! [`Context`]: one UCX application context (`ucp_context_h`), the parent of workers and
 //! memory registrations.
 
+use std::collections::HashSet;
 use std::ffi::CString;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use ucx_sys as sys;
 
@@ -72,6 +73,8 @@ impl ContextBuilder {
     /// Overrides one UCX configuration variable for this context only, without touching
     /// the process environment. `name` is given without the `UCX_` prefix, as in
     /// `ucp_config_modify`: `.config("TLS", "tcp,self")`, `.config("NET_DEVICES", "lo")`.
+    /// A name UCX does not know (`ucx_info -c -f` lists them) makes
+    /// [`ContextBuilder::build`] fail with [`Error::UnknownSetting`].
     pub fn config(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         let name = name.into();
         let name = name.strip_prefix("UCX_").map(str::to_owned).unwrap_or(name);
@@ -107,7 +110,8 @@ impl ContextBuilder {
     /// headers ucxkit was built against (the calls made for the newer API would not be
     /// honoured: a newer UCX copies an active message's header when asked, an older one
     /// reads it until the send completes); [`Error::Config`] for a setting UCX refuses;
-    /// [`Error::CreateContext`] when `ucp_init` fails.
+    /// [`Error::UnknownSetting`] for a name it does not know; [`Error::CreateContext`]
+    /// when `ucp_init` fails.
     pub fn build(self) -> Result<Context> {
         let (major, minor, _) = Context::ucx_version();
         if (major, minor) < (sys::API_MAJOR, sys::API_MINOR) {
@@ -165,9 +169,103 @@ impl ContextBuilder {
         // SAFETY: params and config are valid for the call; handle is a valid out-pointer.
         let st = Status(unsafe { sys::ucp_init(&params, guard.0, &mut handle) });
         st.check().map_err(Error::CreateContext)?;
+        // Owned from here: dropped (ucp_cleanup) on any error below.
+        let ctx =
+            Context { inner: Arc::new(ContextInner { handle, features, resources: read_resources(handle) }) };
+        // UCX takes any name (one it does not know it keeps for its transports, which
+        // ignore it): a misspelt setting would silently do nothing. Checked now that UCX
+        // has loaded its transport modules, whose settings count too.
+        if let Some(known) = known_settings() {
+            if let Some((name, _)) = self.config.iter().find(|(n, _)| !known.contains(n.as_str())) {
+                return Err(Error::UnknownSetting { name: name.clone() });
+            }
+        }
         tracing::debug!(features = features.0, "UCX context created");
-        Ok(Context { inner: Arc::new(ContextInner { handle, features }) })
+        Ok(ctx)
     }
+}
+
+/// The name of every setting UCX knows, without the `UCX_` prefix: those of the core and
+/// of every transport module loaded (`ucs_config_parser_print_all_opts`, as `ucx_info -c
+/// -f` prints them). Read once, after the first context is made (UCX loads all its
+/// modules then, once per process); `None` when they could not be read.
+fn known_settings() -> Option<&'static HashSet<String>> {
+    static KNOWN: OnceLock<Option<HashSet<String>>> = OnceLock::new();
+    KNOWN
+        .get_or_init(|| {
+            let flags = sys::ucs_config_print_flags_t(
+                sys::UCS_CONFIG_PRINT_CONFIG.0 | sys::UCS_CONFIG_PRINT_HIDDEN.0,
+            );
+            let text = printed(|f| {
+                // SAFETY: f is an open stream; the prefix is NUL-terminated; the global
+                // list is UCX's, complete and no longer changing once a context exists
+                // (modules load once, inside the first ucp_init); a NULL filter prints
+                // everything (and releases before 1.19 ignore the argument, see ucx-sys).
+                unsafe {
+                    sys::ucs_config_parser_print_all_opts(
+                        f.cast(),
+                        c"UCX_".as_ptr(),
+                        flags,
+                        &raw mut sys::ucs_config_global_list,
+                        std::ptr::null(),
+                    )
+                }
+            })?;
+            let names = parse_settings(&text);
+            (!names.is_empty()).then_some(names)
+        })
+        .as_ref()
+}
+
+/// What `print` writes to a C stream, as text; `None` when no stream could be made.
+pub(crate) fn printed(print: impl FnOnce(*mut libc::FILE)) -> Option<String> {
+    let mut buf: *mut libc::c_char = std::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: valid out-pointers; the stream is closed below.
+    let f = unsafe { libc::open_memstream(&mut buf, &mut size) };
+    if f.is_null() {
+        tracing::debug!("open_memstream failed");
+        return None;
+    }
+    print(f);
+    // SAFETY: f is open, closed once; this also finalizes buf and size.
+    unsafe { libc::fclose(f) };
+    if buf.is_null() {
+        return None;
+    }
+    // SAFETY: after fclose, buf holds `size` bytes written by the stream.
+    let text =
+        String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }).into_owned();
+    // SAFETY: open_memstream's buffer is the caller's to free, once.
+    unsafe { libc::free(buf.cast()) };
+    Some(text)
+}
+
+/// The `(transport, device)` pairs of a live context's resources.
+fn read_resources(handle: sys::ucp_context_h) -> Vec<(String, String)> {
+    // SAFETY: the caller's context is live; f is an open stream for the call.
+    printed(|f| unsafe { sys::ucp_context_print_info(handle, f.cast()) })
+        .map(|t| parse_resources(&t))
+        .unwrap_or_default()
+}
+
+/// The `(transport, device)` pairs in `ucp_context_print_info`'s resource lines
+/// (`#      resource 3  :  md 2  dev 3  flags -- posix/memory`).
+fn parse_resources(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter(|l| l.trim_start_matches('#').trim_start().starts_with("resource"))
+        .filter_map(|l| l.rsplit_once("-- ")?.1.trim().split_once('/'))
+        .map(|(tl, dev)| (tl.to_string(), dev.to_string()))
+        .collect()
+}
+
+/// Transports that carry messages between processes of one host through shared memory;
+/// `cma` and `knem` only copy bulk data, and cannot carry a connection alone.
+const SHARED_MEMORY_MESSAGES: [&str; 3] = ["posix", "sysv", "xpmem"];
+
+/// The names in UCX's printed configuration: each `UCX_NAME=value` line gives `NAME`.
+fn parse_settings(text: &str) -> HashSet<String> {
+    text.lines().filter_map(|l| l.strip_prefix("UCX_")?.split_once('=').map(|(n, _)| n.to_string())).collect()
 }
 
 struct ConfigGuard(*mut sys::ucp_config_t);
@@ -182,6 +280,8 @@ impl Drop for ConfigGuard {
 pub(crate) struct ContextInner {
     pub(crate) handle: sys::ucp_context_h,
     pub(crate) features: Features,
+    /// `(transport, device)` of each resource UCX opened for the context.
+    resources: Vec<(String, String)>,
 }
 
 // SAFETY: a UCP context is created with `mt_workers_shared = 1`, which makes it safe to use
@@ -240,6 +340,19 @@ impl Context {
         self.worker().build()
     }
 
+    /// The transports and devices UCX opened for this context, as `(transport, device)`
+    /// pairs (`("posix", "memory")`, `("tcp", "eth0")`; `ucp_context_print_info`).
+    pub fn resources(&self) -> &[(String, String)] {
+        &self.inner.resources
+    }
+
+    /// Whether this context can carry messages through shared memory (posix, sysv or
+    /// xpmem is among its transports): what [`crate::ErrorMode::Auto`] needs before it
+    /// gives up UCX's peer error mode for a peer on this host.
+    pub fn has_shared_memory(&self) -> bool {
+        self.inner.resources.iter().any(|(tl, _)| SHARED_MEMORY_MESSAGES.contains(&tl.as_str()))
+    }
+
     /// The raw handle: valid while this context (or a clone, or a worker of it) is
     /// alive; do not destroy it.
     pub fn as_raw(&self) -> sys::ucp_context_h {
@@ -252,5 +365,40 @@ impl Context {
         // SAFETY: valid out-pointers.
         unsafe { sys::ucp_get_version(&mut a, &mut b, &mut c) };
         (a, b, c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_are_read_from_ucx_print_lines() {
+        let text = "#\n# comment\nUCX_TLS=all\nUCX_TCP_SNDBUF=auto\nUCX_EMPTY=\nNOT_UCX=1\n";
+        let names = parse_settings(text);
+        let mut v: Vec<_> = names.iter().map(String::as_str).collect();
+        v.sort();
+        assert_eq!(v, ["EMPTY", "TCP_SNDBUF", "TLS"]);
+    }
+
+    #[test]
+    fn resources_are_read_from_context_info() {
+        let text = "#\n#            md 0  :  component 0  self \n\
+                    #      resource 0  :  md 0  dev 0  flags -- self/memory0\n\
+                    #      resource 2  :  md 1  dev 2  flags -- tcp/lo\n\
+                    #      resource 3  :  md 2  dev 3  flags -- posix/memory\n";
+        let r = parse_resources(text);
+        let pairs: Vec<_> = r.iter().map(|(t, d)| (t.as_str(), d.as_str())).collect();
+        assert_eq!(pairs, [("self", "memory0"), ("tcp", "lo"), ("posix", "memory")]);
+    }
+
+    #[test]
+    fn shared_memory_is_seen_only_where_it_carries_messages() {
+        let ctx = |tls: &str| Context::builder().transports(tls).build().unwrap();
+        assert!(ctx("posix,self").has_shared_memory());
+        assert!(!ctx("tcp,self").has_shared_memory());
+        // cma copies bulk data only; with tcp beside it, connections run over tcp.
+        assert!(!ctx("cma,tcp,self").has_shared_memory());
+        assert!(ctx("posix,tcp,self").resources().iter().any(|(t, _)| t == "tcp"));
     }
 }

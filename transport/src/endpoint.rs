@@ -272,7 +272,8 @@ impl Worker {
     /// # Cancel safety
     /// Safe to drop: the half-made endpoint is closed.
     pub async fn connect_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Endpoint> {
-        let peer_mode = opts.error_mode.peer_mode(is_local_ip(addr.ip()));
+        let shm = is_local_ip(addr.ip()) && self.context().has_shared_memory();
+        let peer_mode = opts.error_mode.peer_mode(shm);
         let ep = self.create_ep(Target::Socket(&addr), Peer::Socket(addr), peer_mode)?;
         if opts.handshake {
             ep.client_handshake(opts.timeout).await?;
@@ -301,7 +302,9 @@ impl Worker {
         addr: &WorkerAddress,
         opts: EndpointOptions,
     ) -> Result<Endpoint> {
-        let peer_mode = opts.error_mode.peer_mode(addr.identity().same_host());
+        let shm =
+            addr.identity().same_host() && addr.has_shared_memory() && self.context().has_shared_memory();
+        let peer_mode = opts.error_mode.peer_mode(shm);
         let ep = self.create_ep(Target::Address(addr), Peer::Address(addr.fingerprint()), peer_mode)?;
         if opts.handshake {
             ep.client_handshake(opts.timeout).await?;

@@ -148,6 +148,13 @@ pub enum Error {
         #[source]
         source: Status,
     },
+    /// A configuration name UCX does not know (given to [`crate::ContextBuilder::config`]):
+    /// UCX would ignore it silently.
+    #[error("UCX has no setting named {name} (UCX_{name}); `ucx_info -c -f` lists them")]
+    UnknownSetting {
+        /// The name, without the `UCX_` prefix.
+        name: String,
+    },
     /// `ucp_init` failed.
     #[error("creating the UCX context: {0}")]
     CreateContext(#[source] Status),
@@ -353,7 +360,7 @@ pub enum ErrorKind {
     Unreachable,
     /// [`Error::Unsupported`].
     Unsupported,
-    /// Bad input: a malformed address or handshake, or API misuse.
+    /// Bad input: a malformed address or handshake, an unknown setting, or API misuse.
     InvalidInput,
     /// Anything else.
     Other,
@@ -370,6 +377,7 @@ impl Error {
             Error::Unreachable { .. } => ErrorKind::Unreachable,
             Error::Unsupported { .. } | Error::MissingTransport { .. } => ErrorKind::Unsupported,
             Error::BadAddress { .. }
+            | Error::UnknownSetting { .. }
             | Error::BadRemoteKey { .. }
             | Error::OutOfBounds { .. }
             | Error::Handshake { .. }

@@ -240,8 +240,9 @@ impl ConnectionRequest {
     pub async fn accept_with(mut self, opts: EndpointOptions) -> Result<Endpoint> {
         let req =
             self.req.take().ok_or_else(|| Error::ApiMisuse("connection request already used".into()))?;
-        let local = self.client.is_some_and(|a| is_local_ip(a.ip()));
-        let peer_mode = opts.error_mode.peer_mode(local);
+        let worker = &self.listener.worker;
+        let shm = self.client.is_some_and(|a| is_local_ip(a.ip())) && worker.context().has_shared_memory();
+        let peer_mode = opts.error_mode.peer_mode(shm);
         let peer = Peer::Accepted(self.client);
         let ep = self
             .listener

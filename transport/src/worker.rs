@@ -42,13 +42,18 @@ use crate::ucx_log;
 /// [`crate::liveness`]), so pending operations still fail when it dies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ErrorMode {
-    /// The default: [`ErrorMode::None`] when the peer runs on this host (a local or
-    /// loopback IP, or a worker address from this host), [`ErrorMode::Peer`] otherwise.
-    /// Both sides reach the same choice for the same connection. An IP is local when it
-    /// is an address of this process's network namespace; a worker address when it comes
-    /// from the same machine (boot id): two network namespaces of one machine are remote
-    /// to each other by IP (TCP over their link) and local by worker address (shared
-    /// memory, which they share).
+    /// The default: [`ErrorMode::None`] when shared memory can carry the connection (the
+    /// peer runs on this host, a local or loopback IP or a worker address from this
+    /// host, and the context has a shared-memory transport that carries messages, see
+    /// [`crate::Context::has_shared_memory`]; for a worker address, the peer's context
+    /// too), [`ErrorMode::Peer`] otherwise: without a shared-memory lane, UCX's own
+    /// failure handling loses nothing, and UCX 1.13 without it can abort a process
+    /// whose peer dies during a transfer over TCP. Both sides reach the same choice when
+    /// their contexts agree on shared memory. An IP is local when it is an address of
+    /// this process's network namespace; a worker address when it comes from the same
+    /// machine (boot id): two network namespaces of one machine are remote to each other
+    /// by IP (TCP over their link) and local by worker address (shared memory, which
+    /// they share).
     #[default]
     Auto,
     /// `UCP_ERR_HANDLING_MODE_PEER`: UCX detects failed peers and fails their
@@ -61,10 +66,12 @@ pub enum ErrorMode {
 }
 
 impl ErrorMode {
-    /// Resolves `Auto` given whether the peer is on this host; true means UCX peer mode.
-    pub(crate) fn peer_mode(self, peer_is_local: bool) -> bool {
+    /// Resolves `Auto` given whether shared memory can carry the connection (the peer
+    /// is on this host and both sides have a shared-memory transport); true means UCX
+    /// peer mode.
+    pub(crate) fn peer_mode(self, shared_memory: bool) -> bool {
         match self {
-            ErrorMode::Auto => !peer_is_local,
+            ErrorMode::Auto => !shared_memory,
             ErrorMode::Peer => true,
             ErrorMode::None => false,
         }
@@ -305,7 +312,8 @@ impl Worker {
                 .map_err(|source| Error::Worker { op: "ucp_worker_get_address", source })?;
             // SAFETY: UCX returned `len` readable bytes at `addr`.
             let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) };
-            let wa = WorkerAddress::wrap(&ProcessIdentity::current(), bytes);
+            let wa =
+                WorkerAddress::wrap(&ProcessIdentity::current(), self.context().has_shared_memory(), bytes);
             // SAFETY: releases the address UCX allocated above, once.
             unsafe { sys::ucp_worker_release_address(st.handle, addr) };
             Ok(wa)

@@ -12,7 +12,9 @@
 //!
 //! The C macros and `static inline` helpers that bindgen cannot see are re-implemented
 //! below: [`UCS_PTR_IS_ERR`], [`UCS_PTR_IS_PTR`], [`UCS_PTR_STATUS`], [`UCS_PTR_RAW_STATUS`],
-//! [`UCS_STATUS_PTR`], [`ucp_dt_make_contig`] and [`ucp_init`].
+//! [`UCS_STATUS_PTR`], [`ucp_dt_make_contig`] and [`ucp_init`]; two symbols of UCS's
+//! configuration parser are declared by hand ([`ucs_config_global_list`],
+//! [`ucs_config_parser_print_all_opts`]).
 //!
 //! The build sets `cfg(ucx_ge_1_N)` for every UCX minor version `N` (from 13) that the
 //! headers provide, so code can gate APIs that newer UCX releases add.
@@ -99,6 +101,30 @@ pub unsafe fn ucp_init(
 ) -> ucs_status_t {
     // SAFETY: forwarded contract.
     unsafe { ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, params, config, context_p) }
+}
+
+// UCS's configuration parser (`<ucs/config/parser.h>`, not among the generated headers):
+// the list of every configuration table UCX registered (the core's and each loaded
+// transport module's), and its printer, which lists every setting UCX knows.
+extern "C" {
+    /// `ucs_config_global_list`: the configuration tables UCX registered, filled as its
+    /// modules load (after `ucp_init`, every transport module is in).
+    pub static mut ucs_config_global_list: ucs_list_link_t;
+
+    /// `ucs_config_parser_print_all_opts(stream, prefix, flags, config_list, filter)`:
+    /// prints every setting of the tables in `config_list` as `PREFIXNAME=value` lines.
+    ///
+    /// UCX 1.19 added the last parameter (NULL: no filter); earlier releases take four
+    /// and ignore a fifth argument, which the C calling conventions of the platforms
+    /// UCX supports pass in a register the callee does not read. Declared here with five
+    /// so that one call suits any release loaded at run time.
+    pub fn ucs_config_parser_print_all_opts(
+        stream: *mut FILE,
+        prefix: *const core::ffi::c_char,
+        flags: ucs_config_print_flags_t,
+        config_list: *mut ucs_list_link_t,
+        filter: *const core::ffi::c_char,
+    );
 }
 
 #[cfg(test)]
