@@ -28,6 +28,17 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const READY: u64 = 1;
 const NEVER_SENT: u64 = 2;
 const NEVER_RECEIVED: u64 = 3;
+const BIG: u64 = 4;
+const BIG_LEN: usize = 16 << 20;
+const TO_VICTIM: u64 = 5;
+const FROM_VICTIM: u64 = 6;
+const TRANSFER_LEN: usize = 4 << 20;
+
+/// The tag of trial `trial`'s messages: tag receives match across the worker, and a
+/// dead peer's message left unreceived must not be taken by the next trial.
+fn trial_tag(base: u64, trial: u64) -> u64 {
+    base | trial << 8
+}
 
 #[tokio::test]
 #[ignore = "the child half of the multi-process tests; the parent runs it"]
@@ -36,6 +47,10 @@ async fn peer_process() {
     if std::env::var("UCXKIT_PEER_ROLE").as_deref() == Ok("echo") {
         return echo_peer(&addr).await;
     }
+    if std::env::var("UCXKIT_PEER_ROLE").as_deref() == Ok("transfers") {
+        return transfers_peer(&addr).await;
+    }
+    let big_sender = std::env::var("UCXKIT_PEER_ROLE").as_deref() == Ok("big_sender");
     let tls = std::env::var("UCXKIT_PEER_TLS").unwrap();
     let mode = if std::env::var("UCXKIT_PEER_MODE").as_deref() == Ok("peer") {
         ErrorMode::Peer
@@ -45,6 +60,9 @@ async fn peer_process() {
     let w = ctx(&tls).worker().error_mode(mode).build().unwrap();
     let ep = w.connect(addr.parse().unwrap()).await.unwrap();
     ep.tag_send(READY, b"ready".to_vec()).await.0.unwrap();
+    // Role `big_sender`: a rendezvous message the test lets arrive but receives only
+    // once this process is dead.
+    let _send = big_sender.then(|| ep.tag_send(BIG, vec![5u8; BIG_LEN]));
     // Idle (progressing) until killed.
     tokio::time::sleep(Duration::from_secs(120)).await;
 }
@@ -64,6 +82,36 @@ async fn echo_peer(addr: &str) {
         }
     }
     ep.close().await.unwrap();
+}
+
+/// Child role `transfers`: with the default error mode, receives whatever comes and
+/// sends bursts of messages (eager zero-copy sizes and a rendezvous one) without end,
+/// until killed.
+async fn transfers_peer(addr: &str) {
+    let tls = std::env::var("UCXKIT_PEER_TLS").unwrap();
+    let trial: u64 = std::env::var("UCXKIT_TRIAL").unwrap().parse().unwrap();
+    let w = ctx(&tls).create_worker().unwrap();
+    let ep = w.connect(addr.parse().unwrap()).await.unwrap();
+    let sink = tokio::spawn(drain(ep.clone(), trial_tag(TO_VICTIM, trial)));
+    while !sink.is_finished() {
+        let burst = send_burst(&ep, trial_tag(FROM_VICTIM, trial));
+        if futures_util::future::join_all(burst).await.iter().any(|(r, _)| r.is_err()) {
+            return;
+        }
+    }
+}
+
+/// Receives messages tagged `tag` on `ep` until a receive fails.
+async fn drain(ep: ucxkit::transport::Endpoint, tag: u64) {
+    while ep.tag_recv(tag, tag::EXACT, Vec::with_capacity(TRANSFER_LEN)).await.0.is_ok() {}
+}
+
+/// A burst of sends tagged `tag`: messages in UCX's eager zero-copy range over TCP
+/// (8 to 20 KiB) and one rendezvous message, all in flight at once.
+fn send_burst(ep: &ucxkit::transport::Endpoint, tag: u64) -> Vec<ucxkit::transport::TagSend<Vec<u8>>> {
+    let mut sends: Vec<_> = (0..32).map(|i| ep.tag_send(tag, vec![i as u8; 16 << 10])).collect();
+    sends.push(ep.tag_send(tag, vec![9u8; TRANSFER_LEN]));
+    sends
 }
 
 /// Two processes over loopback through a listener: messages of mixed sizes go to the
@@ -183,6 +231,153 @@ async fn sigkill_over_shared_memory() {
 #[tokio::test]
 async fn sigkill_over_tcp_without_peer_mode() {
     killed_peer_fails_pending_operations("tcp,self", ErrorMode::None, "none").await;
+}
+
+/// A receive of a message whose sender died before the payload moved (its rendezvous
+/// request had arrived, the receive is posted after the death): worker-level and bound
+/// to the endpoint, it ends with `ConnectionReset`, whatever the transport and error
+/// mode (UCX cancels it, or reports an I/O error for a copy from a process that is
+/// gone). Posted just before the kill, it either completes or ends the same way.
+async fn receive_from_a_dead_sender(tls: &str, mode: ErrorMode, mode_name: &str) {
+    let _serial = SERIAL.lock().await;
+    for (bound, before) in [(false, false), (true, false), (false, true)] {
+        let case = format!("{tls} {mode_name} bound={bound} posted before the kill={before}");
+        let w = ctx(tls).worker().error_mode(mode).build().unwrap();
+        let listener = w.listen(loopback()).unwrap();
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
+            .env("UCXKIT_PEER_TLS", tls)
+            .env("UCXKIT_PEER_MODE", mode_name)
+            .env("UCXKIT_PEER_ROLE", "big_sender")
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let ep = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await.unwrap().unwrap();
+        ep.tag_recv(READY, tag::EXACT, vec![0u8; 8]).await.0.unwrap();
+        let t0 = Instant::now();
+        while w.tag_probe(BIG, tag::EXACT).is_none() {
+            assert!(t0.elapsed() < BOUND, "{case}: the large message never arrived");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let post = || {
+            let buf = Vec::with_capacity(BIG_LEN);
+            if bound {
+                ep.tag_recv(BIG, tag::EXACT, buf)
+            } else {
+                w.tag_recv(BIG, tag::EXACT, buf)
+            }
+        };
+        let early = before.then(post);
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+        let recv = early.unwrap_or_else(post);
+        let (r, got) = tokio::time::timeout(BOUND, recv)
+            .await
+            .unwrap_or_else(|_| panic!("{case}: the receive still hangs {BOUND:?} after the sender died"));
+        match r {
+            Ok(info) if before => {
+                assert_eq!(info.len, BIG_LEN, "{case}");
+                assert!(got.iter().all(|&b| b == 5), "{case}: the bytes received differ");
+                eprintln!("{case}: received whole");
+            }
+            r => {
+                let e = r.expect_err(&case);
+                assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{case}: {e}");
+                eprintln!("{case}: {e}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn receive_from_a_dead_sender_over_shared_memory() {
+    receive_from_a_dead_sender("posix,cma,tcp,self", ErrorMode::None, "none").await;
+}
+
+#[tokio::test]
+async fn receive_from_a_dead_sender_over_tcp_peer_mode() {
+    receive_from_a_dead_sender("tcp,self", ErrorMode::Peer, "peer").await;
+}
+
+#[tokio::test]
+async fn receive_from_a_dead_sender_over_tcp_without_peer_mode() {
+    receive_from_a_dead_sender("tcp,self", ErrorMode::None, "none").await;
+}
+
+/// The child of `a_peer_killed_during_transfers_does_not_kill_this_process`: one
+/// worker with the default error mode over `UCXKIT_SURVIVOR_TLS` survives
+/// `UCXKIT_KILL_TRIALS` peers, each SIGKILLed while large transfers run both ways,
+/// after a delay that varies from trial to trial; every pending operation completes or
+/// ends with `ConnectionReset`. Prints `survived N` at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the child half of a_peer_killed_during_transfers_does_not_kill_this_process"]
+async fn survivor() {
+    let Ok(trials) = std::env::var("UCXKIT_KILL_TRIALS") else { return };
+    let trials: u32 = trials.parse().unwrap();
+    let tls = std::env::var("UCXKIT_SURVIVOR_TLS").unwrap();
+    let w = ctx(&tls).create_worker().unwrap();
+    let listener = w.listen(loopback()).unwrap();
+    for trial in 0..trials {
+        let mut victim = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
+            .env("UCXKIT_PEER_TLS", &tls)
+            .env("UCXKIT_PEER_ROLE", "transfers")
+            .env("UCXKIT_TRIAL", trial.to_string())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let ep = tokio::time::timeout(BOUND, listener.accept()).await.unwrap().unwrap();
+        // A few whole exchanges, then one left in flight for the kill, which comes
+        // after 0 to 12 ms.
+        let (from, to) = (trial_tag(FROM_VICTIM, trial.into()), trial_tag(TO_VICTIM, trial.into()));
+        let sink = tokio::spawn(drain(ep.clone(), from));
+        // Bursts both ways, the kill landing 0 to 12 ms into one.
+        for _ in 0..trial % 3 {
+            for (r, _) in futures_util::future::join_all(send_burst(&ep, to)).await {
+                r.unwrap_or_else(|e| panic!("trial {trial}: send before the kill: {e}"));
+            }
+        }
+        let burst = send_burst(&ep, to);
+        tokio::time::sleep(Duration::from_micros(u64::from(trial * 3001 % 12_000))).await;
+        victim.start_kill().unwrap();
+        let ended = tokio::time::timeout(BOUND, futures_util::future::join_all(burst))
+            .await
+            .unwrap_or_else(|_| panic!("trial {trial}: sends still pending {BOUND:?} after the kill"));
+        for (r, _) in ended {
+            if let Err(e) = r {
+                assert_eq!(e.kind(), ErrorKind::ConnectionReset, "trial {trial}: send: {e}");
+            }
+        }
+        tokio::time::timeout(BOUND, sink)
+            .await
+            .unwrap_or_else(|_| panic!("trial {trial}: a receive still pending {BOUND:?} after the kill"))
+            .unwrap();
+        victim.wait().await.unwrap();
+        drop(ep);
+    }
+    println!("survived {trials}");
+}
+
+/// A peer process SIGKILLed while large transfers run both ways, over TCP between two
+/// processes of this host with the default error mode, does not take this process with
+/// it (UCX 1.13 without peer error handling aborted the survivor in about 7 % of such
+/// kills). The surviving side runs in a child process, so that an abort fails this test
+/// instead of ending the test binary; `UCXKIT_KILL_TRIALS` sets the number of kills
+/// (150 and more for the long form, run by hand).
+#[test]
+fn a_peer_killed_during_transfers_does_not_kill_this_process() {
+    let trials: u32 = std::env::var("UCXKIT_KILL_TRIALS").ok().and_then(|t| t.parse().ok()).unwrap_or(24);
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "survivor", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("UCXKIT_KILL_TRIALS", trials.to_string())
+        .env("UCXKIT_SURVIVOR_TLS", "tcp,self")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the surviving process ended with {}: {text}", out.status);
+    assert!(text.contains(&format!("survived {trials}")), "{text}");
 }
 
 #[tokio::test]

@@ -2,8 +2,9 @@
 //! C compiler against the UCX ucxkit was built with): tagged messages, active messages
 //! (eager and rendezvous), remote keys in UCX's own form both ways (put, get and atomics
 //! into the program's memory, its put into ucxkit's), and byte streams, with ucxkit's
-//! handshake off, over TCP and over shared memory, with ucxkit connecting and accepting,
-//! in both error-handling modes. Every byte that comes back is checked.
+//! handshake off, over TCP and over shared memory, with ucxkit connecting and accepting
+//! through listeners and connecting by worker address in UCX's own form, in both
+//! error-handling modes. Every byte that comes back is checked.
 
 #![deny(unsafe_code)]
 
@@ -19,7 +20,7 @@ use common::{ctx, loopback, payload};
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
 use ucxkit::transport::{
-    tag, AmProto, AmSendOptions, Endpoint, EndpointOptions, ErrorKind, ErrorMode, Worker,
+    tag, AmProto, AmSendOptions, Endpoint, EndpointOptions, ErrorKind, ErrorMode, Worker, WorkerAddress,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -119,6 +120,41 @@ async fn ucxkit_accepts(tls: &str, mode: ErrorMode, transport: &str) {
     let child = start_peer(&["connect", mode_arg, "127.0.0.1", &port], tls);
     let request = bounded(listener.next()).await.unwrap();
     let ep = bounded(request.accept_with(opts(mode))).await.unwrap();
+    exchange(&w, &ep, tls, transport, mode == ErrorMode::Peer).await;
+    finish(child, ep).await;
+}
+
+/// ucxkit and a plain UCX program connect to each other by worker address, each given
+/// the other's in UCX's own form (`ucp_worker_get_address`), exchanged over the peer's
+/// standard input and output.
+async fn by_worker_address(tls: &str, mode: ErrorMode, transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let mode_arg = if mode == ErrorMode::Peer { "peer" } else { "none" };
+    let mut child = Command::new(peer_program())
+        .args(["address", mode_arg])
+        .env("UCX_TLS", tls)
+        .env("UCX_NET_DEVICES", "lo")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting the plain UCX peer");
+    let out = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    bounded(tokio::io::BufReader::new(out).read_line(&mut line)).await.unwrap();
+    let hex = line.trim().strip_prefix("address ").unwrap_or_else(|| panic!("peer said {line:?}"));
+    let raw: Vec<u8> =
+        (0..hex.len() / 2).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+    #[allow(unsafe_code)]
+    // SAFETY: the bytes are the peer's address as ucp_worker_get_address gave it, from a
+    // program of this test built against the same UCX.
+    let addr = unsafe { WorkerAddress::from_ucx_bytes(&raw) }.unwrap();
+    assert_eq!(addr.ucx_bytes(), &raw[..]);
+    let w = ctx(tls).create_worker().unwrap();
+    let ep = bounded(w.connect_address_with(&addr, opts(mode))).await.unwrap();
+    let mine: String = w.address().unwrap().ucx_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let mut stdin = child.stdin.take().expect("piped");
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, format!("{mine}\n").as_bytes()).await.unwrap();
     exchange(&w, &ep, tls, transport, mode == ErrorMode::Peer).await;
     finish(child, ep).await;
 }
@@ -285,4 +321,14 @@ async fn ucxkit_accepts_over_tcp_in_peer_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucxkit_accepts_over_shared_memory() {
     ucxkit_accepts("posix,cma,tcp,self", ErrorMode::None, "posix").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_worker_address_over_tcp_in_peer_mode() {
+    by_worker_address("tcp,self", ErrorMode::Peer, "tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_worker_address_over_shared_memory() {
+    by_worker_address("posix,cma,tcp,self", ErrorMode::None, "posix").await;
 }

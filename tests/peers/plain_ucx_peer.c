@@ -5,6 +5,10 @@
  *
  *   plain_ucx_peer listen  none|peer          listens on 127.0.0.1, prints "port N"
  *   plain_ucx_peer connect none|peer IP PORT  connects to a UCX listener there
+ *   plain_ucx_peer address none|peer          prints "address HEX" (its worker's address,
+ *                                             as ucp_worker_get_address gives it), reads
+ *                                             the peer's the same way from standard
+ *                                             input, and connects to it
  *
  * With its one connection it then serves, phase after phase:
  *   1. tags: each message (any tag) goes back with the tag's top bit set, until one
@@ -371,6 +375,41 @@ static void close_ep(void)
     ucp_request_free(request);
 }
 
+/* Prints this worker's address in hex, then reads the peer's (one line of hex) from
+ * standard input into a new buffer. */
+static void *exchange_addresses(void)
+{
+    ucp_address_t *mine;
+    size_t len, i, n = 0;
+    unsigned byte;
+    char line[16384];
+    unsigned char *theirs;
+    ucs_status_t status;
+
+    status = ucp_worker_get_address(worker, &mine, &len);
+    if (status != UCS_OK) {
+        fail("ucp_worker_get_address", status);
+    }
+    printf("address ");
+    for (i = 0; i < len; i++) {
+        printf("%02x", ((unsigned char*)mine)[i]);
+    }
+    printf("\n");
+    fflush(stdout);
+    ucp_worker_release_address(worker, mine);
+    if (fgets(line, sizeof(line), stdin) == NULL) {
+        fail_msg("no peer address on standard input");
+    }
+    theirs = xmalloc(sizeof(line) / 2);
+    while (sscanf(line + 2 * n, "%2x", &byte) == 1) {
+        theirs[n++] = (unsigned char)byte;
+    }
+    if (n == 0) {
+        fail_msg("empty peer address");
+    }
+    return theirs;
+}
+
 int main(int argc, char **argv)
 {
     ucp_params_t params               = {0};
@@ -382,17 +421,22 @@ int main(int argc, char **argv)
     struct sockaddr_in sa = {0};
     ucp_config_t *config;
     ucs_status_t status;
-    int listen_mode, peer_mode;
+    int listen_mode, address_mode, peer_mode;
+    void *peer_address = NULL;
 
-    if ((argc < 3) || ((strcmp(argv[1], "listen") != 0) && (argc != 5)) ||
-        ((strcmp(argv[1], "listen") != 0) && (strcmp(argv[1], "connect") != 0))) {
-        fprintf(stderr, "usage: %s listen none|peer | connect none|peer IP PORT\n", argv[0]);
+    if ((argc < 3) ||
+        ((strcmp(argv[1], "connect") == 0) ? (argc != 5) :
+                                             ((argc != 3) || ((strcmp(argv[1], "listen") != 0) &&
+                                                              (strcmp(argv[1], "address") != 0))))) {
+        fprintf(stderr, "usage: %s listen none|peer | address none|peer | connect none|peer IP PORT\n",
+                argv[0]);
         return 1;
     }
     /* Gone in two minutes whatever happens, even when the test that started it was
      * killed. */
     alarm(120);
-    listen_mode = strcmp(argv[1], "listen") == 0;
+    listen_mode  = strcmp(argv[1], "listen") == 0;
+    address_mode = strcmp(argv[1], "address") == 0;
     peer_mode   = strcmp(argv[2], "peer") == 0;
 
     status = ucp_config_read(NULL, NULL, &config);
@@ -423,7 +467,11 @@ int main(int argc, char **argv)
         ep_params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
         ep_params.err_handler.cb = on_ep_error;
     }
-    if (listen_mode) {
+    if (address_mode) {
+        peer_address          = exchange_addresses();
+        ep_params.field_mask |= UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+        ep_params.address     = peer_address;
+    } else if (listen_mode) {
         sa.sin_addr.s_addr              = htonl(INADDR_LOOPBACK);
         listen_params.field_mask        = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
                                           UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
@@ -460,6 +508,7 @@ int main(int argc, char **argv)
     if (status != UCS_OK) {
         fail("ucp_ep_create", status);
     }
+    free(peer_address);
 
     serve_tags();
     serve_am();

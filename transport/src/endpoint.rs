@@ -495,6 +495,23 @@ impl Endpoint {
         Error::from_op(op, &self.inner.peer, status)
     }
 
+    /// The error for a failed receive bound to this endpoint. UCX cancels a receive
+    /// whose sender failed, sometimes before it reports the endpoint's failure: a
+    /// cancellation this side did not cause (the endpoint is not closed by it) is a
+    /// reset too.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn recv_error_of(&self, op: &'static str, status: Status) -> Error {
+        if status == Status::CANCELED {
+            let id = self.inner.id;
+            let open = self.worker_inner().locked(|st| st.eps.get(&id).is_some_and(|e| !e.closing));
+            if open {
+                return Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: status };
+            }
+        }
+        self.error_of(op, status)
+    }
+
     async fn client_handshake(&self, timeout: std::time::Duration) -> Result<()> {
         let nonce = nonce();
         let hello = Message {

@@ -405,16 +405,32 @@ impl Error {
         }
     }
 
-    /// Classifies a failed operation's status into the matching variant.
+    /// Classifies a failed operation's status into the matching variant. An I/O error is
+    /// the transport failing to move the operation's data to or from the peer (a shared
+    /// memory copy from a process that is gone, a socket that broke): a reset, as on
+    /// every other transport.
     pub(crate) fn from_op(op: &'static str, peer: &Peer, status: Status) -> Error {
         match status.0 {
             sys::UCS_ERR_CANCELED => Error::Canceled { op },
             sys::UCS_ERR_UNREACHABLE => Error::Unreachable { peer: peer.clone(), source: status },
             sys::UCS_ERR_UNSUPPORTED => Error::Unsupported { what: format!("{op}: {status}") },
+            sys::UCS_ERR_IO_ERROR => Error::ConnectionReset { op, peer: peer.clone(), source: status },
             _ if status.is_peer_failure() => {
                 Error::ConnectionReset { op, peer: peer.clone(), source: status }
             }
             _ => Error::Op { op, peer: peer.clone(), source: status },
+        }
+    }
+
+    /// Classifies the failure of a receive bound to no endpoint (a worker-level tag
+    /// receive, the fetch of an active message's payload). Nothing but its sender's
+    /// failure ends such a receive with UCX's cancellation (a receive of this process
+    /// is canceled only when its future is dropped, and then nobody sees the result),
+    /// so that too is a reset.
+    pub(crate) fn from_unbound_recv(op: &'static str, status: Status) -> Error {
+        match status.0 {
+            sys::UCS_ERR_CANCELED => Error::ConnectionReset { op, peer: Peer::Any, source: status },
+            _ => Error::from_op(op, &Peer::Any, status),
         }
     }
 }
@@ -460,6 +476,11 @@ mod tests {
         assert!(unnamed.is_endpoint_failure());
         assert_eq!(Error::from_op("x", &p, unnamed).kind(), ErrorKind::ConnectionReset);
         assert_eq!(Error::from_op("x", &p, Status::UNREACHABLE).kind(), ErrorKind::Unreachable);
+        let io = Status(sys::UCS_ERR_IO_ERROR);
+        assert_eq!(Error::from_op("x", &p, io).kind(), ErrorKind::ConnectionReset);
+        assert_eq!(Error::from_unbound_recv("x", io).kind(), ErrorKind::ConnectionReset);
+        assert_eq!(Error::from_unbound_recv("x", Status::CANCELED).kind(), ErrorKind::ConnectionReset);
+        assert_eq!(Error::from_unbound_recv("x", Status::INVALID_PARAM).kind(), ErrorKind::Other);
         assert_eq!(Error::from_op("x", &p, Status::INVALID_PARAM).kind(), ErrorKind::Other);
         assert_eq!(Error::from_op("x", &p, Status::INVALID_PARAM).status(), Some(Status::INVALID_PARAM));
     }

@@ -14,17 +14,17 @@ use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
-use crate::error::{Error, Peer, Result};
+use crate::error::{Error, Result};
 use crate::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker, WorkerShared};
 
-/// The error for an operation that completed with a failed `status`: named after its
-/// endpoint when it has one (a failed endpoint becomes `ConnectionReset`), else after
-/// any peer (a worker-level receive).
+/// The error for a receive that completed with a failed `status`: named after its
+/// endpoint when it has one (see [`Endpoint::recv_error_of`]), else after any peer (a
+/// worker-level receive, see [`Error::from_unbound_recv`]).
 pub(crate) fn op_error(ep: Option<&Endpoint>, op: &'static str, status: crate::error::Status) -> Error {
     match ep {
-        Some(ep) => ep.error_of(op, status),
-        None => Error::from_op(op, &Peer::Any, status),
+        Some(ep) => ep.recv_error_of(op, status),
+        None => Error::from_unbound_recv(op, status),
     }
 }
 
