@@ -132,14 +132,19 @@ async fn cross_process(tls: &str) {
             .unwrap();
     r.unwrap();
     assert!(got == data, "{tls}: get differs from put");
-    assert_eq!(ep.atomic_fetch_add(&key, 0, 5).await.unwrap(), 0);
-    assert_eq!(ep.atomic_fetch_add(&key, 0, 5).await.unwrap(), 5);
-    assert_eq!(ep.atomic_compare_swap(&key, 8, 0, 99).await.unwrap(), 0);
-    assert_eq!(ep.atomic_swap(&key, 8, 1234).await.unwrap(), 99);
-    ep.flush().await.unwrap();
     let mut expect = vec![0u8; REGION];
-    expect[0..8].copy_from_slice(&10u64.to_le_bytes());
-    expect[8..16].copy_from_slice(&1234u64.to_le_bytes());
+    // UCX 1.16 and later have no remote atomics over TCP in peer error mode, which the
+    // default error mode picks over TCP (see tests/rma.rs).
+    let atomics = ucx_sys::API_MINOR < 16 || !(tls.starts_with("tcp") && ep.uses_peer_error_mode());
+    if atomics {
+        assert_eq!(ep.atomic_fetch_add(&key, 0, 5).await.unwrap(), 0);
+        assert_eq!(ep.atomic_fetch_add(&key, 0, 5).await.unwrap(), 5);
+        assert_eq!(ep.atomic_compare_swap(&key, 8, 0, 99).await.unwrap(), 0);
+        assert_eq!(ep.atomic_swap(&key, 8, 1234).await.unwrap(), 99);
+        expect[0..8].copy_from_slice(&10u64.to_le_bytes());
+        expect[8..16].copy_from_slice(&1234u64.to_le_bytes());
+    }
+    ep.flush().await.unwrap();
     expect[4096..].copy_from_slice(&data);
     ep.am_send(AM_CHECK, b"", expect).await.0.unwrap();
     let m = tokio::time::timeout(T, verdict_rx.recv()).await.unwrap();

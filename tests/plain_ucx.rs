@@ -114,7 +114,8 @@ async fn ucxkit_connects(tls: &str, mode: ErrorMode, transport: &str) {
 async fn ucxkit_accepts(tls: &str, mode: ErrorMode, transport: &str) {
     let _serial = SERIAL.lock().await;
     let w = ctx(tls).create_worker().unwrap();
-    let listener = w.listen(loopback()).unwrap();
+    // Without the handshake: UCX's own listener, which plain UCX clients speak to.
+    let listener = w.listen_with(loopback(), opts(mode)).unwrap();
     let port = listener.local_addr().port().to_string();
     let mode_arg = if mode == ErrorMode::Peer { "peer" } else { "none" };
     let child = start_peer(&["connect", mode_arg, "127.0.0.1", &port], tls);

@@ -90,7 +90,9 @@ async fn two_hosts_client() {
     let dev = env("UCXKIT_HOST_DEV");
     let server: SocketAddr = server.parse().unwrap();
     let run = async {
-        let mut b = Context::builder();
+        // The unreceived send below must stay pending: rendezvous at its size (UCX may
+        // pick an eager protocol over TCP for large messages, which completes unreceived).
+        let mut b = Context::builder().config("RNDV_THRESH", "64k");
         if let Ok(t) = std::env::var("UCXKIT_TCP_USER_TIMEOUT") {
             // Keepalive probes too, so that the timeout applies even with nothing
             // unacknowledged in flight when the link goes.

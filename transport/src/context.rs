@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 use ucx_sys as sys;
 
 use crate::error::{Error, Result, Status};
+use crate::front::auth::Secret;
 use crate::request;
 use crate::worker::{Worker, WorkerBuilder};
 
@@ -61,6 +62,7 @@ pub struct ContextBuilder {
     features: Features,
     config: Vec<(String, String)>,
     name: Option<String>,
+    secret: Option<Secret>,
 }
 
 impl ContextBuilder {
@@ -86,6 +88,17 @@ impl ContextBuilder {
     /// use, for example `"posix,self"`, `"sm,self"`, `"tcp,self"` or `"all"`.
     pub fn transports(self, transports: impl Into<String>) -> Self {
         self.config("TLS", transports)
+    }
+
+    /// A secret shared with the peers this context may talk to: its workers' listeners
+    /// accept only clients that prove they hold it, and connect only to listeners that
+    /// do (an HMAC-SHA256 challenge-response both ways, MACs on what follows; see the
+    /// threat model in [`crate::front`]). Without one (the default), listeners take any
+    /// client that speaks the protocol, and a context with a secret does not talk to one
+    /// without.
+    pub fn secret(mut self, secret: Secret) -> Self {
+        self.secret = Some(secret);
+        self
     }
 
     /// A name UCX shows in its diagnostics.
@@ -170,8 +183,14 @@ impl ContextBuilder {
         let st = Status(unsafe { sys::ucp_init(&params, guard.0, &mut handle) });
         st.check().map_err(Error::CreateContext)?;
         // Owned from here: dropped (ucp_cleanup) on any error below.
-        let ctx =
-            Context { inner: Arc::new(ContextInner { handle, features, resources: read_resources(handle) }) };
+        let ctx = Context {
+            inner: Arc::new(ContextInner {
+                handle,
+                features,
+                resources: read_resources(handle),
+                secret: self.secret.clone(),
+            }),
+        };
         // UCX takes any name (one it does not know it keeps for its transports, which
         // ignore it): a misspelt setting would silently do nothing. Checked now that UCX
         // has loaded its transport modules, whose settings count too.
@@ -282,6 +301,7 @@ pub(crate) struct ContextInner {
     pub(crate) features: Features,
     /// `(transport, device)` of each resource UCX opened for the context.
     resources: Vec<(String, String)>,
+    secret: Option<Secret>,
 }
 
 // SAFETY: a UCP context is created with `mt_workers_shared = 1`, which makes it safe to use
@@ -338,6 +358,11 @@ impl Context {
     /// Creates a worker with default settings. Must be called inside a tokio runtime.
     pub fn create_worker(&self) -> Result<Worker> {
         self.worker().build()
+    }
+
+    /// The secret set with [`ContextBuilder::secret`], if any.
+    pub fn secret(&self) -> Option<&Secret> {
+        self.inner.secret.as_ref()
     }
 
     /// The transports and devices UCX opened for this context, as `(transport, device)`

@@ -55,8 +55,9 @@ impl Drop for EndpointInner {
         let notice = self.close_notice();
         let inner = &self.worker.shared.inner;
         let lingers = inner.locked(|st| {
-            if st.lingers(id) {
+            if st.lingers(id) || st.eps.get(&id).is_some_and(|e| e.hidden) {
                 // A `close()` given up on while it closes through the peer: it goes on.
+                // Or a hidden endpoint, kept for its peer (see `Endpoint::hide`).
                 return false;
             }
             let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
@@ -164,21 +165,46 @@ pub(crate) enum Target<'a> {
     Request(sys::ucp_conn_request_h),
 }
 
+impl Endpoint {
+    /// The handle of an endpoint already registered with `worker` (one the front took
+    /// over, see [`crate::pairing`]).
+    pub(crate) fn from_registered(worker: &Worker, id: u64, peer: Peer, peer_mode: bool) -> Endpoint {
+        let usable = worker.shared.inner.locked(|st| st.eps.get(&id).map(|e| e.usable.clone()));
+        let inner = Arc::new(EndpointInner {
+            worker: worker.clone(),
+            id,
+            peer,
+            peer_mode,
+            usable: usable.unwrap_or_default(),
+            identity: Mutex::new(None),
+            watch: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&inner);
+        worker.shared.inner.locked(|st| {
+            if let Some(e) = st.eps.get_mut(&id) {
+                e.endpoint = weak;
+            }
+        });
+        Endpoint { inner }
+    }
+}
+
 impl Worker {
     /// Creates the UCX endpoint and registers it; no handshake yet.
     pub(crate) fn create_ep(&self, target: Target<'_>, peer: Peer, peer_mode: bool) -> Result<Endpoint> {
-        self.create_ep_with(target, peer, peer_mode, false)
+        self.create_ep_with(target, peer, peer_mode, None)
     }
 
-    /// [`Worker::create_ep`]; with `await_hello`, the endpoint is registered as waiting
-    /// for the client's hello in the same critical section that creates it, so a hello
-    /// that arrives before [`Endpoint::server_handshake`] runs is not missed.
+    /// [`Worker::create_ep`]; with `await_hello` (`Some(expect)`: a hello with nonce
+    /// `expect` only, or any), the endpoint is registered as waiting for the client's
+    /// hello in the same critical section that creates it, so a hello that arrives
+    /// before [`Endpoint::server_handshake`] runs is not missed.
     pub(crate) fn create_ep_with(
         &self,
         target: Target<'_>,
         peer: Peer,
         peer_mode: bool,
-        await_hello: bool,
+        await_hello: Option<Option<u64>>,
     ) -> Result<Endpoint> {
         let state_ptr = self.state_ptr();
         let mut params = sys::ucp_ep_params_t {
@@ -213,6 +239,7 @@ impl Worker {
                 params.conn_request = r;
             }
         }
+        let by_address = matches!(target, Target::Address(_));
         let usable = Arc::new(AtomicPtr::new(std::ptr::null_mut()));
         let id = self.shared.inner.locked(|st| {
             let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
@@ -226,10 +253,13 @@ impl Worker {
             })?;
             let id = st.new_id();
             usable.store(ep, Ordering::Relaxed);
-            st.eps.insert(id, EpState::new(ep, peer_mode, usable.clone()));
+            let mut e = EpState::new(ep, peer_mode, usable.clone());
+            e.by_address = by_address;
+            st.eps.insert(id, e);
             st.by_handle.insert(ep as usize, id);
-            if await_hello {
-                st.accepts.insert(ep as usize, HsWait { waker: None, result: None, peer_mode, ep: id });
+            if let Some(expect) = await_hello {
+                st.accepts
+                    .insert(ep as usize, HsWait { waker: None, result: None, peer_mode, ep: id, expect });
             }
             Ok::<u64, Error>(id)
         })?;
@@ -263,23 +293,24 @@ impl Worker {
 
     /// Connects to a [`crate::Listener`] at `addr`.
     ///
-    /// With the handshake on (the default), returns once the peer has accepted the
-    /// connection and answered; a closed port, an unreachable host or a peer that never
-    /// answers is an error ([`Error::Unreachable`], [`Error::ConnectionReset`],
-    /// [`Error::Timeout`]). With it off (a plain UCX server), returns once UCX has wired
-    /// the endpoint up with the server, within `opts.timeout` as well.
+    /// With the handshake on (the default), goes through the listener's front (see
+    /// [`crate::front`]) and returns once the peer has accepted the connection and
+    /// answered; a closed port, an unreachable host, a refusal or a peer that never
+    /// answers is an error ([`Error::Unreachable`], [`Error::Refused`],
+    /// [`Error::Authentication`], [`Error::Timeout`]). With it off (a plain UCX server,
+    /// reached through UCX's connection manager), returns once UCX has wired the
+    /// endpoint up with the server, within `opts.timeout` as well.
     ///
     /// # Cancel safety
     /// Safe to drop: the half-made endpoint is closed.
     pub async fn connect_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Endpoint> {
+        if opts.handshake {
+            return crate::front::client::connect(self, addr, &opts).await;
+        }
         let shm = is_local_ip(addr.ip()) && self.context().has_shared_memory();
         let peer_mode = opts.error_mode.peer_mode(shm);
         let ep = self.create_ep(Target::Socket(&addr), Peer::Socket(addr), peer_mode)?;
-        if opts.handshake {
-            ep.client_handshake(opts.timeout).await?;
-        } else {
-            ep.await_wired(opts.timeout, "connect").await?;
-        }
+        ep.await_wired(opts.timeout, "connect").await?;
         ep.check_required(&opts.require_transports)?;
         Ok(ep)
     }
@@ -302,8 +333,9 @@ impl Worker {
         addr: &WorkerAddress,
         opts: EndpointOptions,
     ) -> Result<Endpoint> {
-        let shm =
-            addr.identity().same_host() && addr.has_shared_memory() && self.context().has_shared_memory();
+        let shm = crate::front::shares_memory(&addr.identity())
+            && addr.has_shared_memory()
+            && self.context().has_shared_memory();
         let peer_mode = opts.error_mode.peer_mode(shm);
         let ep = self.create_ep(Target::Address(addr), Peer::Address(addr.fingerprint()), peer_mode)?;
         if opts.handshake {
@@ -513,9 +545,19 @@ impl Endpoint {
     }
 
     async fn client_handshake(&self, timeout: std::time::Duration) -> Result<()> {
-        let nonce = nonce();
+        self.client_handshake_with(nonce(), false, timeout).await
+    }
+
+    /// Sends the hello with `nonce` (a front hello when `front`, whose nonce is the
+    /// connection id the listener's front gave) and waits for the answer.
+    pub(crate) async fn client_handshake_with(
+        &self,
+        nonce: u64,
+        front: bool,
+        timeout: std::time::Duration,
+    ) -> Result<()> {
         let hello = Message {
-            kind: Kind::Hello,
+            kind: if front { Kind::FrontHello } else { Kind::Hello },
             peer_mode: self.inner.peer_mode,
             nonce,
             identity: ProcessIdentity::current(),
@@ -523,7 +565,7 @@ impl Endpoint {
         let id = self.inner.id;
         let peer_mode = self.inner.peer_mode;
         self.with_handle("handshake", |st, h| {
-            st.connects.insert(nonce, HsWait { waker: None, result: None, peer_mode, ep: id });
+            st.connects.insert(nonce, HsWait { waker: None, result: None, peer_mode, ep: id, expect: None });
             st.send_handshake(h, hello.encode(), true);
             Ok(())
         })?;
@@ -565,7 +607,13 @@ impl Endpoint {
         let id = self.inner.id;
         let peer_mode = self.inner.peer_mode;
         let key = self.with_handle("accept", |st, h| {
-            st.accepts.entry(h as usize).or_insert(HsWait { waker: None, result: None, peer_mode, ep: id });
+            st.accepts.entry(h as usize).or_insert(HsWait {
+                waker: None,
+                result: None,
+                peer_mode,
+                ep: id,
+                expect: None,
+            });
             Ok(HsKey::Accept(h as usize))
         })?;
         let guard = HsGuard { ep: self, key };
@@ -620,7 +668,8 @@ impl Endpoint {
         self.await_handshake(&guard, std::time::Duration::from_secs(5), "connect").await
     }
 
-    fn start_watch(&self, identity: ProcessIdentity) {
+    /// Records the peer's identity and, for a peer process on this host, watches it.
+    pub(crate) fn start_watch(&self, identity: ProcessIdentity) {
         *self.inner.identity.lock().unwrap_or_else(|e| e.into_inner()) = Some(identity);
         if !identity.watchable() {
             return;
@@ -645,6 +694,18 @@ impl Endpoint {
             }
         });
         *self.inner.watch.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+    }
+
+    /// Keeps the UCX endpoint open for its peer without this handle: it turned out to be
+    /// UCX's pair of another connection's endpoint (see [`crate::pairing`]). Dropping
+    /// the handle then leaves it to the worker, which closes it when it fails or goes.
+    pub(crate) fn hide(self) {
+        let id = self.inner.id;
+        self.worker_inner().locked(|st| {
+            if let Some(e) = st.eps.get_mut(&id) {
+                e.hidden = true;
+            }
+        });
     }
 
     /// Fails this endpoint because the peer process exited: every pending operation on

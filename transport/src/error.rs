@@ -239,6 +239,24 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// The listener refused the connection: its application rejected it, it had too many
+    /// waiting, the two sides asked for different error modes, or it was closed.
+    #[error("{peer} refused the connection: {reason}")]
+    Refused {
+        /// The peer.
+        peer: Peer,
+        /// Why, as the listener said.
+        reason: String,
+    },
+    /// The two sides do not share a secret ([`crate::ContextBuilder::secret`]): one has
+    /// none, or the other's proof was wrong.
+    #[error("authentication with {peer} failed: {reason}")]
+    Authentication {
+        /// The peer.
+        peer: Peer,
+        /// What went wrong.
+        reason: String,
+    },
     /// The connection handshake failed: the peer sent something that is not a valid
     /// ucxkit handshake, or refused ours.
     #[error("handshake with {peer}: {reason}")]
@@ -360,7 +378,12 @@ pub enum ErrorKind {
     Unreachable,
     /// [`Error::Unsupported`].
     Unsupported,
-    /// Bad input: a malformed address or handshake, an unknown setting, or API misuse.
+    /// [`Error::Refused`]: the listener said no.
+    Refused,
+    /// [`Error::Authentication`]: no shared secret.
+    Authentication,
+    /// Bad input: a malformed address or handshake, a setting UCX does not know or
+    /// refuses, or API misuse.
     InvalidInput,
     /// Anything else.
     Other,
@@ -376,7 +399,10 @@ impl Error {
             Error::Timeout { .. } => ErrorKind::Timeout,
             Error::Unreachable { .. } => ErrorKind::Unreachable,
             Error::Unsupported { .. } | Error::MissingTransport { .. } => ErrorKind::Unsupported,
+            Error::Refused { .. } => ErrorKind::Refused,
+            Error::Authentication { .. } => ErrorKind::Authentication,
             Error::BadAddress { .. }
+            | Error::Config { .. }
             | Error::UnknownSetting { .. }
             | Error::BadRemoteKey { .. }
             | Error::OutOfBounds { .. }
@@ -403,6 +429,13 @@ impl Error {
             Error::Canceled { .. } => Some(Status::CANCELED),
             _ => None,
         }
+    }
+
+    /// Whether the peer refused a hello because the connection met another one between
+    /// the same two workers (the connecting side then tries again).
+    pub(crate) fn is_collision(&self) -> bool {
+        matches!(self, Error::Handshake { reason, .. }
+            if reason == crate::handshake::NackReason::Collision.describe())
     }
 
     /// Classifies a failed operation's status into the matching variant. An I/O error is
@@ -444,7 +477,8 @@ impl From<Error> for std::io::Error {
         let kind = match e.kind() {
             ErrorKind::ConnectionReset => K::ConnectionReset,
             ErrorKind::Timeout => K::TimedOut,
-            ErrorKind::Unreachable => K::ConnectionRefused,
+            ErrorKind::Unreachable | ErrorKind::Refused => K::ConnectionRefused,
+            ErrorKind::Authentication => K::PermissionDenied,
             ErrorKind::Unsupported => K::Unsupported,
             ErrorKind::InvalidInput => K::InvalidInput,
             ErrorKind::Canceled => K::Interrupted,

@@ -12,9 +12,9 @@
 //! |---|---|---|
 //! | 0 | 4 | magic `0x484b4355` ("UCKH") |
 //! | 4 | 1 | version (1) |
-//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end, 5 close first, 6 closing |
+//! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end, 5 close first, 6 closing, 7 closed |
 //! | 6 | 1 | error mode: 0 none, 1 peer |
-//! | 7 | 1 | nack reason (0 otherwise) |
+//! | 7 | 1 | nack reason; for a hello, 1 when it follows a listener's front; 0 otherwise |
 //! | 8 | 8 | nonce chosen by the connecting side, echoed; for stream end, the total bytes the sender wrote to the stream |
 //! | 16 | 36 | sender's process identity |
 //!
@@ -25,8 +25,17 @@
 //! asking the accepting side to close its end now (sent by the connecting side when it
 //! closes, and as its answer to `Closing`), and `Closing`, sent by the accepting side
 //! when it closes, so that the connecting side takes in what arrived before the
-//! disconnect and answers `CloseFirst`. Each goes after everything the sender sent
-//! before it on the endpoint, so whoever receives one has everything before it too.
+//! disconnect and answers `CloseFirst`; `Closed`, sent by the side that closes its end
+//! on `CloseFirst`, just before it does (the peer's end is done then: UCX does not tell
+//! an endpoint made from a worker address that its peer closed). Each goes after
+//! everything the sender sent before it on the endpoint, so whoever receives one has
+//! everything before it too.
+//!
+//! A connection made through a listener's front has its hello's nonce chosen by the
+//! front (the connection id both sides know), and the accepting side answers only once
+//! it has taken over the endpoint the hello came through (see [`crate::pairing`]); a
+//! hello that came through an endpoint already in use is refused as a collision, and
+//! the connecting side tries again.
 //!
 //! Every field is validated; anything else is rejected with a reason, never trusted.
 
@@ -44,6 +53,9 @@ pub(crate) const LEN: usize = 16 + identity::ENCODED_LEN;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Hello,
+    /// A hello on a connection made through a listener's front: its nonce is the
+    /// connection id the front gave it, and only an accept waiting for that id answers.
+    FrontHello,
     Ack,
     Nack(NackReason),
     /// The sender's stream writer shut down after writing `nonce` bytes.
@@ -54,6 +66,8 @@ pub(crate) enum Kind {
     /// The sender, which accepted, is closing the connection: take in what arrived, and
     /// answer [`Kind::CloseFirst`].
     Closing,
+    /// The sender closes its end now, as [`Kind::CloseFirst`] asked.
+    Closed,
 }
 
 /// Why a hello was refused.
@@ -63,6 +77,9 @@ pub(crate) enum NackReason {
     ErrorModeMismatch,
     /// The hello was not understood.
     Malformed,
+    /// The hello came through an endpoint the peer already uses for another connection
+    /// between the two workers: connect again.
+    Collision,
 }
 
 impl NackReason {
@@ -70,6 +87,7 @@ impl NackReason {
         match self {
             NackReason::ErrorModeMismatch => 1,
             NackReason::Malformed => 2,
+            NackReason::Collision => 3,
         }
     }
     pub(crate) fn describe(self) -> &'static str {
@@ -78,6 +96,9 @@ impl NackReason {
                 "the peer uses a different error mode (set the same ErrorMode on both sides)"
             }
             NackReason::Malformed => "the peer could not parse our hello",
+            NackReason::Collision => {
+                "the connection met another one between the same two workers and lost; connect again"
+            }
         }
     }
 }
@@ -99,11 +120,13 @@ impl Message {
         v.push(VERSION);
         let (kind, reason) = match self.kind {
             Kind::Hello => (1, 0),
+            Kind::FrontHello => (1, 1),
             Kind::Ack => (2, 0),
             Kind::Nack(r) => (3, r.code()),
             Kind::StreamEnd => (4, 0),
             Kind::CloseFirst => (5, 0),
             Kind::Closing => (6, 0),
+            Kind::Closed => (7, 0),
         };
         v.push(kind);
         v.push(self.peer_mode as u8);
@@ -126,12 +149,15 @@ impl Message {
         }
         let kind = match (b[5], b[7]) {
             (1, 0) => Kind::Hello,
+            (1, 1) => Kind::FrontHello,
             (2, 0) => Kind::Ack,
             (3, 1) => Kind::Nack(NackReason::ErrorModeMismatch),
             (3, 2) => Kind::Nack(NackReason::Malformed),
             (4, 0) => Kind::StreamEnd,
             (5, 0) => Kind::CloseFirst,
             (6, 0) => Kind::Closing,
+            (7, 0) => Kind::Closed,
+            (3, 3) => Kind::Nack(NackReason::Collision),
             (k, r) => return Err(format!("bad handshake kind {k} / reason {r}")),
         };
         let peer_mode = match b[6] {
@@ -157,12 +183,15 @@ mod tests {
     fn roundtrip_all_kinds() {
         for k in [
             Kind::Hello,
+            Kind::FrontHello,
             Kind::Ack,
             Kind::Nack(NackReason::ErrorModeMismatch),
             Kind::Nack(NackReason::Malformed),
+            Kind::Nack(NackReason::Collision),
             Kind::StreamEnd,
             Kind::CloseFirst,
             Kind::Closing,
+            Kind::Closed,
         ] {
             let m = sample(k);
             let b = m.encode();
@@ -176,7 +205,7 @@ mod tests {
         let good = sample(Kind::Hello).encode();
         assert!(Message::decode(&good[..LEN - 1]).is_err());
         assert!(Message::decode(&[good.clone(), vec![0]].concat()).is_err());
-        for (at, val) in [(0, 0u8), (4, 9), (5, 7), (6, 2), (7, 1)] {
+        for (at, val) in [(0, 0u8), (4, 9), (5, 8), (6, 2), (7, 9)] {
             let mut b = good.clone();
             b[at] = val;
             assert!(Message::decode(&b).is_err(), "byte {at}={val} accepted");

@@ -1,5 +1,6 @@
-//! [`Listener`]: accepts connections on a socket address (UCX's connection manager,
-//! `ucp_listener_create`).
+//! [`Listener`]: accepts connections on a socket address: through ucxkit's front (see
+//! [`crate::front`]) when its endpoints use the handshake (the default), or through
+//! UCX's own connection manager (`ucp_listener_create`) for plain UCX clients.
 
 use std::ffi::c_void;
 use std::future::poll_fn;
@@ -10,6 +11,8 @@ use ucx_sys as sys;
 
 use crate::endpoint::{is_local_ip, socket_addr_from, Endpoint, Target};
 use crate::error::{Error, Peer, Result, Status};
+use crate::front::server::{FrontListener, Pending};
+use crate::front::wire::Reason;
 use crate::worker::{EndpointOptions, ListenerState, State, Worker};
 
 /// What the connection callback needs: the worker state and which listener.
@@ -20,19 +23,33 @@ struct CbArg {
 
 struct ListenerInner {
     worker: Worker,
-    handle: sys::ucp_listener_h,
-    id: u64,
     addr: SocketAddr,
     opts: EndpointOptions,
+    kind: Kind,
+}
+
+/// How a listener takes connections.
+enum Kind {
+    /// ucxkit's front (the handshake on).
+    Front(FrontListener),
+    /// UCX's connection manager (plain UCX clients).
+    Ucx(UcxListener),
+}
+
+/// A UCX listener (`ucp_listener_h`) of a worker.
+struct UcxListener {
+    worker: Worker,
+    handle: sys::ucp_listener_h,
+    id: u64,
     cb_arg: *mut CbArg,
 }
 
 // SAFETY: the listener handle and cb_arg are only used under the worker lock or in Drop.
-unsafe impl Send for ListenerInner {}
+unsafe impl Send for UcxListener {}
 // SAFETY: as above.
-unsafe impl Sync for ListenerInner {}
+unsafe impl Sync for UcxListener {}
 
-impl Drop for ListenerInner {
+impl Drop for UcxListener {
     fn drop(&mut self) {
         let (id, handle, cb_arg) = (self.id, self.handle, self.cb_arg);
         self.worker.shared.inner.locked(|st| {
@@ -61,6 +78,13 @@ fn reject_locked(_st: &mut State, listener: sys::ucp_listener_h, r: sys::ucp_con
 
 /// Accepts connections on a socket address.
 ///
+/// With the handshake on (the default endpoint options), the listener is ucxkit's
+/// front: a TCP listener that checks every byte a client sends before anything reaches
+/// UCX, optionally authenticates clients with the context's secret, and hands UCX only
+/// addresses it made itself (see [`crate::front`] for the protocol and the threat
+/// model). With it off, it is UCX's connection manager, for plain UCX clients: anyone
+/// who reaches its port reaches UCX's parser, which UCX 1.13 lets a few bytes abort.
+///
 /// Dropping the listener stops listening and rejects connection requests nobody took.
 pub struct Listener {
     inner: Arc<ListenerInner>,
@@ -88,15 +112,38 @@ unsafe extern "C" fn conn_cb(req: sys::ucp_conn_request_h, arg: *mut c_void) {
 }
 
 impl Worker {
-    /// Listens on `addr` (`ucp_listener_create`); port 0 picks a free port, which
-    /// [`Listener::local_addr`] reports. Accepted endpoints use this worker's default
-    /// [`EndpointOptions`].
+    /// Listens on `addr`; port 0 picks a free port, which [`Listener::local_addr`]
+    /// reports. Accepted endpoints use this worker's default [`EndpointOptions`].
     pub fn listen(&self, addr: SocketAddr) -> Result<Listener> {
         self.listen_with(addr, self.shared.endpoint.clone())
     }
 
-    /// Listens on `addr`, with options for the endpoints it accepts.
+    /// Listens on `addr`, with options for the endpoints it accepts: through ucxkit's
+    /// front when `opts.handshake` is on, through UCX's connection manager
+    /// (`ucp_listener_create`) for plain UCX clients when it is off.
     pub fn listen_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Listener> {
+        if opts.handshake {
+            let mine = self.address()?;
+            let uuid = crate::pairing::uuid_of(mine.ucx_bytes()).ok_or_else(|| Error::Unsupported {
+                what: "this UCX's worker addresses carry no worker uuid".into(),
+            })?;
+            let (front, bound) = FrontListener::bind(addr, self.context().secret().cloned(), uuid)?;
+            tracing::debug!(%bound, "listening (front)");
+            return Ok(Listener {
+                inner: Arc::new(ListenerInner {
+                    worker: self.clone(),
+                    addr: bound,
+                    opts,
+                    kind: Kind::Front(front),
+                }),
+            });
+        }
+        self.listen_ucx(addr, opts)
+    }
+
+    /// A UCX listener on `addr` (with `opts.handshake` on too: the accepts then wait for
+    /// the client's hello, as the front's loopback accepts do).
+    pub(crate) fn listen_ucx(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Listener> {
         let (storage, len) = crate::endpoint::sockaddr_of(&addr);
         let state = self.state_ptr();
         self.shared.inner.locked(|st| {
@@ -129,15 +176,14 @@ impl Worker {
             let q = Status(unsafe { sys::ucp_listener_query(handle, &mut attr) });
             let bound = if q.is_ok() { socket_addr_from(&attr.sockaddr).unwrap_or(addr) } else { addr };
             st.listeners.insert(id, ListenerState::default());
-            tracing::debug!(listener = id, %bound, "listening");
+            tracing::debug!(listener = id, %bound, "listening (UCX)");
+            let ucx = UcxListener { worker: self.clone(), handle, id, cb_arg };
             Ok(Listener {
                 inner: Arc::new(ListenerInner {
                     worker: self.clone(),
-                    handle,
-                    id,
                     addr: bound,
                     opts,
-                    cb_arg,
+                    kind: Kind::Ucx(ucx),
                 }),
             })
         })
@@ -149,9 +195,19 @@ impl Worker {
 /// Dropping it unanswered rejects it.
 pub struct ConnectionRequest {
     listener: Arc<ListenerInner>,
-    req: Option<sys::ucp_conn_request_h>,
+    req: Option<Req>,
     client: Option<SocketAddr>,
 }
+
+/// A request of either kind of listener.
+enum Req {
+    Front(Pending),
+    Ucx(sys::ucp_conn_request_h),
+}
+
+// SAFETY: a UCX request handle is only used under its worker's lock; the front's
+// pending connection is Send.
+unsafe impl Send for Req {}
 
 // SAFETY: the request handle is only used under the worker lock.
 unsafe impl Send for ConnectionRequest {}
@@ -175,7 +231,20 @@ impl Listener {
     /// # Cancel safety
     /// Safe: a request that arrives after the drop waits in the queue for the next call.
     pub async fn next(&self) -> Result<ConnectionRequest> {
-        let id = self.inner.id;
+        let ucx = match &self.inner.kind {
+            Kind::Front(front) => {
+                let p =
+                    front.next().await.ok_or_else(|| Error::ApiMisuse("the listener is closed".into()))?;
+                let client = p.client;
+                return Ok(ConnectionRequest {
+                    listener: self.inner.clone(),
+                    req: Some(Req::Front(p)),
+                    client,
+                });
+            }
+            Kind::Ucx(ucx) => ucx,
+        };
+        let id = ucx.id;
         let inner = &self.inner.worker.shared.inner;
         let req = poll_fn(|cx| {
             inner.poll_until(
@@ -202,7 +271,7 @@ impl Listener {
                 None
             }
         });
-        Ok(ConnectionRequest { listener: self.inner.clone(), req: Some(req), client })
+        Ok(ConnectionRequest { listener: self.inner.clone(), req: Some(Req::Ucx(req)), client })
     }
 
     /// Waits for the next connection and accepts it with the listener's options.
@@ -230,16 +299,24 @@ impl ConnectionRequest {
         self.accept_with(opts).await
     }
 
-    /// Accepts the connection. With the handshake on, waits for the client's hello
-    /// (bounded by `opts.timeout`), so the endpoint returned is ready for traffic; with
-    /// it off (a plain UCX client), waits until UCX has wired the endpoint up, within the
-    /// same bound.
+    /// Accepts the connection. Through the front (a listener made with the handshake,
+    /// which `opts.handshake` cannot turn off), agrees with the client on the error mode,
+    /// answers with this worker's address and waits for the client's hello on the
+    /// endpoint it creates from it (bounded by `opts.timeout`), so the endpoint returned
+    /// is ready for traffic. Through UCX's connection manager (a plain UCX client),
+    /// creates the endpoint from the request and waits until UCX has wired it up (with
+    /// the handshake on, for the client's hello), within the same bound.
     ///
     /// # Cancel safety
     /// Safe to drop: the half-accepted endpoint is closed.
     pub async fn accept_with(mut self, opts: EndpointOptions) -> Result<Endpoint> {
-        let req =
-            self.req.take().ok_or_else(|| Error::ApiMisuse("connection request already used".into()))?;
+        let req = match self.req.take() {
+            Some(Req::Front(p)) => {
+                return crate::front::server::accept(&self.listener.worker, p, &opts).await
+            }
+            Some(Req::Ucx(r)) => r,
+            None => return Err(Error::ApiMisuse("connection request already used".into())),
+        };
         let worker = &self.listener.worker;
         let shm = self.client.is_some_and(|a| is_local_ip(a.ip())) && worker.context().has_shared_memory();
         let peer_mode = opts.error_mode.peer_mode(shm);
@@ -247,7 +324,7 @@ impl ConnectionRequest {
         let ep = self
             .listener
             .worker
-            .create_ep_with(Target::Request(req), peer.clone(), peer_mode, opts.handshake)
+            .create_ep_with(Target::Request(req), peer.clone(), peer_mode, opts.handshake.then_some(None))
             .map_err(|e| {
                 match e.status() {
                     // UCX refuses endpoints whose error handling differs from the client's.
@@ -271,15 +348,40 @@ impl ConnectionRequest {
         Ok(ep)
     }
 
-    /// Refuses the connection (`ucp_listener_reject`); the client's connect fails.
+    /// Accepts a request of a UCX listener that a front accept opened on the loopback
+    /// address (see [`crate::front::server`]): no peer error handling, and the client's
+    /// hello must carry the front's connection id `conn`; the endpoint names the front's
+    /// client as `peer`.
+    pub(crate) async fn accept_for_front(
+        mut self,
+        conn: u64,
+        peer: Peer,
+        timeout: std::time::Duration,
+    ) -> Result<Endpoint> {
+        let Some(Req::Ucx(req)) = self.req.take() else {
+            return Err(Error::ApiMisuse("not a request of a UCX listener".into()));
+        };
+        let ep = self.listener.worker.create_ep_with(Target::Request(req), peer, false, Some(Some(conn)))?;
+        ep.server_handshake(timeout).await?;
+        Ok(ep)
+    }
+
+    /// Refuses the connection; the client's connect fails ([`Error::Refused`] through
+    /// the front, `ucp_listener_reject` through UCX's connection manager).
     pub fn reject(mut self) {
         self.reject_now();
     }
 
     fn reject_now(&mut self) {
-        if let Some(r) = self.req.take() {
-            let handle = self.listener.handle;
-            self.listener.worker.shared.inner.locked(|st| reject_locked(st, handle, r));
+        match (self.req.take(), &self.listener.kind) {
+            (Some(Req::Front(p)), _) => {
+                p.refuse_later(Reason::Rejected, "the application rejected the connection")
+            }
+            (Some(Req::Ucx(r)), Kind::Ucx(ucx)) => {
+                let handle = ucx.handle;
+                self.listener.worker.shared.inner.locked(|st| reject_locked(st, handle, r));
+            }
+            _ => {}
         }
     }
 }

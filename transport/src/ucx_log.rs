@@ -4,13 +4,16 @@
 //! (target `ucxkit::ucx`, level debug) instead. Every other line goes to UCX's output as
 //! before.
 //!
-//! One such line today: closing an endpoint UCX has already failed (its peer closed
+//! Two such lines today. First, closing an endpoint UCX has already failed (its peer closed
 //! first, or its connection broke) flushes its lanes, which UCX has replaced by stubs that fail, and
 //! UCX logs `error during flush: Endpoint timeout` for each lane unless the endpoint uses
 //! peer error handling (where UCX itself logs it at trace level). UCX 1.13 refuses a
 //! forced close without peer error handling, so that flushing close is the only way to
 //! release the endpoint: without this filter, the side that closes second printed two or
-//! three UCX errors for every ordinary connection.
+//! three UCX errors for every ordinary connection. Second, the listener front takes over
+//! the endpoints UCX made for a connecting worker by creating endpoints from a bare
+//! address ([`crate::pairing`]); a connection number whose endpoint is gone makes UCX
+//! log `no active messages transport` for the attempt, which fails as expected.
 //!
 //! The filter applies only on a thread inside such a close ([`quietly`]), so that UCX
 //! errors of anything else, other UCX users in the process included, still print. UCX's
@@ -59,8 +62,9 @@ pub(crate) fn install() {
     ONCE.call_once(|| unsafe { sys::ucs_log_push_handler(f) });
 }
 
-/// Runs `f` (a close of an endpoint UCX failed) with UCX's flush errors on this thread sent to
-/// `tracing` instead of UCX's output.
+/// Runs `f` (a close of an endpoint UCX failed, or an endpoint made from a bare address)
+/// with the UCX errors it is expected to cause on this thread sent to `tracing` instead
+/// of UCX's output.
 pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> T {
     struct Reset(bool);
     impl Drop for Reset {
@@ -72,15 +76,20 @@ pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
-/// Whether a UCX log line is the flush error of a lane of a failed endpoint.
+/// Whether a UCX log line is one ucxkit expects inside [`quietly`]: the flush error of a
+/// lane of a failed endpoint, or the "no transport" of an endpoint made from a bare
+/// address for a connection number without an endpoint (see [`crate::pairing`]).
 fn is_quieted(file: &CStr, level: sys::ucs_log_level_t, format: &CStr) -> bool {
     level == sys::UCS_LOG_LEVEL_ERROR
-        && file.to_bytes().ends_with(b"flush.c")
-        && format.to_bytes().windows(FLUSH_ERROR.len()).any(|w| w == FLUSH_ERROR)
+        && QUIETED.iter().any(|(f, text)| {
+            file.to_bytes().ends_with(f) && format.to_bytes().windows(text.len()).any(|w| w == *text)
+        })
 }
 
-/// The part of UCX's format string (1.13 to 1.22) that names the line.
-const FLUSH_ERROR: &[u8] = b"error during flush";
+/// The source files and the parts of UCX's format strings (1.13 to 1.22) that name the
+/// quieted lines.
+const QUIETED: [(&[u8], &[u8]); 2] =
+    [(b"flush.c", b"error during flush"), (b"select.c", b"no active messages transport")];
 
 /// `ucs_log_func_t`: keeps the quieted lines from UCX's output.
 unsafe extern "C" fn handler(
@@ -112,7 +121,7 @@ unsafe extern "C" fn handler(
     };
     // A panicking subscriber must not unwind into UCX.
     let _ = std::panic::catch_unwind(|| {
-        tracing::debug!(target: "ucxkit::ucx", "closing a failed endpoint: {text}");
+        tracing::debug!(target: "ucxkit::ucx", "expected UCX error: {text}");
     });
     sys::UCS_LOG_FUNC_RC_STOP
 }
@@ -131,6 +140,9 @@ mod tests {
         assert!(!is_quieted(flush, sys::UCS_LOG_LEVEL_WARN, fmt22));
         assert!(!is_quieted(c"ucp_ep.c", sys::UCS_LOG_LEVEL_ERROR, fmt22));
         assert!(!is_quieted(flush, sys::UCS_LOG_LEVEL_ERROR, c"flush failed: %s"));
+        let select = c"/build/ucx/src/ucp/wireup/select.c";
+        assert!(is_quieted(select, sys::UCS_LOG_LEVEL_ERROR, c"  no active messages transport to %s: %s"));
+        assert!(!is_quieted(select, sys::UCS_LOG_LEVEL_ERROR, c"no remote registered memory access"));
     }
 
     #[test]

@@ -573,6 +573,14 @@ pub(crate) struct EpState {
     peer_exited: bool,
     /// Closed or dropped, closing through the peer ([`State::linger`]).
     linger: Option<Linger>,
+    /// No [`crate::Endpoint`] stands for it: the peer of another connection's endpoint
+    /// that UCX paired with this worker (see [`crate::pairing`]), kept open while that
+    /// peer may use it, closed when it fails or the worker goes away.
+    pub(crate) hidden: bool,
+    /// Made from a worker address (or taken over from one, see [`crate::pairing`]), not
+    /// through UCX's connection manager: UCX closes its TCP connection only when both
+    /// sides close forcibly (see [`State::close_ep`]).
+    pub(crate) by_address: bool,
 }
 
 impl EpState {
@@ -600,6 +608,8 @@ impl EpState {
             lanes_failed: false,
             peer_exited: false,
             linger: None,
+            hidden: false,
+            by_address: false,
             stream_waiters: Vec::new(),
             endpoint: std::sync::Weak::new(),
         }
@@ -658,6 +668,21 @@ pub(crate) struct HsWait {
     pub(crate) result: Option<std::result::Result<ProcessIdentity, String>>,
     pub(crate) peer_mode: bool,
     pub(crate) ep: u64,
+    /// An accept that takes only a hello with this nonce (the connection id a listener's
+    /// front gave the client).
+    pub(crate) expect: Option<u64>,
+}
+
+/// A connection accepted through a listener's front, waiting for the connecting side's
+/// hello (by the connection id the front gave it, the hello's nonce).
+pub(crate) struct FrontWait {
+    /// The endpoint the latest hello came through (UCX's reply endpoint), or null.
+    pub(crate) reply_ep: sys::ucp_ep_h,
+    /// The error mode that hello says the connecting side uses.
+    pub(crate) peer_mode: bool,
+    /// Hellos received (a collision makes the connecting side send another).
+    pub(crate) hellos: u32,
+    pub(crate) waker: Option<Waker>,
 }
 
 /// A listener's queue of connection requests.
@@ -730,8 +755,8 @@ pub(crate) struct State {
     pub(crate) closes: IdSet<*mut Slot>,
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     probe_waiters: Vec<Waker>,
-    /// Whether `probe_waiters`, `outbox`, `failed`, `close_first`, `peer_closing` or
-    /// `lingering` may hold something for [`WorkerInner::progress_locked`] to do after a
+    /// Whether `probe_waiters`, `outbox`, `failed`, `close_first`, `peer_closing`,
+    /// `peer_closed` or `lingering` may hold something for [`WorkerInner::progress_locked`] to do after a
     /// progress call.
     chores: bool,
     pub(crate) eps: EpTable,
@@ -742,12 +767,16 @@ pub(crate) struct State {
     close_first: Vec<u64>,
     /// Endpoints whose accepting peer is closing (`Closing`).
     peer_closing: Vec<u64>,
+    /// Endpoints whose peer closed its end as asked (`Closed`).
+    peer_closed: Vec<u64>,
     /// Endpoints closed or dropped, closing through their peer ([`State::linger`]).
     pub(crate) lingering: Lingering,
     /// Endpoints whose close waits for operations still running on them.
     pub(crate) closes_waiting_ops: usize,
     pub(crate) connects: IdMap<u64, HsWait>,
     pub(crate) accepts: IdMap<usize, HsWait>,
+    /// Connections accepted through a listener's front, by connection id.
+    pub(crate) front_accepts: IdMap<u64, FrontWait>,
     outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
     pub(crate) listeners: IdMap<u64, ListenerState>,
     pub(crate) bad_handshakes: u64,
@@ -781,10 +810,12 @@ impl State {
             failed: Vec::new(),
             close_first: Vec::new(),
             peer_closing: Vec::new(),
+            peer_closed: Vec::new(),
             closes_waiting_ops: 0,
             lingering: Lingering::default(),
             connects: IdMap::default(),
             accepts: IdMap::default(),
+            front_accepts: IdMap::default(),
             outbox: Vec::new(),
             listeners: IdMap::default(),
             bad_handshakes: 0,
@@ -916,6 +947,12 @@ impl State {
             // Failed in peer mode: closed forcibly.
             self.close_unwaited(id);
         }
+        if self.eps.get(&id).is_some_and(|e| e.hidden) {
+            // Nobody uses it but its peer, which failed.
+            self.close_unwaited(id);
+            self.forget_ep(id);
+            return;
+        }
         if self.eps.get(&id).is_some_and(|e| e.linger.is_some() || e.close_waits_ops) {
             // Most likely the peer closing, as asked; a deferred close waits no more for
             // operations UCX purges (or ucxkit finished above).
@@ -951,6 +988,31 @@ impl State {
             }
             tracing::debug!(ep = id, ops, "close deferred");
             return None;
+        }
+        if !force && e.peer_mode && e.by_address && e.failed.is_none() {
+            // UCX (1.13 and 1.22) keeps the TCP connection of an endpoint made from a
+            // worker address unless both sides close it forcibly: a flushing close leaves
+            // two descriptors behind for every connection. So the endpoint is flushed,
+            // then closed forcibly, which the peer's side does too (in peer mode).
+            let param = self.flagged_param(0);
+            // SAFETY: h is live; the lock is held; the request is bound and parked below,
+            // before any progress call.
+            let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
+            let posted = request::Posted::from_ptr(p, request::Completion::OK, false);
+            if let request::Posted::Pending(r) = &posted {
+                r.bind(self, id, OpKind::Finish);
+                let e = self.eps.get_mut(&id)?;
+                e.deferred_close = Some((h, true));
+                e.close_waits_ops = true;
+                self.closes_waiting_ops += 1;
+                self.park(posted, Box::new(()));
+                tracing::debug!(ep = id, "flushing, then closing forcibly");
+                return None;
+            }
+            let lanes_failed = self.eps.get(&id).is_some_and(|e| e.lanes_failed);
+            self.by_handle.remove(&(h as usize));
+            self.accepts.remove(&(h as usize));
+            return Some(self.close_handle(h, true, lanes_failed));
         }
         let lanes_failed = e.lanes_failed;
         self.by_handle.remove(&(h as usize));
@@ -1539,8 +1601,18 @@ impl WorkerInner {
                 let (h, peer_mode, lingers) = (e.handle, e.peer_mode, e.linger.is_some());
                 if running && !peer_mode && !lingers && !h.is_null() && e.failed.is_none() {
                     st.send_notice(h, Kind::CloseFirst, false, 0);
-                } else if let Some(p) = st.close_ep(id, running && peer_mode) {
-                    st.finish_close(id, p);
+                } else {
+                    if !h.is_null() && e.failed.is_none() && e.by_address {
+                        // The peer's end is done once this arrives: nothing else tells an
+                        // endpoint made from a worker address that its peer closed. (Through
+                        // UCX's connection manager the disconnect does, and the peer must
+                        // wait for it: a connecting side that disconnects first over shared
+                        // memory leaves one socket of its worker open.)
+                        st.send_notice(h, Kind::Closed, peer_mode, 0);
+                    }
+                    if let Some(p) = st.close_ep(id, running && peer_mode) {
+                        st.finish_close(id, p);
+                    }
                 }
                 st.fail_ep(id, Status::CONNECTION_RESET, false);
             }
@@ -1555,6 +1627,10 @@ impl WorkerInner {
                     st.send_notice(h, Kind::CloseFirst, peer_mode, 0);
                 }
             }
+        }
+        for id in std::mem::take(&mut st.peer_closed) {
+            // The peer's end is gone: this end is done too.
+            st.fail_ep(id, Status::CONNECTION_RESET, false);
         }
         if st.lingering.live > 0 || !st.lingering.news.is_empty() {
             // (News of an endpoint no longer lingering, its parked flush finishing, is
@@ -1704,8 +1780,9 @@ impl Drop for WorkerInner {
         // release call, or during the wait below).
         // SAFETY: exclusive access (we are in drop); the worker is not destroyed yet.
         unsafe { st.am_unclaimed.release_all(st.handle) };
-        // Endpoints still closing through their peer close now.
+        // Endpoints still closing through their peer close now, and the hidden ones.
         st.end_all_lingering();
+        st.close_hidden();
         // Let parked operations (sends to slow peers, closes of dropped endpoints)
         // finish, bounded. Their peer may be another worker of this process that only
         // this thread would progress (a single-thread runtime, blocked here): other live
@@ -1853,6 +1930,34 @@ unsafe extern "C" fn handshake_am_cb(
             }
         }
         Ok(m) => match m.kind {
+            Kind::FrontHello => {
+                if reply_ep.is_null() {
+                    st.bad_handshakes += 1;
+                    return sys::UCS_OK;
+                }
+                match st.front_accepts.get_mut(&m.nonce) {
+                    Some(w) => {
+                        // Answered once the accept took the endpoint over (see `pairing`).
+                        w.reply_ep = reply_ep;
+                        w.peer_mode = m.peer_mode;
+                        w.hellos += 1;
+                        if let Some(k) = w.waker.take() {
+                            st.after.wake(k);
+                        }
+                    }
+                    None => {
+                        // No accept waits for this connection (it gave up, or never was).
+                        st.bad_handshakes += 1;
+                        let nack = Message {
+                            kind: Kind::Nack(NackReason::Malformed),
+                            peer_mode: m.peer_mode,
+                            nonce: m.nonce,
+                            identity: me,
+                        };
+                        st.reply(reply_ep, nack);
+                    }
+                }
+            }
             Kind::Hello => {
                 if reply_ep.is_null() {
                     st.bad_handshakes += 1;
@@ -1860,7 +1965,10 @@ unsafe extern "C" fn handshake_am_cb(
                 }
                 let mut kind = Kind::Ack;
                 if let Some(w) = st.accepts.get_mut(&(reply_ep as usize)) {
-                    if w.peer_mode != m.peer_mode {
+                    if w.expect.is_some_and(|n| n != m.nonce) {
+                        kind = Kind::Nack(NackReason::Malformed);
+                        w.result = Some(Err("a hello for another connection".into()));
+                    } else if w.peer_mode != m.peer_mode {
                         kind = Kind::Nack(NackReason::ErrorModeMismatch);
                         w.result = Some(Err(format!(
                             "error mode mismatch: the client uses {}, this side {}",
@@ -1902,6 +2010,15 @@ unsafe extern "C" fn handshake_am_cb(
                     st.chores = true;
                 }
                 None => tracing::debug!("closing notice for no known endpoint"),
+            },
+            Kind::Closed => match st.by_handle.get(&(reply_ep as usize)).copied() {
+                Some(id) => {
+                    // The peer closed its end, as asked: this end is done, as if UCX had
+                    // reported the peer's disconnect (handled after the progress call).
+                    st.peer_closed.push(id);
+                    st.chores = true;
+                }
+                None => tracing::debug!("closed notice for no known endpoint"),
             },
             Kind::Ack | Kind::Nack(_) => {
                 if let Some(w) = st.connects.get_mut(&m.nonce) {
@@ -1973,7 +2090,9 @@ mod tests {
         let c = ctx();
         let server = c.create_worker().unwrap();
         let client = c.create_worker().unwrap();
-        let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        // UCX's own listener, its accepts waiting for the client's hello (as the front's
+        // loopback accepts do).
+        let l = server.listen_ucx("127.0.0.1:0".parse().unwrap(), EndpointOptions::default()).unwrap();
         let addr = l.local_addr();
         let accept = tokio::spawn(async move {
             let r = l.accept().await;
@@ -2004,8 +2123,10 @@ mod tests {
         // The client waits for a handshake answer; the server answers with garbage.
         let id = ep.inner.id;
         ep.with_handle("test", |st, _| {
-            st.connects
-                .insert(77, HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id });
+            st.connects.insert(
+                77,
+                HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id, expect: None },
+            );
             Ok(())
         })
         .unwrap();

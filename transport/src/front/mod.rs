@@ -1,0 +1,114 @@
+//! The listener front: how ucxkit connects through a socket address without letting a
+//! single unchecked byte from the network reach UCX.
+//!
+//! A [`crate::Listener`] made with the handshake on (the default) is a TCP listener of
+//! ucxkit's own, not UCX's connection manager, whose parser a few bytes from anyone
+//! could make abort the process. A client and the listener exchange short messages of
+//! a versioned format (`front::wire`), checked field by field: hellos with fresh nonces,
+//! then, when their contexts share a secret, an HMAC-SHA256 challenge-response both
+//! ways and a MAC on every later frame (`front::auth`); the client's request (who it is,
+//! which error mode it wants); the application's accept or reject; and, on accept, the
+//! listener's worker address. The client then creates its UCX endpoint from that
+//! address and sends ucxkit's handshake over it; the listener takes over the endpoint
+//! UCX made for it without ever handing UCX an address the client sent
+//! ([`crate::pairing`]).
+//!
+//! # Threat model
+//! - Anyone who reaches the listener's port reaches only this module's parser: bytes
+//!   that are not the protocol end the TCP connection, at any point, and a listener
+//!   holds a bounded number of half-open connections and unanswered requests.
+//! - Without a secret, any client that speaks the protocol can connect, and learns the
+//!   listener worker's address. UCX's own transports then talk to each other directly:
+//!   UCX's TCP transport listens on a port of its own for each worker, and UCX parses
+//!   what arrives there (wire-up messages with addresses in them) without ucxkit in
+//!   between. A peer that sends UCX crafted messages there can make UCX 1.13 abort
+//!   (Debian builds it with assertions). Bind UCX to chosen devices (`NET_DEVICES`),
+//!   and keep the listener and UCX's ports away from networks you do not trust.
+//! - With a secret ([`crate::ContextBuilder::secret`]), only peers that prove they hold
+//!   it get anything: a client without it is refused before the listener gives out its
+//!   address, a listener without it is refused before the client gives out anything,
+//!   and the frames after the proofs cannot be changed or replayed. Worker addresses
+//!   and remote keys the context hands out carry a MAC, and ones without a valid MAC
+//!   are refused. UCX's transport port stays open to whoever finds it, as above.
+//! - Nothing here encrypts: run over networks where being read is acceptable.
+
+pub(crate) mod auth;
+pub(crate) mod client;
+pub(crate) mod conn;
+pub(crate) mod server;
+pub(crate) mod wire;
+
+use crate::identity::ProcessIdentity;
+use crate::worker::ErrorMode;
+
+/// How many times a connection is tried again after it collided with another one
+/// between the same two workers (see [`crate::pairing`]).
+pub(crate) const MAX_COLLISIONS: u32 = 8;
+
+/// Whether a process with `identity` can share memory with this one: same kernel, same
+/// pid namespace (UCX's shared-memory transports reach a peer process through them).
+pub(crate) fn shares_memory(identity: &ProcessIdentity) -> bool {
+    let me = ProcessIdentity::current();
+    identity.same_host() && identity.pid_ns != 0 && identity.pid_ns == me.pid_ns
+}
+
+/// Inode of this process's network namespace (`/proc/self/ns/net`), 0 if unknown: two
+/// processes share the loopback address only within one.
+pub(crate) fn net_ns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    static NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NS.get_or_init(|| std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).unwrap_or(0))
+}
+
+/// Whether a context can connect through UCX's connection manager (its sockets ride
+/// UCX's tcp transport).
+pub(crate) fn has_connection_manager(ctx: &crate::Context) -> bool {
+    ctx.resources().iter().any(|(tl, _)| tl == "tcp")
+}
+
+/// The error mode both sides use (true: UCX's peer mode), from what each asked for and
+/// whether shared memory can carry the connection; `None` when they asked for
+/// different explicit modes.
+pub(crate) fn resolve_mode(client: ErrorMode, server: ErrorMode, shared_memory: bool) -> Option<bool> {
+    match (client, server) {
+        (ErrorMode::Auto, ErrorMode::Auto) => Some(!shared_memory),
+        (ErrorMode::Auto, m) | (m, ErrorMode::Auto) => Some(m == ErrorMode::Peer),
+        (a, b) if a == b => Some(a == ErrorMode::Peer),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_modes_resolve_symmetrically() {
+        use ErrorMode::*;
+        let table = [
+            (Auto, Auto, true, Some(false)),
+            (Auto, Auto, false, Some(true)),
+            (Auto, Peer, true, Some(true)),
+            (None, Auto, false, Some(false)),
+            (Peer, Peer, true, Some(true)),
+            (None, None, false, Some(false)),
+            (Peer, None, true, Option::None),
+            (None, Peer, false, Option::None),
+        ];
+        for (c, s, shm, want) in table {
+            assert_eq!(resolve_mode(c, s, shm), want, "{c:?} {s:?} shm={shm}");
+            assert_eq!(resolve_mode(s, c, shm), want, "{s:?} {c:?} shm={shm} (swapped)");
+        }
+    }
+
+    #[test]
+    fn this_process_shares_memory_with_itself_not_with_another_host() {
+        assert!(shares_memory(&ProcessIdentity::current()));
+        let mut other = ProcessIdentity::current();
+        other.boot_id[0] ^= 1;
+        assert!(!shares_memory(&other));
+        let mut ns = ProcessIdentity::current();
+        ns.pid_ns ^= 1;
+        assert!(!shares_memory(&ns));
+    }
+}
