@@ -494,3 +494,49 @@ async fn listeners_need_no_tcp_transport_and_refuse_their_own_worker() {
     let e = s.connect(l.local_addr()).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Refused, "{e}");
 }
+
+/// A context with a secret seals the worker addresses and remote keys it hands out, and
+/// takes only sealed ones: an address or key from a context without the secret (or
+/// with another), or one changed since (its checksum recomputed), is refused with
+/// `ErrorKind::Authentication` before UCX sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealed_addresses_and_keys() {
+    let (c1, c2) = (secret_ctx(Some(secret(7))), secret_ctx(Some(secret(7))));
+    let (open, other) = (secret_ctx(None), secret_ctx(Some(secret(8))));
+    let (w1, w2) = (c1.create_worker().unwrap(), c2.create_worker().unwrap());
+    let ep =
+        w2.connect_address(&w1.address().unwrap()).await.expect("an address sealed with the same secret");
+    for (what, from) in [("no secret", &open), ("another secret", &other)] {
+        let addr = from.create_worker().unwrap().address().unwrap();
+        let e = w2.connect_address(&addr).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Authentication, "an address with {what}: {e}");
+    }
+    // Keys, over a listener connection between the two sealed contexts.
+    let l = w1.listen(loopback()).unwrap();
+    let (a, b) = tokio::join!(l.accept(), w2.connect(l.local_addr()));
+    let (_a, b) = (a.unwrap(), b.unwrap());
+    let region = c1.alloc(4096).unwrap();
+    let key = region.pack_key().unwrap();
+    b.unpack_key(&key).expect("a key sealed with the same secret");
+    for (what, from) in [("no secret", &open), ("another secret", &other)] {
+        let k = from.alloc(4096).unwrap().pack_key().unwrap();
+        let e = b.unpack_key(&k).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Authentication, "a key with {what}: {e}");
+    }
+    // A sealed key whose range was widened, checksum recomputed (FNV-1a 64 of all before
+    // it, the MAC left as it was): refused.
+    let mut forged = key.clone();
+    let len_at = 16;
+    forged[len_at..len_at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let klen = u32::from_le_bytes(forged[40..44].try_into().unwrap()) as usize;
+    let sum_at = 44 + klen;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &x in &forged[..sum_at] {
+        h ^= x as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    forged[sum_at..sum_at + 8].copy_from_slice(&h.to_le_bytes());
+    let e = b.unpack_key(&forged).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Authentication, "a forged key: {e}");
+    drop(ep);
+}

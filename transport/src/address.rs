@@ -9,22 +9,32 @@
 //! |---|---|---|
 //! | 0 | 4 | magic `0x41584355` ("UCXA") |
 //! | 4 | 1 | version (2) |
-//! | 5 | 1 | flags: bit 0, the worker's context carries messages through shared memory |
+//! | 5 | 1 | flags: bit 0, the worker's context carries messages through shared memory; bit 1, a MAC follows |
 //! | 6 | 2 | zero |
 //! | 8 | 36 | the worker's process identity |
 //! | 44 | 4 | length N of the UCX address |
 //! | 48 | 8 | FNV-1a 64 of bytes 0..48 and the UCX address |
 //! | 56 | N | UCX worker address (`ucp_worker_get_address`) |
+//! | 56 + N | 32 | with flag bit 1: HMAC-SHA256 of bytes 0..56 + N under the context's secret |
+//!
+//! The checksum catches accidents; anyone can compute it. A worker whose context has a
+//! secret ([`crate::ContextBuilder::secret`]) adds the MAC, and a worker with a secret
+//! connects only to addresses whose MAC it verifies.
 
 use std::fmt;
 
 use crate::error::{Error, Result};
+use crate::front::auth::{Secret, MAC_LEN};
 use crate::identity::{self, ProcessIdentity};
 
 const MAGIC: u32 = 0x4158_4355;
 const VERSION: u8 = 2;
 /// Flag: the worker's context has a shared-memory transport that carries messages.
 const FLAG_SHARED_MEMORY: u8 = 1;
+/// Flag: a MAC follows the UCX address.
+const FLAG_MAC: u8 = 2;
+/// The label of address MACs.
+const MAC_LABEL: &[u8] = b"ucxkit worker address";
 const HEADER: usize = 56;
 /// Largest UCX address accepted (UCX's are a few hundred bytes to a few KiB).
 const MAX_UCX_LEN: usize = 1 << 20;
@@ -63,15 +73,16 @@ impl WorkerAddress {
         if bytes[4] != VERSION {
             return bad(format!("unsupported version {}", bytes[4]));
         }
-        if bytes[5] & !FLAG_SHARED_MEMORY != 0 || bytes[6..8] != [0, 0] {
+        if bytes[5] & !(FLAG_SHARED_MEMORY | FLAG_MAC) != 0 || bytes[6..8] != [0, 0] {
             return bad(format!("unknown flags {:#04x} {:#04x} {:#04x}", bytes[5], bytes[6], bytes[7]));
         }
         let n = u32::from_le_bytes(bytes[44..48].try_into().expect("4 bytes")) as usize;
-        if n == 0 || n > MAX_UCX_LEN || bytes.len() != HEADER + n {
+        let mac = if bytes[5] & FLAG_MAC != 0 { MAC_LEN } else { 0 };
+        if n == 0 || n > MAX_UCX_LEN || bytes.len() != HEADER + n + mac {
             return bad(format!("UCX address length {n} does not match {} bytes", bytes.len()));
         }
         let sum = u64::from_le_bytes(bytes[48..56].try_into().expect("8 bytes"));
-        if sum != fnv1a(&bytes[..48], &bytes[HEADER..]) {
+        if sum != fnv1a(&bytes[..48], &bytes[HEADER..HEADER + n]) {
             return bad("checksum mismatch (corrupted or truncated)".into());
         }
         Ok(WorkerAddress { bytes: bytes.to_vec() })
@@ -109,7 +120,30 @@ impl WorkerAddress {
 
     /// UCX's own address bytes inside the envelope.
     pub fn ucx_bytes(&self) -> &[u8] {
-        &self.bytes[HEADER..]
+        let n = u32::from_le_bytes(self.bytes[44..48].try_into().expect("4 bytes")) as usize;
+        &self.bytes[HEADER..HEADER + n]
+    }
+
+    /// Adds a MAC under `secret` (replacing any).
+    pub(crate) fn sealed(mut self, secret: &Secret) -> WorkerAddress {
+        let end = HEADER + self.ucx_bytes().len();
+        self.bytes.truncate(end);
+        self.bytes[5] |= FLAG_MAC;
+        // The flags are under the checksum.
+        let sum = fnv1a(&self.bytes[..48], &self.bytes[HEADER..]);
+        self.bytes[48..56].copy_from_slice(&sum.to_le_bytes());
+        let mac = secret.mac(MAC_LABEL, &[&self.bytes]);
+        self.bytes.extend_from_slice(&mac);
+        self
+    }
+
+    /// Whether the address carries a MAC that `secret` verifies.
+    pub(crate) fn verify(&self, secret: &Secret) -> bool {
+        if self.bytes[5] & FLAG_MAC == 0 {
+            return false;
+        }
+        let end = HEADER + self.ucx_bytes().len();
+        secret.verify(MAC_LABEL, &[&self.bytes[..end]], &self.bytes[end..])
     }
 
     /// The process the worker lives in.
@@ -184,6 +218,17 @@ mod tests {
             x[i] ^= 0x40;
             assert!(WorkerAddress::from_bytes(&x).is_err(), "flip at {i} accepted");
         }
+        // A MAC: verified by its secret only, and part of what the checksum does not cover.
+        let s = Secret::new([1u8; 32]).unwrap();
+        let sealed = WorkerAddress::from_bytes(a.clone().sealed(&s).as_bytes()).unwrap();
+        assert!(sealed.verify(&s));
+        assert!(!a.verify(&s), "no MAC");
+        assert!(!sealed.verify(&Secret::new([2u8; 32]).unwrap()));
+        assert_eq!(sealed.ucx_bytes(), b"ucx-address-bytes");
+        let mut forged = sealed.as_bytes().to_vec();
+        let last = forged.len() - 1;
+        forged[last] ^= 1;
+        assert!(!WorkerAddress::from_bytes(&forged).unwrap().verify(&s));
         let junk: Vec<u8> = (0..300u32).map(|i| (i * 7919 % 251) as u8).collect();
         assert!(matches!(WorkerAddress::from_bytes(&junk), Err(Error::BadAddress { .. })));
     }

@@ -301,7 +301,7 @@ pub(crate) struct ContextInner {
     pub(crate) features: Features,
     /// `(transport, device)` of each resource UCX opened for the context.
     resources: Vec<(String, String)>,
-    secret: Option<Secret>,
+    pub(crate) secret: Option<Secret>,
 }
 
 // SAFETY: a UCP context is created with `mt_workers_shared = 1`, which makes it safe to use

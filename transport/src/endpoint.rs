@@ -324,7 +324,9 @@ impl Worker {
     }
 
     /// Connects to the worker whose address is `addr`. The other side needs no listener:
-    /// its worker answers the handshake by itself.
+    /// its worker answers the handshake by itself. A worker whose context has a secret
+    /// connects only to addresses sealed with it ([`Error::Authentication`] otherwise);
+    /// the UCX address inside is checked before UCX parses it ([`Error::BadAddress`]).
     ///
     /// # Cancel safety
     /// Safe to drop: the half-made endpoint is closed.
@@ -333,11 +335,21 @@ impl Worker {
         addr: &WorkerAddress,
         opts: EndpointOptions,
     ) -> Result<Endpoint> {
+        let peer = Peer::Address(addr.fingerprint());
+        if let Some(secret) = self.context().secret() {
+            if !addr.verify(secret) {
+                return Err(Error::Authentication {
+                    peer,
+                    reason: "the worker address carries no valid MAC under this context's secret".into(),
+                });
+            }
+        }
+        crate::address::check_ucx_address(addr.ucx_bytes()).map_err(|reason| Error::BadAddress { reason })?;
         let shm = crate::front::shares_memory(&addr.identity())
             && addr.has_shared_memory()
             && self.context().has_shared_memory();
         let peer_mode = opts.error_mode.peer_mode(shm);
-        let ep = self.create_ep(Target::Address(addr), Peer::Address(addr.fingerprint()), peer_mode)?;
+        let ep = self.create_ep(Target::Address(addr), peer, peer_mode)?;
         if opts.handshake {
             ep.client_handshake(opts.timeout).await?;
         }

@@ -40,6 +40,7 @@ use crate::buf::{IoBuf, IoBufMut};
 use crate::context::{Context, ContextInner};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result, Status};
+use crate::front::auth::{Secret, MAC_LEN};
 use crate::worker::WorkerInner;
 
 /// Memory registered with UCX. Cheap to clone; clones share the registration.
@@ -428,7 +429,8 @@ impl MemRegion {
             packed().insert(self.inner.id, Arc::downgrade(&self.inner));
         }
         let origin = Origin { process: process_token(), region: self.inner.id };
-        self.with_ucx_key(|rkey| encode_key(self.addr(), self.len() as u64, origin, rkey))
+        let secret = self.inner.ctx.secret.as_ref();
+        self.with_ucx_key(|rkey| encode_key(self.addr(), self.len() as u64, origin, rkey, secret))
     }
 
     /// The key exactly as `ucp_rkey_pack` makes it, without the address, length and
@@ -570,14 +572,15 @@ const MAX_UCX_KEY: usize = 64 * 1024;
 /// (each domain's size is one byte).
 const KEY_PAD: usize = 256;
 
-/// Layout (little-endian): magic u32, version u8, 3 zero bytes, address u64, length
-/// u64, origin process u64, origin region u64, UCX key length u32, the UCX key, FNV-1a
-/// checksum u64 of everything before it.
-fn encode_key(addr: u64, len: u64, origin: Origin, rkey: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(KEY_HEADER + rkey.len() + 8);
+/// Layout (little-endian): magic u32, version u8, flags u8 (bit 0: a MAC follows), 2
+/// zero bytes, address u64, length u64, origin process u64, origin region u64, UCX key
+/// length u32, the UCX key, FNV-1a checksum u64 of everything before it; with the flag,
+/// HMAC-SHA256 of everything before it under the packing context's secret.
+fn encode_key(addr: u64, len: u64, origin: Origin, rkey: &[u8], secret: Option<&Secret>) -> Vec<u8> {
+    let mut v = Vec::with_capacity(KEY_HEADER + rkey.len() + 8 + MAC_LEN);
     v.extend_from_slice(&KEY_MAGIC.to_le_bytes());
     v.push(KEY_VERSION);
-    v.extend_from_slice(&[0; 3]);
+    v.extend_from_slice(&[secret.is_some() as u8, 0, 0]);
     v.extend_from_slice(&addr.to_le_bytes());
     v.extend_from_slice(&len.to_le_bytes());
     v.extend_from_slice(&origin.process.to_le_bytes());
@@ -586,11 +589,27 @@ fn encode_key(addr: u64, len: u64, origin: Origin, rkey: &[u8]) -> Vec<u8> {
     v.extend_from_slice(rkey);
     let sum = crate::address::fnv1a(&v, &[]);
     v.extend_from_slice(&sum.to_le_bytes());
+    if let Some(s) = secret {
+        let mac = s.mac(KEY_MAC_LABEL, &[&v]);
+        v.extend_from_slice(&mac);
+    }
     v
 }
 
-/// A parsed key envelope: (address, length, origin, UCX key bytes).
-fn decode_key(b: &[u8]) -> Result<(u64, u64, Origin, &[u8])> {
+/// The label of key MACs.
+const KEY_MAC_LABEL: &[u8] = b"ucxkit remote key";
+
+/// A parsed key envelope.
+struct Decoded<'a> {
+    addr: u64,
+    len: u64,
+    origin: Origin,
+    ucx: &'a [u8],
+    /// The MAC and what it covers.
+    mac: Option<(&'a [u8], &'a [u8])>,
+}
+
+fn decode_key(b: &[u8]) -> Result<Decoded<'_>> {
     let bad = |reason: String| Error::BadRemoteKey { reason };
     if b.len() < KEY_HEADER + 8 {
         return Err(bad(format!("{} bytes is too short for a packed key", b.len())));
@@ -604,13 +623,14 @@ fn decode_key(b: &[u8]) -> Result<(u64, u64, Origin, &[u8])> {
     if u32_at(0) != KEY_MAGIC {
         return Err(bad(format!("bad magic {:#010x}", u32_at(0))));
     }
-    if b[4] != KEY_VERSION || b[5..8] != [0, 0, 0] {
-        return Err(bad(format!("unsupported key version {}", b[4])));
+    if b[4] != KEY_VERSION || b[5] > 1 || b[6..8] != [0, 0] {
+        return Err(bad(format!("unsupported key version {} or flags {:#04x}", b[4], b[5])));
     }
+    let mac_len = if b[5] == 1 { MAC_LEN } else { 0 };
     let (addr, len) = (u64_at(8), u64_at(16));
     let origin = Origin { process: u64_at(24), region: u64_at(32) };
     let klen = u32_at(40) as usize;
-    if klen == 0 || klen > MAX_UCX_KEY || b.len() != KEY_HEADER + klen + 8 {
+    if klen == 0 || klen > MAX_UCX_KEY || b.len() != KEY_HEADER + klen + 8 + mac_len {
         return Err(bad(format!("length field {klen} does not match the {} bytes given", b.len())));
     }
     let body = &b[..KEY_HEADER + klen];
@@ -622,7 +642,8 @@ fn decode_key(b: &[u8]) -> Result<(u64, u64, Origin, &[u8])> {
     }
     let ucx = &b[KEY_HEADER..KEY_HEADER + klen];
     check_ucx_key(ucx).map_err(bad)?;
-    Ok((addr, len, origin, ucx))
+    let mac = (mac_len > 0).then(|| (&b[KEY_HEADER + klen + 8..], &b[..KEY_HEADER + klen + 8]));
+    Ok(Decoded { addr, len, origin, ucx, mac })
 }
 
 /// Walks UCX's packed-key layout (`ucp_rkey_pack`: the memory-domain bitmap as a u64,
@@ -788,7 +809,16 @@ impl Endpoint {
     /// [`Error::ConnectionReset`] or [`Error::ApiMisuse`] when the endpoint failed or was
     /// closed.
     pub fn unpack_key(&self, bytes: &[u8]) -> Result<RemoteKey> {
-        let (addr, len, origin, ucx) = decode_key(bytes)?;
+        let Decoded { addr, len, origin, ucx, mac } = decode_key(bytes)?;
+        if let Some(secret) = self.worker().context().secret() {
+            let sealed = mac.is_some_and(|(tag, body)| secret.verify(KEY_MAC_LABEL, &[body], tag));
+            if !sealed {
+                return Err(Error::Authentication {
+                    peer: self.peer().clone(),
+                    reason: "the remote key carries no valid MAC under this context's secret".into(),
+                });
+            }
+        }
         let mut region = None;
         if origin.process == process_token() {
             // A region of this process: the key holds it, so that its memory outlives
@@ -912,9 +942,16 @@ mod tests {
     fn key_envelope_roundtrip_and_rejects() {
         let key = ucx_key(&[5, 9]);
         let origin = Origin { process: 7, region: 11 };
-        let k = encode_key(0x1000, 4096, origin, &key);
-        let (a, l, o, u) = decode_key(&k).unwrap();
-        assert_eq!((a, l, o, u), (0x1000, 4096, origin, &key[..]));
+        let k = encode_key(0x1000, 4096, origin, &key, None);
+        let d = decode_key(&k).unwrap();
+        assert_eq!((d.addr, d.len, d.origin, d.ucx), (0x1000, 4096, origin, &key[..]));
+        assert!(d.mac.is_none());
+        // Sealed: the MAC covers the rest, and only the secret verifies it.
+        let secret = Secret::new([4u8; 32]).unwrap();
+        let sealed = encode_key(0x1000, 4096, origin, &key, Some(&secret));
+        let (tag, body) = decode_key(&sealed).unwrap().mac.unwrap();
+        assert!(secret.verify(KEY_MAC_LABEL, &[body], tag));
+        assert!(!Secret::new([5u8; 32]).unwrap().verify(KEY_MAC_LABEL, &[body], tag));
         assert!(decode_key(&k[..k.len() - 1]).is_err());
         assert!(decode_key(&[k.clone(), vec![0]].concat()).is_err());
         assert!(decode_key(&[]).is_err());
@@ -923,7 +960,7 @@ mod tests {
             b[i] ^= 0x40;
             assert!(decode_key(&b).is_err(), "flipped byte {i} accepted");
         }
-        let wrap = encode_key(u64::MAX - 1, 10, origin, &ucx_key(&[3]));
+        let wrap = encode_key(u64::MAX - 1, 10, origin, &ucx_key(&[3]), None);
         assert!(decode_key(&wrap).is_err());
     }
 

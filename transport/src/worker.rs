@@ -301,7 +301,8 @@ impl Drop for WorkerShared {
 }
 
 impl Worker {
-    /// This worker's address, to hand to peers for [`Worker::connect_address`].
+    /// This worker's address, to hand to peers for [`Worker::connect_address`]; sealed
+    /// with a MAC when the context has a secret.
     pub fn address(&self) -> Result<WorkerAddress> {
         self.shared.inner.locked(|st| {
             let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
@@ -312,8 +313,11 @@ impl Worker {
                 .map_err(|source| Error::Worker { op: "ucp_worker_get_address", source })?;
             // SAFETY: UCX returned `len` readable bytes at `addr`.
             let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) };
-            let wa =
-                WorkerAddress::wrap(&ProcessIdentity::current(), self.context().has_shared_memory(), bytes);
+            let ctx = self.context();
+            let mut wa = WorkerAddress::wrap(&ProcessIdentity::current(), ctx.has_shared_memory(), bytes);
+            if let Some(s) = ctx.secret() {
+                wa = wa.sealed(s);
+            }
             // SAFETY: releases the address UCX allocated above, once.
             unsafe { sys::ucp_worker_release_address(st.handle, addr) };
             Ok(wa)
