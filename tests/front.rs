@@ -56,10 +56,8 @@ fn own_listening_ports(except: u16) -> Vec<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the child half of the front tests; the parent runs it"]
 async fn front_target() {
-    if std::env::var_os("UCXKIT_FRONT_TARGET").is_none() {
-        return;
-    }
-    let w = ctx("tcp,self").create_worker().unwrap();
+    let Some(kind) = std::env::var_os("UCXKIT_FRONT_TARGET") else { return };
+    let w = front_ctx(kind == "secret").create_worker().unwrap();
     let l = w.listen(loopback()).unwrap();
     let port = l.local_addr().port();
     println!("PORT {port}");
@@ -96,9 +94,18 @@ async fn front_target() {
     println!("TARGET DONE");
 }
 
+/// The context of the hostile-bytes test's two sides: over TCP, with a secret or not.
+fn front_ctx(with_secret: bool) -> Context {
+    if with_secret {
+        secret_ctx(Some(secret(9)))
+    } else {
+        ctx("tcp,self")
+    }
+}
+
 /// A real client's connect and one echo through the listener at `addr`.
-async fn real_client(addr: SocketAddr) -> Result<(), String> {
-    let w = ctx("tcp,self").create_worker().map_err(|e| e.to_string())?;
+async fn real_client(addr: SocketAddr, with_secret: bool) -> Result<(), String> {
+    let w = front_ctx(with_secret).create_worker().map_err(|e| e.to_string())?;
     let opts = EndpointOptions { timeout: Duration::from_secs(10), ..Default::default() };
     let ep = w.connect_with(addr, opts).await.map_err(|e| e.to_string())?;
     let back = w.tag_recv(2, tag::EXACT, Vec::with_capacity(64));
@@ -113,7 +120,7 @@ async fn real_client(addr: SocketAddr) -> Result<(), String> {
 
 /// The bytes a real client sends on the front, recorded by a proxy between it and the
 /// listener at `target`.
-async fn recorded_opening(target: SocketAddr) -> Vec<u8> {
+async fn recorded_opening(target: SocketAddr, with_secret: bool) -> Vec<u8> {
     let proxy = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let via = proxy.local_addr().unwrap();
     let record = tokio::spawn(async move {
@@ -144,7 +151,7 @@ async fn recorded_opening(target: SocketAddr) -> Vec<u8> {
         tokio::join!(up, down);
         seen
     });
-    real_client(via).await.expect("a real client through the recording proxy");
+    real_client(via, with_secret).await.expect("a real client through the recording proxy");
     let seen = tokio::time::timeout(T, record).await.unwrap().unwrap();
     assert!(seen.len() > 40, "the recorded opening is {} bytes", seen.len());
     seen
@@ -254,11 +261,22 @@ async fn throw(port: u16, cases: &[Vec<u8>]) {
 /// listens on for that worker, with the same outcome required.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_bytes_leave_the_listener_alive() {
+    hostile_bytes(false).await;
+}
+
+/// The same at a listener whose context has a secret (the opening then carries nonces
+/// and proofs, and every later frame a MAC).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_bytes_leave_a_listener_with_a_secret_alive() {
+    hostile_bytes(true).await;
+}
+
+async fn hostile_bytes(with_secret: bool) {
     let n: usize =
         std::env::var("UCXKIT_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_CASES);
     let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "front_target", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("UCXKIT_FRONT_TARGET", "1")
+        .env("UCXKIT_FRONT_TARGET", if with_secret { "secret" } else { "open" })
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -279,17 +297,23 @@ async fn hostile_bytes_leave_the_listener_alive() {
         }
     }
     let target: SocketAddr = ([127, 0, 0, 1], port).into();
-    let opening = recorded_opening(target).await;
+    let opening = recorded_opening(target, with_secret).await;
     let cases = cases(&opening, n, 0x5eed_f00d);
-    for (what, p) in
-        std::iter::once(("the listener", port)).chain(ucx_ports.iter().map(|&p| ("UCX's TCP port", p)))
+    for (what, p) in std::iter::once(("the listener", port))
+        // (UCX's port is the same with or without a secret: thrown at once.)
+        .chain(ucx_ports.iter().filter(|_| !with_secret).map(|&p| ("UCX's TCP port", p)))
     {
         throw(p, &cases).await;
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the listening process died ({status}) after {n} hostile byte strings at {what} ({p})");
         }
-        real_client(target).await.unwrap_or_else(|e| panic!("a real client after the bytes at {what}: {e}"));
-        eprintln!("{n} hostile byte strings at {what} (port {p}): the process lives and takes clients");
+        real_client(target, with_secret)
+            .await
+            .unwrap_or_else(|e| panic!("a real client after the bytes at {what}: {e}"));
+        eprintln!(
+            "{n} hostile byte strings at {what} (port {p}, secret: {with_secret}): \
+             the process lives and takes clients"
+        );
     }
     drop(child.stdin.take());
     let status = tokio::time::timeout(T, child.wait()).await.unwrap().unwrap();

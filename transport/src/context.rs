@@ -189,6 +189,7 @@ impl ContextBuilder {
                 features,
                 resources: read_resources(handle),
                 secret: self.secret.clone(),
+                own_key: OnceLock::new(),
             }),
         };
         // UCX takes any name (one it does not know it keeps for its transports, which
@@ -302,6 +303,8 @@ pub(crate) struct ContextInner {
     /// `(transport, device)` of each resource UCX opened for the context.
     resources: Vec<(String, String)>,
     pub(crate) secret: Option<Secret>,
+    /// This context's own key for host memory (read once, see [`Context::own_key`]).
+    own_key: OnceLock<std::result::Result<crate::ucx_key::OwnKey, String>>,
 }
 
 // SAFETY: a UCP context is created with `mt_workers_shared = 1`, which makes it safe to use
@@ -358,6 +361,30 @@ impl Context {
     /// Creates a worker with default settings. Must be called inside a tokio runtime.
     pub fn create_worker(&self) -> Result<Worker> {
         self.worker().build()
+    }
+
+    /// This context's own key for host memory, walked (see [`crate::ucx_key::OwnKey`]):
+    /// that of a small region it allocates, read once. Peers' keys are checked against
+    /// it.
+    pub(crate) fn own_key(&self) -> std::result::Result<&crate::ucx_key::OwnKey, String> {
+        let r = self.inner.own_key.get_or_init(|| {
+            let handle = self.inner.handle;
+            // SAFETY: the context is live; f is an open stream for the call.
+            let info = printed(|f| unsafe { sys::ucp_context_print_info(handle, f.cast()) })
+                .ok_or("the context's memory domains cannot be read")?;
+            let names = crate::ucx_key::context_domains(&info);
+            let region = self.alloc(4096).map_err(|e| e.to_string())?;
+            let key = region.pack_ucx_key().map_err(|e| e.to_string())?;
+            let walked = crate::ucx_key::walk(&key)?;
+            let mut own = crate::ucx_key::OwnKey { tail: key[walked.tail].to_vec(), ..Default::default() };
+            for (md, tl) in walked.entries {
+                if let Some((_, name)) = names.iter().find(|(i, _)| *i == md) {
+                    own.by_component.insert(name.clone(), key[tl].to_vec());
+                }
+            }
+            Ok(own)
+        });
+        r.as_ref().map_err(Clone::clone)
     }
 
     /// The secret set with [`ContextBuilder::secret`], if any.

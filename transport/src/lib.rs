@@ -111,6 +111,8 @@ mod request;
 pub mod rma;
 pub mod stream;
 pub mod tag;
+mod ucx_address;
+mod ucx_key;
 mod ucx_log;
 mod worker;
 

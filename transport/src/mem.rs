@@ -641,38 +641,9 @@ fn decode_key(b: &[u8]) -> Result<Decoded<'_>> {
         return Err(bad(format!("region {addr:#x}+{len} wraps around")));
     }
     let ucx = &b[KEY_HEADER..KEY_HEADER + klen];
-    check_ucx_key(ucx).map_err(bad)?;
+    crate::ucx_key::walk(ucx).map_err(bad)?;
     let mac = (mac_len > 0).then(|| (&b[KEY_HEADER + klen + 8..], &b[..KEY_HEADER + klen + 8]));
     Ok(Decoded { addr, len, origin, ucx, mac })
-}
-
-/// Walks UCX's packed-key layout (`ucp_rkey_pack`: the memory-domain bitmap as a u64,
-/// the memory type as a byte, then for each domain in the bitmap a size byte and that
-/// many bytes; optional device data after) and checks it stays inside `ucx`, so that
-/// UCX's parser, which trusts the sizes inside, never reads past the buffer.
-///
-/// This guards against corrupt and truncated keys. The transport keys inside are UCX's
-/// own (shared-memory segment ids, RDMA keys) and are trusted by UCX as all its wire
-/// data is: take keys only from peers you trust with your memory.
-fn check_ucx_key(ucx: &[u8]) -> std::result::Result<(), String> {
-    if ucx.len() < 9 {
-        return Err(format!("UCX key of {} bytes is too short", ucx.len()));
-    }
-    let mut map = [0u8; 8];
-    map.copy_from_slice(&ucx[..8]);
-    let md_map = u64::from_ne_bytes(map);
-    if ucx[8] as u32 >= sys::UCS_MEMORY_TYPE_LAST.0 as u32 {
-        return Err(format!("unknown memory type {} in the UCX key", ucx[8]));
-    }
-    let mut at = 9usize;
-    for _ in 0..md_map.count_ones() {
-        let size = *ucx.get(at).ok_or("UCX key ends inside its domain list")? as usize;
-        at += 1 + size;
-        if at > ucx.len() {
-            return Err("UCX key's domain sizes run past its length".into());
-        }
-    }
-    Ok(())
 }
 
 /// A peer's region as reachable through one endpoint (`ucp_rkey_h`): the target of
@@ -830,7 +801,26 @@ impl Endpoint {
                 });
             }
         }
-        self.unpack(addr, len, ucx, region)
+        if let Some(r) = &region {
+            // A key of this process's region reaches that region only.
+            let (start, end) = (r.ptr as u64, r.ptr as u64 + r.len as u64);
+            if addr < start || addr + len > end {
+                return Err(Error::BadRemoteKey {
+                    reason: format!(
+                        "the key's range {addr:#x}+{len} is not inside its region {start:#x}+{}",
+                        r.len
+                    ),
+                });
+            }
+        }
+        // Only the transport keys this endpoint's lanes use, each checked (see
+        // `ucx_key`).
+        let bad = |reason: String| Error::BadRemoteKey { reason };
+        let lanes = crate::ucx_key::lane_domains(&self.transport_info()?);
+        let ctx = self.worker().context();
+        let own = ctx.own_key().map_err(bad)?;
+        let ucx = crate::ucx_key::sanitize(ucx, &lanes, own, addr..addr + len).map_err(bad)?;
+        self.unpack(addr, len, &ucx, region)
     }
 
     /// Unpacks a key as `ucp_rkey_pack` made it, from a plain UCX program (or
@@ -861,7 +851,7 @@ impl Endpoint {
         if bytes.len() > MAX_UCX_KEY {
             return Err(bad(format!("{} bytes is too long for a UCX key", bytes.len())));
         }
-        check_ucx_key(bytes).map_err(bad)?;
+        crate::ucx_key::walk(bytes).map_err(bad)?;
         self.unpack(addr, len, bytes, None)
     }
 
@@ -978,20 +968,20 @@ mod tests {
 
     #[test]
     fn ucx_key_layout_is_walked() {
-        assert!(check_ucx_key(&ucx_key(&[3, 0, 17])).is_ok());
+        assert!(crate::ucx_key::walk(&ucx_key(&[3, 0, 17])).is_ok());
         // Optional device data after the domains is allowed.
-        assert!(check_ucx_key(&[ucx_key(&[3]), vec![1, 2, 3]].concat()).is_ok());
+        assert!(crate::ucx_key::walk(&[ucx_key(&[3]), vec![1, 2, 3]].concat()).is_ok());
         let k = ucx_key(&[3, 17]);
-        assert!(check_ucx_key(&k[..k.len() - 1]).is_err(), "size runs past the end");
-        assert!(check_ucx_key(&k[..8]).is_err());
+        assert!(crate::ucx_key::walk(&k[..k.len() - 1]).is_err(), "size runs past the end");
+        assert!(crate::ucx_key::walk(&k[..8]).is_err());
         let mut lying = k.clone();
         lying[9] = 200;
-        assert!(check_ucx_key(&lying).is_err());
+        assert!(crate::ucx_key::walk(&lying).is_err());
         let mut more_domains = k.clone();
         more_domains[0] = 0xff;
-        assert!(check_ucx_key(&more_domains).is_err());
+        assert!(crate::ucx_key::walk(&more_domains).is_err());
         let mut bad_type = k;
         bad_type[8] = 200;
-        assert!(check_ucx_key(&bad_type).is_err());
+        assert!(crate::ucx_key::walk(&bad_type).is_err());
     }
 }

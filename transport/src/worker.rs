@@ -243,7 +243,14 @@ impl WorkerBuilder {
         rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));
         let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(worker = id, mode = ?self.mode, "worker created");
-        Ok(Worker { shared: Arc::new(WorkerShared { inner, endpoint: self.endpoint, id }) })
+        Ok(Worker {
+            shared: Arc::new(WorkerShared {
+                inner,
+                endpoint: self.endpoint,
+                id,
+                reference: std::sync::OnceLock::new(),
+            }),
+        })
     }
 }
 
@@ -292,6 +299,9 @@ pub(crate) struct WorkerShared {
     pub(crate) inner: Arc<WorkerInner>,
     pub(crate) endpoint: EndpointOptions,
     pub(crate) id: u64,
+    /// What this worker's own address shows of its transports, read once, for checking
+    /// peers' addresses ([`crate::ucx_address`]).
+    reference: std::sync::OnceLock<std::result::Result<crate::ucx_address::Reference, String>>,
 }
 
 impl Drop for WorkerShared {
@@ -322,6 +332,21 @@ impl Worker {
             unsafe { sys::ucp_worker_release_address(st.handle, addr) };
             Ok(wa)
         })
+    }
+
+    /// Checks a peer's worker address in UCX's own form against what this worker's
+    /// transports read (see [`crate::ucx_address`]) before it is handed to UCX.
+    pub(crate) fn check_peer_address(&self, ucx: &[u8]) -> Result<()> {
+        let reference = self.shared.reference.get_or_init(|| {
+            let own = self.address().map_err(|e| e.to_string())?;
+            crate::ucx_address::Reference::of(own.ucx_bytes())
+        });
+        let bad = |reason: String| Error::BadAddress { reason };
+        match reference {
+            Ok(r) => r.check(ucx).map(|_| ()).map_err(bad),
+            // UCX's unified mode, say: this worker cannot tell a good address.
+            Err(e) => Err(bad(format!("addresses cannot be checked here ({e}): seal them with a secret"))),
+        }
     }
 
     /// The context this worker belongs to.

@@ -64,8 +64,11 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         Some(format!("it chose an error mode other than the {:?} this side asked for", opts.error_mode))
     } else if accept.loopback_port != 0 && (accept.peer_mode || !super::shares_memory(&accept.identity)) {
         Some("it offers the loopback address to a peer that cannot use it".to_string())
-    } else {
+    } else if conn.authenticated() {
+        // From a listener that proved it holds the secret: its word, past the header.
         crate::address::check_ucx_address(&accept.address).err()
+    } else {
+        worker.check_peer_address(&accept.address).err().map(|e| e.to_string())
     };
     if let Some(reason) = wrong {
         let _ = conn.send(&Msg::Abort { text: format!("refused the accept: {reason}") }).await;

@@ -58,6 +58,11 @@ impl Conn {
         Conn { stream, session: None }
     }
 
+    /// Whether the opening authenticated both sides (they share the secret).
+    pub(crate) fn authenticated(&self) -> bool {
+        self.session.is_some()
+    }
+
     /// Sends one message (with its MAC once authenticated).
     pub(crate) async fn send(&mut self, m: &Msg) -> Result<(), Broken> {
         let body = m.encode();

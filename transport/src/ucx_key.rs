@@ -1,0 +1,400 @@
+//! UCX's packed remote keys (`ucp_rkey_pack`), walked and checked against the endpoint
+//! that will use them before UCX parses them.
+//!
+//! A packed key is a 64-bit map of the packing side's memory domains, a memory type, and
+//! for each domain in the map a size byte and that domain's transport key; UCX 1.14 and
+//! later may add device data after. UCX hands each transport key to the unpacker of the
+//! component it associates with that remote domain on the endpoint, trusting the sizes
+//! and the values inside: a key whose map names another domain than the one it was
+//! packed for makes another component's code read it (UCX 1.13 then aborts, or maps a
+//! shared-memory segment of length 0), and a shared-memory key whose range is larger
+//! than its segment makes UCX write past the mapping it makes in this process.
+//!
+//! So [`sanitize`] keeps only the transport keys of the remote domains the endpoint's
+//! lanes use (`ucp_ep_print_info` names each lane's remote domain and its component),
+//! requires each to have the size this context's own keys have for that component (and
+//! a posix segment to be named the way this context names its own),
+//! checks a shared-memory key's segment against the range the key is used for (posix:
+//! the length in the key, which the segment's file must hold, and the file must be a
+//! UCX segment's, not any descriptor the key's process id and number name; sysv: the
+//! segment's size, asked of the kernel), leaves out
+//! components it cannot check (xpmem), takes host memory only, and packs the rest anew
+//! for UCX, with what UCX itself packs after the transport keys for host memory in
+//! place of the peer's.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use ucx_sys as sys;
+
+/// A walked key: the domain map, the memory type, each domain's transport key, and what
+/// follows them.
+#[derive(Debug)]
+pub(crate) struct Walked {
+    pub(crate) mem_type: u8,
+    /// (remote domain index, transport key bytes).
+    pub(crate) entries: Vec<(u32, Range<usize>)>,
+    pub(crate) tail: Range<usize>,
+}
+
+/// Walks a packed key's layout, never past its end.
+pub(crate) fn walk(ucx: &[u8]) -> Result<Walked, String> {
+    if ucx.len() < 9 {
+        return Err(format!("UCX key of {} bytes is too short", ucx.len()));
+    }
+    let md_map = u64::from_ne_bytes(ucx[..8].try_into().expect("8 bytes"));
+    let mem_type = ucx[8];
+    if mem_type as u32 >= sys::UCS_MEMORY_TYPE_LAST.0 as u32 {
+        return Err(format!("unknown memory type {mem_type} in the UCX key"));
+    }
+    let mut at = 9usize;
+    let mut entries = Vec::new();
+    for md in (0..64u32).filter(|i| md_map & (1 << i) != 0) {
+        let size = *ucx.get(at).ok_or("UCX key ends inside its domain list")? as usize;
+        let start = at + 1;
+        at = start + size;
+        if at > ucx.len() {
+            return Err("UCX key's domain sizes run past its length".into());
+        }
+        entries.push((md, start..at));
+    }
+    Ok(Walked { mem_type, entries, tail: at..ucx.len() })
+}
+
+/// The remote memory domains an endpoint's lanes use, with their components, from
+/// `ucp_ep_print_info` lines like
+/// `lane[0]:  8:posix/memory.0 md[4]  -> md[2]/posix/sysdev[255] rma_bw#0 am`.
+pub(crate) fn lane_domains(info: &str) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for line in info.lines().filter(|l| l.contains("lane[")) {
+        let Some(dst) = line.split("-> md[").nth(1) else { continue };
+        let Some((idx, rest)) = dst.split_once("]/") else { continue };
+        let Ok(idx) = idx.trim().parse::<u32>() else { continue };
+        let cmpt = rest.split(|c: char| c == '/' || c.is_whitespace()).next().unwrap_or("");
+        if idx < 64 && !cmpt.is_empty() && !out.iter().any(|(i, _)| *i == idx) {
+            out.push((idx, cmpt.to_string()));
+        }
+    }
+    out
+}
+
+/// The memory domains in `ucp_context_print_info` lines like
+/// `#            md 2  :  component 3  posix`, as (domain index, component name).
+pub(crate) fn context_domains(info: &str) -> Vec<(u32, String)> {
+    info.lines()
+        .filter_map(|l| {
+            let rest = l.trim_start_matches('#').trim_start().strip_prefix("md ")?;
+            let (idx, rest) = rest.split_once(':')?;
+            let name = rest.split_whitespace().nth(2)?;
+            Some((idx.trim().parse().ok()?, name.to_string()))
+        })
+        .collect()
+}
+
+/// Components whose transport keys give the holder nothing in this process's memory:
+/// the copy runs in the peer process (cma, knem), over a network (tcp, InfiniBand), or
+/// within this very worker (self, where the key is this process's and its region is
+/// held by ucxkit's registry).
+const PEER_SIDE: [&str; 6] = ["cma", "knem", "tcp", "self", "ib", "rdmacm"];
+
+/// What this context's own key for host memory shows: each component's transport key,
+/// and what UCX packs after them (nothing before UCX 1.20; then the memory's system
+/// device, unknown for host memory).
+#[derive(Debug, Default)]
+pub(crate) struct OwnKey {
+    pub(crate) by_component: HashMap<String, Vec<u8>>,
+    pub(crate) tail: Vec<u8>,
+}
+
+/// `UCS_MEMORY_TYPE_HOST`: the memory type of every key ucxkit takes from a peer.
+const HOST: u8 = 0;
+
+/// The key to hand UCX for an access range `range` (the key's addresses) on an endpoint
+/// whose lanes use `lanes`, where `own` is this context's own key (see the module
+/// docs). An error for a key that lies about itself; transport keys of domains no lane
+/// uses, or of components not checked, are left out.
+pub(crate) fn sanitize(
+    ucx: &[u8],
+    lanes: &[(u32, String)],
+    own: &OwnKey,
+    range: Range<u64>,
+) -> Result<Vec<u8>, String> {
+    let w = walk(ucx)?;
+    if w.mem_type != HOST {
+        return Err(format!("a key for memory of type {} where host memory is taken", w.mem_type));
+    }
+    let mut map = 0u64;
+    let mut body = Vec::new();
+    for (md, tl) in &w.entries {
+        let Some((_, cmpt)) = lanes.iter().find(|(i, _)| i == md) else { continue };
+        let key = &ucx[tl.clone()];
+        let Some(template) = own.by_component.get(cmpt) else { continue };
+        let size = template.len();
+        if key.len() != size {
+            return Err(format!(
+                "the {cmpt} key of remote domain {md} is {} bytes, where {cmpt} keys are {size}",
+                key.len()
+            ));
+        }
+        let usable = match cmpt.as_str() {
+            "posix" => check_posix(key, template, &range)?,
+            "sysv" => check_sysv(key, &range)?,
+            c => PEER_SIDE.contains(&c) || c.starts_with("ib"),
+        };
+        if usable {
+            map |= 1 << md;
+            body.push(key.len() as u8);
+            body.extend_from_slice(key);
+        }
+    }
+    let mut out = map.to_ne_bytes().to_vec();
+    out.push(w.mem_type);
+    out.extend_from_slice(&body);
+    // What follows is this UCX's own for host memory: the peer's system device and
+    // distances are UCX's to trust (1.22 reads past a key that ends early, and takes
+    // any device number), and host memory has none.
+    out.extend_from_slice(&own.tail);
+    Ok(out)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_ne_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// A posix key (`uct_posix_packed_rkey_t`: segment id, address, length, and a directory
+/// name for segments in files): UCX opens the segment the way its id's mode bits say
+/// (which must be this context's way, `own`'s: another makes UCX 1.13 abort), maps
+/// `length` bytes of it, and reaches the key's addresses relative to `address`, so the
+/// range must lie inside.
+fn check_posix(key: &[u8], own: &[u8], range: &Range<u64>) -> Result<bool, String> {
+    if key.len() < 24 || own.len() < 8 {
+        return Err(format!("a posix key of {} bytes", key.len()));
+    }
+    let mode = crate::ucx_address::POSIX_MODE_BITS;
+    if u64_at(key, 0) & mode != u64_at(own, 0) & mode {
+        return Err("the key's posix segment is named another way than this context's".into());
+    }
+    let (address, length) = (u64_at(key, 8), u64_at(key, 16));
+    let end = address.checked_add(length).ok_or("a posix segment that wraps around")?;
+    // UCX maps `length` bytes of the file (the owner's length rounded up to whole pages,
+    // where the file is as long as asked): a page wholly past its end is a SIGBUS.
+    match posix_segment_len(u64_at(key, 0)) {
+        Some(n) if page_align(n, u64_at(key, 0) & HUGETLB != 0) >= length => {}
+        Some(n) => return Err(format!("the key's posix segment holds {n} bytes, the key says {length}")),
+        None => return Err("the key's posix segment cannot be opened here".into()),
+    }
+    if length == 0 || range.start < address || range.end > end {
+        return Err(format!(
+            "the range {:#x}..{:#x} is not inside the key's posix segment {address:#x}+{length}",
+            range.start, range.end
+        ));
+    }
+    Ok(true)
+}
+
+/// The start of the name of each posix segment's file (`UCT_POSIX_FILE_FMT`).
+const SEGMENT_PREFIX: &str = "ucx_shm_posix_";
+
+/// `UCT_POSIX_SEG_FLAG_HUGETLB`: the segment is mapped in huge pages.
+const HUGETLB: u64 = 1 << 61;
+
+/// `n` rounded up to whole pages of the size a posix segment is mapped in.
+fn page_align(n: u64, huge: bool) -> u64 {
+    let page = if huge { huge_page_size() } else { base_page_size() };
+    n.div_ceil(page).saturating_mul(page)
+}
+
+fn base_page_size() -> u64 {
+    // SAFETY: sysconf reads a value; no memory is passed.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+/// The default huge page size (`Hugepagesize` in /proc/meminfo), or 2 MiB.
+fn huge_page_size() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kb = meminfo.lines().find_map(|l| {
+        let v = l.strip_prefix("Hugepagesize:")?.trim().strip_suffix("kB")?;
+        v.trim().parse::<u64>().ok()
+    });
+    kb.filter(|&k| k > 0).map_or(2 << 20, |k| k * 1024)
+}
+
+/// The size of the posix segment named by `seg_id`, as UCX opens it: through procfs
+/// (`/proc/PID/fd/FD`, the low 30 bits of the id the pid, the next 30 the descriptor) or
+/// by name in `/dev/shm`; `None` when it cannot be opened, is not a UCX segment's file,
+/// or is named a third way (a file in a directory the key names, which this check does
+/// not follow).
+pub(crate) fn posix_segment_len(seg_id: u64) -> Option<u64> {
+    const PROCFS: u64 = 1 << 63;
+    const SHM_OPEN: u64 = 1 << 62;
+    let mmid = seg_id & !(0xfu64 << 60);
+    let path = if seg_id & PROCFS != 0 {
+        let path = format!("/proc/{}/fd/{}", mmid & ((1 << 30) - 1), mmid >> 30);
+        // Any descriptor of any process can be named this way: only a UCX segment's
+        // (its file unlinked once opened) is one.
+        let target = std::fs::read_link(&path).ok()?;
+        let name = target.file_name()?.to_string_lossy().into_owned();
+        if !name.starts_with(SEGMENT_PREFIX) {
+            return None;
+        }
+        path
+    } else if seg_id & SHM_OPEN != 0 {
+        format!("/dev/shm/{SEGMENT_PREFIX}{mmid:x}")
+    } else {
+        return None;
+    };
+    let meta = std::fs::metadata(path).ok()?;
+    meta.is_file().then_some(meta.len())
+}
+
+/// A sysv key (`uct_sysv_packed_rkey_t`: segment id, the owner's address): UCX attaches
+/// the whole segment, whose size the kernel tells.
+fn check_sysv(key: &[u8], range: &Range<u64>) -> Result<bool, String> {
+    if key.len() < 12 {
+        return Err(format!("a sysv key of {} bytes", key.len()));
+    }
+    let shmid = i32::from_ne_bytes(key[..4].try_into().expect("4 bytes"));
+    let owner = u64::from_ne_bytes(key[4..12].try_into().expect("8 bytes"));
+    // SAFETY: shmid_ds is plain data; all-zero is a valid value for the kernel to fill.
+    let mut ds: libc::shmid_ds = unsafe { std::mem::zeroed() };
+    // SAFETY: IPC_STAT writes one shmid_ds into `ds`, valid for the call.
+    if unsafe { libc::shmctl(shmid, libc::IPC_STAT, &mut ds) } != 0 {
+        return Err(format!("the key's sysv segment {shmid}: {}", std::io::Error::last_os_error()));
+    }
+    let end = owner.checked_add(ds.shm_segsz as u64).ok_or("a sysv segment that wraps around")?;
+    if range.start < owner || range.end > end {
+        return Err(format!(
+            "the range {:#x}..{:#x} is not inside the key's sysv segment {owner:#x}+{}",
+            range.start, range.end, ds.shm_segsz
+        ));
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn domains_are_read_from_ucx_printouts() {
+        let ep = "#                 lane[0]:  8:posix/memory.0 md[4]      -> md[2]/posix/sysdev[255] rma_bw#0 am am_bw#0\n\
+                  #                 lane[1]:  3:cma/memory.0 md[1]        -> md[1]/cma/sysdev[255] rma_bw#1\n\
+                  #                 lane[2]:  1:tcp/lo.0 md[0]  -> am\n\
+                  #                 lane[3]:  1:tcp/lo.0 md[0]  -> md[0]/tcp/sysdev[255] rma_bw#2\n";
+        assert_eq!(
+            lane_domains(ep),
+            [(2, "posix".to_string()), (1, "cma".to_string()), (0, "tcp".to_string())]
+        );
+        let ctx = "#\n#            md 0  :  component 0  self \n#            md 2  :  component 3  posix \n";
+        assert_eq!(context_domains(ctx), [(0, "self".to_string()), (2, "posix".to_string())]);
+    }
+
+    fn key(entries: &[(u32, Vec<u8>)]) -> Vec<u8> {
+        let map: u64 = entries.iter().map(|(m, _)| 1u64 << m).sum();
+        let mut v = map.to_ne_bytes().to_vec();
+        v.push(0);
+        for (_, k) in entries {
+            v.push(k.len() as u8);
+            v.extend_from_slice(k);
+        }
+        v
+    }
+
+    /// A file of nearly 0x2000 bytes, opened and unlinked, and its procfs segment id.
+    fn file(prefix: &str) -> (std::fs::File, u64) {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{prefix}ucxkit-test-{}-{n}", std::process::id());
+        let path = std::env::temp_dir().join(name);
+        let file =
+            std::fs::File::options().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        // UCX makes the file as long as asked and maps whole pages of it.
+        file.set_len(0x2000 - 100).unwrap();
+        let id = (1u64 << 63) | ((file.as_raw_fd() as u64) << 30) | u64::from(std::process::id());
+        (file, id)
+    }
+
+    fn posix_key(seg: u64, address: u64, length: u64) -> Vec<u8> {
+        [seg, address, length].iter().flat_map(|x| x.to_ne_bytes()).collect()
+    }
+
+    /// A file named the way UCX's posix segments are.
+    fn segment() -> (std::fs::File, u64) {
+        file(SEGMENT_PREFIX)
+    }
+
+    #[test]
+    fn posix_segments_are_sized_through_procfs() {
+        let (_other, other) = file("");
+        assert_eq!(posix_segment_len(other), None, "a file that is no UCX segment");
+        let (_file, id) = segment();
+        assert_eq!(posix_segment_len(id), Some(0x2000 - 100));
+        assert_eq!(page_align(0x2000 - 100, false) % base_page_size(), 0);
+        assert!(page_align(0x2000 - 100, false) >= 0x2000);
+        assert_eq!(posix_segment_len(id ^ (1 << 63)), None, "neither procfs nor shm_open");
+    }
+
+    #[test]
+    fn keys_keep_only_what_the_lanes_use_and_can_be_checked() {
+        let (_file, seg) = segment();
+        let posix_key = |address, length| posix_key(seg, address, length);
+        let sizes = OwnKey {
+            by_component: [("posix".to_string(), posix_key(0, 1)), ("cma".to_string(), vec![])].into(),
+            // UCX 1.20 and later: host memory's system device, unknown.
+            tail: vec![0xff],
+        };
+        let tailed = |k: Vec<u8>| [k, vec![0xff]].concat();
+        let lanes = [(2, "posix".to_string()), (1, "cma".to_string())];
+        let k = key(&[(1, vec![]), (2, posix_key(0x1000, 0x1000)), (5, vec![9; 3])]);
+        let out = sanitize(&k, &lanes, &sizes, 0x1000..0x2000).unwrap();
+        // Domain 5 (no lane) left out; 1 and 2 kept; this UCX's tail after them.
+        assert_eq!(out, tailed(key(&[(1, vec![]), (2, posix_key(0x1000, 0x1000))])));
+        // Whatever the peer packed after the transport keys (here a system device with
+        // UCX's flush bit, which UCX 1.22 takes and then crashes on) is replaced.
+        let with_device = [k.clone(), vec![0x80, 1, 2]].concat();
+        assert_eq!(sanitize(&with_device, &lanes, &sizes, 0x1000..0x2000).unwrap(), out);
+        // Host memory only.
+        let mut cuda = k.clone();
+        cuda[8] = 1;
+        assert!(sanitize(&cuda, &lanes, &sizes, 0x1000..0x2000).is_err());
+        // The posix segment must hold the range.
+        assert!(sanitize(&k, &lanes, &sizes, 0x1000..0x2001).is_err());
+        assert!(sanitize(&k, &lanes, &sizes, 0xfff..0x1000).is_err());
+        let empty = key(&[(2, posix_key(0x1000, 0))]);
+        assert!(sanitize(&empty, &lanes, &sizes, 0x1000..0x1000).is_err());
+        let mut renamed = posix_key(0x1000, 0x1000);
+        renamed[7] ^= 0xc0;
+        assert!(sanitize(&key(&[(2, renamed)]), &lanes, &sizes, 0x1000..0x1001).is_err());
+        // A segment smaller than the key says is refused (an access past its end is a
+        // SIGBUS in UCX's mapping).
+        let long = key(&[(2, posix_key(0x1000, 0x2000 + base_page_size()))]);
+        assert!(sanitize(&long, &lanes, &sizes, 0x1000..0x1001).is_err());
+        // A key moved to another domain (its map changed) meets another component's size.
+        let moved = key(&[(1, posix_key(0x1000, 0x1000))]);
+        assert!(sanitize(&moved, &lanes, &sizes, 0x1000..0x2000).is_err());
+        // A component with no size known here is left out.
+        let lanes = [(3, "xpmem".to_string())];
+        assert_eq!(sanitize(&key(&[(3, vec![1; 16])]), &lanes, &sizes, 0..1).unwrap(), tailed(key(&[])));
+    }
+
+    #[test]
+    fn layouts_are_walked_within_bounds() {
+        let k = key(&[(0, vec![1, 2]), (3, vec![])]);
+        let w = walk(&k).unwrap();
+        assert_eq!(w.entries.len(), 2);
+        for n in 0..k.len() {
+            assert!(walk(&k[..n]).is_err(), "cut at {n}");
+        }
+        let mut bad = k.clone();
+        bad[8] = 200;
+        assert!(walk(&bad).is_err(), "memory type");
+    }
+}
