@@ -165,8 +165,9 @@ async fn bad_config_is_an_error() {
 }
 
 /// A name UCX does not know is refused with the name in the message (UCX itself would
-/// keep it and ignore it); settings of the core and of transport modules, with or
-/// without the `UCX_` prefix, are taken.
+/// keep it and ignore it); settings of the core, with or without the `UCX_` prefix, are
+/// taken; transports' settings are taken where UCX applies them per context (1.17 on)
+/// and refused, naming the environment variable, where it would ignore them.
 #[tokio::test]
 async fn unknown_settings_are_errors() {
     for name in ["NO_SUCH_SETTING_XYZ", "UCX_TCP_SNDBUFF", "tls"] {
@@ -176,12 +177,21 @@ async fn unknown_settings_are_errors() {
     }
     ucxkit::transport::Context::builder()
         .config("UCX_TLS", "tcp,self")
-        .config("TCP_SNDBUF", "1m")
-        .config("POSIX_USE_PROC_LINK", "y")
         .config("LOG_LEVEL", "warn")
         .config("RNDV_THRESH", "8k")
         .build()
         .unwrap();
+    let (major, minor, _) = ucxkit::transport::Context::ucx_version();
+    for name in ["TCP_SNDBUF", "POSIX_USE_PROC_LINK"] {
+        let r = ucxkit::transport::Context::builder().config(name, "1m").build();
+        if (major, minor) >= (1, 17) {
+            r.unwrap_or_else(|e| panic!("{name}: {e}"));
+        } else {
+            let err = r.unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Unsupported, "{name}: {err}");
+            assert!(err.to_string().contains(&format!("UCX_{name}")), "{name}: {err}");
+        }
+    }
 }
 
 /// Indirect wire ids stay on (without them UCX reads freed memory for a message from an

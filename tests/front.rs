@@ -271,43 +271,83 @@ async fn hostile_bytes_leave_a_listener_with_a_secret_alive() {
     hostile_bytes(true).await;
 }
 
+/// A listening child (`front_target`) and what it printed: its listener's port and the
+/// ports UCX's TCP transport listens on for its worker; its standard error is gathered.
+struct Target {
+    child: tokio::process::Child,
+    port: u16,
+    ucx_ports: Vec<u16>,
+    stderr: tokio::task::JoinHandle<String>,
+}
+
+impl Target {
+    async fn start(with_secret: bool) -> Target {
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "front_target", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("UCXKIT_FRONT_TARGET", if with_secret { "secret" } else { "open" })
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        // Drained as it comes (UCX logs each refused byte string there).
+        let mut err = child.stderr.take().unwrap();
+        let stderr = tokio::spawn(async move {
+            let mut text = Vec::new();
+            let _ = err.read_to_end(&mut text).await;
+            String::from_utf8_lossy(&text).into_owned()
+        });
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let (mut port, mut ucx_ports) = (0u16, Vec::new());
+        while port == 0 || ucx_ports.is_empty() {
+            let line = tokio::time::timeout(T, lines.next_line())
+                .await
+                .unwrap()
+                .unwrap()
+                .expect("the target's ports");
+            // (The test harness prints its "test ... " before the child's first line.)
+            if let Some(p) = line.split("PORT ").nth(1).filter(|_| !line.contains("UCX_PORTS")) {
+                port = p.trim().parse().unwrap();
+            } else if let Some(p) = line.strip_prefix("UCX_PORTS ") {
+                ucx_ports =
+                    p.trim().split(',').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap()).collect();
+                assert!(!ucx_ports.is_empty(), "UCX's TCP transport listens on no port");
+            }
+        }
+        // The rest of its output is not needed; read it so that the child never blocks.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Target { child, port, ucx_ports, stderr }
+    }
+
+    fn listener(&self) -> SocketAddr {
+        ([127, 0, 0, 1], self.port).into()
+    }
+
+    /// Ends the child (closing its standard input) and returns how it ended and what it
+    /// wrote to standard error.
+    async fn finish(mut self) -> (std::process::ExitStatus, String) {
+        drop(self.child.stdin.take());
+        let status = tokio::time::timeout(T, self.child.wait()).await.unwrap().unwrap();
+        (status, tokio::time::timeout(T, self.stderr).await.unwrap().unwrap())
+    }
+}
+
 async fn hostile_bytes(with_secret: bool) {
     let n: usize =
         std::env::var("UCXKIT_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_CASES);
-    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "front_target", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("UCXKIT_FRONT_TARGET", if with_secret { "secret" } else { "open" })
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut port = 0u16;
-    let mut ucx_ports = Vec::new();
-    while port == 0 || ucx_ports.is_empty() {
-        let line =
-            tokio::time::timeout(T, lines.next_line()).await.unwrap().unwrap().expect("the target's ports");
-        // (The test harness prints its "test ... " before the child's first line.)
-        if let Some(p) = line.split("PORT ").nth(1).filter(|_| !line.contains("UCX_PORTS")) {
-            port = p.trim().parse().unwrap();
-        } else if let Some(p) = line.strip_prefix("UCX_PORTS ") {
-            ucx_ports = p.trim().split(',').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap()).collect();
-            assert!(!ucx_ports.is_empty(), "UCX's TCP transport listens on no port");
-        }
-    }
-    let target: SocketAddr = ([127, 0, 0, 1], port).into();
-    let opening = recorded_opening(target, with_secret).await;
+    let mut t = Target::start(with_secret).await;
+    let opening = recorded_opening(t.listener(), with_secret).await;
     let cases = cases(&opening, n, 0x5eed_f00d);
-    for (what, p) in std::iter::once(("the listener", port))
+    for (what, p) in std::iter::once(("the listener", t.port))
         // (UCX's port is the same with or without a secret: thrown at once.)
-        .chain(ucx_ports.iter().filter(|_| !with_secret).map(|&p| ("UCX's TCP port", p)))
+        .chain(t.ucx_ports.iter().filter(|_| !with_secret).map(|&p| ("UCX's TCP port", p)))
     {
         throw(p, &cases).await;
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = t.child.try_wait().unwrap() {
             panic!("the listening process died ({status}) after {n} hostile byte strings at {what} ({p})");
         }
-        real_client(target, with_secret)
+        real_client(t.listener(), with_secret)
             .await
             .unwrap_or_else(|e| panic!("a real client after the bytes at {what}: {e}"));
         eprintln!(
@@ -315,9 +355,72 @@ async fn hostile_bytes(with_secret: bool) {
              the process lives and takes clients"
         );
     }
-    drop(child.stdin.take());
-    let status = tokio::time::timeout(T, child.wait()).await.unwrap().unwrap();
-    assert!(status.success(), "the listening process ended with {status}");
+    let (status, stderr) = t.finish().await;
+    assert!(status.success(), "the listening process ended with {status}:\n{stderr}");
+}
+
+/// UCX's TCP transport's opening: its magic number, then a connection request (UCX's
+/// connection-manager message id, 32) whose length is not the one UCX expects.
+fn ucx_tcp_bad_request() -> Vec<u8> {
+    let mut b = 0xCAFE_BABE_1234_5678u64.to_le_bytes().to_vec();
+    b.push(32);
+    b.extend_from_slice(&4u32.to_le_bytes());
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b
+}
+
+/// The threat model's one known crash inside UCX, checked so that the documentation
+/// stays true: 17 bytes at UCX's own TCP port (not the listener's) abort the process on
+/// a UCX built with assertions, as Debian's 1.13 is, and nothing else happens. On UCX
+/// builds that live through them (the 1.22 build used here), the process must still
+/// take clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_tcp_port_crash_is_as_documented() {
+    let mut t = Target::start(false).await;
+    let mut s = TcpStream::connect(("127.0.0.1", t.ucx_ports[0])).await.unwrap();
+    s.write_all(&ucx_tcp_bad_request()).await.unwrap();
+    // (Polled: `Child::wait` would close the child's standard input, which ends it.)
+    let mut died = false;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if t.child.try_wait().unwrap().is_some() {
+            died = true;
+            break;
+        }
+    }
+    let lived = !died && real_client(t.listener(), false).await.is_ok();
+    let (status, stderr) = t.finish().await;
+    let assertion = stderr.contains("tcp_cm.c") && stderr.contains("Assertion");
+    let (major, minor, _) = Context::ucx_version();
+    eprintln!("UCX {major}.{minor}: a bad connection request at UCX's TCP port: {status}, lived: {lived}");
+    if (major, minor) == (1, 13) {
+        assert!(!status.success() && assertion, "UCX 1.13 no longer aborts ({status}):\n{stderr}");
+    } else {
+        assert!(lived || assertion, "the process died another way ({status}):\n{stderr}");
+    }
+}
+
+/// The documented mitigation: `TCP_PORT_RANGE` puts UCX's TCP transport's port where a
+/// firewall rule can admit only chosen hosts (per context from UCX 1.17 on; older UCX
+/// takes it from the environment only, and the context refuses it).
+#[tokio::test]
+async fn ucx_tcp_ports_can_be_pinned_to_a_range() {
+    // Below the kernel's ephemeral range, so no other test's port lands there.
+    let range = 21370..21400u16;
+    let in_range = || own_listening_ports(0).into_iter().filter(|p| range.contains(p)).count();
+    let before = in_range();
+    let c = Context::builder()
+        .transports("tcp,self")
+        .config("NET_DEVICES", "lo")
+        .config("TCP_PORT_RANGE", format!("{}-{}", range.start, range.end - 1))
+        .build();
+    if Context::ucx_version() < (1, 17, 0) {
+        assert_eq!(c.unwrap_err().kind(), ErrorKind::Unsupported);
+        return;
+    }
+    let w = c.unwrap().create_worker().unwrap();
+    assert!(in_range() > before, "no UCX port in {range:?}: {:?}", own_listening_ports(0));
+    drop(w);
 }
 
 fn secret(byte: u8) -> Secret {

@@ -42,7 +42,7 @@ use report::Row;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Transport {
     /// Shared memory (`UCX_TLS=posix,cma,tcp,self`; data goes over posix and cma, tcp is
-    /// there for `--cm` connection setup).
+    /// there for UCX's connection manager, which `--cm` connections use on one host).
     Shm,
     /// TCP (`UCX_TLS=tcp,self`).
     Tcp,
@@ -118,9 +118,10 @@ struct Args {
     /// Exact UCX transport list (`UCX_TLS`), overriding --transport, e.g. `posix,self`.
     #[arg(long)]
     tls: Option<String>,
-    /// Connect through UCX's connection manager (a ucxkit `Listener` on the port) instead
-    /// of exchanging worker addresses over a TCP socket on the port (the default, as
-    /// ucx_perftest does). The connection manager needs `tcp` among the transports.
+    /// Connect through a ucxkit `Listener` on the port (its front: ucxkit's handshake,
+    /// then UCX's connection manager on loopback or the worker address) instead of
+    /// exchanging worker addresses over a TCP socket on the port (the default, as
+    /// ucx_perftest does).
     #[arg(long)]
     cm: bool,
     /// Progress mode.

@@ -76,7 +76,9 @@ impl ContextBuilder {
     /// the process environment. `name` is given without the `UCX_` prefix, as in
     /// `ucp_config_modify`: `.config("TLS", "tcp,self")`, `.config("NET_DEVICES", "lo")`.
     /// A name UCX does not know (`ucx_info -c -f` lists them) makes
-    /// [`ContextBuilder::build`] fail with [`Error::UnknownSetting`].
+    /// [`ContextBuilder::build`] fail with [`Error::UnknownSetting`]. Transports' settings
+    /// (`TCP_PORT_RANGE`, `POSIX_USE_PROC_LINK`) apply per context from UCX 1.17 on;
+    /// older UCX takes them from the environment only, and `build` refuses them.
     pub fn config(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         let name = name.into();
         let name = name.strip_prefix("UCX_").map(str::to_owned).unwrap_or(name);
@@ -122,9 +124,10 @@ impl ContextBuilder {
     /// [`Error::Unsupported`] when the UCX library loaded at run time is older than the
     /// headers ucxkit was built against (the calls made for the newer API would not be
     /// honoured: a newer UCX copies an active message's header when asked, an older one
-    /// reads it until the send completes); [`Error::Config`] for a setting UCX refuses;
-    /// [`Error::UnknownSetting`] for a name it does not know; [`Error::CreateContext`]
-    /// when `ucp_init` fails.
+    /// reads it until the send completes), or for a transport's setting (`TCP_SNDBUF`)
+    /// with a UCX before 1.17, which applies those from the environment only;
+    /// [`Error::Config`] for a setting UCX refuses; [`Error::UnknownSetting`] for a name
+    /// it does not know; [`Error::CreateContext`] when `ucp_init` fails.
     pub fn build(self) -> Result<Context> {
         let (major, minor, _) = Context::ucx_version();
         if (major, minor) < (sys::API_MAJOR, sys::API_MINOR) {
@@ -143,6 +146,8 @@ impl ContextBuilder {
         let st = Status(unsafe { sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) });
         st.check().map_err(|source| Error::Config { name: "(read)".into(), value: String::new(), source })?;
         let guard = ConfigGuard(config);
+        // Read before any change: the settings of UCP's own table.
+        let ucp_names = ucp_settings(guard.0);
         for (_, v) in self.config.iter().filter(|(n, _)| n.eq_ignore_ascii_case(INDIRECT_ID)) {
             if !["on", "y", "yes", "1"].iter().any(|on| v.eq_ignore_ascii_case(on)) {
                 return Err(Error::ApiMisuse(format!(
@@ -200,6 +205,20 @@ impl ContextBuilder {
                 return Err(Error::UnknownSetting { name: name.clone() });
             }
         }
+        // Before 1.17, UCX hands a setting it does not apply itself (a transport's, such as
+        // TCP_PORT_RANGE) to the transports under its full name, which they compare
+        // without their prefix: it never applies. Refused rather than ignored.
+        if (major, minor) < (1, 17) {
+            let applied = |n: &str| ucp_names.contains(n) || is_global_setting(n);
+            if let Some((name, _)) = self.config.iter().find(|(n, _)| !applied(n)) {
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "UCX {major}.{minor} takes {name} from the environment only (UCX_{name}); \
+                         UCX 1.17 and later take it for one context"
+                    ),
+                });
+            }
+        }
         tracing::debug!(features = features.0, "UCX context created");
         Ok(ctx)
     }
@@ -235,6 +254,27 @@ fn known_settings() -> Option<&'static HashSet<String>> {
             (!names.is_empty()).then_some(names)
         })
         .as_ref()
+}
+
+/// The names of the settings in UCP's own table, as `ucp_config_print` lists `config`'s
+/// (empty when they cannot be read).
+fn ucp_settings(config: *const sys::ucp_config_t) -> HashSet<String> {
+    let flags =
+        sys::ucs_config_print_flags_t(sys::UCS_CONFIG_PRINT_CONFIG.0 | sys::UCS_CONFIG_PRINT_HIDDEN.0);
+    // SAFETY: config is a live configuration; f is an open stream; the title is
+    // NUL-terminated.
+    printed(|f| unsafe { sys::ucp_config_print(config, f.cast(), c"".as_ptr(), flags) })
+        .map(|t| parse_settings(&t))
+        .unwrap_or_default()
+}
+
+/// Whether `name` is one of UCS's global settings that `ucp_config_modify` applies.
+fn is_global_setting(name: &str) -> bool {
+    let Ok(n) = CString::new(name) else { return false };
+    let mut value = [0 as libc::c_char; 256];
+    // SAFETY: n is NUL-terminated; value has room for `len` bytes.
+    let st = unsafe { sys::ucs_global_opts_get_value(n.as_ptr(), value.as_mut_ptr(), value.len()) };
+    st == sys::UCS_OK
 }
 
 /// What `print` writes to a C stream, as text; `None` when no stream could be made.

@@ -77,6 +77,15 @@
 //! the peer process through a pidfd; when it exits, the endpoint fails, its bound
 //! receives are canceled and its sends end with [`Error::ConnectionReset`].
 //!
+//! # Hostile peers
+//! No bytes from the network are meant to crash a ucxkit process: listeners speak a
+//! protocol of ucxkit's own before UCX sees anything ([`front`]), worker addresses and
+//! remote keys are checked before UCX parses them, and a secret
+//! ([`ContextBuilder::secret`]) authenticates peers and seals addresses and keys. The
+//! one way in that ucxkit cannot guard is the port UCX's TCP transport listens on; the
+//! threat model in [`front`] says what each mode lets a peer do and how to shield that
+//! port.
+//!
 //! # Resource cleanup
 //! Handles are reference counted: an endpoint keeps its worker alive, a worker its
 //! context. Dropping the last clone of an [`Endpoint`] closes it in the background;

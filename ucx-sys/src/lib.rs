@@ -14,7 +14,7 @@
 //! below: [`UCS_PTR_IS_ERR`], [`UCS_PTR_IS_PTR`], [`UCS_PTR_STATUS`], [`UCS_PTR_RAW_STATUS`],
 //! [`UCS_STATUS_PTR`], [`ucp_dt_make_contig`] and [`ucp_init`]; two symbols of UCS's
 //! configuration parser are declared by hand ([`ucs_config_global_list`],
-//! [`ucs_config_parser_print_all_opts`]).
+//! [`ucs_config_parser_print_all_opts`], [`ucs_global_opts_get_value`]).
 //!
 //! The build sets `cfg(ucx_ge_1_N)` for every UCX minor version `N` (from 13) that the
 //! headers provide, so code can gate APIs that newer UCX releases add.
@@ -125,6 +125,15 @@ extern "C" {
         config_list: *mut ucs_list_link_t,
         filter: *const core::ffi::c_char,
     );
+
+    /// `ucs_global_opts_get_value(name, value, max)` (`<ucs/config/global_opts.h>`):
+    /// `UCS_OK` when `name` is one of UCS's global settings that can be changed at run
+    /// time (the ones `ucp_config_modify` applies besides UCP's own).
+    pub fn ucs_global_opts_get_value(
+        name: *const core::ffi::c_char,
+        value: *mut core::ffi::c_char,
+        max: usize,
+    ) -> ucs_status_t;
 }
 
 #[cfg(test)]

@@ -14,23 +14,45 @@
 //! ([`crate::pairing`]).
 //!
 //! # Threat model
-//! - Anyone who reaches the listener's port reaches only this module's parser: bytes
-//!   that are not the protocol end the TCP connection, at any point, and a listener
-//!   holds a bounded number of half-open connections and unanswered requests.
-//! - Without a secret, any client that speaks the protocol can connect, and learns the
-//!   listener worker's address. UCX's own transports then talk to each other directly:
-//!   UCX's TCP transport listens on a port of its own for each worker, and UCX parses
-//!   what arrives there (wire-up messages with addresses in them) without ucxkit in
-//!   between. A peer that sends UCX crafted messages there can make UCX 1.13 abort
-//!   (Debian builds it with assertions). Bind UCX to chosen devices (`NET_DEVICES`),
-//!   and keep the listener and UCX's ports away from networks you do not trust.
-//! - With a secret ([`crate::ContextBuilder::secret`]), only peers that prove they hold
-//!   it get anything: a client without it is refused before the listener gives out its
-//!   address, a listener without it is refused before the client gives out anything,
-//!   and the frames after the proofs cannot be changed or replayed. Worker addresses
-//!   and remote keys the context hands out carry a MAC, and ones without a valid MAC
-//!   are refused. UCX's transport port stays open to whoever finds it, as above.
-//! - Nothing here encrypts: run over networks where being read is acceptable.
+//! What someone who can send bytes to a ucxkit process can do, by where they send them:
+//!
+//! - **A listener's port**, in every mode: only this module's parser sees the bytes.
+//!   Bytes that are not the protocol end that TCP connection, at any point; a listener
+//!   holds a bounded number of half-open connections and unanswered requests
+//!   (`tests/front.rs` throws thousands of random and damaged openings, with and
+//!   without a secret).
+//! - **Without a secret**, any client that speaks the protocol connects and learns the
+//!   listener worker's address, and any worker address or remote key can be handed to
+//!   [`crate::Worker::connect_address`] and [`crate::Endpoint::unpack_key`]. ucxkit
+//!   checks both before UCX parses them (layout and lengths, the format, the
+//!   memory-domain map and each transport's part against this context's own, a
+//!   shared-memory key's segment against the range it is used for), so forged ones are
+//!   refused or do no harm (`tests/forged.rs`). What a transport's part names is the
+//!   sender's word, as it is to UCX: the host and port to connect to, the shared-memory
+//!   segment to map, the process whose memory cma reads and writes (the kernel allows
+//!   that only where this process may trace that one). Take addresses and keys from
+//!   peers you trust, or use a secret.
+//! - **With a secret** ([`crate::ContextBuilder::secret`]), only peers that prove they
+//!   hold it get anything: a client without it is refused before the listener gives out
+//!   its address, a listener without it is refused before the client gives out
+//!   anything, and the frames after the proofs cannot be changed or replayed. The worker
+//!   addresses and remote keys the context hands out carry a MAC; ones without a valid
+//!   MAC are refused.
+//! - **UCX's own TCP port**, in every mode, when `tcp` is among the transports: UCX's
+//!   TCP transport listens on a port of its own for each worker, on each device it uses,
+//!   and parses what arrives there (its connection requests, then UCP's wire-up messages
+//!   with worker addresses in them) without ucxkit in between. On UCX built with
+//!   assertions, as Debian's 1.13 is, 17 bytes there (UCX's magic number and a
+//!   connection request of the wrong length) abort the process; ucxkit cannot keep them
+//!   from UCX. The 1.22 build tested here logs an error for them and goes on, but UCX
+//!   does not authenticate that port in any version, and a secret does not close it (it
+//!   keeps the worker's address from strangers; a port scan finds the port). So keep
+//!   UCX's TCP transport off networks you do not trust: bind it to chosen devices
+//!   (`.config("NET_DEVICES", "eth1")`), pin its ports to a range
+//!   (`.config("TCP_PORT_RANGE", "40000-40999")`, UCX 1.17 and later; `UCX_TCP_PORT_RANGE`
+//!   in the environment before) that a firewall opens only to the cluster's hosts, or
+//!   leave `tcp` out of the transports (listeners do not need it).
+//! - Nothing is encrypted: run over networks where being read is acceptable.
 
 pub(crate) mod auth;
 pub(crate) mod client;
