@@ -13,7 +13,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::ctx;
+use common::{ctx, Rng};
 use ucxkit::transport::{EndpointOptions, WorkerAddress};
 
 /// Cases per kind and transport set in the test command; `UCXKIT_FORGE_CASES` sets
@@ -60,20 +60,6 @@ fn key_envelope(like: &[u8], ucx: &[u8], range: Option<(u64, u64)>) -> Vec<u8> {
     v
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// `b` changed: bits flipped, bytes set, bytes cut, inserted or dropped, or all random.
 fn mutate(rng: &mut Rng, b: &[u8]) -> Vec<u8> {
     let mut v = b.to_vec();
@@ -116,7 +102,7 @@ async fn forge_target() {
     let (victim, peer) = (c.create_worker().unwrap(), c.create_worker().unwrap());
     let genuine = peer.address().unwrap();
     let ucx = genuine.ucx_bytes().to_vec();
-    let mut rng = Rng(0x0f0f_1234_5678_9abc);
+    let mut rng = Rng::new(0x0f0f_1234_5678_9abc);
     let (mut refused, mut made) = (0, 0);
     let opts =
         EndpointOptions { handshake: false, timeout: Duration::from_millis(200), ..Default::default() };

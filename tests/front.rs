@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{ctx, loopback, payload};
+use common::{ctx, loopback, payload, Rng};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use ucxkit::transport::{tag, Context, Endpoint, EndpointOptions, ErrorKind, Secret, Worker};
@@ -157,25 +157,10 @@ async fn recorded_opening(target: SocketAddr, with_secret: bool) -> Vec<u8> {
     seen
 }
 
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 /// Hostile byte strings: random ones of many lengths, frames claiming odd lengths, and
 /// the real opening damaged in every way at hand.
 fn cases(opening: &[u8], n: usize, seed: u64) -> Vec<Vec<u8>> {
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let mut out = vec![
         Vec::new(),
         vec![0u8; 17],

@@ -258,15 +258,15 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         && request.net_ns != 0
         && request.net_ns == super::net_ns()
         && super::shares_memory(&request.identity);
+    let accept = Accept {
+        identity: ProcessIdentity::current(),
+        uuid,
+        shared_memory: worker.context().has_shared_memory(),
+        peer_mode,
+        loopback_port: 0,
+        address: mine.ucx_bytes().to_vec(),
+    };
     if loopback {
-        let accept = Accept {
-            identity: ProcessIdentity::current(),
-            uuid,
-            shared_memory: worker.context().has_shared_memory(),
-            peer_mode,
-            loopback_port: 0,
-            address: mine.ucx_bytes().to_vec(),
-        };
         return accept_on_loopback(worker, conn, accept, &request, peer, opts).await;
     }
     let fresh = worker.shared.inner.locked(|st| {
@@ -282,14 +282,7 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         return Err(Error::Handshake { peer, reason: "the client reused a connection id".into() });
     }
     let _guard = WaitGuard { worker, conn: conn_id };
-    let accept = Msg::Accept(Accept {
-        identity: ProcessIdentity::current(),
-        uuid,
-        shared_memory: worker.context().has_shared_memory(),
-        peer_mode,
-        loopback_port: 0,
-        address: mine.ucx_bytes().to_vec(),
-    });
+    let accept = Msg::Accept(accept);
     let broken = |e: Broken| front_error(&peer, e);
     conn.send(&accept).await.map_err(broken)?;
     let adopt = async {
