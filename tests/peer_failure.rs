@@ -378,6 +378,9 @@ fn a_peer_killed_during_transfers_does_not_kill_this_process() {
     let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the surviving process ended with {}: {text}", out.status);
     assert!(text.contains(&format!("survived {trials}")), "{text}");
+    for l in text.lines().filter(|l| l.contains("survived")) {
+        eprintln!("{}", l.trim_start_matches("test survivor ... "));
+    }
 }
 
 #[tokio::test]

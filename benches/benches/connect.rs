@@ -3,10 +3,11 @@
 //! connection manager (`listen_with`/`connect_with` with the handshake off, which is
 //! what a plain UCX client and server do). Closing the endpoints is not timed.
 //!
-//! Two cases of transports: TCP only (the front pairs the endpoints in UCX's peer
-//! error mode, by worker address) and shared memory with TCP (error mode none on one
-//! host: the front then hands the client a one-shot UCX listener on loopback, so the
-//! connection costs the front's exchange and a UCX connection-manager connect).
+//! Two cases of transports: TCP only (UCX's peer error mode) and shared memory with TCP
+//! (error mode none). Both sides are on one host, where the front hands the client a
+//! one-shot UCX listener on loopback (see `front::server`): a connection costs the
+//! front's exchange and a UCX connection-manager connect. (Between hosts the front
+//! pairs the endpoints by worker address instead.)
 //!
 //! `cargo bench -p ucxkit-benches --bench connect`
 

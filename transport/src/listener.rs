@@ -349,19 +349,21 @@ impl ConnectionRequest {
     }
 
     /// Accepts a request of a UCX listener that a front accept opened on the loopback
-    /// address (see [`crate::front::server`]): no peer error handling, and the client's
-    /// hello must carry the front's connection id `conn`; the endpoint names the front's
-    /// client as `peer`.
+    /// address (see [`crate::front::server`]), in UCX's peer error mode or not as the
+    /// front agreed; the client's hello must carry the front's connection id `conn`; the
+    /// endpoint names the front's client as `peer`.
     pub(crate) async fn accept_for_front(
         mut self,
         conn: u64,
         peer: Peer,
+        peer_mode: bool,
         timeout: std::time::Duration,
     ) -> Result<Endpoint> {
         let Some(Req::Ucx(req)) = self.req.take() else {
             return Err(Error::ApiMisuse("not a request of a UCX listener".into()));
         };
-        let ep = self.listener.worker.create_ep_with(Target::Request(req), peer, false, Some(Some(conn)))?;
+        let ep =
+            self.listener.worker.create_ep_with(Target::Request(req), peer, peer_mode, Some(Some(conn)))?;
         ep.server_handshake(timeout).await?;
         Ok(ep)
     }

@@ -62,7 +62,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         Some("it is this worker".to_string())
     } else if opts.error_mode != ErrorMode::Auto && (opts.error_mode == ErrorMode::Peer) != accept.peer_mode {
         Some(format!("it chose an error mode other than the {:?} this side asked for", opts.error_mode))
-    } else if accept.loopback_port != 0 && (accept.peer_mode || !super::shares_memory(&accept.identity)) {
+    } else if accept.loopback_port != 0 && !accept.identity.same_host() {
         Some("it offers the loopback address to a peer that cannot use it".to_string())
     } else if conn.authenticated() {
         // From a listener that proved it holds the secret: its word, past the header.
@@ -80,8 +80,8 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
     let mut attempt = 0u32;
     loop {
         let target = match &loopback {
-            // Same host without peer error handling: through UCX's connection manager on
-            // the loopback address (see `front::server`).
+            // Same host: through UCX's connection manager on the loopback address (see
+            // `front::server`).
             Some(cm) => Target::Socket(cm),
             None => Target::Address(&address),
         };

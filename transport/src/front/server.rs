@@ -3,15 +3,25 @@
 //! that follows the application's decision.
 //!
 //! The accepted endpoint comes from the client's worker address (see
-//! [`crate::pairing`]), except between two processes of one host without peer error
-//! handling (shared memory, watched by ucxkit) whose contexts have UCX's connection
-//! manager: those connect through a UCX listener the accept opens on the loopback
-//! address for that one client and closes right after. UCX's connection manager tells
-//! an endpoint that its peer closed, in every error mode, so that UCX ends the
-//! operations still pending on it (a send the peer will never receive); an endpoint
-//! made from a worker address learns it only in peer mode. Only processes of this host
-//! can reach the loopback port while it is open, and the client's hello must carry the
-//! connection id the front gave it.
+//! [`crate::pairing`]), except between two processes of one host (and one network
+//! namespace) whose contexts have UCX's connection manager: those connect through a
+//! UCX listener the accept opens on the loopback address for that one client and
+//! closes right after. Two reasons:
+//! - UCX's connection manager tells an endpoint that its peer closed, in every error
+//!   mode, so that UCX ends the operations still pending on it (a send the peer will
+//!   never receive); an endpoint made from a worker address learns it only in peer
+//!   mode.
+//! - Made from a worker address, UCX's TCP transport carries each direction on a
+//!   socket of its own, and when the peer dies during a zero-copy send on the sending
+//!   socket, UCX (1.13 to 1.22 at least) completes that send twice
+//!   (`uct_tcp_ep_sendv` after `uct_tcp_ep_handle_send_err`, which purges it first):
+//!   an assertion that aborts the process in Debian's 1.13, a write into a released
+//!   request in builds without assertions. Through the connection manager one socket
+//!   carries both directions, and the peer's death is seen on the receiving side
+//!   first.
+//!
+//! Only processes of this host can reach the loopback port while it is open, and the
+//! client's hello must carry the connection id the front gave it.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -252,12 +262,11 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         what: "this UCX's worker addresses carry no worker uuid".into(),
     })?;
     let conn_id = request.conn;
-    let loopback = !peer_mode
-        && request.connection_manager
+    let loopback = request.connection_manager
         && super::has_connection_manager(&worker.context())
         && request.net_ns != 0
         && request.net_ns == super::net_ns()
-        && super::shares_memory(&request.identity);
+        && request.identity.same_host();
     let accept = Accept {
         identity: ProcessIdentity::current(),
         uuid,
@@ -345,8 +354,8 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
     Ok(ep)
 }
 
-/// The accept of a client on this host without peer error handling: through a UCX
-/// listener on the loopback address, for this client only (see the module docs).
+/// The accept of a client on this host: through a UCX listener on the loopback
+/// address, for this client only (see the module docs).
 async fn accept_on_loopback(
     worker: &Worker,
     mut conn: Conn,
@@ -358,13 +367,14 @@ async fn accept_on_loopback(
     let plain = EndpointOptions { handshake: false, error_mode: crate::ErrorMode::None, ..opts.clone() };
     let listener = worker.listen_with(SocketAddr::from(([127, 0, 0, 1], 0)), plain)?;
     accept.loopback_port = listener.local_addr().port();
+    let peer_mode = accept.peer_mode;
     conn.send(&Msg::Accept(accept)).await.map_err(|e| front_error(&peer, e))?;
     let conn_id = request.conn;
     let accepted = async {
         // Whoever else on this host connects to the port meanwhile is refused.
         for _ in 0..=super::MAX_COLLISIONS {
             let r = listener.next().await?;
-            match r.accept_for_front(conn_id, peer.clone(), opts.timeout).await {
+            match r.accept_for_front(conn_id, peer.clone(), peer_mode, opts.timeout).await {
                 Ok(ep) => return Ok(ep),
                 Err(e) => tracing::debug!("a loopback connection that is not the client's: {e}"),
             }
