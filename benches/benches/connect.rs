@@ -4,10 +4,9 @@
 //! what a plain UCX client and server do). Closing the endpoints is not timed.
 //!
 //! Two cases of transports: TCP only (UCX's peer error mode) and shared memory with TCP
-//! (error mode none). Both sides are on one host, where the front hands the client a
-//! one-shot UCX listener on loopback (see `front::server`): a connection costs the
-//! front's exchange and a UCX connection-manager connect. (Between hosts the front
-//! pairs the endpoints by worker address instead.)
+//! (error mode none). With tcp in both contexts the front hands the client a one-shot
+//! UCX listener (see `front::server`): a connection costs the front's exchange and a
+//! UCX connection-manager connect.
 //!
 //! `cargo bench -p ucxkit-benches --bench connect`
 

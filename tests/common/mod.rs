@@ -10,11 +10,13 @@ use std::net::SocketAddr;
 
 use ucxkit::transport::{Context, Endpoint, EndpointOptions, ErrorMode, ProgressMode, Worker};
 
-/// A context limited to `tls` (for example `"tcp,self"` or `"posix,cma,self"`).
+/// A context limited to `tls` (for example `"tcp,self"` or `"posix,cma,self"`), with
+/// TCP on the loopback device, or on the devices `UCXKIT_NET_DEVICES` names (set for
+/// the children tests run in network namespaces of their own).
 pub fn ctx(tls: &str) -> Context {
     let mut b = Context::builder().transports(tls);
     if tls.contains("tcp") {
-        b = b.config("NET_DEVICES", "lo");
+        b = b.config("NET_DEVICES", std::env::var("UCXKIT_NET_DEVICES").unwrap_or_else(|_| "lo".into()));
     }
     b.build().expect("context")
 }

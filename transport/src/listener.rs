@@ -142,7 +142,7 @@ impl Worker {
     }
 
     /// A UCX listener on `addr` (with `opts.handshake` on too: the accepts then wait for
-    /// the client's hello, as the front's loopback accepts do).
+    /// the client's hello, as the front's one-shot accepts do).
     pub(crate) fn listen_ucx(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Listener> {
         let (storage, len) = crate::endpoint::sockaddr_of(&addr);
         let state = self.state_ptr();
@@ -348,8 +348,7 @@ impl ConnectionRequest {
         Ok(ep)
     }
 
-    /// Accepts a request of a UCX listener that a front accept opened on the loopback
-    /// address (see [`crate::front::server`]), in UCX's peer error mode or not as the
+    /// Accepts a request of the one-shot UCX listener a front accept opened (see [`crate::front::server`]), in UCX's peer error mode or not as the
     /// front agreed; the client's hello must carry the front's connection id `conn`; the
     /// endpoint names the front's client as `peer`.
     pub(crate) async fn accept_for_front(

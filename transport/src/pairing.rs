@@ -7,7 +7,8 @@
 //! peer's next `ucp_ep_create` to this worker then takes that internal endpoint over
 //! (matched by number, whatever the address it is given).
 //!
-//! The listener front relies on this: the connecting side creates its endpoint from the
+//! The listener front relies on this where either side has no UCX connection manager
+//! (no tcp transport; see `front::server`): the connecting side creates its endpoint from the
 //! accepting side's address and sends its hello; when the hello arrives (its reply
 //! endpoint is UCX's internal endpoint), the accepting side takes that endpoint over by
 //! creating one from a *bare address*, which names the connecting worker and no

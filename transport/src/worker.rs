@@ -2120,7 +2120,7 @@ mod tests {
         let server = c.create_worker().unwrap();
         let client = c.create_worker().unwrap();
         // UCX's own listener, its accepts waiting for the client's hello (as the front's
-        // loopback accepts do).
+        // one-shot accepts do).
         let l = server.listen_ucx("127.0.0.1:0".parse().unwrap(), EndpointOptions::default()).unwrap();
         let addr = l.local_addr();
         let accept = tokio::spawn(async move {

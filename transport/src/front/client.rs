@@ -41,7 +41,6 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
     let request = Request {
         conn: conn_id,
         identity: ProcessIdentity::current(),
-        net_ns: super::net_ns(),
         uuid,
         shared_memory: ctx.has_shared_memory(),
         connection_manager: super::has_connection_manager(&ctx),
@@ -62,8 +61,8 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         Some("it is this worker".to_string())
     } else if opts.error_mode != ErrorMode::Auto && (opts.error_mode == ErrorMode::Peer) != accept.peer_mode {
         Some(format!("it chose an error mode other than the {:?} this side asked for", opts.error_mode))
-    } else if accept.loopback_port != 0 && !accept.identity.same_host() {
-        Some("it offers the loopback address to a peer that cannot use it".to_string())
+    } else if accept.cm_port != 0 && !super::has_connection_manager(&ctx) {
+        Some("it offers UCX's connection manager to a context without one".to_string())
     } else if conn.authenticated() {
         // From a listener that proved it holds the secret: its word, past the header.
         crate::address::check_ucx_address(&accept.address).err()
@@ -75,12 +74,11 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         return Err(Error::Handshake { peer, reason: format!("the listener's accept: {reason}") });
     }
     let address = WorkerAddress::wrap(&accept.identity, accept.shared_memory, &accept.address);
-    let loopback =
-        (accept.loopback_port != 0).then(|| SocketAddr::from(([127, 0, 0, 1], accept.loopback_port)));
+    let cm = (accept.cm_port != 0).then(|| SocketAddr::new(addr.ip(), accept.cm_port));
     let mut attempt = 0u32;
     loop {
-        let target = match &loopback {
-            // Same host: through UCX's connection manager on the loopback address (see
+        let target = match &cm {
+            // Through UCX's connection manager, on the listener's one-shot port (see
             // `front::server`).
             Some(cm) => Target::Socket(cm),
             None => Target::Address(&address),
@@ -88,7 +86,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         let ep = worker.create_ep(target, peer.clone(), accept.peer_mode)?;
         // The listener writes on the front only to give up (see `gave_up`).
         let outcome = tokio::select! {
-            r = ep.client_handshake_with(conn_id, loopback.is_none(), left()) => r,
+            r = ep.client_handshake_with(conn_id, cm.is_none(), left()) => r,
             e = gave_up(&mut conn, &peer) => Err(e),
         };
         match outcome {

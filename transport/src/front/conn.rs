@@ -58,6 +58,11 @@ impl Conn {
         Conn { stream, session: None }
     }
 
+    /// The local address of the connection: the address its client reached.
+    pub(crate) fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.stream.local_addr()
+    }
+
     /// Whether the opening authenticated both sides (they share the secret).
     pub(crate) fn authenticated(&self) -> bool {
         self.session.is_some()

@@ -1,5 +1,5 @@
-//! The listener front: how ucxkit connects through a socket address without letting a
-//! single unchecked byte from the network reach UCX.
+//! The listener front: how ucxkit connects through a socket address without handing
+//! UCX a byte from whoever reaches the listener's port.
 //!
 //! A [`crate::Listener`] made with the handshake on (the default) is a TCP listener of
 //! ucxkit's own, not UCX's connection manager, whose parser a few bytes from anyone
@@ -8,10 +8,13 @@
 //! then, when their contexts share a secret, an HMAC-SHA256 challenge-response both
 //! ways and a MAC on every later frame (`front::auth`); the client's request (who it is,
 //! which error mode it wants); the application's accept or reject; and, on accept, the
-//! listener's worker address. The client then creates its UCX endpoint from that
-//! address and sends ucxkit's handshake over it; the listener takes over the endpoint
-//! UCX made for it without ever handing UCX an address the client sent
-//! ([`crate::pairing`]).
+//! listener's worker address and, when both contexts have UCX's connection manager
+//! (tcp), the port of a UCX listener opened for this client alone. The client connects
+//! there (or, without a connection manager, creates its endpoint from the address) and
+//! sends ucxkit's handshake over the new endpoint; the listener takes only the endpoint
+//! whose hello carries this client's connection id, and never hands UCX an address the
+//! client sent ([`crate::pairing`]). `front::server` says why the connection manager is
+//! preferred.
 //!
 //! # Threat model
 //! What someone who can send bytes to a ucxkit process can do, by where they send them:
@@ -41,7 +44,9 @@
 //! - **UCX's own TCP port**, in every mode, when `tcp` is among the transports: UCX's
 //!   TCP transport listens on a port of its own for each worker, on each device it uses,
 //!   and parses what arrives there (its connection requests, then UCP's wire-up messages
-//!   with worker addresses in them) without ucxkit in between. On UCX built with
+//!   with worker addresses in them) without ucxkit in between; so does its connection
+//!   manager on the one-shot port a listener opens for each client it accepted, until
+//!   that client is in (see `front::server`). On UCX built with
 //!   assertions, as Debian's 1.13 is, 17 bytes there (UCX's magic number and a
 //!   connection request of the wrong length) abort the process; ucxkit cannot keep them
 //!   from UCX. The 1.22 build tested here logs an error for them and goes on, but UCX
@@ -72,14 +77,6 @@ pub(crate) const MAX_COLLISIONS: u32 = 8;
 pub(crate) fn shares_memory(identity: &ProcessIdentity) -> bool {
     let me = ProcessIdentity::current();
     identity.same_host() && identity.pid_ns != 0 && identity.pid_ns == me.pid_ns
-}
-
-/// Inode of this process's network namespace (`/proc/self/ns/net`), 0 if unknown: two
-/// processes share the loopback address only within one.
-pub(crate) fn net_ns() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    static NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *NS.get_or_init(|| std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).unwrap_or(0))
 }
 
 /// Whether a context can connect through UCX's connection manager (its sockets ride

@@ -2,11 +2,11 @@
 //! opening and the client's request before the application sees them, and the accept
 //! that follows the application's decision.
 //!
-//! The accepted endpoint comes from the client's worker address (see
-//! [`crate::pairing`]), except between two processes of one host (and one network
-//! namespace) whose contexts have UCX's connection manager: those connect through a
-//! UCX listener the accept opens on the loopback address for that one client and
-//! closes right after. Two reasons:
+//! When both contexts have UCX's connection manager (tcp), the accept opens a UCX
+//! listener for that one client on the address the client reached the front at, and
+//! closes it once the client's endpoint is in (or the accept's timeout ran out);
+//! otherwise the accepted endpoint comes from the client's worker address (see
+//! [`crate::pairing`]). The connection manager is preferred for two reasons:
 //! - UCX's connection manager tells an endpoint that its peer closed, in every error
 //!   mode, so that UCX ends the operations still pending on it (a send the peer will
 //!   never receive); an endpoint made from a worker address learns it only in peer
@@ -20,8 +20,11 @@
 //!   carries both directions, and the peer's death is seen on the receiving side
 //!   first.
 //!
-//! Only processes of this host can reach the loopback port while it is open, and the
-//! client's hello must carry the connection id the front gave it.
+//! The one-shot port is open only after the front accepted the client (with a secret:
+//! after both proved they hold it), and only a hello that carries the connection id the
+//! front gave that client is taken there. Whoever else reaches the port while it is
+//! open reaches UCX's connection-manager parser, as with any UCX listener (see the
+//! threat model in [`crate::front`]).
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -262,21 +265,17 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         what: "this UCX's worker addresses carry no worker uuid".into(),
     })?;
     let conn_id = request.conn;
-    let loopback = request.connection_manager
-        && super::has_connection_manager(&worker.context())
-        && request.net_ns != 0
-        && request.net_ns == super::net_ns()
-        && request.identity.same_host();
+    let via_cm = request.connection_manager && super::has_connection_manager(&worker.context());
     let accept = Accept {
         identity: ProcessIdentity::current(),
         uuid,
         shared_memory: worker.context().has_shared_memory(),
         peer_mode,
-        loopback_port: 0,
+        cm_port: 0,
         address: mine.ucx_bytes().to_vec(),
     };
-    if loopback {
-        return accept_on_loopback(worker, conn, accept, &request, peer, opts).await;
+    if via_cm {
+        return accept_through_cm(worker, conn, accept, &request, peer, opts).await;
     }
     let fresh = worker.shared.inner.locked(|st| {
         if st.front_accepts.contains_key(&conn_id) {
@@ -354,9 +353,9 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
     Ok(ep)
 }
 
-/// The accept of a client on this host: through a UCX listener on the loopback
-/// address, for this client only (see the module docs).
-async fn accept_on_loopback(
+/// The accept through UCX's connection manager: a UCX listener on the address the
+/// client reached, for this client only (see the module docs).
+async fn accept_through_cm(
     worker: &Worker,
     mut conn: Conn,
     mut accept: Accept,
@@ -365,8 +364,12 @@ async fn accept_on_loopback(
     opts: &EndpointOptions,
 ) -> Result<Endpoint> {
     let plain = EndpointOptions { handshake: false, error_mode: crate::ErrorMode::None, ..opts.clone() };
-    let listener = worker.listen_with(SocketAddr::from(([127, 0, 0, 1], 0)), plain)?;
-    accept.loopback_port = listener.local_addr().port();
+    let here = conn.local_addr().map_err(|e| Error::Handshake {
+        peer: peer.clone(),
+        reason: format!("the front connection's address: {e}"),
+    })?;
+    let listener = worker.listen_with(SocketAddr::new(here.ip(), 0), plain)?;
+    accept.cm_port = listener.local_addr().port();
     let peer_mode = accept.peer_mode;
     conn.send(&Msg::Accept(accept)).await.map_err(|e| front_error(&peer, e))?;
     let conn_id = request.conn;
@@ -376,12 +379,12 @@ async fn accept_on_loopback(
             let r = listener.next().await?;
             match r.accept_for_front(conn_id, peer.clone(), peer_mode, opts.timeout).await {
                 Ok(ep) => return Ok(ep),
-                Err(e) => tracing::debug!("a loopback connection that is not the client's: {e}"),
+                Err(e) => tracing::debug!("a connection to the one-shot port that is not the client's: {e}"),
             }
         }
         Err(Error::Handshake {
             peer: peer.clone(),
-            reason: "no loopback connection came from the client".into(),
+            reason: "the client did not connect to the one-shot port".into(),
         })
     };
     let ep = tokio::select! {
@@ -393,7 +396,7 @@ async fn accept_on_loopback(
     };
     drop(listener);
     ep.check_required(&opts.require_transports)?;
-    tracing::debug!("accepted through the front, over the loopback address");
+    tracing::debug!("accepted through the front and UCX's connection manager");
     Ok(ep)
 }
 

@@ -16,8 +16,8 @@
 //! | 1 | client hello | nonce (32), flags (1: bit 0, the client has a secret) |
 //! | 2 | server hello | nonce (32), flags (1: bit 0, the server needs a secret) |
 //! | 3 | proof | HMAC-SHA256 (32) |
-//! | 4 | request | connection id (8), identity (36), network namespace (8), worker uuid (8), flags (1: bit 0, shared memory; bit 1, UCX's connection manager), error mode (1) |
-//! | 5 | accept | identity (36), worker uuid (8), flags (1: bit 0, shared memory), peer mode (1: 0 or 1), loopback port (2: 0, none), address length (4), UCX worker address |
+//! | 4 | request | connection id (8), identity (36), worker uuid (8), flags (1: bit 0, shared memory; bit 1, UCX's connection manager), error mode (1) |
+//! | 5 | accept | identity (36), worker uuid (8), flags (1: bit 0, shared memory), peer mode (1: 0 or 1), connection-manager port (2: 0, none), address length (4), UCX worker address |
 //! | 6 | reject | reason (1), text length (2), text (UTF-8) |
 //! | 7 | abort | text length (2), text (UTF-8) |
 //!
@@ -56,8 +56,6 @@ pub(crate) struct Request {
     /// Names the connection in the UCX handshake that follows (its nonce).
     pub(crate) conn: u64,
     pub(crate) identity: ProcessIdentity,
-    /// Inode of the client's network namespace (`/proc/self/ns/net`).
-    pub(crate) net_ns: u64,
     /// The client worker's UCX uuid (from its worker address).
     pub(crate) uuid: u64,
     pub(crate) shared_memory: bool,
@@ -74,9 +72,10 @@ pub(crate) struct Accept {
     pub(crate) shared_memory: bool,
     /// The error mode both sides use: UCX's peer mode, or none.
     pub(crate) peer_mode: bool,
-    /// Nonzero: connect through UCX's connection manager to this port on the loopback
-    /// address (same host, no peer error handling: see [`crate::front::server`]).
-    pub(crate) loopback_port: u16,
+    /// Nonzero: connect through UCX's connection manager to this port, on the address
+    /// the client reached the listener at (see [`crate::front::server`]); zero: from
+    /// the worker address.
+    pub(crate) cm_port: u16,
     /// The server worker's address, in UCX's own form.
     pub(crate) address: Vec<u8>,
 }
@@ -181,7 +180,6 @@ impl Msg {
                 v.push(4);
                 v.extend_from_slice(&r.conn.to_le_bytes());
                 r.identity.encode(&mut v);
-                v.extend_from_slice(&r.net_ns.to_le_bytes());
                 v.extend_from_slice(&r.uuid.to_le_bytes());
                 v.push(r.shared_memory as u8 | (r.connection_manager as u8) << 1);
                 v.push(mode_code(r.error_mode));
@@ -192,7 +190,7 @@ impl Msg {
                 v.extend_from_slice(&a.uuid.to_le_bytes());
                 v.push(a.shared_memory as u8);
                 v.push(a.peer_mode as u8);
-                v.extend_from_slice(&a.loopback_port.to_le_bytes());
+                v.extend_from_slice(&a.cm_port.to_le_bytes());
                 v.extend_from_slice(&(a.address.len() as u32).to_le_bytes());
                 v.extend_from_slice(&a.address);
             }
@@ -228,7 +226,6 @@ impl Msg {
                 let conn = r.u64()?;
                 let identity =
                     ProcessIdentity::decode(r.take(identity::ENCODED_LEN)?).ok_or("short identity")?;
-                let net_ns = r.u64()?;
                 let uuid = r.u64()?;
                 let flags = r.u8()?;
                 if flags & !3 != 0 {
@@ -238,7 +235,6 @@ impl Msg {
                 Msg::Request(Request {
                     conn,
                     identity,
-                    net_ns,
                     uuid,
                     shared_memory: flags & 1 != 0,
                     connection_manager: flags & 2 != 0,
@@ -251,13 +247,13 @@ impl Msg {
                 let uuid = r.u64()?;
                 let shared_memory = r.flag()?;
                 let peer_mode = r.flag()?;
-                let loopback_port = u16::from_le_bytes(r.array()?);
+                let cm_port = u16::from_le_bytes(r.array()?);
                 let n = r.u32()? as usize;
                 if n == 0 || n > MAX_FRAME {
                     return Err(format!("worker address of {n} bytes"));
                 }
                 let address = r.take(n)?.to_vec();
-                Msg::Accept(Accept { identity, uuid, shared_memory, peer_mode, loopback_port, address })
+                Msg::Accept(Accept { identity, uuid, shared_memory, peer_mode, cm_port, address })
             }
             6 => {
                 let reason = Reason::from_code(r.u8()?).ok_or("unknown reject reason")?;
@@ -362,7 +358,6 @@ mod tests {
             Msg::Request(Request {
                 conn: 0x1234_5678_9abc,
                 identity: id,
-                net_ns: 4026531840,
                 uuid: 77,
                 shared_memory: true,
                 connection_manager: true,
@@ -373,7 +368,7 @@ mod tests {
                 uuid: 78,
                 shared_memory: false,
                 peer_mode: true,
-                loopback_port: 40000,
+                cm_port: 40000,
                 address: vec![0x20, 1, 2, 3],
             }),
             Msg::Reject { reason: Reason::Busy, text: "too many".into() },
