@@ -17,7 +17,7 @@ use common::{ctx, Rng};
 use ucxkit::transport::{EndpointOptions, WorkerAddress};
 
 /// Cases per kind and transport set in the test command; `UCXKIT_FORGE_CASES` sets
-/// more (the long form, run by hand).
+/// more, and `UCXKIT_FORGE_SEED` other ones (the long form, run by hand).
 const DEFAULT_CASES: usize = 1000;
 
 /// FNV-1a 64, as the envelopes' checksums.
@@ -102,7 +102,9 @@ async fn forge_target() {
     let (victim, peer) = (c.create_worker().unwrap(), c.create_worker().unwrap());
     let genuine = peer.address().unwrap();
     let ucx = genuine.ucx_bytes().to_vec();
-    let mut rng = Rng::new(0x0f0f_1234_5678_9abc);
+    // `UCXKIT_FORGE_SEED` picks other cases (the child inherits it from the parent).
+    let seed = std::env::var("UCXKIT_FORGE_SEED").ok().and_then(|v| v.parse().ok());
+    let mut rng = Rng::new(seed.unwrap_or(0x0f0f_1234_5678_9abc));
     let (mut refused, mut made) = (0, 0);
     let opts =
         EndpointOptions { handshake: false, timeout: Duration::from_millis(200), ..Default::default() };

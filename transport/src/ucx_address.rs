@@ -41,6 +41,8 @@ const IFACE_LEN_MASK: u8 = !(IFACE_LAST | IFACE_HAS_EP);
 /// Interface attributes: four 32-bit fields (version 1), eight bytes (version 2).
 const ATTR_V1: usize = 16;
 const ATTR_V2: usize = 8;
+/// `UCT_TCP_DEVICE_ADDR_FLAG_LOOPBACK`, in a tcp device address's first byte.
+const TCP_LOOPBACK: u8 = 1;
 /// Memory domains UCX indexes in a 64-bit map.
 const MAX_MDS: u32 = 64;
 /// Bounds of the walk itself (UCX refuses more, gracefully).
@@ -221,7 +223,7 @@ struct Shape {
     dev: usize,
     iface: usize,
     eps: Vec<usize>,
-    /// For tcp: the device address's flags and address family bytes.
+    /// For tcp: the device address's loopback flag and address family.
     tcp_kind: Option<[u8; 2]>,
     /// For posix: how its segments are named (the mode bits of the interface address's
     /// segment id), which decides how UCX opens them: a segment named another way than
@@ -333,8 +335,10 @@ impl Reference {
 }
 
 fn shape(b: &[u8], e: &Entry) -> Shape {
-    let tcp_kind =
-        (e.tl_csum == crc16(b"tcp") && e.dev.len() >= 2).then(|| [b[e.dev.start], b[e.dev.start + 1]]);
+    // UCX's tcp tells device addresses apart by family and the loopback flag only
+    // (`uct_tcp_iface_is_reachable`): other flag bits do not keep an address from it.
+    let tcp_kind = (e.tl_csum == crc16(b"tcp") && e.dev.len() >= 2)
+        .then(|| [b[e.dev.start] & TCP_LOOPBACK, b[e.dev.start + 1]]);
     let posix_mode = (e.tl_csum == crc16(b"posix") && e.iface.len() >= 8).then(|| {
         u64::from_ne_bytes(b[e.iface.start..e.iface.start + 8].try_into().expect("8 bytes")) & POSIX_MODE_BITS
     });
@@ -413,6 +417,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A tcp device address with a flag bit UCX does not look at is still read by UCX's
+    /// tcp (its kind is family and loopback flag): its lengths are checked all the same.
+    #[tokio::test]
+    async fn tcp_addresses_are_told_apart_as_ucx_does() {
+        let ctx =
+            crate::Context::builder().transports("tcp,self").config("NET_DEVICES", "lo").build().unwrap();
+        let own = ctx.create_worker().unwrap().address().unwrap();
+        let own = own.ucx_bytes();
+        let r = Reference::of(own).unwrap();
+        let w = walk(own).unwrap();
+        let tcp = w.entries.iter().find(|e| e.tl_csum == crc16(b"tcp")).expect("a tcp entry");
+        // The device address's length byte precedes it; cut the address by one byte there.
+        let mut bad = own.to_vec();
+        bad[tcp.dev.start] |= 0x80;
+        let len_at = tcp.dev.start - 1;
+        assert_eq!((bad[len_at] & DEV_LEN_MASK) as usize, tcp.dev.len(), "the length byte");
+        bad[len_at] -= 1;
+        bad.remove(tcp.dev.end - 1);
+        assert!(walk(&bad).is_ok());
+        assert!(r.check(&bad).is_err(), "a shorter tcp device address with an extra flag");
     }
 
     #[test]
