@@ -73,9 +73,10 @@
 //! # Failed peers
 //! [`ErrorMode`] chooses how a dead peer is noticed. With UCX's peer mode, UCX fails
 //! the peer's operations itself but cannot use shared memory. With `None` (chosen
-//! automatically for peers on the same host), shared memory is used and ucxkit watches
-//! the peer process through a pidfd; when it exits, the endpoint fails, its bound
-//! receives are canceled and its sends end with [`Error::ConnectionReset`].
+//! automatically where shared memory can carry the connection), shared memory is used
+//! and ucxkit watches the peer process through a pidfd; when it exits, the endpoint
+//! fails, its bound receives are canceled and its sends end with
+//! [`Error::ConnectionReset`].
 //!
 //! # Hostile peers
 //! No bytes from the network are meant to crash a ucxkit process: listeners speak a
