@@ -4,6 +4,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod forge;
 pub mod netns;
 
 use std::net::SocketAddr;

@@ -5,7 +5,7 @@
 use std::ffi::c_void;
 use std::future::poll_fn;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
@@ -28,6 +28,8 @@ pub(crate) struct EndpointInner {
     usable: Arc<AtomicPtr<sys::ucp_ep>>,
     identity: Mutex<Option<ProcessIdentity>>,
     watch: Mutex<Option<tokio::task::AbortHandle>>,
+    /// The peer worker's UCX uuid, 0 while unknown (see [`Endpoint::reaches_this_process`]).
+    peer_uuid: AtomicU64,
 }
 
 impl EndpointInner {
@@ -178,6 +180,7 @@ impl Endpoint {
             usable: usable.unwrap_or_default(),
             identity: Mutex::new(None),
             watch: Mutex::new(None),
+            peer_uuid: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&inner);
         worker.shared.inner.locked(|st| {
@@ -272,6 +275,7 @@ impl Worker {
             usable,
             identity: Mutex::new(None),
             watch: Mutex::new(None),
+            peer_uuid: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&inner);
         self.shared.inner.locked(|st| {
@@ -356,6 +360,7 @@ impl Worker {
             && self.context().has_shared_memory();
         let peer_mode = opts.error_mode.peer_mode(shm);
         let ep = self.create_ep(Target::Address(addr), peer, peer_mode)?;
+        ep.set_peer_uuid(crate::pairing::uuid_of(addr.ucx_bytes()));
         if opts.handshake {
             ep.client_handshake(opts.timeout).await?;
         }
@@ -430,6 +435,25 @@ impl Endpoint {
     /// rather than `NONE` (after resolving [`crate::ErrorMode::Auto`]).
     pub fn uses_peer_error_mode(&self) -> bool {
         self.inner.peer_mode
+    }
+
+    /// Records the peer worker's UCX uuid, where known.
+    pub(crate) fn set_peer_uuid(&self, uuid: Option<u64>) {
+        self.inner.peer_uuid.store(uuid.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Whether this endpoint may reach a worker of this process: its peer's uuid is one
+    /// of this process's workers', or, unknown (a connection without ucxkit's handshake),
+    /// its peer is on this host. UCX then copies into this process's own memory for a
+    /// key of the endpoint, so only keys of this process's regions are taken on it.
+    pub(crate) fn reaches_this_process(&self) -> bool {
+        match self.inner.peer_uuid.load(Ordering::Relaxed) {
+            0 => match &self.inner.peer {
+                Peer::Socket(a) | Peer::Accepted(Some(a)) => is_local_ip(a.ip()),
+                _ => true,
+            },
+            uuid => crate::worker::is_own_worker(uuid),
+        }
     }
 
     /// The peer's process identity, learned in the handshake (None without one).

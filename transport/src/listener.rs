@@ -123,10 +123,7 @@ impl Worker {
     /// (`ucp_listener_create`) for plain UCX clients when it is off.
     pub fn listen_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Listener> {
         if opts.handshake {
-            let mine = self.address()?;
-            let uuid = crate::pairing::uuid_of(mine.ucx_bytes()).ok_or_else(|| Error::Unsupported {
-                what: "this UCX's worker addresses carry no worker uuid".into(),
-            })?;
+            let uuid = self.uuid()?;
             let (front, bound) = FrontListener::bind(addr, self.context().secret().cloned(), uuid)?;
             tracing::debug!(%bound, "listening (front)");
             return Ok(Listener {

@@ -813,13 +813,18 @@ impl Endpoint {
                 });
             }
         }
+        let bad = |reason: String| Error::BadRemoteKey { reason };
+        if region.is_none() && self.reaches_this_process() {
+            // UCX would copy into this process's memory wherever the key says.
+            return Err(bad("a key of another process, for an endpoint that may reach this one".into()));
+        }
         // Only the transport keys this endpoint's lanes use, each checked (see
         // `ucx_key`).
-        let bad = |reason: String| Error::BadRemoteKey { reason };
         let lanes = crate::ucx_key::lane_domains(&self.transport_info()?);
         let ctx = self.worker().context();
         let own = ctx.own_key().map_err(bad)?;
-        let ucx = crate::ucx_key::sanitize(ucx, &lanes, own, addr..addr + len).map_err(bad)?;
+        let ucx =
+            crate::ucx_key::sanitize(ucx, &lanes, own, addr..addr + len, region.is_some()).map_err(bad)?;
         self.unpack(addr, len, &ucx, region)
     }
 

@@ -31,8 +31,9 @@ const DEV_SYS_DEVICE: u8 = 0x20;
 const DEV_LEN_MASK: u8 = !(DEV_LAST | DEV_NUM_PATHS | DEV_SYS_DEVICE);
 /// Memory-domain byte: a device without transports.
 const MD_EMPTY_DEV: u8 = 0x80;
-/// Version 1 keeps two more flags in the memory-domain byte.
-const MD_MASK_V1: u8 = !(MD_EMPTY_DEV | 0x40 | 0x20);
+/// Version 1 kept two flags in the memory-domain byte (UCX 1.18 and older).
+const MD_LEGACY_BITS: u8 = 0x40 | 0x20;
+const MD_MASK_V1: u8 = !(MD_EMPTY_DEV | MD_LEGACY_BITS);
 const MD_MASK_V2: u8 = !MD_EMPTY_DEV;
 /// Interface length byte: last interface of the device; endpoint addresses follow.
 const IFACE_LAST: u8 = 0x80;
@@ -64,7 +65,6 @@ pub(crate) struct Entry {
 #[derive(Debug)]
 pub(crate) struct Walked {
     /// The worker's uuid, where the address carries it.
-    #[allow(dead_code)]
     pub(crate) uuid: Option<u64>,
     pub(crate) entries: Vec<Entry>,
 }
@@ -99,8 +99,35 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Walks a packed worker address as `ucp_ep_create` would read it.
+/// Walks a packed worker address as `ucp_ep_create` of the UCX loaded here would read
+/// it.
 pub(crate) fn walk(b: &[u8]) -> Result<Walked, String> {
+    walk_as(b, crate::Context::ucx_version().1)
+}
+
+/// How UCX 1.`minor` reads a version 1 address's memory-domain byte: before 1.19 the
+/// index is its low 5 bits (the next two were flags); from 1.19 its low 7, the two
+/// former flag bits cleared only for an address from UCX 1.18 or older (the release an
+/// empty last device names, or none named).
+fn v1_md_mask(minor: u32) -> u8 {
+    if minor < 19 {
+        MD_MASK_V1
+    } else {
+        MD_MASK_V2
+    }
+}
+
+/// `ucp_address_unpack_release_version`: the UCX release a 4-bit packed one names, as
+/// UCX 1.`minor` reads it (the one closest to its own).
+fn release_version(packed: u32, minor: u32) -> u32 {
+    const RANGE: i64 = 16;
+    let delta = i64::from(minor) % RANGE - i64::from(packed);
+    let base = i64::from(minor) / RANGE + i64::from(delta >= RANGE / 2) - i64::from(delta <= -RANGE / 2);
+    packed + (base.max(0) * RANGE) as u32
+}
+
+/// [`walk`] as UCX 1.`minor` reads the address.
+fn walk_as(b: &[u8], minor: u32) -> Result<Walked, String> {
     let mut c = Cursor { b, at: 0 };
     let first = c.byte("header")?;
     let (v2, flags) = match first & 0x0f {
@@ -128,14 +155,14 @@ pub(crate) fn walk(b: &[u8]) -> Result<Walked, String> {
     if c.b.get(c.at) == Some(&NO_DEVICE) {
         return Ok(Walked { uuid, entries: Vec::new() });
     }
-    let mut entries = Vec::new();
+    let mut entries: Vec<Entry> = Vec::new();
+    // The peer's UCX release, where a version 1 address names it.
+    let mut release = 0;
     loop {
         let md_byte = *c.b.get(c.at).ok_or("the address ends before a device")?;
         let empty = md_byte & MD_EMPTY_DEV != 0;
-        let md_index = c.extended(if v2 { MD_MASK_V2 } else { MD_MASK_V1 }, v2, "memory domain")? as u32;
-        if md_index >= MAX_MDS && !empty {
-            return Err(format!("memory domain index {md_index}, past UCX's {MAX_MDS}"));
-        }
+        let md_index =
+            c.extended(if v2 { MD_MASK_V2 } else { v1_md_mask(minor) }, v2, "memory domain")? as u32;
         let dev_byte = *c.b.get(c.at).ok_or("the address ends before a device length")?;
         let last_dev = dev_byte & DEV_LAST != 0;
         let dev_len = c.extended(DEV_LEN_MASK, v2, "device length")?;
@@ -146,6 +173,9 @@ pub(crate) fn walk(b: &[u8]) -> Result<Walked, String> {
             c.byte("system device")?;
         }
         let dev = c.take(dev_len as usize, "device address")?;
+        if empty && last_dev {
+            release = release_version(md_index & 0x0f, minor);
+        }
         let mut last_tl = empty;
         while !last_tl {
             if entries.len() >= MAX_ENTRIES {
@@ -175,7 +205,52 @@ pub(crate) fn walk(b: &[u8]) -> Result<Walked, String> {
             break;
         }
     }
+    for e in &mut entries {
+        if !v2 && minor >= 19 && release <= 18 {
+            e.md_index &= !u32::from(MD_LEGACY_BITS);
+        }
+        // UCX indexes its memory domains in a 64-bit map (and a 64-entry array).
+        if e.md_index >= MAX_MDS {
+            return Err(format!("memory domain index {}, past UCX's {MAX_MDS}", e.md_index));
+        }
+    }
     Ok(Walked { uuid, entries })
+}
+
+/// The pid namespace UCX calls the default one (`ucs_sys_ns_is_default`): the initial
+/// namespace's inode number.
+const DEFAULT_PID_NS: u64 = 0xEFFF_FFFC;
+
+/// Whether a process id UCX packed (with its pid namespace, which UCX adds for a
+/// process outside the default one) is this process's.
+pub(crate) fn is_this_process(pid: u64, ns: Option<u64>) -> bool {
+    let me = crate::ProcessIdentity::current();
+    pid == u64::from(me.pid) && ns.unwrap_or(DEFAULT_PID_NS) == me.pid_ns
+}
+
+/// Whether an address's shared-memory parts name this process: cma's process id, or a
+/// posix segment reached through this process's procfs entry. UCX would copy into the
+/// named process for whoever holds a key of the endpoint.
+pub(crate) fn names_this_process(b: &[u8], w: &Walked) -> bool {
+    let u64_at = |at: usize| b.get(at..at + 8).map(|s| u64::from_ne_bytes(s.try_into().expect("8 bytes")));
+    w.entries.iter().any(|e| {
+        let at = e.iface.start;
+        if e.tl_csum == crc16(b"cma") && e.iface.len() >= 4 {
+            // `pid_t` with bit 31 saying a pid namespace follows (at offset 8).
+            let id = u32::from_ne_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+            let ns = (id & (1 << 31) != 0).then(|| u64_at(at + 8).unwrap_or(0));
+            is_this_process(u64::from(id & !(1 << 31)), ns)
+        } else if e.tl_csum == crc16(b"posix") && e.iface.len() >= 8 {
+            u64_at(at).is_some_and(|seg| match crate::ucx_key::posix_procfs_pid(seg) {
+                Some(pid) => {
+                    is_this_process(pid, (seg & POSIX_PID_NS != 0).then(|| u64_at(at + 8).unwrap_or(0)))
+                }
+                None => false,
+            })
+        } else {
+            false
+        }
+    })
 }
 
 /// Interface attributes UCX scores lanes with: finite, not negative (version 1's
@@ -233,68 +308,72 @@ struct Shape {
 
 /// The mode bits of a posix segment id (`UCT_POSIX_SEG_FLAG_PROCFS`, `_SHM_OPEN`).
 pub(crate) const POSIX_MODE_BITS: u64 = (1 << 63) | (1 << 62);
+/// `UCT_POSIX_SEG_FLAG_PID_NS`: the segment's process is outside the default pid
+/// namespace, which follows the segment id.
+pub(crate) const POSIX_PID_NS: u64 = 1 << 60;
+
+/// Transports whose device address names the machine (`uct_sm_iface_is_reachable`):
+/// UCX uses a peer's only when it is this machine's.
+const SAME_MACHINE: [&[u8]; 5] = [b"posix", b"sysv", b"xpmem", b"cma", b"knem"];
 
 /// What this worker's own address shows of each of its transports: the shapes UCX's code
 /// for that transport makes and reads here.
 #[derive(Debug, Default)]
 pub(crate) struct Reference {
     shapes: HashMap<u16, Vec<Shape>>,
-    /// This worker's posix device address (its machine) and the size of its posix
-    /// receive segment: a peer's on this machine must be as large (UCX maps that much of
-    /// it; past the file's end, a read is a SIGBUS).
-    posix: Option<(Vec<u8>, u64)>,
+    /// The device address (this machine's) of each transport that reaches only peers on
+    /// this machine.
+    machine: HashMap<u16, Vec<u8>>,
+    /// The size of this worker's posix receive segment: a peer's on this machine must be
+    /// as large (UCX maps that much of it; past the file's end, a read is a SIGBUS).
+    posix_segment: Option<u64>,
 }
 
 impl Reference {
     /// From this worker's own packed address.
     pub(crate) fn of(own: &[u8]) -> Result<Reference, String> {
         let w = walk(own).map_err(|e| format!("this worker's own address: {e}"))?;
-        let mut shapes: HashMap<u16, Vec<Shape>> = HashMap::new();
-        let mut posix = None;
+        let mut r = Reference::default();
         for e in &w.entries {
-            if e.tl_csum == crc16(b"posix") && e.iface.len() >= 8 {
-                let seg =
-                    u64::from_ne_bytes(own[e.iface.start..e.iface.start + 8].try_into().expect("8 bytes"));
-                if let Some(len) = crate::ucx_key::posix_segment_len(seg) {
-                    posix = Some((own[e.dev.clone()].to_vec(), len));
-                }
+            if SAME_MACHINE.iter().any(|name| crc16(name) == e.tl_csum) {
+                r.machine.insert(e.tl_csum, own[e.dev.clone()].to_vec());
+            }
+            if e.tl_csum == crc16(b"posix") {
+                r.posix_segment = posix_segment_of(own, e).and_then(crate::ucx_key::posix_segment_len);
             }
             let s = shape(own, e);
-            let v = shapes.entry(e.tl_csum).or_default();
+            let v = r.shapes.entry(e.tl_csum).or_default();
             if !v.contains(&s) {
                 v.push(s);
             }
         }
-        Ok(Reference { shapes, posix })
+        Ok(r)
     }
 
-    /// Checks a peer's packed address: the walk, and for each transport this worker
-    /// has, lengths this worker's transport reads.
+    /// Checks a peer's packed address: the walk, and for each transport of this worker
+    /// that UCX would use with it, lengths this worker's transport reads.
     pub(crate) fn check(&self, b: &[u8]) -> Result<Walked, String> {
         let w = walk(b)?;
-        let tcp = crc16(b"tcp");
         for e in &w.entries {
             let Some(ours) = self.shapes.get(&e.tl_csum) else {
                 // A transport this worker lacks: UCX skips it.
                 continue;
             };
-            let theirs = shape(b, e);
-            let fits = if e.tl_csum == tcp {
-                // UCX's tcp reads the flags and family first and goes on only with the
-                // kind of device address its own interfaces have.
-                match theirs.tcp_kind {
-                    None => false,
-                    Some(kind) => match ours.iter().find(|s| s.tcp_kind == Some(kind)) {
-                        Some(s) => *s == theirs,
-                        None => true,
-                    },
+            if let Some(machine) = self.machine.get(&e.tl_csum) {
+                if e.dev.len() == machine.len() && b[e.dev.clone()] != machine[..] {
+                    // Another machine's shared memory: UCX skips it.
+                    continue;
                 }
-            } else {
-                ours.contains(&theirs)
-            };
-            if fits && e.tl_csum == crc16(b"posix") {
-                self.check_posix_segment(b, e)?;
             }
+            let theirs = shape(b, e);
+            let fits = match theirs.tcp_kind {
+                // UCX's tcp goes on only with the kind of device address (family, loopback)
+                // one of its own interfaces has.
+                Some(kind) if e.tl_csum == crc16(b"tcp") => {
+                    ours.iter().find(|s| s.tcp_kind == Some(kind)).map_or(true, |s| *s == theirs)
+                }
+                _ => ours.contains(&theirs),
+            };
             if !fits {
                 return Err(format!(
                     "a transport address (checksum {:#06x}) of {} / {} / {:?} bytes, where this \
@@ -309,29 +388,32 @@ impl Reference {
                         .join(" or ")
                 ));
             }
+            if e.tl_csum == crc16(b"posix") {
+                self.check_posix_segment(b, e)?;
+            }
         }
         Ok(w)
     }
-}
 
-impl Reference {
-    /// A peer's posix receive segment on this machine (its device address is this
-    /// worker's: UCX attaches it) must open and hold as much as this worker's.
+    /// A peer's posix receive segment on this machine (UCX attaches it) must open and
+    /// hold as much as this worker's.
     fn check_posix_segment(&self, b: &[u8], e: &Entry) -> Result<(), String> {
-        let Some((dev, need)) = &self.posix else {
+        let Some(need) = self.posix_segment else {
             return Ok(());
         };
-        if b[e.dev.clone()] != dev[..] {
-            // Another machine: UCX does not use posix with it.
-            return Ok(());
-        }
-        let seg = u64::from_ne_bytes(b[e.iface.start..e.iface.start + 8].try_into().expect("8 bytes"));
+        let seg = posix_segment_of(b, e).ok_or("a posix address without a segment")?;
         match crate::ucx_key::posix_segment_len(seg) {
-            Some(n) if n >= *need => Ok(()),
+            Some(n) if n >= need => Ok(()),
             Some(n) => Err(format!("its posix segment holds {n} bytes, where this worker's holds {need}")),
             None => Err("its posix segment cannot be opened here".into()),
         }
     }
+}
+
+/// The segment id a posix interface address starts with.
+fn posix_segment_of(b: &[u8], e: &Entry) -> Option<u64> {
+    let at = e.iface.start;
+    (e.iface.len() >= 8).then(|| u64::from_ne_bytes(b[at..at + 8].try_into().expect("8 bytes")))
 }
 
 fn shape(b: &[u8], e: &Entry) -> Shape {
@@ -339,9 +421,8 @@ fn shape(b: &[u8], e: &Entry) -> Shape {
     // (`uct_tcp_iface_is_reachable`): other flag bits do not keep an address from it.
     let tcp_kind = (e.tl_csum == crc16(b"tcp") && e.dev.len() >= 2)
         .then(|| [b[e.dev.start] & TCP_LOOPBACK, b[e.dev.start + 1]]);
-    let posix_mode = (e.tl_csum == crc16(b"posix") && e.iface.len() >= 8).then(|| {
-        u64::from_ne_bytes(b[e.iface.start..e.iface.start + 8].try_into().expect("8 bytes")) & POSIX_MODE_BITS
-    });
+    let posix_mode =
+        (e.tl_csum == crc16(b"posix")).then(|| posix_segment_of(b, e)).flatten().map(|s| s & POSIX_MODE_BITS);
     Shape {
         dev: e.dev.len(),
         iface: e.iface.len(),
@@ -439,6 +520,43 @@ mod tests {
         bad.remove(tcp.dev.end - 1);
         assert!(walk(&bad).is_ok());
         assert!(r.check(&bad).is_err(), "a shorter tcp device address with an extra flag");
+    }
+
+    /// A version 1 memory-domain byte as each UCX reads it: UCX 1.19 and later keep
+    /// 7 bits for an address that names a release after 1.18 (in an empty last device),
+    /// where an index past 63 would overrun UCX's tables; older UCX keep 5.
+    #[test]
+    fn version_1_domain_indices_are_read_as_the_loaded_ucx_does() {
+        let mut a = sample();
+        a[9] = 0x7f; // memory domain byte: 127, or 31 with the two former flag bits cleared
+        a[10] &= !DEV_LAST;
+        a.extend_from_slice(&[MD_EMPTY_DEV | 6, DEV_LAST]); // names release 22 (22 % 16)
+        assert!(walk_as(&a, 22).unwrap_err().contains("127"));
+        assert_eq!(walk_as(&a, 13).unwrap().entries[0].md_index, 31);
+        // Naming release 18, or none: the former flag bits are cleared.
+        let mut old = a.clone();
+        let n = old.len();
+        old[n - 2] = MD_EMPTY_DEV | 2;
+        assert_eq!(walk_as(&old, 22).unwrap().entries[0].md_index, 31);
+        assert_eq!(walk_as(&sample(), 22).unwrap().entries[0].md_index, 1);
+        assert_eq!((release_version(6, 22), release_version(2, 22), release_version(15, 22)), (22, 18, 15));
+    }
+
+    /// A peer address whose cma part names this process is told apart from another
+    /// process's.
+    #[tokio::test]
+    async fn addresses_naming_this_process_are_found() {
+        let ctx = crate::Context::builder().transports("posix,cma,self").build().unwrap();
+        let own = ctx.create_worker().unwrap().shared.own_address.clone();
+        let w = walk(&own).unwrap();
+        assert!(names_this_process(&own, &w), "this process's own address");
+        let cma = w.entries.iter().find(|e| e.tl_csum == crc16(b"cma")).expect("a cma entry");
+        let posix = w.entries.iter().find(|e| e.tl_csum == crc16(b"posix")).expect("a posix entry");
+        let mut other = own.clone();
+        // Another pid in cma's part, and a posix segment named without procfs.
+        other[cma.iface.start] ^= 1;
+        other[posix.iface.start + 7] &= !0x80;
+        assert!(!names_this_process(&other, &walk(&other).unwrap()));
     }
 
     #[test]

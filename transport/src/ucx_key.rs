@@ -91,11 +91,11 @@ pub(crate) fn context_domains(info: &str) -> Vec<(u32, String)> {
         .collect()
 }
 
-/// Components whose transport keys give the holder nothing in this process's memory:
-/// the copy runs in the peer process (cma, knem), over a network (tcp, InfiniBand), or
-/// within this very worker (self, where the key is this process's and its region is
-/// held by ucxkit's registry).
-const PEER_SIDE: [&str; 6] = ["cma", "knem", "tcp", "self", "ib", "rdmacm"];
+/// Components whose transport keys name no memory of this machine: the copy runs over a
+/// network (tcp, InfiniBand) or in the process the endpoint's peer address names (cma,
+/// knem: never this process unless the endpoint is to a worker of it, which takes keys
+/// of this process's regions only, see [`crate::Endpoint::unpack_key`]).
+const PEER_SIDE: [&str; 3] = ["cma", "knem", "tcp"];
 
 /// What this context's own key for host memory shows: each component's transport key,
 /// and what UCX packs after them (nothing before UCX 1.20; then the memory's system
@@ -111,13 +111,15 @@ const HOST: u8 = 0;
 
 /// The key to hand UCX for an access range `range` (the key's addresses) on an endpoint
 /// whose lanes use `lanes`, where `own` is this context's own key (see the module
-/// docs). An error for a key that lies about itself; transport keys of domains no lane
-/// uses, or of components not checked, are left out.
+/// docs) and `here` says the key is of a region of this process (which the key holds,
+/// and the range lies in). An error for a key that lies about itself; transport keys of
+/// domains no lane uses, or of components not checked, are left out.
 pub(crate) fn sanitize(
     ucx: &[u8],
     lanes: &[(u32, String)],
     own: &OwnKey,
     range: Range<u64>,
+    here: bool,
 ) -> Result<Vec<u8>, String> {
     let w = walk(ucx)?;
     if w.mem_type != HOST {
@@ -137,8 +139,10 @@ pub(crate) fn sanitize(
             ));
         }
         let usable = match cmpt.as_str() {
-            "posix" => check_posix(key, template, &range)?,
+            "posix" => check_posix(key, template, &range, here)?,
             "sysv" => check_sysv(key, &range)?,
+            // The worker's own memory: only a region of this process.
+            "self" => here,
             c => PEER_SIDE.contains(&c) || c.starts_with("ib"),
         };
         if usable {
@@ -165,21 +169,31 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 /// name for segments in files): UCX opens the segment the way its id's mode bits say
 /// (which must be this context's way, `own`'s: another makes UCX 1.13 abort), maps
 /// `length` bytes of it, and reaches the key's addresses relative to `address`, so the
-/// range must lie inside.
-fn check_posix(key: &[u8], own: &[u8], range: &Range<u64>) -> Result<bool, String> {
+/// range must lie inside. A segment of this process is a region's of this process
+/// only (`here`).
+fn check_posix(key: &[u8], own: &[u8], range: &Range<u64>, here: bool) -> Result<bool, String> {
     if key.len() < 24 || own.len() < 8 {
-        return Err(format!("a posix key of {} bytes", key.len()));
+        return Err(format!("a posix key of {} bytes, where this context's are {}", key.len(), own.len()));
     }
+    let seg = u64_at(key, 0);
     let mode = crate::ucx_address::POSIX_MODE_BITS;
-    if u64_at(key, 0) & mode != u64_at(own, 0) & mode {
+    if seg & mode != u64_at(own, 0) & mode {
         return Err("the key's posix segment is named another way than this context's".into());
+    }
+    if let Some(pid) = posix_procfs_pid(seg) {
+        // With the pid namespace after the packed key, where UCX adds one.
+        let ns = (seg & crate::ucx_address::POSIX_PID_NS != 0)
+            .then(|| key.get(24..32).map_or(0, |_| u64_at(key, 24)));
+        if !here && crate::ucx_address::is_this_process(pid, ns) {
+            return Err("the key's posix segment is this process's, and the key is not of its regions".into());
+        }
     }
     let (address, length) = (u64_at(key, 8), u64_at(key, 16));
     let end = address.checked_add(length).ok_or("a posix segment that wraps around")?;
     // UCX maps `length` bytes of the file (the owner's length rounded up to whole pages,
     // where the file is as long as asked): a page wholly past its end is a SIGBUS.
-    match posix_segment_len(u64_at(key, 0)) {
-        Some(n) if page_align(n, u64_at(key, 0) & HUGETLB != 0) >= length => {}
+    match posix_segment_len(seg) {
+        Some(n) if page_align(n) >= length => {}
         Some(n) => return Err(format!("the key's posix segment holds {n} bytes, the key says {length}")),
         None => return Err("the key's posix segment cannot be opened here".into()),
     }
@@ -195,33 +209,15 @@ fn check_posix(key: &[u8], own: &[u8], range: &Range<u64>) -> Result<bool, Strin
 /// The start of the name of each posix segment's file (`UCT_POSIX_FILE_FMT`).
 const SEGMENT_PREFIX: &str = "ucx_shm_posix_";
 
-/// `UCT_POSIX_SEG_FLAG_HUGETLB`: the segment is mapped in huge pages.
-const HUGETLB: u64 = 1 << 61;
-
-/// `n` rounded up to whole pages of the size a posix segment is mapped in.
-fn page_align(n: u64, huge: bool) -> u64 {
-    let page = if huge { huge_page_size() } else { base_page_size() };
-    n.div_ceil(page).saturating_mul(page)
-}
-
-fn base_page_size() -> u64 {
+/// `n` rounded up to whole pages (a segment in huge pages lives on hugetlbfs, whose
+/// files are whole huge pages long already).
+fn page_align(n: u64) -> u64 {
     // SAFETY: sysconf reads a value; no memory is passed.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as u64
-    } else {
-        4096
-    }
-}
-
-/// The default huge page size (`Hugepagesize` in /proc/meminfo), or 2 MiB.
-fn huge_page_size() -> u64 {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let kb = meminfo.lines().find_map(|l| {
-        let v = l.strip_prefix("Hugepagesize:")?.trim().strip_suffix("kB")?;
-        v.trim().parse::<u64>().ok()
-    });
-    kb.filter(|&k| k > 0).map_or(2 << 20, |k| k * 1024)
+    let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        p if p > 0 => p as u64,
+        _ => 4096,
+    };
+    n.div_ceil(page).saturating_mul(page)
 }
 
 /// The size of the posix segment named by `seg_id`, as UCX opens it: through procfs
@@ -230,11 +226,9 @@ fn huge_page_size() -> u64 {
 /// or is named a third way (a file in a directory the key names, which this check does
 /// not follow).
 pub(crate) fn posix_segment_len(seg_id: u64) -> Option<u64> {
-    const PROCFS: u64 = 1 << 63;
-    const SHM_OPEN: u64 = 1 << 62;
     let mmid = seg_id & !(0xfu64 << 60);
-    let path = if seg_id & PROCFS != 0 {
-        let path = format!("/proc/{}/fd/{}", mmid & ((1 << 30) - 1), mmid >> 30);
+    let meta = if let Some(pid) = posix_procfs_pid(seg_id) {
+        let path = format!("/proc/{pid}/fd/{}", mmid >> 30);
         // Any descriptor of any process can be named this way: only a UCX segment's
         // (its file unlinked once opened) is one.
         let target = std::fs::read_link(&path).ok()?;
@@ -242,14 +236,21 @@ pub(crate) fn posix_segment_len(seg_id: u64) -> Option<u64> {
         if !name.starts_with(SEGMENT_PREFIX) {
             return None;
         }
-        path
-    } else if seg_id & SHM_OPEN != 0 {
-        format!("/dev/shm/{SEGMENT_PREFIX}{mmid:x}")
+        std::fs::metadata(path).ok()?
+    } else if seg_id & (1 << 62) != 0 {
+        // `UCT_POSIX_SEG_FLAG_SHM_OPEN`: named in /dev/shm.
+        // `shm_open` does not follow a link there.
+        std::fs::symlink_metadata(format!("/dev/shm/{SEGMENT_PREFIX}{mmid:x}")).ok()?
     } else {
         return None;
     };
-    let meta = std::fs::metadata(path).ok()?;
     meta.is_file().then_some(meta.len())
+}
+
+/// The process whose descriptor a posix segment id names through procfs
+/// (`UCT_POSIX_SEG_FLAG_PROCFS`: the low 30 bits of the id), if it is named that way.
+pub(crate) fn posix_procfs_pid(seg_id: u64) -> Option<u64> {
+    (seg_id & (1 << 63) != 0).then_some(seg_id & ((1 << 30) - 1))
 }
 
 /// A sysv key (`uct_sysv_packed_rkey_t`: segment id, the owner's address): UCX attaches
@@ -337,8 +338,8 @@ mod tests {
         assert_eq!(posix_segment_len(other), None, "a file that is no UCX segment");
         let (_file, id) = segment();
         assert_eq!(posix_segment_len(id), Some(0x2000 - 100));
-        assert_eq!(page_align(0x2000 - 100, false) % base_page_size(), 0);
-        assert!(page_align(0x2000 - 100, false) >= 0x2000);
+        assert_eq!(page_align(0x2000 - 100) % page_align(1), 0);
+        assert!(page_align(0x2000 - 100) >= 0x2000);
         assert_eq!(posix_segment_len(id ^ (1 << 63)), None, "neither procfs nor shm_open");
     }
 
@@ -354,35 +355,48 @@ mod tests {
         let tailed = |k: Vec<u8>| [k, vec![0xff]].concat();
         let lanes = [(2, "posix".to_string()), (1, "cma".to_string())];
         let k = key(&[(1, vec![]), (2, posix_key(0x1000, 0x1000)), (5, vec![9; 3])]);
-        let out = sanitize(&k, &lanes, &sizes, 0x1000..0x2000).unwrap();
+        let out = sanitize(&k, &lanes, &sizes, 0x1000..0x2000, true).unwrap();
+        // The segment (a file of this process, as the test makes it) is refused for a key
+        // that is not of a region of this process: UCX would write into this process.
+        assert!(sanitize(&k, &lanes, &sizes, 0x1000..0x2000, false).unwrap_err().contains("this process"));
         // Domain 5 (no lane) left out; 1 and 2 kept; this UCX's tail after them.
         assert_eq!(out, tailed(key(&[(1, vec![]), (2, posix_key(0x1000, 0x1000))])));
         // Whatever the peer packed after the transport keys (here a system device with
         // UCX's flush bit, which UCX 1.22 takes and then crashes on) is replaced.
         let with_device = [k.clone(), vec![0x80, 1, 2]].concat();
-        assert_eq!(sanitize(&with_device, &lanes, &sizes, 0x1000..0x2000).unwrap(), out);
+        assert_eq!(sanitize(&with_device, &lanes, &sizes, 0x1000..0x2000, true).unwrap(), out);
         // Host memory only.
         let mut cuda = k.clone();
         cuda[8] = 1;
-        assert!(sanitize(&cuda, &lanes, &sizes, 0x1000..0x2000).is_err());
+        assert!(sanitize(&cuda, &lanes, &sizes, 0x1000..0x2000, true).is_err());
         // The posix segment must hold the range.
-        assert!(sanitize(&k, &lanes, &sizes, 0x1000..0x2001).is_err());
-        assert!(sanitize(&k, &lanes, &sizes, 0xfff..0x1000).is_err());
+        assert!(sanitize(&k, &lanes, &sizes, 0x1000..0x2001, true).is_err());
+        assert!(sanitize(&k, &lanes, &sizes, 0xfff..0x1000, true).is_err());
         let empty = key(&[(2, posix_key(0x1000, 0))]);
-        assert!(sanitize(&empty, &lanes, &sizes, 0x1000..0x1000).is_err());
+        assert!(sanitize(&empty, &lanes, &sizes, 0x1000..0x1000, true).is_err());
         let mut renamed = posix_key(0x1000, 0x1000);
         renamed[7] ^= 0xc0;
-        assert!(sanitize(&key(&[(2, renamed)]), &lanes, &sizes, 0x1000..0x1001).is_err());
+        assert!(sanitize(&key(&[(2, renamed)]), &lanes, &sizes, 0x1000..0x1001, true).is_err());
         // A segment smaller than the key says is refused (an access past its end is a
         // SIGBUS in UCX's mapping).
-        let long = key(&[(2, posix_key(0x1000, 0x2000 + base_page_size()))]);
-        assert!(sanitize(&long, &lanes, &sizes, 0x1000..0x1001).is_err());
+        let long = key(&[(2, posix_key(0x1000, 0x2000 + page_align(1)))]);
+        assert!(sanitize(&long, &lanes, &sizes, 0x1000..0x1001, true).is_err());
         // A key moved to another domain (its map changed) meets another component's size.
         let moved = key(&[(1, posix_key(0x1000, 0x1000))]);
-        assert!(sanitize(&moved, &lanes, &sizes, 0x1000..0x2000).is_err());
+        assert!(sanitize(&moved, &lanes, &sizes, 0x1000..0x2000, true).is_err());
+        // The self transport reaches this worker's own memory: a region of this process only.
+        let mut with_self = OwnKey { by_component: sizes.by_component.clone(), tail: sizes.tail.clone() };
+        with_self.by_component.insert("self".to_string(), vec![]);
+        let self_lanes = [(4, "self".to_string())];
+        let k = key(&[(4, vec![])]);
+        assert_eq!(sanitize(&k, &self_lanes, &with_self, 0..1, true).unwrap(), tailed(k.clone()));
+        assert_eq!(sanitize(&k, &self_lanes, &with_self, 0..1, false).unwrap(), tailed(key(&[])));
         // A component with no size known here is left out.
         let lanes = [(3, "xpmem".to_string())];
-        assert_eq!(sanitize(&key(&[(3, vec![1; 16])]), &lanes, &sizes, 0..1).unwrap(), tailed(key(&[])));
+        assert_eq!(
+            sanitize(&key(&[(3, vec![1; 16])]), &lanes, &sizes, 0..1, true).unwrap(),
+            tailed(key(&[]))
+        );
     }
 
     #[test]

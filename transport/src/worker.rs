@@ -243,15 +243,50 @@ impl WorkerBuilder {
         rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));
         let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(worker = id, mode = ?self.mode, "worker created");
+        let own_address = inner.locked(|st| ucx_address_of(st.handle))?;
+        let uuid = crate::pairing::uuid_of(&own_address);
+        if let Some(u) = uuid {
+            own_workers().insert(u, own_address.clone());
+        }
         Ok(Worker {
             shared: Arc::new(WorkerShared {
                 inner,
                 endpoint: self.endpoint,
                 id,
+                own_address,
+                uuid,
                 reference: std::sync::OnceLock::new(),
             }),
         })
     }
+}
+
+/// A worker's address in UCX's own form (`ucp_worker_get_address`).
+fn ucx_address_of(handle: sys::ucp_worker_h) -> Result<Vec<u8>> {
+    let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
+    let mut len = 0usize;
+    // SAFETY: the caller holds the worker's lock on a live worker; out-pointers are valid.
+    Status(unsafe { sys::ucp_worker_get_address(handle, &mut addr, &mut len) })
+        .check()
+        .map_err(|source| Error::Worker { op: "ucp_worker_get_address", source })?;
+    // SAFETY: UCX returned `len` readable bytes at `addr`.
+    let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) }.to_vec();
+    // SAFETY: releases the address UCX allocated above, once, after the copy.
+    unsafe { sys::ucp_worker_release_address(handle, addr) };
+    Ok(bytes)
+}
+
+/// The live workers of this process by UCX uuid, with their addresses in UCX's form: a
+/// peer address naming one of them must be that worker's own (see
+/// [`Worker::check_peer_address`]).
+fn own_workers() -> std::sync::MutexGuard<'static, HashMap<u64, Vec<u8>>> {
+    static OWN: std::sync::OnceLock<std::sync::Mutex<HashMap<u64, Vec<u8>>>> = std::sync::OnceLock::new();
+    OWN.get_or_init(Default::default).lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Whether `uuid` names a live worker of this process.
+pub(crate) fn is_own_worker(uuid: u64) -> bool {
+    own_workers().contains_key(&uuid)
 }
 
 static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -299,6 +334,9 @@ pub(crate) struct WorkerShared {
     pub(crate) inner: Arc<WorkerInner>,
     pub(crate) endpoint: EndpointOptions,
     pub(crate) id: u64,
+    /// This worker's address in UCX's form, and the worker uuid in it.
+    pub(crate) own_address: Vec<u8>,
+    uuid: Option<u64>,
     /// What this worker's own address shows of its transports, read once, for checking
     /// peers' addresses ([`crate::ucx_address`]).
     reference: std::sync::OnceLock<std::result::Result<crate::ucx_address::Reference, String>>,
@@ -306,6 +344,9 @@ pub(crate) struct WorkerShared {
 
 impl Drop for WorkerShared {
     fn drop(&mut self) {
+        if let Some(u) = self.uuid {
+            own_workers().remove(&u);
+        }
         self.inner.signal.shutdown();
     }
 }
@@ -314,38 +355,47 @@ impl Worker {
     /// This worker's address, to hand to peers for [`Worker::connect_address`]; sealed
     /// with a MAC when the context has a secret.
     pub fn address(&self) -> Result<WorkerAddress> {
-        self.shared.inner.locked(|st| {
-            let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
-            let mut len = 0usize;
-            // SAFETY: the worker is valid under the lock; out-pointers are valid.
-            Status(unsafe { sys::ucp_worker_get_address(st.handle, &mut addr, &mut len) })
-                .check()
-                .map_err(|source| Error::Worker { op: "ucp_worker_get_address", source })?;
-            // SAFETY: UCX returned `len` readable bytes at `addr`.
-            let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) };
-            let ctx = self.context();
-            let mut wa = WorkerAddress::wrap(&ProcessIdentity::current(), ctx.has_shared_memory(), bytes);
-            if let Some(s) = ctx.secret() {
-                wa = wa.sealed(s);
-            }
-            // SAFETY: releases the address UCX allocated above, once.
-            unsafe { sys::ucp_worker_release_address(st.handle, addr) };
-            Ok(wa)
+        let bytes = self.shared.inner.locked(|st| ucx_address_of(st.handle))?;
+        let ctx = self.context();
+        let wa = WorkerAddress::wrap(&ProcessIdentity::current(), ctx.has_shared_memory(), &bytes);
+        Ok(match ctx.secret() {
+            Some(s) => wa.sealed(s),
+            None => wa,
+        })
+    }
+
+    /// This worker's UCX uuid (from its address).
+    pub(crate) fn uuid(&self) -> Result<u64> {
+        self.shared.uuid.ok_or_else(|| Error::Unsupported {
+            what: "this UCX's worker addresses carry no worker uuid".into(),
         })
     }
 
     /// Checks a peer's worker address in UCX's own form against what this worker's
-    /// transports read (see [`crate::ucx_address`]) before it is handed to UCX.
+    /// transports read (see [`crate::ucx_address`]) before it is handed to UCX. An
+    /// address that names this process (a worker of it by uuid, or this process's pid in
+    /// its shared-memory parts) must be that worker's own: UCX would otherwise copy into
+    /// this process's memory for whoever holds a key.
     pub(crate) fn check_peer_address(&self, ucx: &[u8]) -> Result<()> {
-        let reference = self.shared.reference.get_or_init(|| {
-            let own = self.address().map_err(|e| e.to_string())?;
-            crate::ucx_address::Reference::of(own.ucx_bytes())
-        });
+        let reference =
+            self.shared.reference.get_or_init(|| crate::ucx_address::Reference::of(&self.shared.own_address));
         let bad = |reason: String| Error::BadAddress { reason };
-        match reference {
-            Ok(r) => r.check(ucx).map(|_| ()).map_err(bad),
+        let walked = match reference {
+            Ok(r) => r.check(ucx).map_err(bad)?,
             // UCX's unified mode, say: this worker cannot tell a good address.
-            Err(e) => Err(bad(format!("addresses cannot be checked here ({e}): seal them with a secret"))),
+            Err(e) => {
+                return Err(bad(format!("addresses cannot be checked here ({e}): seal them with a secret")))
+            }
+        };
+        let own = walked.uuid.and_then(|u| own_workers().get(&u).cloned());
+        match own {
+            Some(own) if own != ucx => {
+                Err(bad("it names a worker of this process but is not that worker's address".into()))
+            }
+            None if crate::ucx_address::names_this_process(ucx, &walked) => {
+                Err(bad("its shared-memory parts name this process, which has no such worker".into()))
+            }
+            _ => Ok(()),
         }
     }
 

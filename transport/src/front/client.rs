@@ -33,10 +33,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
     let ctx = worker.context();
     let broken = |e: Broken| front_error(&peer, e);
     conn.open_client(ctx.secret(), left()).await.map_err(broken)?;
-    let mine = worker.address()?;
-    let uuid = pairing::uuid_of(mine.ucx_bytes()).ok_or_else(|| Error::Unsupported {
-        what: "this UCX's worker addresses carry no worker uuid".into(),
-    })?;
+    let uuid = worker.uuid()?;
     let conn_id = crate::endpoint::nonce();
     let request = Request {
         conn: conn_id,
@@ -91,6 +88,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         };
         match outcome {
             Ok(()) => {
+                ep.set_peer_uuid(Some(accept.uuid));
                 ep.check_required(&opts.require_transports)?;
                 tracing::debug!(%addr, "connected through the front");
                 return Ok(ep);

@@ -40,7 +40,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result};
 use crate::handshake::{Kind, NackReason};
 use crate::identity::ProcessIdentity;
-use crate::pairing::{self, Adopt};
+use crate::pairing::Adopt;
 use crate::worker::{EndpointOptions, FrontWait, Worker};
 
 /// Connections still in their opening (hellos, proofs, request) at once; more are
@@ -260,10 +260,7 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         conn.refuse(Reason::ErrorMode, text.clone()).await;
         return Err(Error::Handshake { peer, reason: text });
     };
-    let mine = worker.address()?;
-    let uuid = pairing::uuid_of(mine.ucx_bytes()).ok_or_else(|| Error::Unsupported {
-        what: "this UCX's worker addresses carry no worker uuid".into(),
-    })?;
+    let uuid = worker.uuid()?;
     let conn_id = request.conn;
     let via_cm = request.connection_manager && super::has_connection_manager(&worker.context());
     let accept = Accept {
@@ -272,7 +269,7 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         shared_memory: worker.context().has_shared_memory(),
         peer_mode,
         cm_port: 0,
-        address: mine.ucx_bytes().to_vec(),
+        address: worker.shared.own_address.clone(),
     };
     if via_cm {
         return accept_through_cm(worker, conn, accept, &request, peer, opts).await;
@@ -347,6 +344,7 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         e = gave_up(&mut conn, &peer) => return Err(e),
     };
     let ep = Endpoint::from_registered(worker, id, peer, peer_mode);
+    ep.set_peer_uuid(Some(request.uuid));
     ep.start_watch(request.identity);
     ep.check_required(&opts.require_transports)?;
     tracing::debug!(ep = id, "accepted through the front");
@@ -395,6 +393,7 @@ async fn accept_through_cm(
         e = gave_up(&mut conn, &peer) => return Err(e),
     };
     drop(listener);
+    ep.set_peer_uuid(Some(request.uuid));
     ep.check_required(&opts.require_transports)?;
     tracing::debug!("accepted through the front and UCX's connection manager");
     Ok(ep)
