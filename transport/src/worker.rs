@@ -1068,11 +1068,18 @@ impl State {
             tracing::debug!(ep = id, ops, "close deferred");
             return None;
         }
+        self.close_now(id, h, force)
+    }
+
+    /// Closes endpoint `id`'s handle `h`, already taken out of the endpoint: at once, or,
+    /// for an endpoint made from a worker address in peer mode, after a flush, forcibly.
+    /// UCX (1.13 and 1.22) keeps the TCP connection of such an endpoint unless both sides
+    /// close it forcibly (a flushing close leaves two descriptors behind for every
+    /// connection), which the peer's side does too. `None` while the flush runs (the
+    /// close is deferred to its end).
+    fn close_now(&mut self, id: u64, h: sys::ucp_ep_h, mut force: bool) -> Option<request::Posted> {
+        let e = self.eps.get(&id)?;
         if !force && e.peer_mode && e.by_address && e.failed.is_none() {
-            // UCX (1.13 and 1.22) keeps the TCP connection of an endpoint made from a
-            // worker address unless both sides close it forcibly: a flushing close leaves
-            // two descriptors behind for every connection. So the endpoint is flushed,
-            // then closed forcibly, which the peer's side does too (in peer mode).
             let param = self.flagged_param(0);
             // SAFETY: h is live; the lock is held; the request is bound and parked below,
             // before any progress call.
@@ -1088,12 +1095,9 @@ impl State {
                 tracing::debug!(ep = id, "flushing, then closing forcibly");
                 return None;
             }
-            let lanes_failed = self.eps.get(&id).is_some_and(|e| e.lanes_failed);
-            self.by_handle.remove(&(h as usize));
-            self.accepts.remove(&(h as usize));
-            return Some(self.close_handle(h, true, lanes_failed));
+            force = true;
         }
-        let lanes_failed = e.lanes_failed;
+        let lanes_failed = self.eps.get(&id).is_some_and(|e| e.lanes_failed);
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
         Some(self.close_handle(h, force, lanes_failed))
@@ -1124,13 +1128,11 @@ impl State {
         // Forced in peer mode once UCX found the lanes dead (not when ucxkit marked it
         // failed on the peer's request to close first: that close flushes).
         let force = force || asked_force || (e.peer_mode && (e.lanes_failed || e.peer_exited));
-        let (lanes_failed, orphan) = (e.lanes_failed, e.orphan);
-        self.by_handle.remove(&(h as usize));
-        self.accepts.remove(&(h as usize));
         tracing::debug!(ep = id, force, "deferred close runs");
-        let p = self.close_handle(h, force, lanes_failed);
+        // (Deferred again while an endpoint made from an address is flushed first.)
+        let Some(p) = self.close_now(id, h, force) else { return };
         self.finish_close(id, p);
-        if orphan {
+        if self.eps.get(&id).is_some_and(|e| e.orphan) {
             self.eps.remove(&id);
         }
     }
