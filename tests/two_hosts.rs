@@ -1,9 +1,9 @@
 //! Two hosts: two network namespaces joined by a veth pair (made and removed by the
 //! test), a ucxkit process in each, connected by IP:port as two machines would be. With
 //! the default options the connection uses UCX's peer failure handling (`ErrorMode::Auto`
-//! for a peer that is not on this host's addresses) and TCP over the veth; tagged
-//! messages eager and rendezvous both ways, a stream, and put/get into the server's
-//! memory arrive byte for byte; and when the server process is killed, a pending send
+//! for processes in pid namespaces of their own, whom shared memory does not join) and
+//! TCP over the veth; tagged messages eager and rendezvous both ways, a stream, and
+//! put/get into the server's memory arrive byte for byte; and when the server process is killed, a pending send
 //! and a pending receive on the client fail with `ConnectionReset` within a bound.
 //!
 //! A server whose link goes down (a host cut off, powered off) sends no reset: TCP keeps

@@ -591,7 +591,7 @@ impl Endpoint {
     }
 
     /// Sends the hello with `nonce` (a front hello when `front`, whose nonce is the
-    /// connection id the listener's front gave) and waits for the answer.
+    /// connection id of its request on the listener's front) and waits for the answer.
     pub(crate) async fn client_handshake_with(
         &self,
         nonce: u64,

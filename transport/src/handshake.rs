@@ -31,8 +31,9 @@
 //! everything the sender sent before it on the endpoint, so whoever receives one has
 //! everything before it too.
 //!
-//! A connection made through a listener's front has its hello's nonce chosen by the
-//! front (the connection id both sides know), and the accepting side answers only once
+//! A connection made through a listener's front has its hello's nonce set to the
+//! connection id the client chose in its request on the front (a random number the
+//! listener checks is not in use), and the accepting side answers only once
 //! it has taken over the endpoint the hello came through (see [`crate::pairing`]); a
 //! hello that came through an endpoint already in use is refused as a collision, and
 //! the connecting side tries again.
@@ -54,7 +55,8 @@ pub(crate) const LEN: usize = 16 + identity::ENCODED_LEN;
 pub(crate) enum Kind {
     Hello,
     /// A hello on a connection made through a listener's front: its nonce is the
-    /// connection id the front gave it, and only an accept waiting for that id answers.
+    /// connection id of its request on the front, and only an accept waiting for that id
+    /// answers.
     FrontHello,
     Ack,
     Nack(NackReason),

@@ -138,8 +138,8 @@ impl Worker {
         self.listen_ucx(addr, opts)
     }
 
-    /// A UCX listener on `addr` (with `opts.handshake` on too: the accepts then wait for
-    /// the client's hello, as the front's one-shot accepts do).
+    /// A UCX listener on `addr` (with `opts.handshake` on too: [`ConnectionRequest::accept`]
+    /// then waits for the client's hello).
     pub(crate) fn listen_ucx(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Listener> {
         let (storage, len) = crate::endpoint::sockaddr_of(&addr);
         let state = self.state_ptr();
@@ -346,7 +346,8 @@ impl ConnectionRequest {
     }
 
     /// Accepts a request of the one-shot UCX listener a front accept opened (see [`crate::front::server`]), in UCX's peer error mode or not as the
-    /// front agreed; the client's hello must carry the front's connection id `conn`; the
+    /// front agreed; the client's hello must carry its front request's connection id
+    /// `conn`; the
     /// endpoint names the front's client as `peer`.
     pub(crate) async fn accept_for_front(
         mut self,

@@ -43,17 +43,15 @@ use crate::ucx_log;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ErrorMode {
     /// The default: [`ErrorMode::None`] when shared memory can carry the connection (the
-    /// peer runs on this host, a local or loopback IP or a worker address from this
-    /// host, and the context has a shared-memory transport that carries messages, see
-    /// [`crate::Context::has_shared_memory`]; for a worker address, the peer's context
-    /// too), [`ErrorMode::Peer`] otherwise: without a shared-memory lane, UCX's own
-    /// failure handling loses nothing, and UCX 1.13 without it can abort a process
-    /// whose peer dies during a transfer over TCP. Both sides reach the same choice when
-    /// their contexts agree on shared memory. An IP is local when it is an address of
-    /// this process's network namespace; a worker address when it comes from the same
-    /// machine (boot id): two network namespaces of one machine are remote to each other
-    /// by IP (TCP over their link) and local by worker address (shared memory, which
-    /// they share).
+    /// peer runs on this host, and both contexts have a shared-memory transport that
+    /// carries messages, see [`crate::Context::has_shared_memory`]), [`ErrorMode::Peer`]
+    /// otherwise: without a shared-memory lane, UCX's own failure handling loses
+    /// nothing, and UCX 1.13 without it can abort a process whose peer dies during a
+    /// transfer over TCP. Both sides reach the same choice. Through a listener and by
+    /// worker address, "on this host" is what the peer says of itself (same boot id and
+    /// pid namespace: two network namespaces of one machine share memory); connecting to
+    /// a listener without the handshake, the IP decides (an address of this process's
+    /// network namespace).
     #[default]
     Auto,
     /// `UCP_ERR_HANDLING_MODE_PEER`: UCX detects failed peers and fails their
@@ -753,14 +751,12 @@ pub(crate) struct HsWait {
 }
 
 /// A connection accepted through a listener's front, waiting for the connecting side's
-/// hello (by the connection id the front gave it, the hello's nonce).
+/// hello (by the connection id of its request on the front, the hello's nonce).
 pub(crate) struct FrontWait {
-    /// The endpoint the latest hello came through (UCX's reply endpoint), or null.
-    pub(crate) reply_ep: sys::ucp_ep_h,
-    /// The error mode that hello says the connecting side uses.
-    pub(crate) peer_mode: bool,
-    /// Hellos received (a collision makes the connecting side send another).
-    pub(crate) hellos: u32,
+    /// The hellos not taken yet (a collision makes the connecting side send another):
+    /// the endpoint each came through (UCX's reply endpoint) and the error mode it says
+    /// the connecting side uses.
+    pub(crate) hellos: std::collections::VecDeque<(sys::ucp_ep_h, bool)>,
     pub(crate) waker: Option<Waker>,
 }
 
@@ -2019,9 +2015,7 @@ unsafe extern "C" fn handshake_am_cb(
                 match st.front_accepts.get_mut(&m.nonce) {
                     Some(w) => {
                         // Answered once the accept took the endpoint over (see `pairing`).
-                        w.reply_ep = reply_ep;
-                        w.peer_mode = m.peer_mode;
-                        w.hellos += 1;
+                        w.hellos.push_back((reply_ep, m.peer_mode));
                         if let Some(k) = w.waker.take() {
                             st.after.wake(k);
                         }

@@ -12,7 +12,7 @@
 //!
 //! The C macros and `static inline` helpers that bindgen cannot see are re-implemented
 //! below: [`UCS_PTR_IS_ERR`], [`UCS_PTR_IS_PTR`], [`UCS_PTR_STATUS`], [`UCS_PTR_RAW_STATUS`],
-//! [`UCS_STATUS_PTR`], [`ucp_dt_make_contig`] and [`ucp_init`]; two symbols of UCS's
+//! [`UCS_STATUS_PTR`], [`ucp_dt_make_contig`] and [`ucp_init`]; three symbols of UCS's
 //! configuration parser are declared by hand ([`ucs_config_global_list`],
 //! [`ucs_config_parser_print_all_opts`], [`ucs_global_opts_get_value`]).
 //!

@@ -58,8 +58,10 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         Some("it is this worker".to_string())
     } else if opts.error_mode != ErrorMode::Auto && (opts.error_mode == ErrorMode::Peer) != accept.peer_mode {
         Some(format!("it chose an error mode other than the {:?} this side asked for", opts.error_mode))
-    } else if accept.cm_port != 0 && !super::has_connection_manager(&ctx) {
-        Some("it offers UCX's connection manager to a context without one".to_string())
+    } else if accept.cm_port != 0 {
+        // Through UCX's connection manager: the address is not used.
+        (!super::has_connection_manager(&ctx))
+            .then(|| "it offers UCX's connection manager to a context without one".to_string())
     } else if conn.authenticated() {
         // From a listener that proved it holds the secret: its word, past the header.
         crate::address::check_ucx_address(&accept.address).err()

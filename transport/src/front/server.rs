@@ -21,8 +21,8 @@
 //!   first.
 //!
 //! The one-shot port is open only after the front accepted the client (with a secret:
-//! after both proved they hold it), and only a hello that carries the connection id the
-//! front gave that client is taken there. Whoever else reaches the port while it is
+//! after both proved they hold it), and only a hello that carries the connection id of
+//! that client's request is taken there. Whoever else reaches the port while it is
 //! open reaches UCX's connection-manager parser, as with any UCX listener (see the
 //! threat model in [`crate::front`]).
 
@@ -278,8 +278,7 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
         if st.front_accepts.contains_key(&conn_id) {
             return false;
         }
-        st.front_accepts
-            .insert(conn_id, FrontWait { reply_ep: std::ptr::null_mut(), peer_mode, hellos: 0, waker: None });
+        st.front_accepts.insert(conn_id, FrontWait { hellos: Default::default(), waker: None });
         true
     });
     if !fresh {
@@ -293,7 +292,7 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
     let adopt = async {
         let mut seen = 0u32;
         loop {
-            let (reply_ep, hello_mode) = next_hello(worker, conn_id, seen).await;
+            let (reply_ep, hello_mode) = next_hello(worker, conn_id).await;
             seen += 1;
             let outcome = worker.shared.inner.locked(|st| {
                 if hello_mode != peer_mode {
@@ -306,8 +305,7 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
                 }
                 match st.adopt(request.uuid, reply_ep, peer_mode) {
                     Ok(id) => {
-                        let h = st.eps.get(&id).map(|e| e.handle).unwrap_or(reply_ep);
-                        st.send_notice(h, Kind::Ack, peer_mode, conn_id);
+                        st.send_notice(reply_ep, Kind::Ack, peer_mode, conn_id);
                         Ok(id)
                     }
                     Err(Adopt::Collision) => {
@@ -351,6 +349,10 @@ pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) 
     Ok(ep)
 }
 
+/// Connections to an accept's one-shot port that are not its client's taken before the
+/// port takes no more.
+const MAX_STRAYS: u32 = 8;
+
 /// The accept through UCX's connection manager: a UCX listener on the address the
 /// client reached, for this client only (see the module docs).
 async fn accept_through_cm(
@@ -361,29 +363,41 @@ async fn accept_through_cm(
     peer: Peer,
     opts: &EndpointOptions,
 ) -> Result<Endpoint> {
-    let plain = EndpointOptions { handshake: false, error_mode: crate::ErrorMode::None, ..opts.clone() };
     let here = conn.local_addr().map_err(|e| Error::Handshake {
         peer: peer.clone(),
         reason: format!("the front connection's address: {e}"),
     })?;
-    let listener = worker.listen_with(SocketAddr::new(here.ip(), 0), plain)?;
+    let listener = worker.listen_ucx(SocketAddr::new(here.ip(), 0), opts.clone())?;
     accept.cm_port = listener.local_addr().port();
     let peer_mode = accept.peer_mode;
     conn.send(&Msg::Accept(accept)).await.map_err(|e| front_error(&peer, e))?;
     let conn_id = request.conn;
     let accepted = async {
-        // Whoever else on this host connects to the port meanwhile is refused.
-        for _ in 0..=super::MAX_COLLISIONS {
-            let r = listener.next().await?;
-            match r.accept_for_front(conn_id, peer.clone(), peer_mode, opts.timeout).await {
-                Ok(ep) => return Ok(ep),
-                Err(e) => tracing::debug!("a connection to the one-shot port that is not the client's: {e}"),
+        // Every connection to the port is heard at once, so that one that never says
+        // hello does not hold up the client's; only the client's hello is taken, and
+        // after [`MAX_STRAYS`] others the port takes no more.
+        let mut accepts = tokio::task::JoinSet::new();
+        let mut taken = 0;
+        loop {
+            tokio::select! {
+                r = listener.next(), if taken <= MAX_STRAYS => {
+                    taken += 1;
+                    let (peer, timeout) = (peer.clone(), opts.timeout);
+                    accepts.spawn(r?.accept_for_front(conn_id, peer, peer_mode, timeout));
+                }
+                Some(done) = accepts.join_next() => match done {
+                    Ok(Ok(ep)) => return Ok(ep),
+                    Ok(Err(e)) => tracing::debug!("a connection to the one-shot port not the client's: {e}"),
+                    Err(e) => tracing::debug!("an accept on the one-shot port ended: {e}"),
+                },
+                else => {
+                    return Err(Error::Handshake {
+                        peer: peer.clone(),
+                        reason: "the client did not connect to the one-shot port".into(),
+                    })
+                }
             }
         }
-        Err(Error::Handshake {
-            peer: peer.clone(),
-            reason: "the client did not connect to the one-shot port".into(),
-        })
     };
     let ep = tokio::select! {
         r = tokio::time::timeout(opts.timeout, accepted) => match r {
@@ -421,19 +435,14 @@ fn mode(peer_mode: bool) -> &'static str {
     }
 }
 
-/// Waits until connection `conn` has received more than `seen` hellos; returns the
-/// latest's endpoint and error mode.
-async fn next_hello(worker: &Worker, conn: u64, seen: u32) -> (ucx_sys::ucp_ep_h, bool) {
+/// Takes connection `conn`'s next hello, once one came: the endpoint it came through and
+/// the error mode it says the connecting side uses.
+async fn next_hello(worker: &Worker, conn: u64) -> (ucx_sys::ucp_ep_h, bool) {
     let inner = &worker.shared.inner;
     std::future::poll_fn(|cx| {
         inner.poll_until(
             cx,
-            |st| {
-                st.front_accepts
-                    .get(&conn)
-                    .filter(|w| w.hellos > seen && !w.reply_ep.is_null())
-                    .map(|w| (w.reply_ep, w.peer_mode))
-            },
+            |st| st.front_accepts.get_mut(&conn).and_then(|w| w.hellos.pop_front()),
             |st, waker| {
                 if let Some(w) = st.front_accepts.get_mut(&conn) {
                     w.waker = Some(waker.clone());
