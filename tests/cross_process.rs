@@ -135,7 +135,8 @@ async fn cross_process(tls: &str) {
     let mut expect = vec![0u8; REGION];
     // UCX 1.16 and later have no remote atomics over TCP in peer error mode, which the
     // default error mode picks over TCP (see tests/rma.rs).
-    let atomics = ucx_sys::API_MINOR < 16 || !(tls.starts_with("tcp") && ep.uses_peer_error_mode());
+    let atomics =
+        common::tcp_atomics_in_peer_mode() || !(tls.starts_with("tcp") && ep.uses_peer_error_mode());
     if atomics {
         assert_eq!(ep.atomic_fetch_add(&key, 0, 5).await.unwrap(), 0);
         assert_eq!(ep.atomic_fetch_add(&key, 0, 5).await.unwrap(), 5);

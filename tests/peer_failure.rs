@@ -380,16 +380,14 @@ fn kill_trials() -> u32 {
     std::env::var("UCXKIT_KILL_TRIALS").ok().and_then(|t| t.parse().ok()).unwrap_or(24)
 }
 
-/// Runs the `survivor` child (through `launcher`, with `env`) and checks that it
-/// survived every kill.
+/// Runs the `survivor` child (through `launcher`, with `env`, killed after 10 minutes)
+/// and checks that it survived every kill.
 fn survive(launcher: &[&str], env: &[(&str, String)]) {
     let trials = kill_trials();
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = std::process::Command::new(launcher.first().map_or(exe.as_os_str(), |l| l.as_ref()));
-    if !launcher.is_empty() {
-        cmd.args(&launcher[1..]).arg(&exe);
-    }
-    let out = cmd
+    let out = std::process::Command::new("timeout")
+        .args(["-s", "KILL", "600"])
+        .args(launcher)
+        .arg(std::env::current_exe().unwrap())
         .args(["--exact", "survivor", "--ignored", "--nocapture", "--test-threads=1"])
         .env("UCXKIT_KILL_TRIALS", trials.to_string())
         .env("UCXKIT_SURVIVOR_TLS", "tcp,self")

@@ -182,7 +182,7 @@ async fn exchange(w: &Worker, ep: &Endpoint, tls: &str, transport: &str, peer_mo
     active_messages(w, ep, tls).await;
     // UCX 1.16 and later have no protocol for atomics over TCP in peer error mode (see
     // tests/rma.rs, `atomics_in_peer_mode_over_tcp`), and fail the endpoint.
-    let atomics = ucx_sys::API_MINOR < 16 || !(peer_mode && transport == "tcp");
+    let atomics = common::tcp_atomics_in_peer_mode() || !(peer_mode && transport == "tcp");
     remote_memory(w, ep, tls, atomics).await;
     let used = ep.transports().unwrap();
     assert!(used.iter().any(|t| t == transport), "expected {transport} among {used:?}");

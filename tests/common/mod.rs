@@ -122,3 +122,9 @@ pub fn child_run(env: &str, filter: &str) -> bool {
         .init();
     true
 }
+
+/// Whether the UCX loaded here has remote atomics over TCP in UCX's peer error mode:
+/// from 1.16 on it has no protocol for them there (it leaves its software emulation out).
+pub fn tcp_atomics_in_peer_mode() -> bool {
+    Context::ucx_version() < (1, 16, 0)
+}
