@@ -170,19 +170,18 @@ impl fmt::Debug for WorkerAddress {
     }
 }
 
-/// Checks a worker address in UCX's own form before UCX parses it: a known format
-/// version (UCX aborts on others) and the worker uuid it must carry.
+/// Checks a worker address in UCX's own form from a peer that sealed it (its word for
+/// the values inside) before UCX parses it: its layout, walked within bounds as UCX
+/// reads it (a known format version: UCX aborts on others), and the worker uuid it must
+/// carry.
 pub(crate) fn check_ucx_address(ucx: &[u8]) -> std::result::Result<(), String> {
-    if ucx.is_empty() || ucx.len() > MAX_UCX_LEN {
+    if ucx.len() > MAX_UCX_LEN {
         return Err(format!("a UCX worker address of {} bytes", ucx.len()));
     }
-    if ucx[0] & 0x0f > 1 {
-        return Err(format!("UCX address format version {} (UCX knows 1 and 2)", (ucx[0] & 0x0f) + 1));
+    match crate::ucx_address::walk(ucx)?.uuid {
+        Some(_) => Ok(()),
+        None => Err("the UCX worker address carries no worker uuid".into()),
     }
-    if crate::pairing::uuid_of(ucx).is_none() {
-        return Err("the UCX worker address carries no worker uuid".into());
-    }
-    Ok(())
 }
 
 pub(crate) fn fnv1a(a: &[u8], b: &[u8]) -> u64 {

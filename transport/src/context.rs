@@ -146,8 +146,8 @@ impl ContextBuilder {
         let st = Status(unsafe { sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) });
         st.check().map_err(|source| Error::Config { name: "(read)".into(), value: String::new(), source })?;
         let guard = ConfigGuard(config);
-        // Read before any change: the settings of UCP's own table.
-        let ucp_names = ucp_settings(guard.0);
+        // Read before any change, where needed below: the settings of UCP's own table.
+        let ucp_names = if (major, minor) < (1, 17) { ucp_settings(guard.0) } else { HashSet::new() };
         for (_, v) in self.config.iter().filter(|(n, _)| n.eq_ignore_ascii_case(INDIRECT_ID)) {
             if !["on", "y", "yes", "1"].iter().any(|on| v.eq_ignore_ascii_case(on)) {
                 return Err(Error::ApiMisuse(format!(

@@ -2,7 +2,6 @@
 //! ([`Worker::connect`]), by worker address ([`Worker::connect_address`]) or accepted by
 //! a [`crate::Listener`].
 
-use std::ffi::c_void;
 use std::future::poll_fn;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
@@ -900,24 +899,9 @@ impl Endpoint {
     /// (`ucp_ep_print_info`).
     pub fn transport_info(&self) -> Result<String> {
         self.with_handle("transport_info", |_, h| {
-            let mut buf: *mut libc::c_char = std::ptr::null_mut();
-            let mut len: libc::size_t = 0;
-            // SAFETY: open_memstream allocates a growing buffer for the FILE.
-            let f = unsafe { libc::open_memstream(&mut buf, &mut len) };
-            if f.is_null() {
-                return Err(Error::Io { op: "open_memstream", source: std::io::Error::last_os_error() });
-            }
-            // SAFETY: h is live; f is a valid FILE (the types are the same C FILE).
-            unsafe { sys::ucp_ep_print_info(h, f.cast()) };
-            // SAFETY: closing flushes into buf/len, which we then own and free.
-            let text = unsafe {
-                libc::fclose(f);
-                let s =
-                    String::from_utf8_lossy(std::slice::from_raw_parts(buf.cast::<u8>(), len)).into_owned();
-                libc::free(buf.cast::<c_void>());
-                s
-            };
-            Ok(text)
+            // SAFETY: h is live under the lock; f is an open stream for the call.
+            crate::context::printed(|f| unsafe { sys::ucp_ep_print_info(h, f.cast()) })
+                .ok_or_else(|| Error::Io { op: "open_memstream", source: std::io::Error::last_os_error() })
         })
     }
 

@@ -27,6 +27,7 @@ use std::sync::Arc;
 use ucx_sys as sys;
 
 use crate::error::Status;
+use crate::ucx_address::{FLAG_WORKER_UUID, NO_DEVICE};
 use crate::worker::{self, EpState, State};
 
 /// The most endpoints taken over while looking for the one a hello arrived on.
@@ -43,11 +44,6 @@ pub(crate) fn uuid_of(ucx: &[u8]) -> Option<u64> {
     };
     Some(u64::from_ne_bytes(ucx.get(at..at + 8)?.try_into().ok()?))
 }
-
-/// `UCP_ADDRESS_HEADER_FLAG_WORKER_UUID`.
-const FLAG_WORKER_UUID: u8 = 1 << 1;
-/// `UCP_NULL_RESOURCE`: an address with no device.
-const NO_DEVICE: u8 = 0xff;
 
 /// A worker address in UCX's form (version 1) naming the worker `uuid` and no
 /// transport: creating an endpoint from it only takes over an internal endpoint UCX

@@ -19,9 +19,9 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 /// `UCP_NULL_RESOURCE`: an address with no device.
-const NO_DEVICE: u8 = 0xff;
+pub(crate) const NO_DEVICE: u8 = 0xff;
 const FLAG_DEBUG_INFO: u8 = 1 << 0;
-const FLAG_WORKER_UUID: u8 = 1 << 1;
+pub(crate) const FLAG_WORKER_UUID: u8 = 1 << 1;
 const FLAG_CLIENT_ID: u8 = 1 << 2;
 const FLAG_AM_ONLY: u8 = 1 << 3;
 /// Device length byte: last device; number of paths follows; system device follows.

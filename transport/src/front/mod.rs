@@ -57,6 +57,12 @@
 //!   (`.config("TCP_PORT_RANGE", "40000-40999")`, UCX 1.17 and later; `UCX_TCP_PORT_RANGE`
 //!   in the environment before) that a firewall opens only to the cluster's hosts, or
 //!   leave `tcp` out of the transports (listeners do not need it).
+//! - **A connected peer** talks to this process's UCX directly: UCX trusts the protocol
+//!   messages a peer's UCX sends on an established connection (ucxkit checks only what
+//!   it hands UCX itself). A peer running a changed UCX, or a plain UCX program sending
+//!   what ucxkit never sends, can make Debian's UCX 1.13 abort: an empty stream message
+//!   with no receive posted does (`stream_recv.c`, `length > 0`). Connect only peers you
+//!   trust; a secret keeps out those that cannot prove they hold it.
 //! - Nothing is encrypted: run over networks where being read is acceptable.
 
 pub(crate) mod auth;

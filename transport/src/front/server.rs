@@ -121,10 +121,9 @@ impl FrontListener {
         let std_listener = std::net::TcpListener::bind(addr).map_err(|e| io("binding the listener", e))?;
         std_listener.set_nonblocking(true).map_err(|e| io("binding the listener", e))?;
         let bound = std_listener.local_addr().map_err(|e| io("binding the listener", e))?;
-        let listener = {
-            let _enter = rt.enter();
-            tokio::net::TcpListener::from_std(std_listener).map_err(|e| io("binding the listener", e))?
-        };
+        // (Inside the runtime: `try_current` found it.)
+        let listener =
+            tokio::net::TcpListener::from_std(std_listener).map_err(|e| io("binding the listener", e))?;
         let queue = Arc::new(Queue::default());
         let task = rt.spawn(accept_loop(listener, queue.clone(), secret, uuid)).abort_handle();
         Ok((FrontListener { queue, task }, bound))
