@@ -1,0 +1,382 @@
+//! What a worker keeps of each endpoint and pending connection: the endpoint table,
+//! endpoint states, lingering closes, handshake waits, listener queues.
+
+use super::*;
+
+/// Hasher for the integer keys of the worker's tables (endpoint ids, request and handle
+/// addresses): a multiply-xorshift, much cheaper than SipHash on the per-operation path.
+/// The keys are not attacker-chosen.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        let x = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        x ^ (x >> 29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | b as u64).rotate_left(5);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = n as u64;
+    }
+}
+
+/// `HashMap` keyed by integers, with [`IdHasher`].
+pub(crate) type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// `HashSet` of integers or addresses, with [`IdHasher`].
+pub(crate) type IdSet<K> = std::collections::HashSet<K, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// The worker's endpoints by id. Each [`EpState`] has its own allocation, so the last one
+/// looked up is remembered by address: the stream operations of one endpoint, which look
+/// it up on every send, receive and completion, find it without hashing.
+pub(crate) struct EpTable {
+    pub(super) map: IdMap<u64, NonNull<EpState>>,
+    /// The last id looked up and its state (id 0, which no endpoint has, for none).
+    pub(super) last: Cell<(u64, Option<NonNull<EpState>>)>,
+}
+
+// SAFETY: the table owns its states (allocated by `insert`, freed by `remove` or drop)
+// as a map of boxes would; it is only used under the worker lock.
+unsafe impl Send for EpTable {}
+
+impl Default for EpTable {
+    fn default() -> Self {
+        EpTable { map: IdMap::default(), last: Cell::new((0, None)) }
+    }
+}
+
+impl EpTable {
+    #[inline]
+    pub(super) fn find(&self, id: u64) -> Option<NonNull<EpState>> {
+        match self.last.get() {
+            (last, p @ Some(_)) if last == id => p,
+            _ => {
+                let p = self.map.get(&id).copied();
+                if p.is_some() {
+                    self.last.set((id, p));
+                }
+                p
+            }
+        }
+    }
+
+    /// The state of endpoint `id`.
+    #[inline]
+    pub(crate) fn get(&self, id: &u64) -> Option<&EpState> {
+        // SAFETY: the pointer is one of the table's live allocations (removed ones are
+        // forgotten by `remove`); `&self` keeps them from being freed or written.
+        self.find(*id).map(|p| unsafe { p.as_ref() })
+    }
+
+    /// The state of endpoint `id`, to change.
+    #[inline]
+    pub(crate) fn get_mut(&mut self, id: &u64) -> Option<&mut EpState> {
+        // SAFETY: as in `get`; `&mut self` makes the access exclusive.
+        self.find(*id).map(|mut p| unsafe { p.as_mut() })
+    }
+
+    /// Adds endpoint `id` (a new id: ids are never reused).
+    pub(crate) fn insert(&mut self, id: u64, e: EpState) {
+        let p = NonNull::from(Box::leak(Box::new(e)));
+        if let Some(old) = self.map.insert(id, p) {
+            self.last.set((0, None));
+            // SAFETY: the replaced allocation is the table's, no longer referenced.
+            drop(unsafe { Box::from_raw(old.as_ptr()) });
+        }
+    }
+
+    /// Removes endpoint `id`.
+    pub(crate) fn remove(&mut self, id: &u64) {
+        if let Some(p) = self.map.remove(id) {
+            if self.last.get().0 == *id {
+                self.last.set((0, None));
+            }
+            // SAFETY: the table's allocation, out of the map and the cache.
+            drop(unsafe { Box::from_raw(p.as_ptr()) });
+        }
+    }
+
+    /// Every endpoint with its id.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&u64, &EpState)> {
+        // SAFETY: as in `get`.
+        self.map.iter().map(|(id, p)| (id, unsafe { p.as_ref() }))
+    }
+}
+
+impl Drop for EpTable {
+    fn drop(&mut self) {
+        for (_, p) in self.map.drain() {
+            // SAFETY: the table's allocations, freed once.
+            drop(unsafe { Box::from_raw(p.as_ptr()) });
+        }
+    }
+}
+
+/// How long a closing endpoint waits for its peer ([`State::linger`]) before it closes
+/// anyway.
+pub(super) const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
+
+/// An endpoint being closed through its peer ([`State::linger`]).
+pub(super) struct Linger {
+    /// The notice sent once the flush is done and the endpoint's operations have
+    /// finished: [`Kind::CloseFirst`] on the connecting side, [`Kind::Closing`] on the
+    /// accepting side.
+    pub(super) notice: Kind,
+    /// Whether the notice went out.
+    pub(super) sent: bool,
+    /// Whether the peer refused the notice (it does not know it): close at once.
+    pub(super) refused: bool,
+    /// The deadline in force (entries of [`Lingering::deadlines`] with another one are
+    /// stale).
+    pub(super) deadline: Instant,
+    /// The flush posted before the notice, while it runs.
+    pub(super) flush: Option<request::Request>,
+    /// [`crate::Endpoint::close`] calls waiting for the end.
+    pub(super) waiters: Vec<Waker>,
+}
+
+/// Lingering endpoints, for the worker lock's holder to move on cheaply: the ones with
+/// news (flush finished, endpoint failed) listed, the deadlines in order (all waits are
+/// equal), the clock read only now and then.
+#[derive(Default)]
+pub(crate) struct Lingering {
+    /// Endpoints still lingering.
+    pub(crate) live: usize,
+    /// (deadline, endpoint), oldest first; may name endpoints no longer lingering.
+    pub(super) deadlines: std::collections::VecDeque<(Instant, u64)>,
+    /// Endpoints whose flush or one of whose operations finished, or which failed, since
+    /// they were last looked at.
+    pub(crate) news: Vec<u64>,
+    /// Progress calls since the clock was last read for the deadlines.
+    pub(super) ticks: u32,
+}
+
+/// While endpoints linger: every how many progress calls the deadlines are checked (the
+/// driver also checks before it sleeps).
+pub(super) const LINGER_CLOCK_EVERY: u32 = 64;
+
+/// Per-endpoint bookkeeping, under the worker lock.
+pub(crate) struct EpState {
+    /// NULL once closed.
+    pub(crate) handle: sys::ucp_ep_h,
+    pub(crate) failed: Option<Status>,
+    /// The handle while the endpoint is usable (open and not failed), NULL after; shared
+    /// with the [`crate::Endpoint`] so that posting needs no table lookup. Written and
+    /// read only under the worker lock.
+    pub(crate) usable: Arc<AtomicPtr<sys::ucp_ep>>,
+    /// Whether UCX peer error handling is on (UCX then purges requests on failure).
+    pub(crate) peer_mode: bool,
+    /// Stream bytes written (posted) on this endpoint.
+    pub(crate) stream_tx: u64,
+    /// Stream bytes received on this endpoint.
+    pub(crate) stream_rx: u64,
+    /// The peer's stream writer shut down after this many bytes.
+    pub(crate) stream_end: Option<u64>,
+    /// Stream bytes taken out of UCX because the peer closed (they would go with the
+    /// endpoint), from `kept_at` on still unread ([`State::keep_stream`]). Counted in
+    /// `stream_rx` already.
+    pub(super) kept: Vec<u8>,
+    pub(super) kept_at: usize,
+    /// Tasks waiting for stream progress (end of stream, failure) or for the endpoint's
+    /// failure ([`crate::Endpoint::failed`]).
+    pub(crate) stream_waiters: Vec<Waker>,
+    /// The endpoint's handle, for active-message replies.
+    pub(crate) endpoint: std::sync::Weak<crate::endpoint::EndpointInner>,
+    /// Zero-copy stream data ([`crate::StreamData`]) handed out and not yet released.
+    pub(crate) data_out: usize,
+    /// A close requested while stream data was out or operations still ran on the
+    /// endpoint: the UCX handle and whether to force; done when the last piece is
+    /// released and the operations have finished ([`State::run_deferred_close`]).
+    pub(crate) deferred_close: Option<(sys::ucp_ep_h, bool)>,
+    /// The deferred close waits for operations ([`State::ops_running`]).
+    pub(super) close_waits_ops: bool,
+    /// Nothing refers to the entry any more: removed once its deferred close ran.
+    pub(super) orphan: bool,
+    /// ucxkit ended operations that UCX still runs (the peer process died unseen by UCX,
+    /// [`State::fail_ep`]): UCX must not close the endpoint until it fails it itself,
+    /// which purges them.
+    pub(super) poisoned: bool,
+    /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
+    /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
+    pub(crate) closing: bool,
+    /// UCX reported the endpoint failed (its lanes are dead): closing it makes UCX log
+    /// flush errors, which go to `tracing` ([`ucx_log::quietly`]).
+    pub(super) lanes_failed: bool,
+    /// Failed because ucxkit saw the peer process exit, UCX not knowing.
+    pub(super) peer_exited: bool,
+    /// Closed or dropped, closing through the peer ([`State::linger`]).
+    pub(super) linger: Option<Linger>,
+    /// No [`crate::Endpoint`] stands for it: the peer of another connection's endpoint
+    /// that UCX paired with this worker (see [`crate::pairing`]), kept open while that
+    /// peer may use it, closed when it fails or the worker goes away.
+    pub(crate) hidden: bool,
+    /// Made from a worker address (or taken over from one, see [`crate::pairing`]), not
+    /// through UCX's connection manager: UCX closes its TCP connection only when both
+    /// sides close forcibly (see [`State::close_ep`]).
+    pub(crate) by_address: bool,
+}
+
+impl EpState {
+    pub(crate) fn new(
+        handle: sys::ucp_ep_h,
+        peer_mode: bool,
+        usable: Arc<AtomicPtr<sys::ucp_ep>>,
+    ) -> EpState {
+        EpState {
+            handle,
+            failed: None,
+            usable,
+            peer_mode,
+            stream_tx: 0,
+            stream_rx: 0,
+            stream_end: None,
+            kept: Vec::new(),
+            kept_at: 0,
+            data_out: 0,
+            deferred_close: None,
+            close_waits_ops: false,
+            orphan: false,
+            poisoned: false,
+            closing: false,
+            lanes_failed: false,
+            peer_exited: false,
+            linger: None,
+            hidden: false,
+            by_address: false,
+            stream_waiters: Vec::new(),
+            endpoint: std::sync::Weak::new(),
+        }
+    }
+
+    /// Whether the peer ended its stream and every byte it wrote has been received (and
+    /// read).
+    pub(crate) fn stream_ended(&self) -> bool {
+        self.stream_end.is_some_and(|n| self.stream_rx >= n) && self.kept_at == self.kept.len()
+    }
+
+    /// Stream bytes kept from a closed peer and not read yet ([`State::keep_stream`]).
+    pub(crate) fn kept(&self) -> &[u8] {
+        &self.kept[self.kept_at..]
+    }
+
+    /// Marks the first `n` bytes of [`EpState::kept`] read.
+    pub(crate) fn consume_kept(&mut self, n: usize) {
+        self.kept_at += n;
+        if self.kept_at == self.kept.len() {
+            self.kept = Vec::new();
+            self.kept_at = 0;
+        }
+    }
+
+    /// Takes the rest of [`EpState::kept`].
+    pub(crate) fn take_kept(&mut self) -> Vec<u8> {
+        let mut v = std::mem::take(&mut self.kept);
+        v.drain(..self.kept_at);
+        self.kept_at = 0;
+        v
+    }
+}
+
+/// What an endpoint's failure does to an operation bound to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    /// An unmatched tag receive: canceled (`ucp_request_cancel`).
+    Cancel,
+    /// Anything UCX cannot cancel (sends, RMA, fetches): UCX purges it when it learns of
+    /// the failure; when only ucxkit knows (a dead same-host peer in error mode None),
+    /// ucxkit finishes it (see [`State::fail_ep`]). A closing endpoint waits for these
+    /// before it closes ([`State::linger`]).
+    Finish,
+    /// A stream receive: as [`OpKind::Finish`], but a closing endpoint does not wait for
+    /// it (it ends only when the peer writes).
+    StreamRecv,
+    /// The flush a closing endpoint posts ([`State::linger`]): as [`OpKind::Finish`], but
+    /// the close does not wait for it (UCX's own close flushes).
+    LingerFlush,
+}
+
+/// A pending handshake.
+pub(crate) struct HsWait {
+    pub(crate) waker: Option<Waker>,
+    pub(crate) result: Option<std::result::Result<ProcessIdentity, String>>,
+    pub(crate) peer_mode: bool,
+    pub(crate) ep: u64,
+    /// An accept that takes only a hello with this nonce (the connection id a listener's
+    /// front gave the client).
+    pub(crate) expect: Option<u64>,
+}
+
+/// A connection accepted through a listener's front, waiting for the connecting side's
+/// hello (by the connection id of its request on the front, the hello's nonce).
+pub(crate) struct FrontWait {
+    /// The hellos not taken yet (a collision makes the connecting side send another):
+    /// the endpoint each came through (UCX's reply endpoint) and the error mode it says
+    /// the connecting side uses.
+    pub(crate) hellos: std::collections::VecDeque<(sys::ucp_ep_h, bool)>,
+    pub(crate) waker: Option<Waker>,
+}
+
+/// A listener's queue of connection requests.
+#[derive(Default)]
+pub(crate) struct ListenerState {
+    pub(crate) queue: std::collections::VecDeque<sys::ucp_conn_request_h>,
+    pub(crate) waker: Option<Waker>,
+}
+
+/// Work collected under the worker lock and done by [`WorkerInner::locked`] after it
+/// releases the lock: tasks to wake, values to drop (parked buffers whose drop may run
+/// user code), a driver kick, active-message handlers to run. `any` says whether there
+/// is something, so that the common case costs one test.
+#[derive(Default)]
+pub(crate) struct Deferred {
+    pub(super) any: bool,
+    pub(super) wake: Vec<Waker>,
+    pub(super) graveyard: Vec<Box<dyn Any + Send>>,
+    pub(super) kick: bool,
+    pub(super) handlers: Vec<Arc<crate::am::HandlerCell>>,
+}
+
+impl Deferred {
+    /// Wakes `w` after the lock is released.
+    pub(crate) fn wake(&mut self, w: Waker) {
+        self.wake.push(w);
+        self.any = true;
+    }
+
+    /// Wakes every waker in `ws` (emptied) after the lock is released.
+    pub(crate) fn wake_all(&mut self, ws: &mut Vec<Waker>) {
+        if !ws.is_empty() {
+            self.wake.append(ws);
+            self.any = true;
+        }
+    }
+
+    /// Drops `v` after the lock is released.
+    pub(crate) fn bury(&mut self, v: Box<dyn Any + Send>) {
+        self.graveyard.push(v);
+        self.any = true;
+    }
+
+    /// Kicks the progress driver after the lock is released: work was queued that no fd
+    /// event will announce.
+    pub(crate) fn kick(&mut self) {
+        self.kick = true;
+        self.any = true;
+    }
+
+    /// Runs handler `h` over its queued messages after the lock is released (once, however
+    /// often it is asked).
+    pub(crate) fn run_handler(&mut self, h: &Arc<crate::am::HandlerCell>) {
+        if !self.handlers.iter().any(|c| Arc::ptr_eq(c, h)) {
+            self.handlers.push(h.clone());
+        }
+        self.any = true;
+    }
+}
