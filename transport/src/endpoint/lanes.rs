@@ -49,7 +49,7 @@ impl Endpoint {
             attr.transports.entry_size = std::mem::size_of::<sys::ucp_transport_entry_t>() as _;
             // SAFETY: h is live under the lock; the entry array is valid for the count and
             // entry size given.
-            if !Status(unsafe { sys::ucp_ep_query(h, &mut attr) }).is_ok() {
+            if !crate::Status(unsafe { sys::ucp_ep_query(h, &mut attr) }).is_ok() {
                 return Ok(None);
             }
             let n = (attr.transports.num_entries as usize).min(entries.len());
