@@ -10,6 +10,14 @@
 //! not zero-copy: UCX must finish with the bytes during the call
 //! (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`) or send nothing, so no borrow outlives the call and
 //! they need no `unsafe`.
+//!
+//! A part of a buffer is sent or received through a [`Slice`] ([`IoBuf::into_slice`],
+//! [`IoBufMut::into_slice_mut`]), which gives the whole buffer back.
+
+use std::ops::RangeBounds;
+
+use crate::error::Error;
+use crate::slice::Slice;
 
 /// A buffer UCX may read from while an operation owns it.
 ///
@@ -23,6 +31,20 @@ pub unsafe trait IoBuf: Send + 'static {
     fn stable_ptr(&self) -> *const u8;
     /// Number of initialized bytes (what a send transmits).
     fn bytes_init(&self) -> usize;
+
+    /// Bytes `range` of this buffer's initialized bytes as an operation's buffer, without
+    /// copying: a send sends only them, and gives back the [`Slice`], whose
+    /// [`Slice::into_inner`] is the whole buffer.
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] with the buffer when `range` is not within
+    /// `0..bytes_init()`.
+    fn into_slice(self, range: impl RangeBounds<usize>) -> Result<Slice<Self>, (Error, Self)>
+    where
+        Self: Sized,
+    {
+        Slice::of(self, range)
+    }
 }
 
 /// A buffer UCX may write into while an operation owns it.
@@ -41,6 +63,22 @@ pub unsafe trait IoBufMut: IoBuf {
     /// # Safety
     /// The first `n` bytes, `n <= bytes_total()`, have been written.
     unsafe fn set_init(&mut self, n: usize);
+
+    /// Bytes `range` of this buffer's capacity as a receive's buffer, without copying: a
+    /// receive writes only there, and gives back the [`Slice`], whose
+    /// [`Slice::into_inner`] is the whole buffer, its length grown to the end of what
+    /// arrived when that is past it.
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] with the buffer when `range` is not within
+    /// `0..bytes_total()` or starts after `bytes_init()` (which would leave unwritten
+    /// bytes inside the contents).
+    fn into_slice_mut(self, range: impl RangeBounds<usize>) -> Result<Slice<Self>, (Error, Self)>
+    where
+        Self: Sized,
+    {
+        Slice::of_mut(self, range)
+    }
 }
 
 /// `IoBuf` through the types' own `as_ptr` and `len`.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ucx_sys as sys;
 
-use super::MemInner;
+use super::{MemInner, MemRegion};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result, Status};
 use crate::front::auth::{Secret, MAC_LEN};
@@ -278,12 +278,19 @@ impl Endpoint {
         if origin.process == process_token() {
             // A region of this process: the key holds it, so that its memory outlives
             // every access through the key (no peer process is involved to promise it).
-            region = packed().get(&origin.region).and_then(std::sync::Weak::upgrade);
-            if region.is_none() {
+            let registry = packed();
+            region = registry.get(&origin.region).and_then(std::sync::Weak::upgrade);
+            let Some(r) = &region else {
                 return Err(Error::BadRemoteKey {
                     reason: "the region of this process the key was packed for is gone".into(),
                 });
+            };
+            if MemRegion::viewed(r) {
+                return Err(Error::ApiMisuse(
+                    "the region of this process the key was packed for is open in a view".into(),
+                ));
             }
+            drop(registry);
         }
         if let Some(r) = &region {
             // A key of this process's region reaches that region only.

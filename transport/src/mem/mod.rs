@@ -24,9 +24,11 @@
 //! a region only once every peer process given its key is done with it (it said so, or
 //! its endpoint is closed), as with any RDMA library.
 //!
-//! Peers may write a region at any time, so its bytes are not exposed as Rust slices:
-//! copy in and out with [`MemRegion::read_at`] and [`MemRegion::write_at`], or use the
-//! region (or a [`RegionSlice`] of it) as the buffer of an operation. For the same
+//! Peers may write a region at any time, so its bytes are exposed as a Rust slice only
+//! through a [`RegionView`], while nothing else of this process holds the region
+//! ([`MemRegion::view`]); otherwise copy in and out with [`MemRegion::read_at`] and
+//! [`MemRegion::write_at`], or use the region (or a [`RegionSlice`] of it) as the buffer
+//! of an operation. For the same
 //! reason several operations may use one region, or overlapping slices of it, at once
 //! (receives into one scratch buffer, say): that is memory-safe, and what the bytes hold
 //! afterwards is up to the order in which the transfers land.
@@ -41,8 +43,10 @@ use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Status};
 
 mod key;
+mod view;
 
 pub use key::RemoteKey;
+pub use view::RegionView;
 
 use key::{encode_key, next_region_id, packed, process_token, Origin};
 
@@ -58,6 +62,8 @@ struct MemInner {
     id: u64,
     /// A key was packed: the region is listed in [`packed`].
     packed: std::sync::atomic::AtomicBool,
+    /// A [`RegionView`] is open.
+    viewed: std::sync::atomic::AtomicBool,
     memh: sys::ucp_mem_h,
     ptr: *mut u8,
     len: usize,
@@ -130,6 +136,7 @@ impl Context {
                 ctx: self.inner.clone(),
                 id: next_region_id(),
                 packed: false.into(),
+                viewed: false.into(),
                 memh,
                 ptr,
                 len,
@@ -168,6 +175,7 @@ impl Context {
                 ctx: self.inner.clone(),
                 id: next_region_id(),
                 packed: false.into(),
+                viewed: false.into(),
                 memh,
                 ptr: attr.address.cast(),
                 len: len.min(attr.length),
