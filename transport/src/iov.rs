@@ -18,7 +18,7 @@ use crate::error::{Error, Result, Status};
 use crate::mem::RemoteKey;
 use crate::op::{OpState, SendOp};
 use crate::request::{tag_recv_cb, Completion, Posted};
-use crate::tag::{Tag, TagInfo};
+use crate::tag::{Space, Tag, TagInfo};
 use crate::worker::{OpKind, State, Worker};
 
 /// An iov array UCX reads while an operation is in flight.
@@ -50,6 +50,14 @@ impl Endpoint {
     /// # Cancel safety
     /// As for [`Endpoint::tag_send`].
     pub fn tag_send_iov<B: IoBuf>(&self, tag: Tag, bufs: Vec<B>) -> TagSendIov<B> {
+        self.tag_send_iov_in(Space::APP, tag, bufs)
+    }
+
+    /// [`Endpoint::tag_send_iov`] with `tag` in `space`.
+    pub(crate) fn tag_send_iov_in<B: IoBuf>(&self, space: Space, tag: Tag, bufs: Vec<B>) -> TagSendIov<B> {
+        let Some(tag) = space.wire(tag) else {
+            return SendOp::failed(self, "tag_send", Box::new(space.bad_tag(tag)), bufs);
+        };
         let iov = IovArray::new(bufs.iter().map(|b| (b.stable_ptr().cast_mut(), b.bytes_init())));
         let (ptr, count) = (iov.0.as_ptr().cast::<u8>(), iov.0.len());
         let posted = self.post_op("tag_send", false, |_, h, param| {
@@ -70,7 +78,7 @@ impl Endpoint {
     /// # Cancel safety
     /// As for [`Endpoint::tag_recv`].
     pub fn tag_recv_iov<B: IoBufMut>(&self, tag: Tag, mask: u64, bufs: Vec<B>) -> TagRecvIov<B> {
-        post_recv_iov(self.worker().clone(), Some(self.clone()), tag, mask, bufs)
+        post_recv_iov(self.worker().clone(), Some(self.clone()), Space::APP, tag, mask, bufs)
     }
 
     /// Writes the bytes of `bufs`, one after another, to the peer's region starting at
@@ -136,19 +144,24 @@ impl Worker {
     /// # Cancel safety
     /// As for [`Endpoint::tag_recv`].
     pub fn tag_recv_iov<B: IoBufMut>(&self, tag: Tag, mask: u64, bufs: Vec<B>) -> TagRecvIov<B> {
-        post_recv_iov(self.clone(), None, tag, mask, bufs)
+        post_recv_iov(self.clone(), None, Space::APP, tag, mask, bufs)
     }
 }
 
-fn post_recv_iov<B: IoBufMut>(
+pub(crate) fn post_recv_iov<B: IoBufMut>(
     worker: Worker,
     ep: Option<Endpoint>,
+    space: Space,
     tag: Tag,
     mask: u64,
     mut bufs: Vec<B>,
 ) -> TagRecvIov<B> {
     let iov = IovArray::new(bufs.iter_mut().map(|b| (b.stable_mut_ptr(), b.bytes_total())));
     let capacity: usize = iov.0.iter().map(|e| e.length).sum();
+    let (tag, mask) = match space.wire_recv(tag, mask) {
+        Ok(w) => w,
+        Err(e) => return TagRecvIov { worker, ep, space, capacity, state: OpState::Failed(e, (bufs, iov)) },
+    };
     let (ptr, count) = (iov.0.as_ptr(), iov.0.len());
     let inner = &worker.shared.inner;
     let posted = inner.locked(|st| {
@@ -162,7 +175,7 @@ fn post_recv_iov<B: IoBufMut>(
     if matches!(posted, Ok(Posted::Pending(_))) {
         inner.posted();
     }
-    TagRecvIov { worker, ep, capacity, state: OpState::from_posted(posted, (bufs, iov)) }
+    TagRecvIov { worker, ep, space, capacity, state: OpState::from_posted(posted, (bufs, iov)) }
 }
 
 fn recv_iov_param(st: &mut State) -> sys::ucp_request_param_t {
@@ -187,6 +200,8 @@ fn recv_iov_param(st: &mut State) -> sys::ucp_request_param_t {
 pub struct TagRecvIov<B: IoBufMut> {
     worker: Worker,
     ep: Option<Endpoint>,
+    /// The tag space the receive was posted in: sender tags are reported local to it.
+    space: Space,
     capacity: usize,
     state: OpState<(Vec<B>, IovArray)>,
 }
@@ -203,6 +218,7 @@ impl<B: IoBufMut> Future for TagRecvIov<B> {
             Poll::Ready(Err((e, (b, _)))) => return Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, (b, _)))) => (c, b),
         };
+        let c = Completion::new(c.status(), c.len, this.space.local(c.sender_tag));
         if c.status().is_ok() {
             let mut left = c.len;
             for b in &mut bufs {

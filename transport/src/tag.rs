@@ -6,6 +6,11 @@
 //! these calls interoperate with any UCX program using the tag API (turn the handshake
 //! off with [`crate::EndpointOptions::handshake`] to talk to one).
 //!
+//! The application's tags are 63 bits: the top bit is 0, and a tag with it set is
+//! refused. Tags with the top bit set belong to [`crate::namespace`]s, which let layers
+//! such as collectives share a worker with the application without their messages
+//! matching each other's receives.
+//!
 //! Every operation takes its buffer by value and returns it with the result, as
 //! `(Result<T>, B)`, except [`Endpoint::try_tag_send`], which borrows its bytes for the
 //! call only: UCX copies them during the call or sends nothing.
@@ -24,8 +29,69 @@ use crate::op::{OpState, SendOp};
 use crate::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker, WorkerInner};
 
-/// A 64-bit tag.
+/// A tag: 63 bits for the application, [`crate::namespace::TAG_BITS`] in a namespace.
 pub type Tag = u64;
+
+/// The tag bits the application's own tags may use: the low 63 (see [`crate::namespace`]).
+pub const APP_TAG_BITS: u32 = 63;
+
+/// Where a tag operation's tags live on the wire: the application's space (top bit 0) or
+/// a namespace's (top bit 1, the namespace's number in the next 7 bits). A tag given to
+/// an operation is local to its space; [`Space::wire`] makes the tag UCX sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Space {
+    /// The bits that select the space, set in every wire tag of it.
+    prefix: u64,
+    /// The bits that name the space: matched by every receive in it.
+    fixed: u64,
+}
+
+impl Space {
+    /// The application's space.
+    pub(crate) const APP: Space = Space { prefix: 0, fixed: 1 << APP_TAG_BITS };
+
+    /// The space of namespace `n` (1..=127), whose tags have `bits` bits.
+    pub(crate) const fn namespace(n: u8, bits: u32) -> Space {
+        Space { prefix: (0x80 | n as u64) << bits, fixed: u64::MAX << bits }
+    }
+
+    /// The wire tag of `tag`, None when `tag` does not fit the space.
+    #[inline(always)]
+    pub(crate) fn wire(self, tag: Tag) -> Option<Tag> {
+        (tag & self.fixed == 0).then_some(tag | self.prefix)
+    }
+
+    /// The wire mask for a receive with `mask`: it always matches the space.
+    #[inline(always)]
+    pub(crate) fn wire_mask(self, mask: u64) -> u64 {
+        mask | self.fixed
+    }
+
+    /// The tag local to the space of wire tag `tag`.
+    #[inline(always)]
+    pub(crate) fn local(self, tag: Tag) -> Tag {
+        tag & !self.fixed
+    }
+
+    /// The wire tag and mask of a receive, or the error for a tag outside the space.
+    #[inline(always)]
+    pub(crate) fn wire_recv(self, tag: Tag, mask: u64) -> std::result::Result<(Tag, u64), Box<Error>> {
+        match self.wire(tag & mask) {
+            Some(t) => Ok((t, self.wire_mask(mask))),
+            None => Err(Box::new(self.bad_tag(tag))),
+        }
+    }
+
+    /// The error for `tag`, outside the space.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn bad_tag(self, tag: Tag) -> Error {
+        let bits = self.fixed.trailing_zeros();
+        Error::ApiMisuse(format!(
+            "tag {tag:#x} does not fit in {bits} bits (the higher tag bits belong to namespaces; see ucxkit_transport::namespace)"
+        ))
+    }
+}
 
 /// The mask that matches only the exact tag.
 pub const EXACT: u64 = u64::MAX;
@@ -64,6 +130,8 @@ pub struct TagRecv<B: IoBufMut> {
     /// The endpoint the receive is bound to, held while it may be pending or when it
     /// failed (for the error).
     ep: ManuallyDrop<Option<Endpoint>>,
+    /// The tag space the receive was posted in: sender tags are reported local to it.
+    space: Space,
     capacity: usize,
     state: ManuallyDrop<OpState<B>>,
 }
@@ -79,6 +147,15 @@ impl Endpoint {
     /// delivered.
     #[inline]
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
+        self.tag_send_in(Space::APP, tag, buf)
+    }
+
+    /// [`Endpoint::tag_send`] with `tag` in `space`.
+    #[inline(always)]
+    pub(crate) fn tag_send_in<B: IoBuf>(&self, space: Space, tag: Tag, buf: B) -> TagSend<B> {
+        let Some(tag) = space.wire(tag) else {
+            return SendOp::failed(self, "tag_send", Box::new(space.bad_tag(tag)), buf);
+        };
         SendOp::post(
             self,
             "tag_send",
@@ -113,6 +190,13 @@ impl Endpoint {
     /// was closed, or what UCX reported.
     #[inline]
     pub fn try_tag_send(&self, tag: Tag, data: &[u8]) -> Result<bool> {
+        self.try_tag_send_in(Space::APP, tag, data)
+    }
+
+    /// [`Endpoint::try_tag_send`] with `tag` in `space`.
+    #[inline(always)]
+    pub(crate) fn try_tag_send_in(&self, space: Space, tag: Tag, data: &[u8]) -> Result<bool> {
+        let tag = space.wire(tag).ok_or_else(|| space.bad_tag(tag))?;
         self.post_immediate("tag_send", |h, param| {
             // SAFETY: h is live under the lock; data is valid for the call, and UCX is done
             // with it when the call returns (immediate completion only).
@@ -139,7 +223,7 @@ impl Endpoint {
     /// kept by the worker, and that message is discarded.
     #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
-        post_recv(self.worker(), Some(self), tag, mask, buf)
+        post_recv(self.worker(), Some(self), Space::APP, tag, mask, buf)
     }
 }
 
@@ -152,19 +236,26 @@ impl Worker {
     /// As for [`Endpoint::tag_recv`].
     #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
-        post_recv(self, None, tag, mask, buf)
+        post_recv(self, None, Space::APP, tag, mask, buf)
     }
 
     /// Checks, without receiving it, whether a message matching `tag`/`mask` has arrived
     /// (`ucp_tag_probe_nb`), progressing the worker once first.
     pub fn tag_probe(&self, tag: Tag, mask: u64) -> Option<TagInfo> {
+        self.tag_probe_in(Space::APP, tag, mask).unwrap_or(None)
+    }
+
+    /// [`Worker::tag_probe`] in `space`; an error for a tag outside it.
+    pub(crate) fn tag_probe_in(&self, space: Space, tag: Tag, mask: u64) -> Result<Option<TagInfo>> {
+        let (tag, mask) = space.wire_recv(tag, mask).map_err(|e| *e)?;
         let inner = &self.shared.inner;
         inner.locked(|st| {
             inner.progress_locked(st);
             let mut info = sys::ucp_tag_recv_info_t::default();
             // SAFETY: the worker is valid under the lock; remove = 0 leaves the message.
             let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 0, &mut info) };
-            (!m.is_null()).then_some(TagInfo { sender_tag: info.sender_tag, len: info.length })
+            Ok((!m.is_null())
+                .then_some(TagInfo { sender_tag: space.local(info.sender_tag), len: info.length }))
         })
     }
 
@@ -176,6 +267,17 @@ impl Worker {
     /// Memory-safe to drop. Before a message is found, nothing is consumed; once found,
     /// it is received into a buffer kept until UCX completes, then discarded.
     pub async fn tag_recv_any(&self, tag: Tag, mask: u64) -> Result<(TagInfo, Vec<u8>)> {
+        self.tag_recv_any_in(Space::APP, tag, mask).await
+    }
+
+    /// [`Worker::tag_recv_any`] in `space`.
+    pub(crate) async fn tag_recv_any_in(
+        &self,
+        space: Space,
+        tag: Tag,
+        mask: u64,
+    ) -> Result<(TagInfo, Vec<u8>)> {
+        let (tag, mask) = space.wire_recv(tag, mask).map_err(|e| *e)?;
         let inner = &self.shared.inner;
         let no_imm = inner.no_imm;
         // Step 1: find and dequeue a matching message, receiving into a buffer of its size.
@@ -204,7 +306,7 @@ impl Worker {
             )
         })
         .await;
-        let info = TagInfo { sender_tag: info.sender_tag, len: info.length };
+        let info = TagInfo { sender_tag: space.local(info.sender_tag), len: info.length };
         // Step 2: wait for the data.
         let state = match posted {
             Posted::Done(c) => OpState::Done(Completion::new(c.status(), info.len, info.sender_tag), buf),
@@ -213,7 +315,7 @@ impl Worker {
                 OpState::Pending(r, buf)
             }
         };
-        let recv = TagRecv::new(self, None, info.len, state);
+        let recv = TagRecv::new(self, None, space, info.len, state);
         let (r, buf) = recv.await;
         r.map(|_| (info, buf))
     }
@@ -308,15 +410,20 @@ fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
 /// checked in the same critical section, so a receive is never posted on an endpoint
 /// that already failed (its failure would not cancel it).
 #[inline]
-fn post_recv<B: IoBufMut>(
+pub(crate) fn post_recv<B: IoBufMut>(
     worker: &Worker,
     ep: Option<&Endpoint>,
+    space: Space,
     tag: Tag,
     mask: u64,
     mut buf: B,
 ) -> TagRecv<B> {
-    let inner = &worker.shared.inner;
     let capacity = buf.bytes_total();
+    let (tag, mask) = match space.wire_recv(tag, mask) {
+        Ok(w) => w,
+        Err(e) => return TagRecv::new(worker, ep, space, capacity, OpState::Failed(e, buf)),
+    };
+    let inner = &worker.shared.inner;
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
         let param = recv_param(st, true);
@@ -327,7 +434,7 @@ fn post_recv<B: IoBufMut>(
     if matches!(posted, Ok(Posted::Pending(_))) {
         inner.posted();
     }
-    TagRecv::new(worker, ep, capacity, OpState::from_posted(posted, buf))
+    TagRecv::new(worker, ep, space, capacity, OpState::from_posted(posted, buf))
 }
 
 impl<B: IoBufMut> Unpin for TagRecv<B> {}
@@ -337,11 +444,18 @@ impl<B: IoBufMut> TagRecv<B> {
     /// ([`OpState::kept_handles`]): one that matched at once keeps none, and no reference
     /// count changes.
     #[inline]
-    fn new(worker: &Worker, ep: Option<&Endpoint>, capacity: usize, state: OpState<B>) -> TagRecv<B> {
+    fn new(
+        worker: &Worker,
+        ep: Option<&Endpoint>,
+        space: Space,
+        capacity: usize,
+        state: OpState<B>,
+    ) -> TagRecv<B> {
         let (worker, ep) = state.kept_handles(worker, ep);
         TagRecv {
             worker: ManuallyDrop::new(worker),
             ep: ManuallyDrop::new(ep),
+            space,
             capacity,
             state: ManuallyDrop::new(state),
         }
@@ -356,6 +470,7 @@ impl<B: IoBufMut> TagRecv<B> {
 
     #[inline(always)]
     fn finish(&self, c: Completion, buf: &mut B) -> Result<TagInfo> {
+        let c = Completion::new(c.status(), c.len, self.space.local(c.sender_tag));
         if c.status().is_ok() {
             // SAFETY: UCX wrote c.len <= capacity bytes at the start of buf.
             unsafe { buf.set_init(c.len.min(self.capacity)) };

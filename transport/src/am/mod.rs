@@ -20,7 +20,8 @@
 //! progress the worker: the panic is caught, the message dropped, and the panic reported
 //! as [`Error::HandlerPanicked`] by [`AmHandler::take_errors`].
 //!
-//! Ids are 0 to 4094 (4095 carries ucxkit's connection handshake). A message for an id
+//! The application's ids are 0 to [`MAX_ID`] (2047); the ids above belong to
+//! [`crate::namespace`]s, and 4095 carries ucxkit's connection handshake. A message for an id
 //! nobody registered yet is held by the receiving worker (up to
 //! [`UNCLAIMED_MAX_MESSAGES`] messages and [`UNCLAIMED_MAX_BYTES`] eager bytes; a held
 //! rendezvous message keeps its sender waiting) and goes to the first receiver or handler
@@ -100,14 +101,30 @@ impl Default for AmSendOptions {
     }
 }
 
-/// The highest id available to applications.
-pub const MAX_ID: u16 = handshake::AM_ID as u16 - 1;
+/// The highest id available to the application's own active messages. The ids above
+/// it belong to [`crate::namespace`]s ([`NAMESPACE_IDS`] each), and the last one to
+/// ucxkit's handshake.
+pub const MAX_ID: u16 = 2047;
 
-/// Whether `id` is one applications may use; the error is boxed so that the check stays
-/// two words on the sending path.
+/// How many active-message ids each namespace has.
+pub const NAMESPACE_IDS: u16 = 16;
+
+/// The highest id on the wire that a message may have (namespaces' included).
+pub(crate) const LAST_WIRE_ID: u16 = handshake::AM_ID as u16 - 1;
+
+/// The wire id of id `id` (below [`NAMESPACE_IDS`]) of namespace `ns` (1..=127).
+pub(crate) const fn namespace_id(ns: u8, id: u16) -> u16 {
+    MAX_ID + 1 + (ns as u16 - 1) * NAMESPACE_IDS + id
+}
+
+// Every namespace's ids lie below the handshake's.
+const _: () = assert!(namespace_id(127, NAMESPACE_IDS - 1) <= LAST_WIRE_ID);
+
+/// Whether `id` is at most `limit` ([`MAX_ID`] for the application's ids); the error is
+/// boxed so that the check stays two words on the sending path.
 #[inline]
-fn check_id(id: u16) -> std::result::Result<(), Box<Error>> {
-    if id > MAX_ID {
+fn check_id(id: u16, limit: u16) -> std::result::Result<(), Box<Error>> {
+    if id > limit {
         return Err(Box::new(bad_id(id)));
     }
     Ok(())
@@ -117,7 +134,8 @@ fn check_id(id: u16) -> std::result::Result<(), Box<Error>> {
 #[inline(never)]
 fn bad_id(id: u16) -> Error {
     Error::ApiMisuse(format!(
-        "active-message id {id} is out of range (0..={MAX_ID}; {} is reserved for the handshake)",
+        "active-message id {id} is out of range (0..={MAX_ID}; the ids above belong to namespaces, {} to the \
+         handshake)",
         handshake::AM_ID
     ))
 }
@@ -132,8 +150,8 @@ impl Endpoint {
     /// Whether an active message with `id` and `header` may be sent on this endpoint's
     /// worker; the error is boxed, as for [`check_id`].
     #[inline]
-    fn check_am_send(&self, id: u16, header: &[u8]) -> std::result::Result<(), Box<Error>> {
-        check_id(id)?;
+    fn check_am_send(&self, id: u16, limit: u16, header: &[u8]) -> std::result::Result<(), Box<Error>> {
+        check_id(id, limit)?;
         // An empty header (the common case) needs no look at the worker's limit.
         if !header.is_empty() {
             let max = self.worker().max_am_header();
@@ -171,7 +189,20 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        if let Err(e) = self.check_am_send(id, header) {
+        self.am_send_in(MAX_ID, id, header, payload, opts)
+    }
+
+    /// [`Endpoint::am_send_with`] with wire id `id`, which must be at most `limit`.
+    #[inline(always)]
+    pub(crate) fn am_send_in<B: IoBuf>(
+        &self,
+        limit: u16,
+        id: u16,
+        header: &[u8],
+        payload: B,
+        opts: AmSendOptions,
+    ) -> AmSend<B> {
+        if let Err(e) = self.check_am_send(id, limit, header) {
             return SendOp::failed(self, "am_send", e, payload);
         }
         let mut flags = match opts.proto {
@@ -223,7 +254,13 @@ impl Endpoint {
     /// [`Endpoint::try_tag_send`].
     #[inline]
     pub fn try_am_send(&self, id: u16, header: &[u8], data: &[u8]) -> Result<bool> {
-        self.check_am_send(id, header).map_err(|e| *e)?;
+        self.try_am_send_in(MAX_ID, id, header, data)
+    }
+
+    /// [`Endpoint::try_am_send`] with wire id `id`, which must be at most `limit`.
+    #[inline(always)]
+    pub(crate) fn try_am_send_in(&self, limit: u16, id: u16, header: &[u8], data: &[u8]) -> Result<bool> {
+        self.check_am_send(id, limit, header).map_err(|e| *e)?;
         let hptr: *const u8 = if header.is_empty() { std::ptr::null() } else { header.as_ptr() };
         self.post_immediate("am_send", |h, param| {
             // SAFETY: h is live under the lock; header and data are valid for the call, and
@@ -305,6 +342,12 @@ impl Worker {
     /// # Errors
     /// [`Error::ApiMisuse`] for a reserved id or one already registered on this worker.
     pub fn am_recv(&self, id: u16) -> Result<AmReceiver> {
+        check_id(id, MAX_ID).map_err(|e| *e)?;
+        self.am_recv_wire(id)
+    }
+
+    /// [`Worker::am_recv`] for wire id `id`, checked by the caller.
+    pub(crate) fn am_recv_wire(&self, id: u16) -> Result<AmReceiver> {
         let reg = self.am_register(id, None)?;
         Ok(AmReceiver { worker: self.clone(), id, reg })
     }
@@ -315,6 +358,15 @@ impl Worker {
     /// # Errors
     /// As for [`Worker::am_recv`].
     pub fn am_handler<F>(&self, id: u16, f: F) -> Result<AmHandler>
+    where
+        F: FnMut(AmMessage) + Send + 'static,
+    {
+        check_id(id, MAX_ID).map_err(|e| *e)?;
+        self.am_handler_wire(id, f)
+    }
+
+    /// [`Worker::am_handler`] for wire id `id`, checked by the caller.
+    pub(crate) fn am_handler_wire<F>(&self, id: u16, f: F) -> Result<AmHandler>
     where
         F: FnMut(AmMessage) + Send + 'static,
     {
@@ -332,7 +384,7 @@ impl Worker {
     /// Registers `id`; returns its registration, which stays at the same address until
     /// the worker is destroyed (boxed, never removed from the worker's table).
     fn am_register(&self, id: u16, handler: Option<Arc<HandlerCell>>) -> Result<*mut AmReg> {
-        check_id(id).map_err(|e| *e)?;
+        check_id(id, LAST_WIRE_ID).map_err(|e| *e)?;
         let state = self.state_ptr().cast::<State>();
         self.shared.inner.locked(|st| {
             if let Some(reg) = st.am.get_mut(&id) {

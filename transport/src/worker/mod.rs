@@ -187,6 +187,7 @@ impl WorkerBuilder {
                 own_address,
                 uuid,
                 reference: std::sync::OnceLock::new(),
+                namespaces: std::sync::Mutex::new(0),
             }),
         })
     }
@@ -271,6 +272,8 @@ pub(crate) struct WorkerShared {
     /// What this worker's own address shows of its transports, read once, for checking
     /// peers' addresses ([`crate::ucx_address`]).
     reference: std::sync::OnceLock<std::result::Result<crate::ucx_address::Reference, String>>,
+    /// The namespaces claimed (bit n: namespace n; see [`crate::namespace`]).
+    namespaces: std::sync::Mutex<u128>,
 }
 
 impl Drop for WorkerShared {
@@ -293,6 +296,20 @@ impl Worker {
             Some(s) => wa.sealed(s),
             None => wa,
         })
+    }
+
+    /// Claims namespace `n` (see [`crate::Worker::namespace`]); false when it is claimed.
+    pub(crate) fn claim_namespace(&self, n: u8) -> bool {
+        let mut claimed = self.shared.namespaces.lock().unwrap_or_else(PoisonError::into_inner);
+        let bit = 1u128 << n;
+        let free = *claimed & bit == 0;
+        *claimed |= bit;
+        free
+    }
+
+    /// Gives namespace `n` back.
+    pub(crate) fn release_namespace(&self, n: u8) {
+        *self.shared.namespaces.lock().unwrap_or_else(PoisonError::into_inner) &= !(1u128 << n);
     }
 
     /// This worker's UCX uuid (from its address).
