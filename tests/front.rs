@@ -644,3 +644,53 @@ async fn sealed_addresses_and_keys() {
     assert_eq!(e.kind(), ErrorKind::Authentication, "a forged key: {e}");
     drop(ep);
 }
+
+/// A connect's payload reaches the accepting side, before it accepts (on the request)
+/// and after (on the endpoint), over the plain and the authenticated front, through
+/// UCX's connection manager and without it; oversized payloads, and payloads where none
+/// can travel, are refused; a connect without one gives an empty one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_payloads_say_who_connected() {
+    use ucxkit::transport::MAX_CONNECT_PAYLOAD;
+    for (tls, with_secret) in [("tcp,self", false), ("tcp,self", true), ("posix,self", false)] {
+        let mut b = Context::builder().transports(tls);
+        if tls.contains("tcp") {
+            b = b.config("NET_DEVICES", "lo");
+        }
+        if with_secret {
+            b = b.secret(secret(7));
+        }
+        let c = b.build().unwrap();
+        let (sw, cw) = (c.create_worker().unwrap(), c.create_worker().unwrap());
+        let l = sw.listen(loopback()).unwrap();
+        let addr = l.local_addr();
+        for payload in [Vec::new(), b"rank 3".to_vec(), payload(9, MAX_CONNECT_PAYLOAD)] {
+            let opts = EndpointOptions { connect_payload: payload.clone(), ..Default::default() };
+            let server = async {
+                let req = l.next().await.unwrap();
+                assert_eq!(req.connect_payload(), &payload[..], "{tls}, secret {with_secret}");
+                req.accept().await.unwrap()
+            };
+            let (a, cep) =
+                tokio::time::timeout(T, async { tokio::join!(server, cw.connect_with(addr, opts)) })
+                    .await
+                    .unwrap();
+            let cep = cep.unwrap();
+            assert_eq!(a.connect_payload(), &payload[..]);
+            assert!(cep.connect_payload().is_empty(), "the connecting side has no payload of its own");
+            // The connection works.
+            let recv = a.tag_recv(1, tag::EXACT, vec![0u8; 8]);
+            cep.tag_send(1, b"ok".to_vec()).await.0.unwrap();
+            assert_eq!(tokio::time::timeout(T, recv).await.unwrap().1, b"ok");
+        }
+        // Over the limit: refused before anything is sent; the listener goes on.
+        let opts =
+            EndpointOptions { connect_payload: vec![0; MAX_CONNECT_PAYLOAD + 1], ..Default::default() };
+        assert_eq!(cw.connect_with(addr, opts).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+        let plain =
+            EndpointOptions { connect_payload: b"x".to_vec(), handshake: false, ..Default::default() };
+        assert_eq!(cw.connect_with(addr, plain.clone()).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+        let wa = sw.address().unwrap();
+        assert_eq!(cw.connect_address_with(&wa, plain).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+    }
+}

@@ -147,7 +147,7 @@ pub use rma::{Atomic, Get, Put};
 pub use slice::Slice;
 pub use stream::{StreamData, StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};
-pub use worker::{EndpointOptions, ErrorMode, Worker, WorkerBuilder};
+pub use worker::{EndpointOptions, ErrorMode, Worker, WorkerBuilder, MAX_CONNECT_PAYLOAD};
 
 /// The raw bindings, for what this crate does not wrap yet.
 pub use ucx_sys as sys;

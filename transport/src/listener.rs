@@ -198,7 +198,7 @@ pub struct ConnectionRequest {
 
 /// A request of either kind of listener.
 enum Req {
-    Front(Pending),
+    Front(Box<Pending>),
     Ucx(sys::ucp_conn_request_h),
 }
 
@@ -235,7 +235,7 @@ impl Listener {
                 let client = p.client;
                 return Ok(ConnectionRequest {
                     listener: self.inner.clone(),
-                    req: Some(Req::Front(p)),
+                    req: Some(Req::Front(Box::new(p))),
                     client,
                 });
             }
@@ -287,6 +287,16 @@ impl ConnectionRequest {
         self.client
     }
 
+    /// The payload the client sent with its connect
+    /// ([`crate::EndpointOptions::connect_payload`]), to decide on the request by who is
+    /// asking; empty when it sent none or came through UCX's connection manager.
+    pub fn connect_payload(&self) -> &[u8] {
+        match &self.req {
+            Some(Req::Front(p)) => &p.request.payload,
+            _ => &[],
+        }
+    }
+
     /// Accepts with the listener's endpoint options.
     ///
     /// # Cancel safety
@@ -309,7 +319,7 @@ impl ConnectionRequest {
     pub async fn accept_with(mut self, opts: EndpointOptions) -> Result<Endpoint> {
         let req = match self.req.take() {
             Some(Req::Front(p)) => {
-                return crate::front::server::accept(&self.listener.worker, p, &opts).await
+                return crate::front::server::accept(&self.listener.worker, *p, &opts).await
             }
             Some(Req::Ucx(r)) => r,
             None => return Err(Error::ApiMisuse("connection request already used".into())),

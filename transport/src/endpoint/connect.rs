@@ -96,6 +96,7 @@ impl Endpoint {
             identity: Mutex::new(None),
             watch: Mutex::new(None),
             peer_uuid: AtomicU64::new(0),
+            connect_payload: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&inner);
         worker.shared.inner.locked(|st| {
@@ -191,6 +192,7 @@ impl Worker {
             identity: Mutex::new(None),
             watch: Mutex::new(None),
             peer_uuid: AtomicU64::new(0),
+            connect_payload: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&inner);
         self.shared.inner.locked(|st| {
@@ -226,6 +228,9 @@ impl Worker {
         if opts.handshake {
             return crate::front::client::connect(self, addr, &opts).await;
         }
+        if !opts.connect_payload.is_empty() {
+            return Err(no_payload("a connect without the handshake"));
+        }
         let shm = is_local_ip(addr.ip()) && self.context().has_shared_memory();
         let peer_mode = opts.error_mode.peer_mode(shm);
         let ep = self.create_ep(Target::Socket(&addr), Peer::Socket(addr), peer_mode)?;
@@ -254,6 +259,9 @@ impl Worker {
         addr: &WorkerAddress,
         opts: EndpointOptions,
     ) -> Result<Endpoint> {
+        if !opts.connect_payload.is_empty() {
+            return Err(no_payload("a connect to a worker address"));
+        }
         let peer = Peer::Address(addr.fingerprint());
         match self.context().secret() {
             // Sealed by a peer holding the secret: its header is checked (UCX aborts on
@@ -286,6 +294,11 @@ impl Worker {
 
 /// A random 64-bit value, different at each call (handshake nonces, the process token of
 /// packed memory keys).
+/// The error for a connect payload where none can travel.
+fn no_payload(what: &str) -> Error {
+    Error::ApiMisuse(format!("{what} carries no connect payload (EndpointOptions::connect_payload)"))
+}
+
 pub(crate) fn nonce() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

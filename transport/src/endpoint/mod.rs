@@ -32,6 +32,9 @@ pub(crate) struct EndpointInner {
     watch: Mutex<Option<tokio::task::AbortHandle>>,
     /// The peer worker's UCX uuid, 0 while unknown (see [`Endpoint::reaches_this_process`]).
     peer_uuid: AtomicU64,
+    /// What the client sent with its connect (accepted endpoints; see
+    /// [`Endpoint::connect_payload`]).
+    connect_payload: std::sync::OnceLock<Box<[u8]>>,
 }
 
 impl EndpointInner {
@@ -117,6 +120,20 @@ impl Endpoint {
     /// Who this endpoint talks to.
     pub fn peer(&self) -> &Peer {
         &self.inner.peer
+    }
+
+    /// On an endpoint accepted through a [`crate::Listener`], the payload the client
+    /// sent with its connect ([`crate::EndpointOptions::connect_payload`]): who it is, a
+    /// rank, a node id. Empty when it sent none, and on every other endpoint.
+    pub fn connect_payload(&self) -> &[u8] {
+        self.inner.connect_payload.get().map_or(&[], |p| p)
+    }
+
+    /// Records the client's connect payload on an accepted endpoint.
+    pub(crate) fn set_connect_payload(&self, payload: Vec<u8>) {
+        if !payload.is_empty() {
+            let _ = self.inner.connect_payload.set(payload.into_boxed_slice());
+        }
     }
 
     /// Whether this endpoint uses UCX peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`)

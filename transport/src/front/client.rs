@@ -19,6 +19,13 @@ use crate::worker::{EndpointOptions, ErrorMode, Worker};
 /// Connects `worker` to the listener's front at `addr` (see [`super`]).
 pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOptions) -> Result<Endpoint> {
     let peer = Peer::Socket(addr);
+    if opts.connect_payload.len() > crate::MAX_CONNECT_PAYLOAD {
+        return Err(Error::ApiMisuse(format!(
+            "a connect payload of {} bytes is over the limit of {}",
+            opts.connect_payload.len(),
+            crate::MAX_CONNECT_PAYLOAD
+        )));
+    }
     let start = Instant::now();
     let left = || opts.timeout.saturating_sub(start.elapsed());
     let stream = match tokio::time::timeout(opts.timeout, TcpStream::connect(addr)).await {
@@ -42,6 +49,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         shared_memory: ctx.has_shared_memory(),
         connection_manager: super::has_connection_manager(&ctx),
         error_mode: opts.error_mode,
+        payload: opts.connect_payload.clone(),
     };
     conn.send(&Msg::Request(request)).await.map_err(broken)?;
     let accept = match conn.recv_within(left()).await {

@@ -244,7 +244,15 @@ impl Drop for WaitGuard<'_> {
 
 /// Accepts `p` on `worker` with `opts`: agrees on the error mode, answers with this
 /// worker's address, waits for the client's hello and takes its endpoint over.
-pub(crate) async fn accept(worker: &Worker, p: Pending, opts: &EndpointOptions) -> Result<Endpoint> {
+pub(crate) async fn accept(worker: &Worker, mut p: Pending, opts: &EndpointOptions) -> Result<Endpoint> {
+    let payload = std::mem::take(&mut p.request.payload);
+    let ep = accept_pending(worker, p, opts).await?;
+    ep.set_connect_payload(payload);
+    Ok(ep)
+}
+
+/// [`accept`], the payload aside.
+async fn accept_pending(worker: &Worker, p: Pending, opts: &EndpointOptions) -> Result<Endpoint> {
     let Pending { mut conn, request, client } = p;
     let peer = Peer::Accepted(client);
     let shm = super::shares_memory(&request.identity)

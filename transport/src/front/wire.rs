@@ -8,7 +8,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `0x464b4355` ("UCKF") |
-//! | 4 | 1 | version (1) |
+//! | 4 | 1 | version (2) |
 //! | 5 | 1 | kind (below) |
 //!
 //! | kind | message | fields after the kind |
@@ -16,7 +16,7 @@
 //! | 1 | client hello | nonce (32), flags (1: bit 0, the client has a secret) |
 //! | 2 | server hello | nonce (32), flags (1: bit 0, the server needs a secret) |
 //! | 3 | proof | HMAC-SHA256 (32) |
-//! | 4 | request | connection id (8), identity (36), worker uuid (8), flags (1: bit 0, shared memory; bit 1, UCX's connection manager), error mode (1) |
+//! | 4 | request | connection id (8), identity (36), worker uuid (8), flags (1: bit 0, shared memory; bit 1, UCX's connection manager), error mode (1), payload length (2: at most [`crate::MAX_CONNECT_PAYLOAD`]), payload |
 //! | 5 | accept | identity (36), worker uuid (8), flags (1: bit 0, shared memory), peer mode (1: 0 or 1), connection-manager port (2: 0, none), address length (4), UCX worker address |
 //! | 6 | reject | reason (1), text length (2), text (UTF-8) |
 //! | 7 | abort | text length (2), text (UTF-8) |
@@ -31,7 +31,7 @@ use crate::worker::ErrorMode;
 use super::auth::{MAC_LEN, NONCE_LEN};
 
 pub(crate) const MAGIC: u32 = 0x464b_4355;
-pub(crate) const VERSION: u8 = 1;
+pub(crate) const VERSION: u8 = 2;
 /// The largest frame body either side reads.
 pub(crate) const MAX_FRAME: usize = 64 * 1024;
 /// The longest text in a reject or abort.
@@ -62,6 +62,8 @@ pub(crate) struct Request {
     /// The client's context can connect through UCX's connection manager (tcp).
     pub(crate) connection_manager: bool,
     pub(crate) error_mode: ErrorMode,
+    /// The application's connect payload (see [`crate::EndpointOptions::connect_payload`]).
+    pub(crate) payload: Vec<u8>,
 }
 
 /// The server's answer when its application accepts.
@@ -183,6 +185,8 @@ impl Msg {
                 v.extend_from_slice(&r.uuid.to_le_bytes());
                 v.push(r.shared_memory as u8 | (r.connection_manager as u8) << 1);
                 v.push(mode_code(r.error_mode));
+                v.extend_from_slice(&(r.payload.len() as u16).to_le_bytes());
+                v.extend_from_slice(&r.payload);
             }
             Msg::Accept(a) => {
                 v.push(5);
@@ -232,6 +236,11 @@ impl Msg {
                     return Err(format!("request flags {flags:#04x}"));
                 }
                 let error_mode = mode_from(r.u8()?).ok_or("unknown error mode")?;
+                let n = u16::from_le_bytes(r.array()?) as usize;
+                if n > crate::MAX_CONNECT_PAYLOAD {
+                    return Err(format!("connect payload of {n} bytes"));
+                }
+                let payload = r.take(n)?.to_vec();
                 Msg::Request(Request {
                     conn,
                     identity,
@@ -239,6 +248,7 @@ impl Msg {
                     shared_memory: flags & 1 != 0,
                     connection_manager: flags & 2 != 0,
                     error_mode,
+                    payload,
                 })
             }
             5 => {
@@ -362,6 +372,7 @@ mod tests {
                 shared_memory: true,
                 connection_manager: true,
                 error_mode: ErrorMode::None,
+                payload: b"rank 3".to_vec(),
             }),
             Msg::Accept(Accept {
                 identity: id,

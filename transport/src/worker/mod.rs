@@ -41,7 +41,7 @@ mod state;
 pub(crate) use callbacks::*;
 pub(crate) use eps::*;
 pub(crate) use inner::*;
-pub use options::{EndpointOptions, ErrorMode};
+pub use options::{EndpointOptions, ErrorMode, MAX_CONNECT_PAYLOAD};
 pub(crate) use state::*;
 
 /// Builds a [`Worker`]. Obtained from [`Context::worker`].

@@ -69,7 +69,18 @@ pub struct EndpointOptions {
     /// [`crate::Error::MissingTransport`] instead of silently running over something
     /// slower. Empty (the default) requires nothing.
     pub require_transports: Vec<String>,
+    /// Bytes a connect through a listener carries to the accepting side, at most
+    /// [`MAX_CONNECT_PAYLOAD`] (default empty): the accepting application reads them
+    /// from [`crate::ConnectionRequest::connect_payload`] before it accepts and from
+    /// [`crate::Endpoint::connect_payload`] after, to learn who connected (a rank, a
+    /// node id). They travel in the listener's protocol, authenticated when the contexts
+    /// have a secret. Ignored when accepting; a connect without the handshake, or to a
+    /// worker address, refuses a non-empty payload.
+    pub connect_payload: Vec<u8>,
 }
+
+/// The most bytes [`EndpointOptions::connect_payload`] may hold.
+pub const MAX_CONNECT_PAYLOAD: usize = 256;
 
 impl Default for EndpointOptions {
     fn default() -> Self {
@@ -78,6 +89,7 @@ impl Default for EndpointOptions {
             handshake: true,
             timeout: Duration::from_secs(10),
             require_transports: Vec::new(),
+            connect_payload: Vec::new(),
         }
     }
 }
