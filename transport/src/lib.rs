@@ -92,7 +92,8 @@
 //! context. Dropping the last clone of an [`Endpoint`] closes it in the background;
 //! [`Endpoint::close`] closes it and waits. A worker is destroyed when its last handle,
 //! endpoint, listener and pending operation are gone, after giving in-flight requests a
-//! bounded time to finish.
+//! bounded time to finish on the dropping thread; [`Worker::shutdown`] does the same
+//! awaited, closing its endpoints and listeners first.
 
 #![deny(missing_docs)]
 // Casts between the integer types of bindgen's newtypes are kept even where they are
@@ -120,6 +121,7 @@ pub mod pairing;
 mod progress;
 mod request;
 pub mod rma;
+mod shutdown;
 mod slice;
 pub mod stream;
 pub mod tag;

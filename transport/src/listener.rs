@@ -13,7 +13,7 @@ use crate::endpoint::{is_local_ip, socket_addr_from, Endpoint, Target};
 use crate::error::{Error, Peer, Result, Status};
 use crate::front::server::{FrontListener, Pending};
 use crate::front::wire::Reason;
-use crate::worker::{EndpointOptions, ListenerState, State, Worker};
+use crate::worker::{Closer, EndpointOptions, ListenerState, State, Worker};
 
 /// What the connection callback needs: the worker state and which listener.
 struct CbArg {
@@ -42,6 +42,8 @@ struct UcxListener {
     handle: sys::ucp_listener_h,
     id: u64,
     cb_arg: *mut CbArg,
+    /// Destroyed already (by [`Worker::shutdown`]).
+    closed: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the listener handle and cb_arg are only used under the worker lock or in Drop.
@@ -51,8 +53,18 @@ unsafe impl Sync for UcxListener {}
 
 impl Drop for UcxListener {
     fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl UcxListener {
+    /// Destroys the UCX listener, refusing the requests nobody took; idempotent.
+    fn close(&self) {
         let (id, handle, cb_arg) = (self.id, self.handle, self.cb_arg);
         self.worker.shared.inner.locked(|st| {
+            if self.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                return;
+            }
             // Refuse the requests nobody took while the listener still exists.
             if let Some(ls) = st.listeners.remove(&id) {
                 for r in ls.queue {
@@ -122,6 +134,15 @@ impl Worker {
     /// front when `opts.handshake` is on, through UCX's connection manager
     /// (`ucp_listener_create`) for plain UCX clients when it is off.
     pub fn listen_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Listener> {
+        self.check_open("listen")?;
+        let l = self.listen_any(addr, opts)?;
+        let closer: Arc<dyn Closer> = l.inner.clone();
+        self.add_closer(Arc::downgrade(&closer));
+        Ok(l)
+    }
+
+    /// [`Worker::listen_with`], unregistered.
+    fn listen_any(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Listener> {
         if opts.handshake {
             let uuid = self.uuid()?;
             let (front, bound) = FrontListener::bind(addr, self.context().secret().cloned(), uuid)?;
@@ -174,7 +195,7 @@ impl Worker {
             let bound = if q.is_ok() { socket_addr_from(&attr.sockaddr).unwrap_or(addr) } else { addr };
             st.listeners.insert(id, ListenerState::default());
             tracing::debug!(listener = id, %bound, "listening (UCX)");
-            let ucx = UcxListener { worker: self.clone(), handle, id, cb_arg };
+            let ucx = UcxListener { worker: self.clone(), handle, id, cb_arg, closed: false.into() };
             Ok(Listener {
                 inner: Arc::new(ListenerInner {
                     worker: self.clone(),
@@ -184,6 +205,15 @@ impl Worker {
                 }),
             })
         })
+    }
+}
+
+impl Closer for ListenerInner {
+    fn close(&self) {
+        match &self.kind {
+            Kind::Front(f) => f.close(),
+            Kind::Ucx(u) => u.close(),
+        }
     }
 }
 
@@ -246,7 +276,11 @@ impl Listener {
         let req = poll_fn(|cx| {
             inner.poll_until(
                 cx,
-                |st| st.listeners.get_mut(&id).and_then(|l| l.queue.pop_front()),
+                // A listener closed by the worker's shutdown has no entry any more.
+                |st| match st.listeners.get_mut(&id) {
+                    Some(l) => l.queue.pop_front().map(Some),
+                    None => Some(None),
+                },
                 |st, waker| {
                     if let Some(l) = st.listeners.get_mut(&id) {
                         l.waker = Some(waker.clone());
@@ -254,7 +288,8 @@ impl Listener {
                 },
             )
         })
-        .await;
+        .await
+        .ok_or_else(|| Error::ApiMisuse("the listener is closed".into()))?;
         let client = inner.locked(|_| {
             let mut attr = sys::ucp_conn_request_attr_t {
                 field_mask: sys::UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR.0 as u64,

@@ -225,6 +225,7 @@ impl Worker {
     /// # Cancel safety
     /// Safe to drop: the half-made endpoint is closed.
     pub async fn connect_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Endpoint> {
+        self.check_open("connect")?;
         if opts.handshake {
             return crate::front::client::connect(self, addr, &opts).await;
         }
@@ -259,6 +260,7 @@ impl Worker {
         addr: &WorkerAddress,
         opts: EndpointOptions,
     ) -> Result<Endpoint> {
+        self.check_open("connect")?;
         if !opts.connect_payload.is_empty() {
             return Err(no_payload("a connect to a worker address"));
         }

@@ -151,6 +151,13 @@ impl FrontListener {
 
 impl Drop for FrontListener {
     fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl FrontListener {
+    /// Stops accepting and refuses the requests nobody took; idempotent.
+    pub(crate) fn close(&self) {
         self.task.abort();
         let left: Vec<Pending> = {
             let mut q = self.queue.lock();

@@ -70,7 +70,7 @@ impl WorkerInner {
     /// Progresses the worker once if its lock is free, for another worker's drop (see
     /// `live_workers`). Wakes what the progress finished, but leaves active-message
     /// handlers, which run user code, to this worker's own driver, which it kicks.
-    pub(super) fn progress_if_free(&self) -> u32 {
+    pub(crate) fn progress_if_free(&self) -> u32 {
         let Some(guard) = self.lock.try_lock() else { return 0 };
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };

@@ -188,6 +188,8 @@ impl WorkerBuilder {
                 uuid,
                 reference: std::sync::OnceLock::new(),
                 namespaces: std::sync::Mutex::new(0),
+                closers: std::sync::Mutex::new(Vec::new()),
+                shut: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -274,6 +276,17 @@ pub(crate) struct WorkerShared {
     reference: std::sync::OnceLock<std::result::Result<crate::ucx_address::Reference, String>>,
     /// The namespaces claimed (bit n: namespace n; see [`crate::namespace`]).
     namespaces: std::sync::Mutex<u128>,
+    /// What [`Worker::shutdown`] closes besides endpoints: the listeners.
+    pub(crate) closers: std::sync::Mutex<Vec<std::sync::Weak<dyn Closer>>>,
+    /// [`Worker::shutdown`] ran: no new listener or connection.
+    pub(crate) shut: std::sync::atomic::AtomicBool,
+}
+
+/// Something of a worker that [`Worker::shutdown`] closes while handles to it may live
+/// on (a listener).
+pub(crate) trait Closer: Send + Sync {
+    /// Stops it; idempotent.
+    fn close(&self);
 }
 
 impl Drop for WorkerShared {
@@ -296,6 +309,21 @@ impl Worker {
             Some(s) => wa.sealed(s),
             None => wa,
         })
+    }
+
+    /// Refuses `op` after [`Worker::shutdown`].
+    pub(crate) fn check_open(&self, op: &str) -> Result<()> {
+        if self.shared.shut.load(Ordering::Acquire) {
+            return Err(Error::ApiMisuse(format!("{op} on a worker that was shut down")));
+        }
+        Ok(())
+    }
+
+    /// Registers `c` to be closed by [`Worker::shutdown`].
+    pub(crate) fn add_closer(&self, c: std::sync::Weak<dyn Closer>) {
+        let mut v = self.shared.closers.lock().unwrap_or_else(PoisonError::into_inner);
+        v.retain(|w| w.strong_count() > 0);
+        v.push(c);
     }
 
     /// Claims namespace `n` (see [`crate::Worker::namespace`]); false when it is claimed.
