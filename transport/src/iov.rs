@@ -50,7 +50,7 @@ impl Endpoint {
     /// # Cancel safety
     /// As for [`Endpoint::tag_send`].
     pub fn tag_send_iov<B: IoBuf>(&self, tag: Tag, bufs: Vec<B>) -> TagSendIov<B> {
-        self.tag_send_iov_in(Space::APP, tag, bufs)
+        self.tag_send_iov_in(Space::app(self.worker_inner()), tag, bufs)
     }
 
     /// [`Endpoint::tag_send_iov`] with `tag` in `space`.
@@ -78,7 +78,14 @@ impl Endpoint {
     /// # Cancel safety
     /// As for [`Endpoint::tag_recv`].
     pub fn tag_recv_iov<B: IoBufMut>(&self, tag: Tag, mask: u64, bufs: Vec<B>) -> TagRecvIov<B> {
-        post_recv_iov(self.worker().clone(), Some(self.clone()), Space::APP, tag, mask, bufs)
+        post_recv_iov(
+            self.worker().clone(),
+            Some(self.clone()),
+            Space::app(self.worker_inner()),
+            tag,
+            mask,
+            bufs,
+        )
     }
 
     /// Writes the bytes of `bufs`, one after another, to the peer's region starting at
@@ -144,7 +151,7 @@ impl Worker {
     /// # Cancel safety
     /// As for [`Endpoint::tag_recv`].
     pub fn tag_recv_iov<B: IoBufMut>(&self, tag: Tag, mask: u64, bufs: Vec<B>) -> TagRecvIov<B> {
-        post_recv_iov(self.clone(), None, Space::APP, tag, mask, bufs)
+        post_recv_iov(self.clone(), None, Space::app(&self.shared.inner), tag, mask, bufs)
     }
 }
 

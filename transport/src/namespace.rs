@@ -24,6 +24,10 @@
 //! numbers up to 15 are kept for ucxkit, [`FIRST_FREE`] and above are free for other
 //! libraries.
 //!
+//! A worker built with [`crate::WorkerBuilder::namespaces`] off gives the application all
+//! 64 tag bits and ids up to 4094 instead, for plain UCX peers whose tags or ids use
+//! them; it has no namespaces.
+//!
 //! Streams and remote memory have no namespaces: a stream belongs to its endpoint, and
 //! memory is reached by key.
 
@@ -83,6 +87,12 @@ impl Worker {
     pub fn namespace(&self, number: u8) -> Result<Namespace> {
         if !(1..=LAST).contains(&number) {
             return Err(Error::ApiMisuse(format!("namespace {number} is out of range (1..={LAST})")));
+        }
+        if self.shared.inner.app_tag_fixed == 0 {
+            return Err(Error::ApiMisuse(
+                "this worker gives the application all tag bits and has no namespaces (WorkerBuilder::namespaces)"
+                    .into(),
+            ));
         }
         if !self.claim_namespace(number) {
             return Err(Error::ApiMisuse(format!("namespace {number} is already claimed on this worker")));

@@ -47,8 +47,16 @@ pub(crate) struct Space {
 }
 
 impl Space {
-    /// The application's space.
+    /// The application's space on a worker with namespaces.
+    #[cfg(test)]
     pub(crate) const APP: Space = Space { prefix: 0, fixed: 1 << APP_TAG_BITS };
+
+    /// The application's space on `worker`: its tags below the namespaces', or all 64
+    /// bits on a worker without namespaces.
+    #[inline(always)]
+    pub(crate) fn app(worker: &WorkerInner) -> Space {
+        Space { prefix: 0, fixed: worker.app_tag_fixed }
+    }
 
     /// The space of namespace `n` (1..=127), whose tags have `bits` bits.
     pub(crate) const fn namespace(n: u8, bits: u32) -> Space {
@@ -147,7 +155,7 @@ impl Endpoint {
     /// delivered.
     #[inline]
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
-        self.tag_send_in(Space::APP, tag, buf)
+        self.tag_send_in(Space::app(self.worker_inner()), tag, buf)
     }
 
     /// [`Endpoint::tag_send`] with `tag` in `space`.
@@ -190,7 +198,7 @@ impl Endpoint {
     /// was closed, or what UCX reported.
     #[inline]
     pub fn try_tag_send(&self, tag: Tag, data: &[u8]) -> Result<bool> {
-        self.try_tag_send_in(Space::APP, tag, data)
+        self.try_tag_send_in(Space::app(self.worker_inner()), tag, data)
     }
 
     /// [`Endpoint::try_tag_send`] with `tag` in `space`.
@@ -223,7 +231,7 @@ impl Endpoint {
     /// kept by the worker, and that message is discarded.
     #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
-        post_recv(self.worker(), Some(self), Space::APP, tag, mask, buf)
+        post_recv(self.worker(), Some(self), Space::app(self.worker_inner()), tag, mask, buf)
     }
 }
 
@@ -236,13 +244,13 @@ impl Worker {
     /// As for [`Endpoint::tag_recv`].
     #[inline]
     pub fn tag_recv<B: IoBufMut>(&self, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
-        post_recv(self, None, Space::APP, tag, mask, buf)
+        post_recv(self, None, Space::app(&self.shared.inner), tag, mask, buf)
     }
 
     /// Checks, without receiving it, whether a message matching `tag`/`mask` has arrived
     /// (`ucp_tag_probe_nb`), progressing the worker once first.
     pub fn tag_probe(&self, tag: Tag, mask: u64) -> Option<TagInfo> {
-        self.tag_probe_in(Space::APP, tag, mask).unwrap_or(None)
+        self.tag_probe_in(Space::app(&self.shared.inner), tag, mask).unwrap_or(None)
     }
 
     /// [`Worker::tag_probe`] in `space`; an error for a tag outside it.
@@ -267,7 +275,7 @@ impl Worker {
     /// Memory-safe to drop. Before a message is found, nothing is consumed; once found,
     /// it is received into a buffer kept until UCX completes, then discarded.
     pub async fn tag_recv_any(&self, tag: Tag, mask: u64) -> Result<(TagInfo, Vec<u8>)> {
-        self.tag_recv_any_in(Space::APP, tag, mask).await
+        self.tag_recv_any_in(Space::app(&self.shared.inner), tag, mask).await
     }
 
     /// [`Worker::tag_recv_any`] in `space`.

@@ -103,7 +103,8 @@ impl Default for AmSendOptions {
 
 /// The highest id available to the application's own active messages. The ids above
 /// it belong to [`crate::namespace`]s ([`NAMESPACE_IDS`] each), and the last one to
-/// ucxkit's handshake.
+/// ucxkit's handshake; on a worker without namespaces
+/// ([`crate::WorkerBuilder::namespaces`]) the application has them up to 4094.
 pub const MAX_ID: u16 = 2047;
 
 /// How many active-message ids each namespace has.
@@ -125,17 +126,17 @@ const _: () = assert!(namespace_id(127, NAMESPACE_IDS - 1) <= LAST_WIRE_ID);
 #[inline]
 fn check_id(id: u16, limit: u16) -> std::result::Result<(), Box<Error>> {
     if id > limit {
-        return Err(Box::new(bad_id(id)));
+        return Err(Box::new(bad_id(id, limit)));
     }
     Ok(())
 }
 
 #[cold]
 #[inline(never)]
-fn bad_id(id: u16) -> Error {
+fn bad_id(id: u16, limit: u16) -> Error {
+    let above = if limit < LAST_WIRE_ID { "the ids above belong to namespaces, " } else { "" };
     Error::ApiMisuse(format!(
-        "active-message id {id} is out of range (0..={MAX_ID}; the ids above belong to namespaces, {} to the \
-         handshake)",
+        "active-message id {id} is out of range (0..={limit}; {above}{} to the handshake)",
         handshake::AM_ID
     ))
 }
@@ -189,7 +190,7 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        self.am_send_in(MAX_ID, id, header, payload, opts)
+        self.am_send_in(self.worker_inner().app_am_max, id, header, payload, opts)
     }
 
     /// [`Endpoint::am_send_with`] with wire id `id`, which must be at most `limit`.
@@ -254,7 +255,7 @@ impl Endpoint {
     /// [`Endpoint::try_tag_send`].
     #[inline]
     pub fn try_am_send(&self, id: u16, header: &[u8], data: &[u8]) -> Result<bool> {
-        self.try_am_send_in(MAX_ID, id, header, data)
+        self.try_am_send_in(self.worker_inner().app_am_max, id, header, data)
     }
 
     /// [`Endpoint::try_am_send`] with wire id `id`, which must be at most `limit`.
@@ -342,7 +343,7 @@ impl Worker {
     /// # Errors
     /// [`Error::ApiMisuse`] for a reserved id or one already registered on this worker.
     pub fn am_recv(&self, id: u16) -> Result<AmReceiver> {
-        check_id(id, MAX_ID).map_err(|e| *e)?;
+        check_id(id, self.shared.inner.app_am_max).map_err(|e| *e)?;
         self.am_recv_wire(id)
     }
 
@@ -361,7 +362,7 @@ impl Worker {
     where
         F: FnMut(AmMessage) + Send + 'static,
     {
-        check_id(id, MAX_ID).map_err(|e| *e)?;
+        check_id(id, self.shared.inner.app_am_max).map_err(|e| *e)?;
         self.am_handler_wire(id, f)
     }
 

@@ -21,7 +21,7 @@ const MAX_KEPT_ERRORS: usize = 1024;
 #[repr(C)]
 pub(crate) struct IdTable {
     pub(super) state: *mut State,
-    pub(super) ids: [u16; MAX_ID as usize + 1],
+    pub(super) ids: [u16; LAST_WIRE_ID as usize + 1],
 }
 
 /// Messages for ids nobody registered yet, held for a later [`Worker::am_recv`] or
@@ -115,7 +115,7 @@ pub(super) unsafe fn set_am_handler(
     Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &param) })
 }
 
-/// Registers ucxkit's catch-all callback for every application id on a new worker, so
+/// Registers ucxkit's catch-all callback for every id but the handshake's on a new worker, so
 /// that no message is dropped by UCX unseen. Returns the table to free with
 /// [`free_id_table`] after the worker is destroyed.
 ///
@@ -126,7 +126,7 @@ pub(crate) unsafe fn register_catch_all(
     state: *mut State,
 ) -> std::result::Result<*mut IdTable, Status> {
     let table = Box::into_raw(Box::new(IdTable { state, ids: std::array::from_fn(|i| i as u16) }));
-    for id in 0..=MAX_ID {
+    for id in 0..=LAST_WIRE_ID {
         // SAFETY: id is within the array; the pointer keeps the whole table's provenance
         // (derived from the raw Box pointer); the worker is new and the table lives until
         // after it.

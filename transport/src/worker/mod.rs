@@ -52,6 +52,7 @@ pub struct WorkerBuilder {
     endpoint: EndpointOptions,
     no_imm: bool,
     linger: Duration,
+    namespaces: bool,
 }
 
 impl WorkerBuilder {
@@ -62,6 +63,7 @@ impl WorkerBuilder {
             endpoint: EndpointOptions::default(),
             no_imm: false,
             linger: progress::DEFAULT_LINGER,
+            namespaces: true,
         }
     }
 
@@ -90,6 +92,14 @@ impl WorkerBuilder {
     /// Default error mode for this worker's endpoints.
     pub fn error_mode(mut self, mode: ErrorMode) -> Self {
         self.endpoint.error_mode = mode;
+        self
+    }
+
+    /// Whether layers may claim [`crate::namespace`]s on this worker (default true).
+    /// Off, the application's calls take all 64 tag bits and active-message ids up to
+    /// 4094, as plain UCX peers may use them, and [`Worker::namespace`] is refused.
+    pub fn namespaces(mut self, on: bool) -> Self {
+        self.namespaces = on;
         self
     }
 
@@ -149,6 +159,8 @@ impl WorkerBuilder {
             efd,
             no_imm: self.no_imm,
             signal: Arc::default(),
+            app_tag_fixed: if self.namespaces { 1 << crate::tag::APP_TAG_BITS } else { 0 },
+            app_am_max: if self.namespaces { crate::am::MAX_ID } else { handshake::AM_ID as u16 - 1 },
         });
         let state_ptr = inner.state.get().cast::<c_void>();
         let am = sys::ucp_am_handler_param_t {
