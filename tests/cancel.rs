@@ -4,7 +4,7 @@
 //! keeps its buffer until UCX has written it; vectored receives and sends do the same
 //! for every buffer of theirs. `.ci/run` also runs this file under valgrind.
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,14 +1,15 @@
 //! Streams, active messages and RMA between two processes over loopback, through a
-//! listener: the peer is this test binary itself, re-run with `UCXKIT_XP_CONNECT` set so
-//! that only the ignored `xp_peer` test runs in it.
+//! listener: the peer is this test binary itself, run again by the test kit's process
+//! group so that only the ignored `xp_peer` test runs in it.
 
 #![forbid(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::procs::{self, Group};
 use common::{ctx, loopback, payload};
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::AsyncWriteExt;
@@ -31,8 +32,9 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the child half of the cross-process tests; the parent runs it"]
 async fn xp_peer() {
-    let Ok(addr) = std::env::var("UCXKIT_XP_CONNECT") else { return };
+    let Some(me) = procs::role() else { return };
     let tls = std::env::var("UCXKIT_XP_TLS").unwrap();
+    let addr = String::from_utf8(me.exchange.wait("listener", T).unwrap()).unwrap();
     let w = ctx(&tls).create_worker().unwrap();
     let mut echo = w.am_recv(AM_ECHO).unwrap();
     let mut check = w.am_recv(AM_CHECK).unwrap();
@@ -68,8 +70,10 @@ async fn xp_peer() {
     r.unwrap();
     let verdict: &'static [u8] = if region.to_vec() == expect { b"same" } else { b"different" };
     ep.am_send(AM_VERDICT, b"", verdict).await.0.unwrap();
-    // Wait for the parent to close.
-    tokio::time::sleep(T).await;
+    // Until the parent closes: a receive bound to the endpoint ends then.
+    let (r, _) =
+        tokio::time::timeout(T, ep.tag_recv(999, ucxkit::transport::tag::EXACT, Vec::new())).await.unwrap();
+    assert_eq!(r.unwrap_err().kind(), ucxkit::transport::ErrorKind::ConnectionReset);
 }
 
 async fn cross_process(tls: &str) {
@@ -79,13 +83,8 @@ async fn cross_process(tls: &str) {
     let mut key_rx = w.am_recv(AM_KEY).unwrap();
     let mut verdict_rx = w.am_recv(AM_VERDICT).unwrap();
     let listener = w.listen(loopback()).unwrap();
-    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "xp_peer", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("UCXKIT_XP_CONNECT", listener.local_addr().to_string())
-        .env("UCXKIT_XP_TLS", tls)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let (group, me) = Group::spawn("xp_peer", 2, &[("UCXKIT_XP_TLS", tls)]);
+    me.exchange.publish("listener", listener.local_addr().to_string().as_bytes());
     let ep: Endpoint = tokio::time::timeout(T, listener.accept()).await.unwrap().unwrap();
 
     // 1. Stream.
@@ -153,7 +152,7 @@ async fn cross_process(tls: &str) {
 
     drop(key);
     ep.close().await.unwrap();
-    child.kill().await.unwrap();
+    group.wait(T).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

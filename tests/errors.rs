@@ -3,7 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::time::{Duration, Instant};
 

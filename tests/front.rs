@@ -10,7 +10,7 @@
 
 #![forbid(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::net::SocketAddr;
 use std::process::Stdio;

@@ -4,7 +4,7 @@
 
 #![deny(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::time::Duration;
 
@@ -156,4 +156,51 @@ async fn a_claim_is_exclusive_until_its_last_handle_goes() {
     // Claims are per worker.
     let other = s.context().create_worker().unwrap();
     let _there = other.namespace(namespace::LAST).unwrap();
+}
+
+/// A worker without namespaces gives the application every tag bit and id up to 4094
+/// (as plain UCX peers may use them) and refuses claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_without_namespaces() {
+    let c = common::ctx("tcp,self");
+    let s = c.worker().namespaces(false).build().unwrap();
+    let cw = c.worker().namespaces(false).build().unwrap();
+    assert_eq!(s.namespace(1).unwrap_err().kind(), ErrorKind::InvalidInput);
+    let l = s.listen(common::loopback()).unwrap();
+    let (a, b) = tokio::join!(l.accept(), cw.connect(l.local_addr()));
+    let (_a, cep) = (a.unwrap(), b.unwrap());
+    let recv = s.tag_recv(u64::MAX, tag::EXACT, vec![0u8; 4]);
+    let (r, _) = cep.tag_send(u64::MAX, b"top".to_vec()).await;
+    r.unwrap();
+    let (info, got) = tokio::time::timeout(T, recv).await.unwrap();
+    assert_eq!((info.unwrap().sender_tag, got), (u64::MAX, b"top".to_vec()));
+    let mut high = s.am_recv(4094).unwrap();
+    let (r, _) = cep.am_send(4094, b"", b"id".to_vec()).await;
+    r.unwrap();
+    assert_eq!(tokio::time::timeout(T, high.recv()).await.unwrap().data(), Some(&b"id"[..]));
+    assert!(s.am_recv(4095).is_err());
+}
+
+/// A namespace's active messages sent before its receiver is registered are held for
+/// it, as the application's are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_namespace_messages_are_held() {
+    let (s, c, _sep, cep) = pair("tcp,self").await;
+    let ns_c = c.namespace(namespace::LAST).unwrap();
+    let ns_s = s.namespace(namespace::LAST).unwrap();
+    let (r, _) = ns_c.am_send(&cep, am::NAMESPACE_IDS - 1, b"", b"early".to_vec()).await;
+    r.unwrap();
+    let wire = ns_s.am_wire_id(am::NAMESPACE_IDS - 1).unwrap();
+    let deadline = std::time::Instant::now() + T;
+    while s.am_unclaimed() != vec![(wire, 1)] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the early message was not held: {:?}",
+            s.am_unclaimed()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mut rx = ns_s.am_recv(am::NAMESPACE_IDS - 1).unwrap();
+    assert_eq!(tokio::time::timeout(T, rx.recv()).await.unwrap().data(), Some(&b"early"[..]));
+    assert_eq!(s.am_dropped(), 0);
 }

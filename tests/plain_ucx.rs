@@ -8,7 +8,7 @@
 
 #![deny(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -103,7 +103,7 @@ async fn ucxkit_connects(tls: &str, mode: ErrorMode, transport: &str) {
     let mode_arg = if mode == ErrorMode::Peer { "peer" } else { "none" };
     let mut child = start_peer(&["listen", mode_arg], tls);
     let port = peer_port(&mut child).await;
-    let w = ctx(tls).create_worker().unwrap();
+    let w = ctx(tls).worker().namespaces(false).build().unwrap();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let ep = bounded(w.connect_with(addr, opts(mode))).await.unwrap();
     exchange(&w, &ep, tls, transport, mode == ErrorMode::Peer).await;
@@ -113,7 +113,7 @@ async fn ucxkit_connects(tls: &str, mode: ErrorMode, transport: &str) {
 /// A plain UCX program connects to ucxkit's listener.
 async fn ucxkit_accepts(tls: &str, mode: ErrorMode, transport: &str) {
     let _serial = SERIAL.lock().await;
-    let w = ctx(tls).create_worker().unwrap();
+    let w = ctx(tls).worker().namespaces(false).build().unwrap();
     // Without the handshake: UCX's own listener, which plain UCX clients speak to.
     let listener = w.listen_with(loopback(), opts(mode)).unwrap();
     let port = listener.local_addr().port().to_string();
@@ -151,7 +151,7 @@ async fn by_worker_address(tls: &str, mode: ErrorMode, transport: &str) {
     // program of this test built against the same UCX.
     let addr = unsafe { WorkerAddress::from_ucx_bytes(&raw) }.unwrap();
     assert_eq!(addr.ucx_bytes(), &raw[..]);
-    let w = ctx(tls).create_worker().unwrap();
+    let w = ctx(tls).worker().namespaces(false).build().unwrap();
     let ep = bounded(w.connect_address_with(&addr, opts(mode))).await.unwrap();
     let mine: String = w.address().unwrap().ucx_bytes().iter().map(|b| format!("{b:02x}")).collect();
     let mut stdin = child.stdin.take().expect("piped");

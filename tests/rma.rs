@@ -4,7 +4,7 @@
 
 #![deny(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::time::Duration;
 

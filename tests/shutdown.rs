@@ -11,7 +11,7 @@
 
 #![forbid(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -16,7 +16,7 @@
 
 #![forbid(unsafe_code)]
 
-mod common;
+use ucxkit_testkit as common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

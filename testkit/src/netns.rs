@@ -21,12 +21,17 @@ fn unique() -> String {
 /// Two namespaces, `a` and `b`, each with loopback up and one end of a veth pair,
 /// addressed `10.213.7.1` and `10.213.7.2` (/24).
 pub struct TwoHosts {
+    /// Host `a`'s namespace name.
     pub a: String,
+    /// Host `b`'s namespace name.
     pub b: String,
+    /// Host `a`'s address.
     pub addr_a: IpAddr,
+    /// Host `b`'s address.
     pub addr_b: IpAddr,
-    /// The veth device in each namespace (UCX's device name there).
+    /// The veth device in `a` (UCX's device name there).
     pub dev_a: String,
+    /// The veth device in `b`.
     pub dev_b: String,
 }
 
