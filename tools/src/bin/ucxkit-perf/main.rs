@@ -2,10 +2,10 @@
 //! `ucx_perftest`, and side by side with it.
 //!
 //! ```text
-//! cargo run --release --example ucxkit-perf                        # loopback, tag tests
-//! cargo run --release --example ucxkit-perf -- --test all --compare --plot perf.svg
-//! cargo run --release --example ucxkit-perf -- --server --port 13337
-//! cargo run --release --example ucxkit-perf -- --client HOST:13337 --test tag_bw --sizes 64K,1M
+//! ucxkit-perf                                   # loopback, tag tests
+//! ucxkit-perf --test all --compare --plot perf.svg
+//! ucxkit-perf --server --port 13337
+//! ucxkit-perf --client HOST:13337 --test tag_bw --sizes 64K,1M
 //! ```
 //!
 //! Without `--server`/`--client` the tool starts its own server process and runs over
@@ -22,9 +22,6 @@
 mod bench;
 mod clock;
 mod perftest;
-mod plot;
-mod report;
-mod size;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
@@ -37,36 +34,9 @@ use ucxkit::transport::{
 };
 
 use bench::{recv_ctrl, send_ctrl, Side, Test, CTRL};
-use report::Row;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Transport {
-    /// Shared memory (`UCX_TLS=posix,cma,tcp,self`; data goes over posix and cma, tcp is
-    /// there for UCX's connection manager, which `--cm` connections use on one host).
-    Shm,
-    /// TCP (`UCX_TLS=tcp,self`).
-    Tcp,
-    /// Whatever UCX picks (`UCX_TLS` from the environment, default all).
-    Auto,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Progress {
-    /// Sleep on the worker's event fd (no CPU while idle).
-    Event,
-    /// Spin (lowest latency, one core at 100 %).
-    Busy,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ErrMode {
-    /// None for peers on this host, peer mode otherwise.
-    Auto,
-    /// UCX peer failure detection (no shared memory between processes in UCX 1.13).
-    Peer,
-    /// No UCX failure detection (same-host peers are watched by ucxkit).
-    None,
-}
+use ucxkit_tools::cli::{self, parse_duration, ErrMode, Progress, Transport};
+use ucxkit_tools::report::Row;
+use ucxkit_tools::{plot, report, size};
 
 /// Latency and bandwidth of ucxkit's transport, side by side with ucx_perftest.
 #[derive(Parser, Debug, Clone)]
@@ -142,12 +112,6 @@ struct Args {
     /// Connect to a server at HOST:PORT.
     #[arg(long)]
     client: Option<String>,
-    /// Print one JSON object per line instead of a table.
-    #[arg(long, conflicts_with = "csv")]
-    json: bool,
-    /// Print CSV (a header line, then one line per row) instead of a table.
-    #[arg(long)]
-    csv: bool,
     /// Also run ucx_perftest (from ucx-utils) with the same test, size, iterations,
     /// window, transports and pinning, and print its row and the ratio. Which of the two
     /// runs first alternates from one test and size to the next (ucxkit first for the
@@ -159,12 +123,6 @@ struct Args {
     /// pass it every other time, so each test and size is measured in both orders).
     #[arg(long, requires = "compare")]
     perftest_first: bool,
-    /// Write an SVG plot of bandwidth and latency against message size to this file.
-    #[arg(long, value_name = "FILE.svg")]
-    plot: Option<std::path::PathBuf>,
-    /// No progress display on stderr.
-    #[arg(short, long)]
-    quiet: bool,
     /// Fail unless the connection uses these UCX transports (comma-separated, e.g.
     /// `posix` or `rc_mlx5`), instead of silently measuring whatever UCX picked.
     #[arg(long, value_delimiter = ',')]
@@ -175,6 +133,8 @@ struct Args {
     /// In loopback mode, pin the spawned server to this CPU.
     #[arg(long)]
     server_cpu: Option<usize>,
+    #[command(flatten)]
+    output: cli::Output,
     /// Serve one client, then exit (used by the loopback mode).
     #[arg(long, hide = true)]
     once: bool,
@@ -190,38 +150,16 @@ fn parse_test(s: &str) -> Result<Vec<Test>, String> {
     })
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, mult) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1e-3)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 2s, 500ms)"))?;
-    if v.is_nan() || v <= 0.0 {
-        return Err(format!("{s:?}: duration must be positive"));
-    }
-    Ok(Duration::from_secs_f64(v * mult))
-}
-
 /// `println!` that returns the error instead of panicking, so that a closed stdout (the
 /// reader of a pipe went away, as `| head` does) ends the run through the caller's `?`.
 macro_rules! out {
     ($($arg:tt)*) => {
-        writeln!(std::io::stdout(), $($arg)*)
+        cli::out(format_args!($($arg)*))
     };
 }
 
-/// Whether `e` is a write to a pipe whose reader has gone.
-fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
-    e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
-}
-
 fn die(msg: impl std::fmt::Display) -> ! {
-    eprintln!("ucxkit-perf: {msg}");
-    std::process::exit(1);
+    cli::die("ucxkit-perf", msg)
 }
 
 fn main() {
@@ -259,7 +197,7 @@ fn main() {
     });
     match code {
         // Whoever read the output stopped reading (`| head`): not an error of the run.
-        Err(e) if is_broken_pipe(&*e) => {}
+        Err(e) if cli::is_broken_pipe(&*e) => {}
         Err(e) => die(e),
         Ok(()) => {}
     }
@@ -400,7 +338,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
             t.check_size(size)?;
         }
     }
-    if !args.json && !args.csv {
+    if !args.output.json && !args.output.csv {
         out!(
             "# ucxkit-perf: server {addr}, lanes {lanes}, progress {:?}, error mode {}, UCX {:?}{}",
             args.progress,
@@ -409,7 +347,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
             if args.immediate { ", immediate sends" } else { "" }
         )?;
         out!("{}", report::header_line())?;
-    } else if args.csv {
+    } else if args.output.csv {
         out!("{}", report::CSV_HEADER)?;
     }
     let tls = effective_tls(args);
@@ -430,7 +368,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         }
         runs.extend(sizes.iter().map(|&s| (test, s)));
     }
-    let progress = !args.quiet && std::io::stderr().is_terminal();
+    let progress = !args.output.quiet && std::io::stderr().is_terminal();
     let mut rows: Vec<Row> = Vec::new();
     let mut side =
         Side { w: &w, ep: &ep, am: &mut am, immediate: args.immediate, unwritten: args.unwritten_source };
@@ -475,19 +413,19 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         let mut out = vec![row.clone()];
         out.extend(theirs.clone());
         for r in &out {
-            if args.json {
+            if args.output.json {
                 let mut v: serde_json::Value = serde_json::from_str(&r.json())?;
                 if let (Some(t), "ucxkit") = (&theirs, r.source.as_str()) {
                     v["ratio"] = serde_json::json!(perftest::ratio(test, r, t));
                 }
                 out!("{v}")?;
-            } else if args.csv {
+            } else if args.output.csv {
                 out!("{}", r.csv())?;
             } else {
                 out!("{}", report::table_line(r))?;
             }
         }
-        if let (Some(t), false, false) = (&theirs, args.json, args.csv) {
+        if let (Some(t), false, false) = (&theirs, args.output.json, args.output.csv) {
             let what = if test.is_latency() {
                 "latency"
             } else if test == Test::AtomicRate {
@@ -503,11 +441,11 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     send_ctrl(&ep, "bye".into()).await?;
     let _ = bench::recv_ctrl_from(&ep).await?;
     ep.close().await?;
-    if let Some(path) = &args.plot {
+    if let Some(path) = &args.output.plot {
         let title = format!("ucxkit-perf over {transport} ({:?} progress)", args.progress);
-        let svg = plot::render(&rows, &title, &|name| Test::from_name(name).is_some_and(Test::is_latency));
+        let svg = plot::render(&rows, &title, &|name| Test::from_name(name).is_some_and(Test::is_latency))?;
         std::fs::write(path, svg).map_err(|e| format!("writing {}: {e}", path.display()))?;
-        if !args.json && !args.csv {
+        if !args.output.json && !args.output.csv {
             out!("# plot written to {}", path.display())?;
         }
     }

@@ -7,27 +7,33 @@ use crate::size::format_size;
 
 /// One measured row.
 #[derive(Clone, Debug)]
-pub(crate) struct Row {
-    pub(crate) test: String,
-    pub(crate) size: usize,
-    pub(crate) iters: u64,
+pub struct Row {
+    /// The test's name (`tag_lat`, say).
+    pub test: String,
+    /// Message size in bytes.
+    pub size: usize,
+    /// Measured iterations.
+    pub iters: u64,
     /// One-way latency (latency tests) or time per message (bandwidth tests), µs.
-    pub(crate) lat_us: f64,
-    pub(crate) lat_p50_us: f64,
-    pub(crate) lat_p99_us: f64,
+    pub lat_us: f64,
+    /// The median of the same, µs (NaN when not measured).
+    pub lat_p50_us: f64,
+    /// The 99th percentile, µs (NaN when not measured).
+    pub lat_p99_us: f64,
     /// MiB/s (2^20 bytes per second, as ucx_perftest prints MB/s).
-    pub(crate) bw_mibps: f64,
-    pub(crate) msg_rate: f64,
+    pub bw_mibps: f64,
+    /// Messages per second.
+    pub msg_rate: f64,
     /// Transports the endpoint used.
-    pub(crate) transport: String,
+    pub transport: String,
     /// Who measured it: `ucxkit`, or `ucx_perftest` with `--compare`.
-    pub(crate) source: String,
+    pub source: String,
 }
 
 impl Row {
     /// Seconds one iteration took: a round trip (two messages) in a latency test, one
     /// operation in a bandwidth test.
-    pub(crate) fn secs_per_iter(&self, latency: bool) -> f64 {
+    pub fn secs_per_iter(&self, latency: bool) -> f64 {
         let per_msg = 1.0 / self.msg_rate.max(1e-12);
         if latency {
             2.0 * per_msg
@@ -38,7 +44,7 @@ impl Row {
 
     /// The median iteration's seconds (from `lat_p50_us`: one-way latency, or time per
     /// operation), NaN when not measured.
-    pub(crate) fn typical_secs_per_iter(&self, latency: bool) -> f64 {
+    pub fn typical_secs_per_iter(&self, latency: bool) -> f64 {
         let p50 = self.lat_p50_us * 1e-6;
         if latency {
             2.0 * p50
@@ -47,7 +53,8 @@ impl Row {
         }
     }
 
-    pub(crate) fn json(&self) -> String {
+    /// The row as one JSON object (NaN, not measured, as null).
+    pub fn json(&self) -> String {
         json!({
             "test": self.test,
             "size": self.size,
@@ -64,7 +71,7 @@ impl Row {
     }
 
     /// The row as a CSV line in the order of [`CSV_HEADER`].
-    pub(crate) fn csv(&self) -> String {
+    pub fn csv(&self) -> String {
         [
             self.test.clone(),
             self.size.to_string(),
@@ -82,7 +89,7 @@ impl Row {
 }
 
 /// Columns of `--csv`, the JSON field names.
-pub(crate) const CSV_HEADER: &str =
+pub const CSV_HEADER: &str =
     "test,size,iters,lat_us,lat_p50_us,lat_p99_us,bw_mibps,msg_rate,transport,source";
 
 /// A number, or empty when it was not measured (NaN).
@@ -129,11 +136,13 @@ fn line<S: AsRef<str>>(cells: &[S]) -> String {
     s
 }
 
-pub(crate) fn header_line() -> String {
+/// The table's header line.
+pub fn header_line() -> String {
     line(&HEADER)
 }
 
-pub(crate) fn table_line(r: &Row) -> String {
+/// The row as a table line (a comparison source's row indented under ucxkit's).
+pub fn table_line(r: &Row) -> String {
     let cell = |x: f64, d: usize| if x.is_finite() { format!("{x:.d$}") } else { "-".into() };
     let name = if r.source == "ucxkit" { r.test.clone() } else { format!("  {}", r.source) };
     line(&[
@@ -149,7 +158,7 @@ pub(crate) fn table_line(r: &Row) -> String {
 }
 
 /// The comparison line under a ucxkit row and ucx_perftest's.
-pub(crate) fn ratio_line(what: &str, ratio: f64) -> String {
+pub fn ratio_line(what: &str, ratio: f64) -> String {
     format!("  {:<w$} ucxkit/ucx_perftest {what} ratio {ratio:.2}", "", w = WIDTHS[0] - 2)
 }
 

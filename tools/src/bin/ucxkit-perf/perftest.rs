@@ -6,8 +6,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::bench::Test;
-use crate::report::Row;
 use crate::AnyResult;
+use ucxkit_tools::report::Row;
 
 /// How to run ucx_perftest for one comparison.
 pub(crate) struct Setup<'a> {

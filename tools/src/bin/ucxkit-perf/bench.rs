@@ -17,15 +17,15 @@ use hdrhistogram::Histogram;
 use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RegionSlice, RemoteKey, Worker};
 
 use crate::clock::Clock;
-use crate::report::Row;
 use crate::AnyResult;
+use ucxkit_tools::report::Row;
 
 /// Control messages (commands and replies).
-pub(crate) const CTRL: u64 = 0xC7A1_0000_0000_0000;
+pub(crate) const CTRL: u64 = 0x47A1_0000_0000_0000;
 /// Data messages client → server.
-const DATA_C2S: u64 = 0xDA7A_0000_0000_0001;
+const DATA_C2S: u64 = 0x5A7A_0000_0000_0001;
 /// Data messages server → client.
-const DATA_S2C: u64 = 0xDA7A_0000_0000_0002;
+const DATA_S2C: u64 = 0x5A7A_0000_0000_0002;
 /// Active-message ids client → server and back.
 pub(crate) const AM_C2S: u16 = 1;
 pub(crate) const AM_S2C: u16 = 2;

@@ -2,7 +2,7 @@
 //! `G`, `GiB` are powers of 1024; `KB`, `MB`, `GB` powers of 1000 (SI).
 
 /// Parses one size such as `8`, `4K`, `64KiB`, `1M`, `1MB` or `16M`.
-pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
+pub fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
@@ -24,12 +24,12 @@ pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 /// Parses a comma-separated list of sizes.
-pub(crate) fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
+pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
     s.split(',').filter(|p| !p.trim().is_empty()).map(parse_size).collect()
 }
 
 /// Formats a byte count compactly (`8`, `4K`, `1M`, `1500`).
-pub(crate) fn format_size(n: usize) -> String {
+pub fn format_size(n: usize) -> String {
     for (shift, unit) in [(30, "G"), (20, "M"), (10, "K")] {
         if n >= 1 << shift && n % (1 << shift) == 0 {
             return format!("{}{unit}", n >> shift);

@@ -1,0 +1,183 @@
+//! Command-line conventions of the tools: the same options, spelled the same way, for
+//! the transports, the progress and error modes, durations and output.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::ValueEnum;
+use ucxkit::transport::{ContextBuilder, ErrorMode, ProgressMode};
+
+/// `--transport`: which UCX transports a tool's context uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    /// Shared memory (`UCX_TLS=posix,cma,tcp,self`; data goes over posix and cma, tcp is
+    /// there for UCX's connection manager, which `--cm` connections use on one host).
+    Shm,
+    /// TCP (`UCX_TLS=tcp,self`).
+    Tcp,
+    /// Whatever UCX picks (`UCX_TLS` from the environment, default all).
+    Auto,
+}
+
+impl Transport {
+    /// The transport list (`UCX_TLS`) it stands for; for `Auto`, the environment's.
+    pub fn tls(self) -> Option<String> {
+        match self {
+            Transport::Shm => Some("posix,cma,tcp,self".into()),
+            Transport::Tcp => Some("tcp,self".into()),
+            Transport::Auto => std::env::var("UCX_TLS").ok(),
+        }
+    }
+
+    /// `b` limited to these transports (unchanged for `Auto`).
+    pub fn apply(self, b: ContextBuilder) -> ContextBuilder {
+        match self {
+            Transport::Shm => b.transports("posix,cma,tcp,self"),
+            Transport::Tcp => b.transports("tcp,self"),
+            Transport::Auto => b,
+        }
+    }
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+            Transport::Auto => "auto",
+        }
+    }
+}
+
+/// `--progress`: how workers make progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Progress {
+    /// Sleep on the worker's event fd (no CPU while idle).
+    Event,
+    /// Spin (lowest latency, one core at 100 %).
+    Busy,
+}
+
+impl Progress {
+    /// The worker's progress mode.
+    pub fn mode(self) -> ProgressMode {
+        match self {
+            Progress::Event => ProgressMode::Event,
+            Progress::Busy => ProgressMode::BusyPoll,
+        }
+    }
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Progress::Event => "event",
+            Progress::Busy => "busy",
+        }
+    }
+}
+
+/// `--error-mode`: endpoint error handling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ErrMode {
+    /// None for peers on this host, peer mode otherwise.
+    Auto,
+    /// UCX peer failure detection (no shared memory between processes in UCX 1.13).
+    Peer,
+    /// No UCX failure detection (same-host peers are watched by ucxkit).
+    None,
+}
+
+impl ErrMode {
+    /// The endpoints' error mode.
+    pub fn mode(self) -> ErrorMode {
+        match self {
+            ErrMode::Auto => ErrorMode::Auto,
+            ErrMode::Peer => ErrorMode::Peer,
+            ErrMode::None => ErrorMode::None,
+        }
+    }
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrMode::Auto => "auto",
+            ErrMode::Peer => "peer",
+            ErrMode::None => "none",
+        }
+    }
+}
+
+/// How results are printed and drawn: `--json`, `--csv`, `--plot`, `--quiet`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Output {
+    /// Print one JSON object per line instead of a table.
+    #[arg(long, conflicts_with = "csv")]
+    pub json: bool,
+    /// Print CSV (a header line, then one line per row) instead of a table.
+    #[arg(long)]
+    pub csv: bool,
+    /// Write an SVG plot of the results against message size to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// No progress display on stderr.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+impl Output {
+    /// Whether results print as the aligned table (neither JSON nor CSV).
+    pub fn table(&self) -> bool {
+        !self.json && !self.csv
+    }
+}
+
+/// Parses a duration such as `2s`, `500ms` or `1.5` (seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, mult) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 2s, 500ms)"))?;
+    if !v.is_finite() || v <= 0.0 {
+        return Err(format!("{s:?}: duration must be positive"));
+    }
+    Duration::try_from_secs_f64(v * mult).map_err(|_| format!("{s:?}: duration out of range"))
+}
+
+/// Writes a line to stdout, returning the error instead of panicking, so that a closed
+/// stdout (the reader of a pipe went away, as `| head` does) ends the run quietly.
+pub fn out(line: std::fmt::Arguments<'_>) -> std::io::Result<()> {
+    let mut o = std::io::stdout().lock();
+    o.write_fmt(line)?;
+    o.write_all(b"\n")
+}
+
+/// Whether `e` is a write to a pipe whose reader has gone.
+pub fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
+/// Prints `tool: msg` on stderr and exits with status 1.
+pub fn die(tool: &str, msg: impl std::fmt::Display) -> ! {
+    eprintln!("{tool}: {msg}");
+    std::process::exit(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        for bad in ["", "0", "-1s", "abc", "nan", "inf", "1e300"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}
