@@ -15,3 +15,8 @@
 #![forbid(unsafe_code)]
 
 pub use ucxkit_transport as transport;
+
+/// The README's example, compiled as a doctest so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
