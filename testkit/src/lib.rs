@@ -6,7 +6,7 @@
 //!   exchange of addresses;
 //! - [`netns`]: test hosts as network namespaces joined by a veth pair, removed when the
 //!   test ends (also when it fails);
-//! - [`payload`]: deterministic payloads and a small generator;
+//! - [`payload`](mod@payload): deterministic payloads and a small generator;
 //! - [`forge`]: ucxkit's envelopes forged as an attacker would, for hostile-input tests.
 //!
 //! The items of `workers`, `payload` and `procs` are also at the crate root, so a test

@@ -7,8 +7,8 @@ use crate::buf::{IoBuf, IoBufMut};
 use crate::error::Error;
 
 /// Bytes `begin..end` of an owned buffer `B`, as an operation's buffer: a send sends
-/// them, a receive writes into them. Made by [`IoBuf::slice`] (a range of the bytes a
-/// send would send) or [`IoBufMut::slice_mut`] (a range of the buffer's capacity, for a
+/// them, a receive writes into them. Made by [`IoBuf::into_slice`] (a range of the bytes a
+/// send would send) or [`IoBufMut::into_slice_mut`] (a range of the buffer's capacity, for a
 /// receive). The operation gives the slice back; [`Slice::into_inner`] gives the whole
 /// buffer.
 ///
