@@ -23,9 +23,10 @@
 
 use std::fmt;
 
+use crate::auth::{Secret, MAC_LEN};
 use crate::error::{Error, Result};
-use crate::front::auth::{Secret, MAC_LEN};
 use crate::identity::{self, ProcessIdentity};
+use crate::worker::Worker;
 
 const MAGIC: u32 = 0x4158_4355;
 const VERSION: u8 = 2;
@@ -161,6 +162,20 @@ impl WorkerAddress {
     /// A short fingerprint for logs and errors.
     pub fn fingerprint(&self) -> String {
         format!("{:016x}", u64::from_le_bytes(self.bytes[48..56].try_into().expect("8 bytes")))
+    }
+}
+
+impl Worker {
+    /// This worker's address, to hand to peers for [`Worker::connect_address`]; sealed
+    /// with a MAC when the context has a secret.
+    pub fn address(&self) -> Result<WorkerAddress> {
+        let bytes = self.ucx_address()?;
+        let ctx = self.context();
+        let wa = WorkerAddress::wrap(&ProcessIdentity::current(), ctx.has_shared_memory(), &bytes);
+        Ok(match ctx.secret() {
+            Some(s) => wa.sealed(s),
+            None => wa,
+        })
     }
 }
 

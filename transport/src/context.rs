@@ -7,10 +7,9 @@ use std::sync::{Arc, OnceLock};
 
 use ucx_sys as sys;
 
+use crate::auth::Secret;
 use crate::error::{Error, Result, Status};
-use crate::front::auth::Secret;
-use crate::request;
-use crate::worker::{Worker, WorkerBuilder};
+use crate::ucx_log::printed;
 
 /// UCX features a context enables (`UCP_FEATURE_*`). Tag matching, active messages
 /// (used by the connection handshake) and wakeup are always on.
@@ -177,8 +176,8 @@ impl ContextBuilder {
                 | sys::UCP_PARAM_FIELD_NAME.0
                 | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED.0) as u64,
             features: features.0,
-            request_size: request::SLOT_SIZE,
-            request_init: Some(request::slot_init),
+            request_size: crate::slot::SLOT_SIZE,
+            request_init: Some(crate::slot::slot_init),
             name: name.as_ptr(),
             mt_workers_shared: 1,
             ..Default::default()
@@ -277,30 +276,6 @@ fn is_global_setting(name: &str) -> bool {
     st == sys::UCS_OK
 }
 
-/// What `print` writes to a C stream, as text; `None` when no stream could be made.
-pub(crate) fn printed(print: impl FnOnce(*mut libc::FILE)) -> Option<String> {
-    let mut buf: *mut libc::c_char = std::ptr::null_mut();
-    let mut size = 0usize;
-    // SAFETY: valid out-pointers; the stream is closed below.
-    let f = unsafe { libc::open_memstream(&mut buf, &mut size) };
-    if f.is_null() {
-        tracing::debug!("open_memstream failed");
-        return None;
-    }
-    print(f);
-    // SAFETY: f is open, closed once; this also finalizes buf and size.
-    unsafe { libc::fclose(f) };
-    if buf.is_null() {
-        return None;
-    }
-    // SAFETY: after fclose, buf holds `size` bytes written by the stream.
-    let text =
-        String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }).into_owned();
-    // SAFETY: open_memstream's buffer is the caller's to free, once.
-    unsafe { libc::free(buf.cast()) };
-    Some(text)
-}
-
 /// The `(transport, device)` pairs of a live context's resources.
 fn read_resources(handle: sys::ucp_context_h) -> Vec<(String, String)> {
     // SAFETY: the caller's context is live; f is an open stream for the call.
@@ -365,7 +340,7 @@ impl Drop for ContextInner {
 /// A UCX application context (`ucp_context_h`).
 ///
 /// Cheap to clone; the context is released when the last clone and the last
-/// [`Worker`] created from it are gone.
+/// [`Worker`](crate::Worker) created from it are gone.
 #[derive(Clone)]
 pub struct Context {
     pub(crate) inner: Arc<ContextInner>,
@@ -391,16 +366,6 @@ impl Context {
     /// The features this context was created with.
     pub fn features(&self) -> Features {
         self.inner.features
-    }
-
-    /// A builder for a worker on this context.
-    pub fn worker(&self) -> WorkerBuilder {
-        WorkerBuilder::new(self.clone())
-    }
-
-    /// Creates a worker with default settings. Must be called inside a tokio runtime.
-    pub fn create_worker(&self) -> Result<Worker> {
-        self.worker().build()
     }
 
     /// This context's own key for host memory, walked (see [`crate::ucx_key::OwnKey`]):

@@ -431,13 +431,6 @@ impl Error {
         }
     }
 
-    /// Whether the peer refused a hello because the connection met another one between
-    /// the same two workers (the connecting side then tries again).
-    pub(crate) fn is_collision(&self) -> bool {
-        matches!(self, Error::Handshake { reason, .. }
-            if reason == crate::handshake::NackReason::Collision.describe())
-    }
-
     /// Classifies a failed operation's status into the matching variant. An I/O error is
     /// the transport failing to move the operation's data to or from the peer (a shared
     /// memory copy from a process that is gone, a socket that broke): a reset, as on

@@ -173,6 +173,12 @@ impl Message {
     }
 }
 
+/// Whether `e` says the peer refused a hello because the connection met another one
+/// between the same two workers (the connecting side then tries again).
+pub(crate) fn is_collision(e: &crate::error::Error) -> bool {
+    matches!(e, crate::error::Error::Handshake { reason, .. } if reason == NackReason::Collision.describe())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

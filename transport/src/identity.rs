@@ -96,6 +96,13 @@ pub(crate) fn start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Whether a process with `identity` can share memory with this one: same kernel, same
+/// pid namespace (UCX's shared-memory transports reach a peer process through them).
+pub(crate) fn shares_memory(identity: &ProcessIdentity) -> bool {
+    let me = ProcessIdentity::current();
+    identity.same_host() && identity.pid_ns != 0 && identity.pid_ns == me.pid_ns
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,5 +129,16 @@ mod tests {
         other.pid += 1;
         assert!(!other.same_host());
         assert!(!other.watchable());
+    }
+
+    #[test]
+    fn this_process_shares_memory_with_itself_not_with_another_host() {
+        assert!(shares_memory(&ProcessIdentity::current()));
+        let mut other = ProcessIdentity::current();
+        other.boot_id[0] ^= 1;
+        assert!(!shares_memory(&other));
+        let mut ns = ProcessIdentity::current();
+        ns.pid_ns ^= 1;
+        assert!(!shares_memory(&ns));
     }
 }

@@ -103,7 +103,9 @@
 
 mod address;
 pub mod am;
+mod auth;
 mod buf;
+mod connect;
 mod context;
 mod endpoint;
 mod error;
@@ -118,25 +120,25 @@ pub mod mem;
 pub mod namespace;
 mod op;
 pub mod pairing;
-mod progress;
 mod request;
 pub mod rma;
 mod shutdown;
-mod slice;
+mod slot;
 pub mod stream;
 pub mod tag;
 mod ucx_address;
 mod ucx_key;
 mod ucx_log;
+mod ucx_posix;
 mod worker;
 
 pub use address::WorkerAddress;
 pub use am::{AmHandler, AmMessage, AmProto, AmReceiver, AmRecv, AmRecvData, AmSend, AmSendOptions};
-pub use buf::{IoBuf, IoBufMut};
+pub use auth::{Secret, MIN_SECRET_LEN};
+pub use buf::{IoBuf, IoBufMut, Slice};
 pub use context::{Context, ContextBuilder, Features};
 pub use endpoint::{Endpoint, Lane};
 pub use error::{Error, ErrorKind, Peer, Result, Status};
-pub use front::auth::{Secret, MIN_SECRET_LEN};
 pub use handshake::AM_ID as HANDSHAKE_AM_ID;
 pub use identity::ProcessIdentity;
 pub use iov::{PutIov, TagRecvIov, TagSendIov};
@@ -144,12 +146,13 @@ pub use listener::{ConnectionRequest, Listener};
 pub use mem::{MemRegion, RegionSlice, RegionView, RemoteKey};
 pub use namespace::Namespace;
 pub use op::{RecvOp, SendOp};
-pub use progress::{ProgressMode, BUSY_IDLE, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET};
 pub use rma::{Atomic, Get, Put};
-pub use slice::Slice;
 pub use stream::{StreamData, StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};
-pub use worker::{EndpointOptions, ErrorMode, Worker, WorkerBuilder, MAX_CONNECT_PAYLOAD};
+pub use worker::{
+    EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerBuilder, BUSY_IDLE, DEFAULT_LINGER, EVENT_SPIN,
+    EVENT_SPIN_QUIET, MAX_CONNECT_PAYLOAD,
+};
 
 /// The raw bindings, for what this crate does not wrap yet.
 pub use ucx_sys as sys;

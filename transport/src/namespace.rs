@@ -88,7 +88,7 @@ impl Worker {
         if !(1..=LAST).contains(&number) {
             return Err(Error::ApiMisuse(format!("namespace {number} is out of range (1..={LAST})")));
         }
-        if self.shared.inner.app_tag_fixed == 0 {
+        if !self.shared.inner.namespaces {
             return Err(Error::ApiMisuse(
                 "this worker gives the application all tag bits and has no namespaces (WorkerBuilder::namespaces)"
                     .into(),

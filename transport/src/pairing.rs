@@ -33,18 +33,6 @@ use crate::worker::{self, EpState, State};
 /// The most endpoints taken over while looking for the one a hello arrived on.
 const MAX_GAP: usize = 256;
 
-/// The UCX worker uuid in a worker address in UCX's own form: after the header byte
-/// (address format version 1, which always carries it) or the two header bytes (version
-/// 2, when its flag says so).
-pub(crate) fn uuid_of(ucx: &[u8]) -> Option<u64> {
-    let at = match ucx.first()? & 0x0f {
-        0 => 1,
-        1 if ucx.get(1)? & FLAG_WORKER_UUID != 0 => 2,
-        _ => return None,
-    };
-    Some(u64::from_ne_bytes(ucx.get(at..at + 8)?.try_into().ok()?))
-}
-
 /// A worker address in UCX's form (version 1) naming the worker `uuid` and no
 /// transport: creating an endpoint from it only takes over an internal endpoint UCX
 /// made for that worker's next connection, or fails ("unreachable").
@@ -151,18 +139,18 @@ mod tests {
         let mut v1 = vec![0x20];
         v1.extend_from_slice(&uuid.to_ne_bytes());
         v1.push(0xff);
-        assert_eq!(uuid_of(&v1), Some(uuid));
+        assert_eq!(crate::ucx_address::uuid_of(&v1), Some(uuid));
         // Version 1 carries the uuid even without the flag (UCX before 1.12).
         v1[0] = 0x00;
-        assert_eq!(uuid_of(&v1), Some(uuid));
+        assert_eq!(crate::ucx_address::uuid_of(&v1), Some(uuid));
         let mut v2 = vec![0x01, FLAG_WORKER_UUID];
         v2.extend_from_slice(&uuid.to_ne_bytes());
-        assert_eq!(uuid_of(&v2), Some(uuid));
+        assert_eq!(crate::ucx_address::uuid_of(&v2), Some(uuid));
         v2[1] = 0;
-        assert_eq!(uuid_of(&v2), None, "version 2 without the uuid flag");
-        assert_eq!(uuid_of(&[0x02; 12]), None, "unknown version");
-        assert_eq!(uuid_of(&[0x20, 1, 2]), None, "too short");
-        assert_eq!(uuid_of(&[]), None);
-        assert_eq!(uuid_of(&bare_address(uuid)), Some(uuid));
+        assert_eq!(crate::ucx_address::uuid_of(&v2), None, "version 2 without the uuid flag");
+        assert_eq!(crate::ucx_address::uuid_of(&[0x02; 12]), None, "unknown version");
+        assert_eq!(crate::ucx_address::uuid_of(&[0x20, 1, 2]), None, "too short");
+        assert_eq!(crate::ucx_address::uuid_of(&[]), None);
+        assert_eq!(crate::ucx_address::uuid_of(&bare_address(uuid)), Some(uuid));
     }
 }

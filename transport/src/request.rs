@@ -25,66 +25,13 @@
 use std::any::Any;
 use std::ffi::c_void;
 use std::ptr;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use ucx_sys as sys;
 
 use crate::error::Status;
-use crate::worker::{OpKind, State, WorkerShared};
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum SlotState {
-    Pending,
-    Done,
-    Parked,
-}
-
-/// What ucxkit keeps inside each UCX request.
-pub(crate) struct Slot {
-    state: SlotState,
-    /// What the failure of `bound_ep` does to this request.
-    pub(crate) kind: OpKind,
-    status: sys::ucs_status_t,
-    len: usize,
-    sender_tag: u64,
-    /// Endpoint whose failure ends this request (0: none). A bound request is in the
-    /// worker's list of bound requests ([`State::bound`]), linked through `prev` and
-    /// `next`, from [`Request::bind`] until [`free`].
-    pub(crate) bound_ep: u64,
-    prev: *mut Slot,
-    pub(crate) next: *mut Slot,
-    waker: Option<Waker>,
-    parked: Option<Box<dyn Any + Send>>,
-    /// A parked close request, listed in `State::closes`.
-    close: bool,
-}
-
-impl Slot {
-    const EMPTY: Slot = Slot {
-        state: SlotState::Pending,
-        kind: OpKind::Finish,
-        status: sys::UCS_INPROGRESS,
-        len: 0,
-        sender_tag: 0,
-        bound_ep: 0,
-        prev: ptr::null_mut(),
-        next: ptr::null_mut(),
-        waker: None,
-        parked: None,
-        close: false,
-    };
-}
-
-/// Bytes UCX reserves for a [`Slot`] in each request.
-pub(crate) const SLOT_SIZE: usize = std::mem::size_of::<Slot>();
-
-/// `request_init`: UCX calls this once per request when its pool first allocates it
-/// (not on reuse; [`free`] resets the slot before each release).
-pub(crate) unsafe extern "C" fn slot_init(request: *mut c_void) {
-    // SAFETY: UCX passes a pointer to `request_size` writable bytes, aligned for any type
-    // UCX itself stores (8 bytes), which covers Slot's alignment.
-    unsafe { ptr::write(request.cast::<Slot>(), Slot::EMPTY) }
-}
+use crate::slot::{OpKind, Slot, SlotState};
+use crate::worker::{State, WorkerShared};
 
 /// The result of a completed request.
 ///

@@ -84,8 +84,7 @@ impl Worker {
                 .iter()
                 .map(|(_, e)| e)
                 .filter(|e| !e.handle.is_null() && !e.hidden)
-                .filter_map(|e| e.endpoint.upgrade())
-                .map(|inner| Endpoint { inner })
+                .filter_map(|e| Endpoint::from_ref(&e.endpoint))
                 .collect()
         })
     }

@@ -37,7 +37,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::handshake::Kind;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{stream_recv_cb, Completion, Posted};
-use crate::worker::{OpKind, State};
+use crate::slot::OpKind;
+use crate::worker::State;
 
 /// Future of [`Endpoint::stream_send`]: resolves to `(Result<()>, buffer)`.
 ///

@@ -55,7 +55,7 @@ impl Space {
     /// bits on a worker without namespaces.
     #[inline(always)]
     pub(crate) fn app(worker: &WorkerInner) -> Space {
-        Space { prefix: 0, fixed: worker.app_tag_fixed }
+        Space { prefix: 0, fixed: if worker.namespaces { 1 << APP_TAG_BITS } else { 0 } }
     }
 
     /// The space of namespace `n` (1..=127), whose tags have `bits` bits.

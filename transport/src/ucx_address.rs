@@ -22,6 +22,18 @@ use std::ops::Range;
 pub(crate) const NO_DEVICE: u8 = 0xff;
 const FLAG_DEBUG_INFO: u8 = 1 << 0;
 pub(crate) const FLAG_WORKER_UUID: u8 = 1 << 1;
+
+/// The UCX worker uuid in a worker address in UCX's own form: after the header byte
+/// (address format version 1, which always carries it) or the two header bytes (version
+/// 2, when its flag says so).
+pub(crate) fn uuid_of(ucx: &[u8]) -> Option<u64> {
+    let at = match ucx.first()? & 0x0f {
+        0 => 1,
+        1 if ucx.get(1)? & FLAG_WORKER_UUID != 0 => 2,
+        _ => return None,
+    };
+    Some(u64::from_ne_bytes(ucx.get(at..at + 8)?.try_into().ok()?))
+}
 const FLAG_CLIENT_ID: u8 = 1 << 2;
 const FLAG_AM_ONLY: u8 = 1 << 3;
 /// Device length byte: last device; number of paths follows; system device follows.
@@ -217,17 +229,6 @@ fn walk_as(b: &[u8], minor: u32) -> Result<Walked, String> {
     Ok(Walked { uuid, entries })
 }
 
-/// The pid namespace UCX calls the default one (`ucs_sys_ns_is_default`): the initial
-/// namespace's inode number.
-const DEFAULT_PID_NS: u64 = 0xEFFF_FFFC;
-
-/// Whether a process id UCX packed (with its pid namespace, which UCX adds for a
-/// process outside the default one) is this process's.
-pub(crate) fn is_this_process(pid: u64, ns: Option<u64>) -> bool {
-    let me = crate::ProcessIdentity::current();
-    pid == u64::from(me.pid) && ns.unwrap_or(DEFAULT_PID_NS) == me.pid_ns
-}
-
 /// Whether an address's shared-memory parts name this process: cma's process id, or a
 /// posix segment reached through this process's procfs entry. UCX would copy into the
 /// named process for whoever holds a key of the endpoint.
@@ -239,12 +240,13 @@ pub(crate) fn names_this_process(b: &[u8], w: &Walked) -> bool {
             // `pid_t` with bit 31 saying a pid namespace follows (at offset 8).
             let id = u32::from_ne_bytes(b[at..at + 4].try_into().expect("4 bytes"));
             let ns = (id & (1 << 31) != 0).then(|| u64_at(at + 8).unwrap_or(0));
-            is_this_process(u64::from(id & !(1 << 31)), ns)
+            crate::ucx_posix::is_this_process(u64::from(id & !(1 << 31)), ns)
         } else if e.tl_csum == crc16(b"posix") && e.iface.len() >= 8 {
-            u64_at(at).is_some_and(|seg| match crate::ucx_key::posix_procfs_pid(seg) {
-                Some(pid) => {
-                    is_this_process(pid, (seg & POSIX_PID_NS != 0).then(|| u64_at(at + 8).unwrap_or(0)))
-                }
+            u64_at(at).is_some_and(|seg| match crate::ucx_posix::posix_procfs_pid(seg) {
+                Some(pid) => crate::ucx_posix::is_this_process(
+                    pid,
+                    (seg & crate::ucx_posix::POSIX_PID_NS != 0).then(|| u64_at(at + 8).unwrap_or(0)),
+                ),
                 None => false,
             })
         } else {
@@ -306,12 +308,6 @@ struct Shape {
     posix_mode: Option<u64>,
 }
 
-/// The mode bits of a posix segment id (`UCT_POSIX_SEG_FLAG_PROCFS`, `_SHM_OPEN`).
-pub(crate) const POSIX_MODE_BITS: u64 = (1 << 63) | (1 << 62);
-/// `UCT_POSIX_SEG_FLAG_PID_NS`: the segment's process is outside the default pid
-/// namespace, which follows the segment id.
-pub(crate) const POSIX_PID_NS: u64 = 1 << 60;
-
 /// Transports whose device address names the machine (`uct_sm_iface_is_reachable`):
 /// UCX uses a peer's only when it is this machine's.
 const SAME_MACHINE: [&[u8]; 5] = [b"posix", b"sysv", b"xpmem", b"cma", b"knem"];
@@ -339,7 +335,7 @@ impl Reference {
                 r.machine.insert(e.tl_csum, own[e.dev.clone()].to_vec());
             }
             if e.tl_csum == crc16(b"posix") {
-                r.posix_segment = posix_segment_of(own, e).and_then(crate::ucx_key::posix_segment_len);
+                r.posix_segment = posix_segment_of(own, e).and_then(crate::ucx_posix::posix_segment_len);
             }
             let s = shape(own, e);
             let v = r.shapes.entry(e.tl_csum).or_default();
@@ -402,7 +398,7 @@ impl Reference {
             return Ok(());
         };
         let seg = posix_segment_of(b, e).ok_or("a posix address without a segment")?;
-        match crate::ucx_key::posix_segment_len(seg) {
+        match crate::ucx_posix::posix_segment_len(seg) {
             Some(n) if n >= need => Ok(()),
             Some(n) => Err(format!("its posix segment holds {n} bytes, where this worker's holds {need}")),
             None => Err("its posix segment cannot be opened here".into()),
@@ -421,8 +417,10 @@ fn shape(b: &[u8], e: &Entry) -> Shape {
     // (`uct_tcp_iface_is_reachable`): other flag bits do not keep an address from it.
     let tcp_kind = (e.tl_csum == crc16(b"tcp") && e.dev.len() >= 2)
         .then(|| [b[e.dev.start] & TCP_LOOPBACK, b[e.dev.start + 1]]);
-    let posix_mode =
-        (e.tl_csum == crc16(b"posix")).then(|| posix_segment_of(b, e)).flatten().map(|s| s & POSIX_MODE_BITS);
+    let posix_mode = (e.tl_csum == crc16(b"posix"))
+        .then(|| posix_segment_of(b, e))
+        .flatten()
+        .map(|s| s & crate::ucx_posix::POSIX_MODE_BITS);
     Shape {
         dev: e.dev.len(),
         iface: e.iface.len(),
@@ -492,7 +490,7 @@ mod tests {
                     let case = format!("{tls} {version} debug={debug}");
                     let w = walk(a.ucx_bytes()).unwrap_or_else(|e| panic!("{case}: {e}"));
                     assert!(!w.entries.is_empty(), "{case}");
-                    assert_eq!(w.uuid, crate::pairing::uuid_of(a.ucx_bytes()), "{case}");
+                    assert_eq!(w.uuid, uuid_of(a.ucx_bytes()), "{case}");
                     let r = Reference::of(a.ucx_bytes()).unwrap();
                     r.check(b.ucx_bytes()).unwrap_or_else(|e| panic!("{case}: {e}"));
                 }

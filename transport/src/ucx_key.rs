@@ -176,15 +176,15 @@ fn check_posix(key: &[u8], own: &[u8], range: &Range<u64>, here: bool) -> Result
         return Err(format!("a posix key of {} bytes, where this context's are {}", key.len(), own.len()));
     }
     let seg = u64_at(key, 0);
-    let mode = crate::ucx_address::POSIX_MODE_BITS;
+    let mode = crate::ucx_posix::POSIX_MODE_BITS;
     if seg & mode != u64_at(own, 0) & mode {
         return Err("the key's posix segment is named another way than this context's".into());
     }
-    if let Some(pid) = posix_procfs_pid(seg) {
+    if let Some(pid) = crate::ucx_posix::posix_procfs_pid(seg) {
         // With the pid namespace after the packed key, where UCX adds one.
-        let ns = (seg & crate::ucx_address::POSIX_PID_NS != 0)
+        let ns = (seg & crate::ucx_posix::POSIX_PID_NS != 0)
             .then(|| key.get(24..32).map_or(0, |_| u64_at(key, 24)));
-        if !here && crate::ucx_address::is_this_process(pid, ns) {
+        if !here && crate::ucx_posix::is_this_process(pid, ns) {
             return Err("the key's posix segment is this process's, and the key is not of its regions".into());
         }
     }
@@ -192,7 +192,7 @@ fn check_posix(key: &[u8], own: &[u8], range: &Range<u64>, here: bool) -> Result
     let end = address.checked_add(length).ok_or("a posix segment that wraps around")?;
     // UCX maps `length` bytes of the file (the owner's length rounded up to whole pages,
     // where the file is as long as asked): a page wholly past its end is a SIGBUS.
-    match posix_segment_len(seg) {
+    match crate::ucx_posix::posix_segment_len(seg) {
         Some(n) if page_align(n) >= length => {}
         Some(n) => return Err(format!("the key's posix segment holds {n} bytes, the key says {length}")),
         None => return Err("the key's posix segment cannot be opened here".into()),
@@ -206,9 +206,6 @@ fn check_posix(key: &[u8], own: &[u8], range: &Range<u64>, here: bool) -> Result
     Ok(true)
 }
 
-/// The start of the name of each posix segment's file (`UCT_POSIX_FILE_FMT`).
-const SEGMENT_PREFIX: &str = "ucx_shm_posix_";
-
 /// `n` rounded up to whole pages (a segment in huge pages lives on hugetlbfs, whose
 /// files are whole huge pages long already).
 fn page_align(n: u64) -> u64 {
@@ -218,39 +215,6 @@ fn page_align(n: u64) -> u64 {
         _ => 4096,
     };
     n.div_ceil(page).saturating_mul(page)
-}
-
-/// The size of the posix segment named by `seg_id`, as UCX opens it: through procfs
-/// (`/proc/PID/fd/FD`, the low 30 bits of the id the pid, the next 30 the descriptor) or
-/// by name in `/dev/shm`; `None` when it cannot be opened, is not a UCX segment's file,
-/// or is named a third way (a file in a directory the key names, which this check does
-/// not follow).
-pub(crate) fn posix_segment_len(seg_id: u64) -> Option<u64> {
-    let mmid = seg_id & !(0xfu64 << 60);
-    let meta = if let Some(pid) = posix_procfs_pid(seg_id) {
-        let path = format!("/proc/{pid}/fd/{}", mmid >> 30);
-        // Any descriptor of any process can be named this way: only a UCX segment's
-        // (its file unlinked once opened) is one.
-        let target = std::fs::read_link(&path).ok()?;
-        let name = target.file_name()?.to_string_lossy().into_owned();
-        if !name.starts_with(SEGMENT_PREFIX) {
-            return None;
-        }
-        std::fs::metadata(path).ok()?
-    } else if seg_id & (1 << 62) != 0 {
-        // `UCT_POSIX_SEG_FLAG_SHM_OPEN`: named in /dev/shm.
-        // `shm_open` does not follow a link there.
-        std::fs::symlink_metadata(format!("/dev/shm/{SEGMENT_PREFIX}{mmid:x}")).ok()?
-    } else {
-        return None;
-    };
-    meta.is_file().then_some(meta.len())
-}
-
-/// The process whose descriptor a posix segment id names through procfs
-/// (`UCT_POSIX_SEG_FLAG_PROCFS`: the low 30 bits of the id), if it is named that way.
-pub(crate) fn posix_procfs_pid(seg_id: u64) -> Option<u64> {
-    (seg_id & (1 << 63) != 0).then_some(seg_id & ((1 << 30) - 1))
 }
 
 /// A sysv key (`uct_sysv_packed_rkey_t`: segment id, the owner's address): UCX attaches
@@ -329,18 +293,18 @@ mod tests {
 
     /// A file named the way UCX's posix segments are.
     fn segment() -> (std::fs::File, u64) {
-        file(SEGMENT_PREFIX)
+        file(crate::ucx_posix::SEGMENT_PREFIX)
     }
 
     #[test]
     fn posix_segments_are_sized_through_procfs() {
         let (_other, other) = file("");
-        assert_eq!(posix_segment_len(other), None, "a file that is no UCX segment");
+        assert_eq!(crate::ucx_posix::posix_segment_len(other), None, "a file that is no UCX segment");
         let (_file, id) = segment();
-        assert_eq!(posix_segment_len(id), Some(0x2000 - 100));
+        assert_eq!(crate::ucx_posix::posix_segment_len(id), Some(0x2000 - 100));
         assert_eq!(page_align(0x2000 - 100) % page_align(1), 0);
         assert!(page_align(0x2000 - 100) >= 0x2000);
-        assert_eq!(posix_segment_len(id ^ (1 << 63)), None, "neither procfs nor shm_open");
+        assert_eq!(crate::ucx_posix::posix_segment_len(id ^ (1 << 63)), None, "neither procfs nor shm_open");
     }
 
     #[test]

@@ -126,6 +126,30 @@ unsafe extern "C" fn handler(
     sys::UCS_LOG_FUNC_RC_STOP
 }
 
+/// What `print` writes to a C stream, as text; `None` when no stream could be made.
+pub(crate) fn printed(print: impl FnOnce(*mut libc::FILE)) -> Option<String> {
+    let mut buf: *mut libc::c_char = std::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: valid out-pointers; the stream is closed below.
+    let f = unsafe { libc::open_memstream(&mut buf, &mut size) };
+    if f.is_null() {
+        tracing::debug!("open_memstream failed");
+        return None;
+    }
+    print(f);
+    // SAFETY: f is open, closed once; this also finalizes buf and size.
+    unsafe { libc::fclose(f) };
+    if buf.is_null() {
+        return None;
+    }
+    // SAFETY: after fclose, buf holds `size` bytes written by the stream.
+    let text =
+        String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }).into_owned();
+    // SAFETY: open_memstream's buffer is the caller's to free, once.
+    unsafe { libc::free(buf.cast()) };
+    Some(text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -175,7 +175,7 @@ pub(super) struct Meta {
     pub(super) payload: Payload,
     /// The sender's endpoint as the callback found it, when the sender asked for replies
     /// and this worker has one; taken for `reply_ep` when the message is handed out.
-    pub(super) reply: Weak<EndpointInner>,
+    pub(super) reply: crate::worker::EndpointRef,
     /// Set when the message is handed out: the endpoint to reply on.
     pub(super) reply_ep: Option<Endpoint>,
     /// Set when the message is handed out, if UCX holds the payload: the worker that
@@ -401,9 +401,9 @@ pub(super) unsafe fn incoming(
         st.by_handle
             .get(&(param.reply_ep as usize))
             .and_then(|id| st.eps.get(id))
-            .map_or_else(Weak::new, |e| e.endpoint.clone())
+            .map_or_else(|| Weak::<()>::new() as crate::worker::EndpointRef, |e| e.endpoint.clone())
     } else {
-        Weak::new()
+        Weak::<()>::new()
     };
     let meta = |payload| Meta { bytes_len: 0, header_len: 0, payload, reply, reply_ep: None, worker: None };
     let (long, ret) = if is_rndv(len, param) {

@@ -59,7 +59,7 @@ impl AmMessage {
                 if meta.payload.with_ucx() {
                     meta.worker = Some(worker.clone());
                 }
-                meta.reply_ep = std::mem::take(&mut meta.reply).upgrade().map(|inner| Endpoint { inner });
+                meta.reply_ep = Endpoint::from_ref(&std::mem::replace(&mut meta.reply, Weak::<()>::new()));
                 Body::Long(long)
             }
         };

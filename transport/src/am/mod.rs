@@ -45,12 +45,13 @@ use std::task::{Context, Poll, Waker};
 use ucx_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
-use crate::endpoint::{Endpoint, EndpointInner};
+use crate::endpoint::Endpoint;
 use crate::error::{Error, Result, Status};
 use crate::handshake;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::request::{len_cb, Completion, Posted};
-use crate::worker::{OpKind, State, Worker};
+use crate::slot::OpKind;
+use crate::worker::{State, Worker};
 
 mod incoming;
 mod message;
@@ -109,6 +110,16 @@ pub const MAX_ID: u16 = 2047;
 
 /// How many active-message ids each namespace has.
 pub const NAMESPACE_IDS: u16 = 16;
+
+/// The highest id the application's calls may use on `worker`.
+#[inline(always)]
+fn app_am_max(worker: &crate::worker::WorkerInner) -> u16 {
+    if worker.namespaces {
+        MAX_ID
+    } else {
+        LAST_WIRE_ID
+    }
+}
 
 /// The highest id on the wire that a message may have (namespaces' included).
 pub(crate) const LAST_WIRE_ID: u16 = handshake::AM_ID as u16 - 1;
@@ -190,7 +201,7 @@ impl Endpoint {
         payload: B,
         opts: AmSendOptions,
     ) -> AmSend<B> {
-        self.am_send_in(self.worker_inner().app_am_max, id, header, payload, opts)
+        self.am_send_in(app_am_max(self.worker_inner()), id, header, payload, opts)
     }
 
     /// [`Endpoint::am_send_with`] with wire id `id`, which must be at most `limit`.
@@ -255,7 +266,7 @@ impl Endpoint {
     /// [`Endpoint::try_tag_send`].
     #[inline]
     pub fn try_am_send(&self, id: u16, header: &[u8], data: &[u8]) -> Result<bool> {
-        self.try_am_send_in(self.worker_inner().app_am_max, id, header, data)
+        self.try_am_send_in(app_am_max(self.worker_inner()), id, header, data)
     }
 
     /// [`Endpoint::try_am_send`] with wire id `id`, which must be at most `limit`.
@@ -343,7 +354,7 @@ impl Worker {
     /// # Errors
     /// [`Error::ApiMisuse`] for a reserved id or one already registered on this worker.
     pub fn am_recv(&self, id: u16) -> Result<AmReceiver> {
-        check_id(id, self.shared.inner.app_am_max).map_err(|e| *e)?;
+        check_id(id, app_am_max(&self.shared.inner)).map_err(|e| *e)?;
         self.am_recv_wire(id)
     }
 
@@ -362,7 +373,7 @@ impl Worker {
     where
         F: FnMut(AmMessage) + Send + 'static,
     {
-        check_id(id, self.shared.inner.app_am_max).map_err(|e| *e)?;
+        check_id(id, app_am_max(&self.shared.inner)).map_err(|e| *e)?;
         self.am_handler_wire(id, f)
     }
 

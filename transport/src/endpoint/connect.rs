@@ -10,12 +10,11 @@ use std::sync::{Arc, Mutex};
 use ucx_sys as sys;
 
 use super::{Endpoint, EndpointInner};
-use crate::address::WorkerAddress;
 use crate::error::{Error, Peer, Result, Status};
 use crate::handshake::{Kind, Message};
 use crate::identity::ProcessIdentity;
 use crate::liveness::PidWatch;
-use crate::worker::{self, EndpointOptions, EpState, HsWait, State, Worker};
+use crate::worker::{self, EpState, HsWait, State, Worker};
 
 /// Whether `ip` is an address of this host (in this network namespace).
 pub(crate) fn is_local_ip(ip: IpAddr) -> bool {
@@ -78,7 +77,8 @@ pub(crate) fn socket_addr_from(ss: &sys::sockaddr_storage) -> Option<SocketAddr>
 /// What a new UCX endpoint connects to.
 pub(crate) enum Target<'a> {
     Socket(&'a SocketAddr),
-    Address(&'a WorkerAddress),
+    /// A worker address in UCX's form.
+    Address(&'a [u8]),
     Request(sys::ucp_conn_request_h),
 }
 
@@ -151,7 +151,7 @@ impl Worker {
             }
             Target::Address(a) => {
                 params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS.0 as u64;
-                params.address = a.ucx_bytes().as_ptr().cast();
+                params.address = a.as_ptr().cast();
             }
             Target::Request(r) => {
                 params.field_mask |= sys::UCP_EP_PARAM_FIELD_CONN_REQUEST.0 as u64;
@@ -202,105 +202,10 @@ impl Worker {
         });
         Ok(Endpoint { inner })
     }
-
-    /// Connects to a [`crate::Listener`] at `addr` with this worker's default
-    /// [`EndpointOptions`].
-    ///
-    /// # Cancel safety
-    /// Safe to drop: the half-made endpoint is closed.
-    pub async fn connect(&self, addr: SocketAddr) -> Result<Endpoint> {
-        self.connect_with(addr, self.shared.endpoint.clone()).await
-    }
-
-    /// Connects to a [`crate::Listener`] at `addr`.
-    ///
-    /// With the handshake on (the default), goes through the listener's front (see
-    /// [`crate::front`]) and returns once the peer has accepted the connection and
-    /// answered; a closed port, an unreachable host, a refusal or a peer that never
-    /// answers is an error ([`Error::Unreachable`], [`Error::Refused`],
-    /// [`Error::Authentication`], [`Error::Timeout`]). With it off (a plain UCX server,
-    /// reached through UCX's connection manager), returns once UCX has wired the
-    /// endpoint up with the server, within `opts.timeout` as well.
-    ///
-    /// # Cancel safety
-    /// Safe to drop: the half-made endpoint is closed.
-    pub async fn connect_with(&self, addr: SocketAddr, opts: EndpointOptions) -> Result<Endpoint> {
-        self.check_open("connect")?;
-        if opts.handshake {
-            return crate::front::client::connect(self, addr, &opts).await;
-        }
-        if !opts.connect_payload.is_empty() {
-            return Err(no_payload("a connect without the handshake"));
-        }
-        let shm = is_local_ip(addr.ip()) && self.context().has_shared_memory();
-        let peer_mode = opts.error_mode.peer_mode(shm);
-        let ep = self.create_ep(Target::Socket(&addr), Peer::Socket(addr), peer_mode)?;
-        ep.await_wired(opts.timeout, "connect").await?;
-        ep.check_required(&opts.require_transports)?;
-        Ok(ep)
-    }
-
-    /// Connects to the worker whose address is `addr` with the default options.
-    ///
-    /// # Cancel safety
-    /// Safe to drop: the half-made endpoint is closed.
-    pub async fn connect_address(&self, addr: &WorkerAddress) -> Result<Endpoint> {
-        self.connect_address_with(addr, self.shared.endpoint.clone()).await
-    }
-
-    /// Connects to the worker whose address is `addr`. The other side needs no listener:
-    /// its worker answers the handshake by itself. A worker whose context has a secret
-    /// connects only to addresses sealed with it ([`Error::Authentication`] otherwise);
-    /// the UCX address inside is checked before UCX parses it ([`Error::BadAddress`]).
-    ///
-    /// # Cancel safety
-    /// Safe to drop: the half-made endpoint is closed.
-    pub async fn connect_address_with(
-        &self,
-        addr: &WorkerAddress,
-        opts: EndpointOptions,
-    ) -> Result<Endpoint> {
-        self.check_open("connect")?;
-        if !opts.connect_payload.is_empty() {
-            return Err(no_payload("a connect to a worker address"));
-        }
-        let peer = Peer::Address(addr.fingerprint());
-        match self.context().secret() {
-            // Sealed by a peer holding the secret: its header is checked (UCX aborts on
-            // an unknown format), the rest is the peer's word.
-            Some(secret) if addr.verify(secret) => {
-                crate::address::check_ucx_address(addr.ucx_bytes())
-                    .map_err(|reason| Error::BadAddress { reason })?;
-            }
-            Some(_) => {
-                return Err(Error::Authentication {
-                    peer,
-                    reason: "the worker address carries no valid MAC under this context's secret".into(),
-                })
-            }
-            None => self.check_peer_address(addr.ucx_bytes())?,
-        }
-        let shm = crate::front::shares_memory(&addr.identity())
-            && addr.has_shared_memory()
-            && self.context().has_shared_memory();
-        let peer_mode = opts.error_mode.peer_mode(shm);
-        let ep = self.create_ep(Target::Address(addr), peer, peer_mode)?;
-        ep.set_peer_uuid(crate::pairing::uuid_of(addr.ucx_bytes()));
-        if opts.handshake {
-            ep.client_handshake(opts.timeout).await?;
-        }
-        ep.check_required(&opts.require_transports)?;
-        Ok(ep)
-    }
 }
 
 /// A random 64-bit value, different at each call (handshake nonces, the process token of
 /// packed memory keys).
-/// The error for a connect payload where none can travel.
-fn no_payload(what: &str) -> Error {
-    Error::ApiMisuse(format!("{what} carries no connect payload (EndpointOptions::connect_payload)"))
-}
-
 pub(crate) fn nonce() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -347,7 +252,7 @@ impl Drop for HsGuard<'_> {
 }
 
 impl Endpoint {
-    async fn client_handshake(&self, timeout: std::time::Duration) -> Result<()> {
+    pub(crate) async fn client_handshake(&self, timeout: std::time::Duration) -> Result<()> {
         self.client_handshake_with(nonce(), false, timeout).await
     }
 

@@ -11,7 +11,7 @@ impl Endpoint {
     pub fn transport_info(&self) -> Result<String> {
         self.with_handle("transport_info", |_, h| {
             // SAFETY: h is live under the lock; f is an open stream for the call.
-            crate::context::printed(|f| unsafe { sys::ucp_ep_print_info(h, f.cast()) })
+            crate::ucx_log::printed(|f| unsafe { sys::ucp_ep_print_info(h, f.cast()) })
                 .ok_or_else(|| Error::Io { op: "open_memstream", source: std::io::Error::last_os_error() })
         })
     }

@@ -112,6 +112,11 @@ impl Endpoint {
         &self.inner.worker.shared.inner
     }
 
+    /// The endpoint behind a worker's type-erased handle of it, if it is still alive.
+    pub(crate) fn from_ref(r: &crate::worker::EndpointRef) -> Option<Endpoint> {
+        r.upgrade()?.downcast::<EndpointInner>().ok().map(|inner| Endpoint { inner })
+    }
+
     /// The worker this endpoint belongs to.
     pub fn worker(&self) -> &Worker {
         &self.inner.worker
@@ -478,7 +483,7 @@ impl Endpoint {
             let p = call(st, h, &mut param);
             let posted = Posted::from_ptr(p, Completion::OK, false);
             if let Posted::Pending(r) = &posted {
-                r.bind(st, id, crate::worker::OpKind::Finish);
+                r.bind(st, id, crate::slot::OpKind::Finish);
             }
             posted
         });

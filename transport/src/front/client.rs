@@ -13,7 +13,6 @@ use crate::address::WorkerAddress;
 use crate::endpoint::{Endpoint, Target};
 use crate::error::{Error, Peer, Result, Status};
 use crate::identity::ProcessIdentity;
-use crate::pairing;
 use crate::worker::{EndpointOptions, ErrorMode, Worker};
 
 /// Connects `worker` to the listener's front at `addr` (see [`super`]).
@@ -60,7 +59,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
         Err(e) => return Err(broken(e)),
     };
     // The listener's own claims are checked before UCX sees its address.
-    let wrong = if pairing::uuid_of(&accept.address) != Some(accept.uuid) {
+    let wrong = if crate::ucx_address::uuid_of(&accept.address) != Some(accept.uuid) {
         Some("its worker address does not name the worker it says".to_string())
     } else if accept.uuid == uuid {
         Some("it is this worker".to_string())
@@ -88,7 +87,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
             // Through UCX's connection manager, on the listener's one-shot port (see
             // `front::server`).
             Some(cm) => Target::Socket(cm),
-            None => Target::Address(&address),
+            None => Target::Address(address.ucx_bytes()),
         };
         let ep = worker.create_ep(target, peer.clone(), accept.peer_mode)?;
         // The listener writes on the front only to give up (see `gave_up`).
@@ -103,7 +102,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
                 tracing::debug!(%addr, "connected through the front");
                 return Ok(ep);
             }
-            Err(e) if e.is_collision() && attempt < super::MAX_COLLISIONS => {
+            Err(e) if crate::handshake::is_collision(&e) && attempt < super::MAX_COLLISIONS => {
                 // The endpoint is another connection's peer now: kept for it, and this
                 // connection tries its next number after a random pause (so that two
                 // workers connecting to each other at once do not meet again).

@@ -6,8 +6,8 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::auth::{self, Secret, Session, Side, MAC_LEN, NONCE_LEN};
 use super::wire::{self, Msg, Reason};
+use crate::auth::{self, Secret, Session, Side, MAC_LEN, NONCE_LEN};
 
 /// Why a front connection broke, for the error the caller builds.
 #[derive(Debug)]

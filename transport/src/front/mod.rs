@@ -65,25 +65,16 @@
 //!   trust; a secret keeps out those that cannot prove they hold it.
 //! - Nothing is encrypted: run over networks where being read is acceptable.
 
-pub(crate) mod auth;
 pub(crate) mod client;
 pub(crate) mod conn;
 pub(crate) mod server;
 pub(crate) mod wire;
 
-use crate::identity::ProcessIdentity;
 use crate::worker::ErrorMode;
 
 /// How many times a connection is tried again after it collided with another one
 /// between the same two workers (see [`crate::pairing`]).
 pub(crate) const MAX_COLLISIONS: u32 = 8;
-
-/// Whether a process with `identity` can share memory with this one: same kernel, same
-/// pid namespace (UCX's shared-memory transports reach a peer process through them).
-pub(crate) fn shares_memory(identity: &ProcessIdentity) -> bool {
-    let me = ProcessIdentity::current();
-    identity.same_host() && identity.pid_ns != 0 && identity.pid_ns == me.pid_ns
-}
 
 /// Whether a context can connect through UCX's connection manager (its sockets ride
 /// UCX's tcp transport).
@@ -124,16 +115,5 @@ mod tests {
             assert_eq!(resolve_mode(c, s, shm), want, "{c:?} {s:?} shm={shm}");
             assert_eq!(resolve_mode(s, c, shm), want, "{s:?} {c:?} shm={shm} (swapped)");
         }
-    }
-
-    #[test]
-    fn this_process_shares_memory_with_itself_not_with_another_host() {
-        assert!(shares_memory(&ProcessIdentity::current()));
-        let mut other = ProcessIdentity::current();
-        other.boot_id[0] ^= 1;
-        assert!(!shares_memory(&other));
-        let mut ns = ProcessIdentity::current();
-        ns.pid_ns ^= 1;
-        assert!(!shares_memory(&ns));
     }
 }

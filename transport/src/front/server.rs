@@ -33,9 +33,9 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, Semaphore};
 
-use super::auth::Secret;
 use super::conn::{Broken, Conn};
 use super::wire::{Accept, Msg, Reason, Request};
+use crate::auth::Secret;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result};
 use crate::handshake::{Kind, NackReason};
@@ -262,7 +262,7 @@ pub(crate) async fn accept(worker: &Worker, mut p: Pending, opts: &EndpointOptio
 async fn accept_pending(worker: &Worker, p: Pending, opts: &EndpointOptions) -> Result<Endpoint> {
     let Pending { mut conn, request, client } = p;
     let peer = Peer::Accepted(client);
-    let shm = super::shares_memory(&request.identity)
+    let shm = crate::identity::shares_memory(&request.identity)
         && request.shared_memory
         && worker.context().has_shared_memory();
     let Some(peer_mode) = super::resolve_mode(request.error_mode, opts.error_mode, shm) else {

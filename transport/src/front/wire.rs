@@ -2,7 +2,7 @@
 //! versioned and validated field by field before anything acts on it.
 //!
 //! A frame is a little-endian `u32` body length (at most [`MAX_FRAME`]) and the body;
-//! on an authenticated connection, after the proofs, a [`super::auth::MAC_LEN`]-byte
+//! on an authenticated connection, after the proofs, a [`crate::auth::MAC_LEN`]-byte
 //! tag follows each body. Every body starts with:
 //!
 //! | offset | size | field |
@@ -28,7 +28,7 @@
 use crate::identity::{self, ProcessIdentity};
 use crate::worker::ErrorMode;
 
-use super::auth::{MAC_LEN, NONCE_LEN};
+use crate::auth::{MAC_LEN, NONCE_LEN};
 
 pub(crate) const MAGIC: u32 = 0x464b_4355;
 pub(crate) const VERSION: u8 = 2;

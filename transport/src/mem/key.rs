@@ -7,9 +7,9 @@ use std::sync::Arc;
 use ucx_sys as sys;
 
 use super::{MemInner, MemRegion};
+use crate::auth::{Secret, MAC_LEN};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result, Status};
-use crate::front::auth::{Secret, MAC_LEN};
 use crate::worker::WorkerInner;
 
 const KEY_MAGIC: u32 = 0x524b_4355; // "UCKR"

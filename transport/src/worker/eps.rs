@@ -162,6 +162,10 @@ pub(crate) struct Lingering {
 /// driver also checks before it sleeps).
 pub(super) const LINGER_CLOCK_EVERY: u32 = 64;
 
+/// The handle of an endpoint, as the worker keeps it: type-erased, so that the worker
+/// need not know the endpoint's type (see `Endpoint::from_ref`).
+pub(crate) type EndpointRef = std::sync::Weak<dyn std::any::Any + Send + Sync>;
+
 /// Per-endpoint bookkeeping, under the worker lock.
 pub(crate) struct EpState {
     /// NULL once closed.
@@ -188,7 +192,7 @@ pub(crate) struct EpState {
     /// failure ([`crate::Endpoint::failed`]).
     pub(crate) stream_waiters: Vec<Waker>,
     /// The endpoint's handle, for active-message replies.
-    pub(crate) endpoint: std::sync::Weak<crate::endpoint::EndpointInner>,
+    pub(crate) endpoint: EndpointRef,
     /// Zero-copy stream data ([`crate::StreamData`]) handed out and not yet released.
     pub(crate) data_out: usize,
     /// A close requested while stream data was out or operations still ran on the
@@ -251,7 +255,7 @@ impl EpState {
             hidden: false,
             by_address: false,
             stream_waiters: Vec::new(),
-            endpoint: std::sync::Weak::new(),
+            endpoint: std::sync::Weak::<()>::new(),
         }
     }
 
@@ -282,24 +286,6 @@ impl EpState {
         self.kept_at = 0;
         v
     }
-}
-
-/// What an endpoint's failure does to an operation bound to it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum OpKind {
-    /// An unmatched tag receive: canceled (`ucp_request_cancel`).
-    Cancel,
-    /// Anything UCX cannot cancel (sends, RMA, fetches): UCX purges it when it learns of
-    /// the failure; when only ucxkit knows (a dead same-host peer in error mode None),
-    /// ucxkit finishes it (see [`State::fail_ep`]). A closing endpoint waits for these
-    /// before it closes ([`State::linger`]).
-    Finish,
-    /// A stream receive: as [`OpKind::Finish`], but a closing endpoint does not wait for
-    /// it (it ends only when the peer writes).
-    StreamRecv,
-    /// The flush a closing endpoint posts ([`State::linger`]): as [`OpKind::Finish`], but
-    /// the close does not wait for it (UCX's own close flushes).
-    LingerFlush,
 }
 
 /// A pending handshake.

@@ -18,11 +18,9 @@ pub(crate) struct WorkerInner {
     pub(crate) signal: Arc<progress::Signal>,
     /// The largest active-message header this worker can send.
     pub(crate) max_am_header: usize,
-    /// The tag bits the application's calls may not set (the top bit, or none on a
-    /// worker without namespaces; see [`crate::namespace`]).
-    pub(crate) app_tag_fixed: u64,
-    /// The highest active-message id the application's calls may use.
-    pub(crate) app_am_max: u16,
+    /// Layers may claim namespaces on the worker, which keeps tag bits and
+    /// active-message ids from the application's calls (see [`crate::namespace`]).
+    pub(crate) namespaces: bool,
 }
 
 // SAFETY: `state` is only accessed while `lock` is held (see `locked`), and the UCX

@@ -22,27 +22,40 @@ use std::time::{Duration, Instant};
 
 use ucx_sys as sys;
 
-use crate::address::WorkerAddress;
 use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Status};
 use crate::handshake::{self, Kind, Message, NackReason};
 use crate::identity::ProcessIdentity;
 use crate::lock::RawLock;
-use crate::progress::{self, ProgressMode};
-use crate::request::{self, Slot};
+use crate::request;
+use crate::slot::{OpKind, Slot};
 use crate::ucx_log;
 
 mod callbacks;
 mod eps;
 mod inner;
 mod options;
+pub(crate) mod progress;
 mod state;
 
 pub(crate) use callbacks::*;
 pub(crate) use eps::*;
 pub(crate) use inner::*;
 pub use options::{EndpointOptions, ErrorMode, MAX_CONNECT_PAYLOAD};
+pub use progress::{ProgressMode, BUSY_IDLE, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET};
 pub(crate) use state::*;
+
+impl Context {
+    /// A builder for a worker on this context.
+    pub fn worker(&self) -> WorkerBuilder {
+        WorkerBuilder::new(self.clone())
+    }
+
+    /// Creates a worker with default settings. Must be called inside a tokio runtime.
+    pub fn create_worker(&self) -> Result<Worker> {
+        self.worker().build()
+    }
+}
 
 /// Builds a [`Worker`]. Obtained from [`Context::worker`].
 #[derive(Clone, Debug)]
@@ -159,8 +172,7 @@ impl WorkerBuilder {
             efd,
             no_imm: self.no_imm,
             signal: Arc::default(),
-            app_tag_fixed: if self.namespaces { 1 << crate::tag::APP_TAG_BITS } else { 0 },
-            app_am_max: if self.namespaces { crate::am::MAX_ID } else { handshake::AM_ID as u16 - 1 },
+            namespaces: self.namespaces,
         });
         let state_ptr = inner.state.get().cast::<c_void>();
         let am = sys::ucp_am_handler_param_t {
@@ -187,7 +199,7 @@ impl WorkerBuilder {
         let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(worker = id, mode = ?self.mode, "worker created");
         let own_address = inner.locked(|st| ucx_address_of(st.handle))?;
-        let uuid = crate::pairing::uuid_of(&own_address);
+        let uuid = crate::ucx_address::uuid_of(&own_address);
         if let Some(u) = uuid {
             own_workers().insert(u, own_address.clone());
         }
@@ -311,16 +323,9 @@ impl Drop for WorkerShared {
 }
 
 impl Worker {
-    /// This worker's address, to hand to peers for [`Worker::connect_address`]; sealed
-    /// with a MAC when the context has a secret.
-    pub fn address(&self) -> Result<WorkerAddress> {
-        let bytes = self.shared.inner.locked(|st| ucx_address_of(st.handle))?;
-        let ctx = self.context();
-        let wa = WorkerAddress::wrap(&ProcessIdentity::current(), ctx.has_shared_memory(), &bytes);
-        Ok(match ctx.secret() {
-            Some(s) => wa.sealed(s),
-            None => wa,
-        })
+    /// This worker's address in UCX's own form (`ucp_worker_get_address`).
+    pub(crate) fn ucx_address(&self) -> Result<Vec<u8>> {
+        self.shared.inner.locked(|st| ucx_address_of(st.handle))
     }
 
     /// Refuses `op` after [`Worker::shutdown`].

@@ -3,7 +3,7 @@
 
 use std::ops::{Bound, Range, RangeBounds};
 
-use crate::buf::{IoBuf, IoBufMut};
+use super::{IoBuf, IoBufMut};
 use crate::error::Error;
 
 /// Bytes `begin..end` of an owned buffer `B`, as an operation's buffer: a send sends

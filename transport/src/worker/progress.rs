@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 use tracing::Instrument;
 use ucx_sys as sys;
 
-use crate::worker::WorkerInner;
+use super::WorkerInner;
 
 /// How a worker makes progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -17,7 +17,9 @@
 use std::ops::RangeBounds;
 
 use crate::error::Error;
-use crate::slice::Slice;
+pub use slice::Slice;
+
+mod slice;
 
 /// A buffer UCX may read from while an operation owns it.
 ///
