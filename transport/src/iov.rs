@@ -17,9 +17,9 @@ use crate::endpoint::{op_param, Endpoint};
 use crate::error::{Error, Result, Status};
 use crate::mem::RemoteKey;
 use crate::op::{OpState, SendOp};
-use crate::request::{tag_recv_cb, Completion, Posted};
 use crate::slot::OpKind;
 use crate::tag::{Space, Tag, TagInfo};
+use crate::worker::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker};
 
 /// An iov array UCX reads while an operation is in flight.

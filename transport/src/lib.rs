@@ -103,6 +103,7 @@
 
 mod address;
 pub mod am;
+mod assemble;
 mod auth;
 mod buf;
 mod connect;
@@ -120,7 +121,6 @@ pub mod mem;
 pub mod namespace;
 mod op;
 pub mod pairing;
-mod request;
 pub mod rma;
 mod shutdown;
 mod slot;

@@ -15,7 +15,7 @@ use ucx_sys as sys;
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
-use crate::request::{Completion, Posted, Request};
+use crate::worker::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker, WorkerShared};
 
 /// The error for a receive that completed with a failed `status`: named after its

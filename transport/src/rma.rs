@@ -22,7 +22,7 @@ use crate::endpoint::{op_param, Endpoint};
 use crate::error::{Result, Status};
 use crate::mem::RemoteKey;
 use crate::op::{OpState, RecvOp, SendOp};
-use crate::request::{Completion, Posted};
+use crate::worker::request::{Completion, Posted};
 use crate::worker::Worker;
 
 /// Future of [`Endpoint::put`]: resolves to `(Result<()>, buffer)` once the buffer may be

@@ -36,8 +36,8 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handshake::Kind;
 use crate::op::{OpState, RecvOp, SendOp};
-use crate::request::{stream_recv_cb, Completion, Posted};
 use crate::slot::OpKind;
+use crate::worker::request::{stream_recv_cb, Completion, Posted};
 use crate::worker::State;
 
 /// Future of [`Endpoint::stream_send`]: resolves to `(Result<()>, buffer)`.

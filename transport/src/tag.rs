@@ -26,7 +26,7 @@ use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, ErrorKind, Result, Status};
 use crate::op::{OpState, SendOp};
-use crate::request::{tag_recv_cb, Completion, Posted};
+use crate::worker::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker, WorkerInner};
 
 /// A tag: 63 bits for the application, [`crate::namespace::TAG_BITS`] in a namespace.

@@ -316,6 +316,12 @@ pub(crate) struct HandlerCell {
     pub(super) errors: Mutex<Vec<Error>>,
 }
 
+impl RunAfter for HandlerCell {
+    fn run(&self) {
+        HandlerCell::run(self)
+    }
+}
+
 impl HandlerCell {
     /// Runs the closure over queued messages until none is left. If another thread is
     /// running it already, that thread picks the messages up.
@@ -440,7 +446,7 @@ impl AmReg {
         // SAFETY: per contract.
         let st = unsafe { &mut *self.state };
         if self.closed {
-            st.am_dropped += 1;
+            tables(st).dropped += 1;
             // For a rendezvous message, UCS_OK tells UCX to drop it and release the sender.
             return sys::UCS_OK;
         }

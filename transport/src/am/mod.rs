@@ -49,20 +49,23 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Result, Status};
 use crate::handshake;
 use crate::op::{OpState, RecvOp, SendOp};
-use crate::request::{len_cb, Completion, Posted};
 use crate::slot::OpKind;
-use crate::worker::{State, Worker};
+use crate::worker::request::{len_cb, Completion, Posted};
+use crate::worker::{AmPart, IdMap, RunAfter, State, Worker};
 
 mod incoming;
 mod message;
+mod tables;
 mod unclaimed;
 
 use incoming::*;
 pub(crate) use incoming::{AmReg, HandlerCell, Incoming, Long, Short};
 use message::*;
 pub use message::{AmMessage, AmRecvData};
+pub(crate) use tables::install;
+use tables::*;
 use unclaimed::*;
-pub(crate) use unclaimed::{free_id_table, register_catch_all, IdTable, Unclaimed};
+pub(crate) use unclaimed::{IdTable, Unclaimed};
 pub use unclaimed::{UNCLAIMED_MAX_BYTES, UNCLAIMED_MAX_MESSAGES};
 
 /// Future of [`Endpoint::am_send`]: resolves to `(Result<()>, payload)`.
@@ -303,7 +306,7 @@ impl Worker {
     /// registered their id and the worker already held as many such messages as it
     /// keeps ([`UNCLAIMED_MAX_MESSAGES`], [`UNCLAIMED_MAX_BYTES`]).
     pub fn am_dropped(&self) -> u64 {
-        self.shared.inner.locked(|st| st.am_dropped)
+        self.shared.inner.locked(|st| tables(st).dropped)
     }
 
     /// Ids that received messages nobody registered for, with how many of them the worker
@@ -314,7 +317,7 @@ impl Worker {
         let mut v: Vec<(u16, usize)> = self
             .shared
             .inner
-            .locked(|st| st.am_unclaimed.queues.iter().map(|(&id, q)| (id, q.len())).collect());
+            .locked(|st| tables(st).unclaimed.queues.iter().map(|(&id, q)| (id, q.len())).collect());
         v.sort_unstable();
         v
     }
@@ -326,8 +329,9 @@ impl Worker {
     /// are held again.
     pub fn am_discard_unclaimed(&self, id: u16) -> usize {
         let held = self.shared.inner.locked(|st| {
-            let q = st.am_unclaimed.take(id);
-            st.am_dropped += q.len() as u64;
+            let t = tables(st);
+            let q = t.unclaimed.take(id);
+            t.dropped += q.len() as u64;
             q
         });
         let n = held.len();
@@ -344,7 +348,7 @@ impl Worker {
     /// many such messages already (the first 1,024; later ones are only counted by
     /// [`Worker::am_dropped`]). Taking them clears the list.
     pub fn take_am_errors(&self) -> Vec<Error> {
-        self.shared.inner.locked(|st| std::mem::take(&mut st.am_unclaimed.errors))
+        self.shared.inner.locked(|st| std::mem::take(&mut tables(st).unclaimed.errors))
     }
 
     /// Receives active messages with `id` as an async stream. Messages that arrived for
@@ -399,7 +403,7 @@ impl Worker {
         check_id(id, LAST_WIRE_ID).map_err(|e| *e)?;
         let state = self.state_ptr().cast::<State>();
         self.shared.inner.locked(|st| {
-            if let Some(reg) = st.am.get_mut(&id) {
+            if let Some(reg) = tables(st).regs.get_mut(&id) {
                 if !reg.closed {
                     return Err(Error::ApiMisuse(format!("active-message id {id} is already registered")));
                 }
@@ -416,11 +420,11 @@ impl Worker {
                 .check()
                 .map_err(|source| Error::Worker { op: "ucp_worker_set_am_recv_handler", source })?;
             // Messages that arrived before the registration come first.
-            for inc in st.am_unclaimed.take(id) {
+            for inc in tables(st).unclaimed.take(id) {
                 reg.deliver(st, inc);
             }
             let ptr = &mut *reg as *mut AmReg;
-            st.am.insert(id, reg);
+            tables(st).regs.insert(id, reg);
             Ok(ptr)
         })
     }
@@ -428,7 +432,7 @@ impl Worker {
     /// Marks `id` closed and returns its queued messages (dropped by the caller after
     /// the lock is released; rendezvous ones release their descriptors then).
     fn am_unregister(&self, id: u16) -> Vec<Incoming> {
-        self.shared.inner.locked(|st| match st.am.get_mut(&id) {
+        self.shared.inner.locked(|st| match tables(st).regs.get_mut(&id) {
             Some(reg) => {
                 reg.closed = true;
                 reg.handler = None;

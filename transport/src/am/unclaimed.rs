@@ -178,16 +178,17 @@ pub(super) unsafe extern "C" fn unclaimed_cb(
         // SAFETY: as above.
         let (id, param) = unsafe { (*entry, &*param) };
         let held = if is_rndv(len, param) { 0 } else { len };
-        if let Some(reg) = st.am.get_mut(&id).map(|r| &mut **r as *mut AmReg) {
+        if let Some(reg) = tables(st).regs.get_mut(&id).map(|r| &mut **r as *mut AmReg) {
             // Registered since (a registration replaces this callback; should UCX still
             // route a message here, it goes to the registration all the same).
             // SAFETY: forwarded from UCX, under the lock; the registration is boxed (its
             // own allocation, not part of `st`) and its state is this worker's State.
             return unsafe { (*reg).receive(header, header_len, data, len, param) };
         }
-        let u = &mut st.am_unclaimed;
+        let t = tables(st);
+        let u = &mut t.unclaimed;
         if u.messages >= UNCLAIMED_MAX_MESSAGES || u.bytes + held > UNCLAIMED_MAX_BYTES {
-            st.am_dropped += 1;
+            t.dropped += 1;
             if u.errors.len() < MAX_KEPT_ERRORS {
                 u.errors.push(Error::AmUnclaimed { id, len });
             }
@@ -200,7 +201,7 @@ pub(super) unsafe extern "C" fn unclaimed_cb(
         }
         // SAFETY: forwarded from UCX, under the lock.
         let (inc, ret) = unsafe { incoming(st, header, header_len, data, len, param) };
-        let u = &mut st.am_unclaimed;
+        let u = &mut tables(st).unclaimed;
         u.messages += 1;
         u.bytes += held;
         u.queues.entry(id).or_default().push_back(inc);

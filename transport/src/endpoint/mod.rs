@@ -12,7 +12,7 @@ use ucx_sys as sys;
 use crate::error::{Error, Peer, Result, Status};
 use crate::handshake::Kind;
 use crate::identity::ProcessIdentity;
-use crate::request::{Completion, Posted, Request};
+use crate::worker::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker};
 
 mod connect;
@@ -553,7 +553,7 @@ pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t
     }
     sys::ucp_request_param_t {
         op_attr_mask: mask as u32,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(crate::request::send_cb) },
+        cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(crate::worker::request::send_cb) },
         user_data: (st as *mut State).cast(),
         ..Default::default()
     }
@@ -599,7 +599,7 @@ impl Unbuffered {
 impl Drop for Unbuffered {
     fn drop(&mut self) {
         if let Some(req) = self.req.take() {
-            let p = crate::request::Posted::Pending(req);
+            let p = crate::worker::request::Posted::Pending(req);
             self.worker.shared.inner.locked(|st| match self.close {
                 Some(id) => st.finish_close(id, p),
                 None => st.release(p),

@@ -326,7 +326,7 @@ pub(crate) struct Deferred {
     pub(super) wake: Vec<Waker>,
     pub(super) graveyard: Vec<Box<dyn Any + Send>>,
     pub(super) kick: bool,
-    pub(super) handlers: Vec<Arc<crate::am::HandlerCell>>,
+    pub(super) handlers: Vec<Arc<dyn RunAfter>>,
 }
 
 impl Deferred {
@@ -359,8 +359,8 @@ impl Deferred {
 
     /// Runs handler `h` over its queued messages after the lock is released (once, however
     /// often it is asked).
-    pub(crate) fn run_handler(&mut self, h: &Arc<crate::am::HandlerCell>) {
-        if !self.handlers.iter().any(|c| Arc::ptr_eq(c, h)) {
+    pub(crate) fn run_handler<H: RunAfter + 'static>(&mut self, h: &Arc<H>) {
+        if !self.handlers.iter().any(|c| std::ptr::addr_eq(Arc::as_ptr(c), Arc::as_ptr(h))) {
             self.handlers.push(h.clone());
         }
         self.any = true;

@@ -313,8 +313,10 @@ impl Drop for WorkerInner {
         // Active messages held for ids nobody registered give their payloads back first,
         // while the worker can still tell rendezvous senders (UCX sends that during the
         // release call, or during the wait below).
-        // SAFETY: exclusive access (we are in drop); the worker is not destroyed yet.
-        unsafe { st.am_unclaimed.release_all(st.handle) };
+        if let Some(am) = &mut st.am {
+            // SAFETY: exclusive access (we are in drop); the worker is not destroyed yet.
+            unsafe { am.release(st.handle) };
+        }
         // Endpoints still closing through their peer close now, and the hidden ones.
         st.end_all_lingering();
         st.close_hidden();
@@ -368,6 +370,8 @@ impl Drop for WorkerInner {
                  handling: UCX cannot end them, so the UCX worker and its context are leaked instead of destroyed"
             );
             std::mem::forget(self.ctx.clone());
+            // The active-message tables too: the UCX worker still points into them.
+            std::mem::forget(st.am.take());
             drop(others);
             LIVE.lock().unwrap_or_else(PoisonError::into_inner).retain(|w| w.strong_count() > 0);
             drop(std::mem::take(&mut st.after));
@@ -390,10 +394,6 @@ impl Drop for WorkerInner {
         // left except parked requests, whose memory UCX reclaims here; the event fd's
         // AsyncFd was dropped with the driver before this runs.
         unsafe { sys::ucp_worker_destroy(st.handle) };
-        if !st.am_ids.is_null() {
-            // SAFETY: the worker that used the table is destroyed; freed once.
-            unsafe { crate::am::free_id_table(st.am_ids) };
-        }
         // Dropped only now: if one of them was the last handle of its worker, that
         // worker's drop runs here, with this worker gone, instead of inside the wait
         // above, where this worker could no longer be progressed for it.

@@ -27,7 +27,7 @@ use crate::error::{Error, Result, Status};
 use crate::handshake::{self, Kind, Message, NackReason};
 use crate::identity::ProcessIdentity;
 use crate::lock::RawLock;
-use crate::request;
+
 use crate::slot::{OpKind, Slot};
 use crate::ucx_log;
 
@@ -36,6 +36,7 @@ mod eps;
 mod inner;
 mod options;
 pub(crate) mod progress;
+pub(crate) mod request;
 mod state;
 
 pub(crate) use callbacks::*;
@@ -127,12 +128,13 @@ impl WorkerBuilder {
         self
     }
 
-    /// Creates the worker and spawns its progress driver on the current tokio runtime.
-    ///
-    /// # Errors
-    /// [`Error::ApiMisuse`] outside a tokio runtime; [`Error::CreateWorker`] when UCX
-    /// fails.
-    pub fn build(self) -> Result<Worker> {
+    /// Creates the worker, with the active-message layer's tables that `install_am` makes
+    /// installed before anything can progress it, and spawns its progress driver on the
+    /// current tokio runtime (see [`WorkerBuilder::build`]).
+    pub(crate) fn build_with(
+        self,
+        install_am: impl FnOnce(sys::ucp_worker_h, *mut State) -> std::result::Result<Box<dyn AmPart>, Status>,
+    ) -> Result<Worker> {
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| Error::ApiMisuse("Worker::build must run inside a tokio runtime".into()))?;
         let params = sys::ucp_worker_params_t {
@@ -189,10 +191,8 @@ impl WorkerBuilder {
         Status(unsafe { sys::ucp_worker_set_am_recv_handler(handle, &am) })
             .check()
             .map_err(Error::CreateWorker)?;
-        // SAFETY: the worker is new and not yet shared; the State outlives it.
-        let ids = unsafe { crate::am::register_catch_all(handle, state_ptr.cast()) }
-            .map_err(Error::CreateWorker)?;
-        inner.locked(|st| st.am_ids = ids);
+        let tables = install_am(handle, state_ptr.cast()).map_err(Error::CreateWorker)?;
+        inner.locked(|st| st.am = Some(tables));
         // Only now may another thread progress it (see `live_workers`).
         register_live(&inner);
         rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));

@@ -3,6 +3,27 @@
 
 use super::*;
 
+/// The active-message layer's part of a worker's state (`crate::am`'s registrations
+/// and held messages): the worker holds it without knowing its type, lets it give back
+/// what it holds before the UCX worker is destroyed, and drops it after.
+pub(crate) trait AmPart: Send {
+    /// Gives UCX back the payloads of messages held for the application.
+    ///
+    /// # Safety
+    /// The UCX worker `worker` received them and is not destroyed yet; the caller has
+    /// exclusive access to it.
+    unsafe fn release(&mut self, worker: sys::ucp_worker_h);
+
+    /// The part as `Any`, for the layer to find its own type again.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+/// Code a worker runs after its lock is released (active-message handlers: user code).
+pub(crate) trait RunAfter: Send + Sync {
+    /// Runs it.
+    fn run(&self);
+}
+
 /// Everything under the worker lock.
 pub(crate) struct State {
     pub(crate) handle: sys::ucp_worker_h,
@@ -40,14 +61,9 @@ pub(crate) struct State {
     pub(super) outbox: Vec<(sys::ucp_ep_h, Vec<u8>)>,
     pub(crate) listeners: IdMap<u64, ListenerState>,
     pub(crate) bad_handshakes: u64,
-    /// Registered active-message ids.
-    pub(crate) am: IdMap<u16, Box<crate::am::AmReg>>,
-    /// Active messages dropped because their id was unregistered.
-    pub(crate) am_dropped: u64,
-    /// Active messages held for ids nobody registered yet.
-    pub(crate) am_unclaimed: crate::am::Unclaimed,
-    /// The catch-all routing table for unregistered ids (freed after the worker).
-    pub(crate) am_ids: *mut crate::am::IdTable,
+    /// The active-message layer's tables ([`AmPart`]), installed when the worker is
+    /// built, before its first progress.
+    pub(crate) am: Option<Box<dyn AmPart>>,
     /// Event mode: no waiting future spins before this (set after a spin found nothing).
     pub(super) spin_quiet_until: Option<Instant>,
     /// Head of the list of pending requests bound to an endpoint (linked through their
@@ -79,10 +95,7 @@ impl State {
             outbox: Vec::new(),
             listeners: IdMap::default(),
             bad_handshakes: 0,
-            am: IdMap::default(),
-            am_dropped: 0,
-            am_unclaimed: crate::am::Unclaimed::default(),
-            am_ids: std::ptr::null_mut(),
+            am: None,
             spin_quiet_until: None,
             bound: std::ptr::null_mut(),
         }

@@ -1,7 +1,7 @@
-//! The per-request slot that ucxkit keeps inside every UCX request, the completion
-//! callbacks that fill it, and [`Request`], the owner of one in-flight UCX request.
+//! The completion callbacks that fill the slot ucxkit keeps inside every UCX request
+//! ([`crate::slot::Slot`]), and [`Request`], the owner of one in-flight UCX request.
 //!
-//! UCX reserves [`SLOT_SIZE`] bytes in front of every request it hands out (the context's
+//! UCX reserves [`crate::slot::SLOT_SIZE`] bytes in front of every request it hands out (the context's
 //! `request_size`), so a pending operation needs no allocation of its own, and an
 //! operation that completes immediately has no request at all.
 //!
@@ -29,9 +29,9 @@ use std::task::{Context, Poll};
 
 use ucx_sys as sys;
 
+use super::{State, WorkerShared};
 use crate::error::Status;
 use crate::slot::{OpKind, Slot, SlotState};
-use crate::worker::{State, WorkerShared};
 
 /// The result of a completed request.
 ///
