@@ -18,14 +18,14 @@ pub(crate) enum OpKind {
     /// Anything UCX cannot cancel (sends, RMA, fetches): UCX purges it when it learns of
     /// the failure; when only ucxkit knows (a dead same-host peer in error mode None),
     /// ucxkit finishes it (see `State::fail_ep`). A closing endpoint waits for these
-    /// before it closes (`State::linger`).
+    /// before it closes (`State::part`).
     Finish,
     /// A stream receive: as [`OpKind::Finish`], but a closing endpoint does not wait for
     /// it (it ends only when the peer writes).
     StreamRecv,
-    /// The flush a closing endpoint posts (`State::linger`): as [`OpKind::Finish`], but
+    /// The flush a closing endpoint posts (`State::part`): as [`OpKind::Finish`], but
     /// the close does not wait for it (UCX's own close flushes).
-    LingerFlush,
+    PartingFlush,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

@@ -61,14 +61,14 @@ impl Drop for EndpointInner {
         // As `Endpoint::close` does, but in the background.
         let notice = self.close_notice();
         let inner = &self.worker.shared.inner;
-        let lingers = inner.locked(|st| {
-            if st.lingers(id) || st.eps.get(&id).is_some_and(|e| e.hidden) {
+        let parting = inner.locked(|st| {
+            if st.is_parting(id) || st.eps.get(&id).is_some_and(|e| e.hidden) {
                 // A `close()` given up on while it closes through the peer: it goes on.
                 // Or a hidden endpoint, kept for its peer (see `Endpoint::hide`).
                 return false;
             }
             let open = st.eps.get(&id).is_some_and(|e| !e.handle.is_null());
-            if open && notice.is_some_and(|k| st.linger(id, k)) {
+            if open && notice.is_some_and(|k| st.part(id, k)) {
                 tracing::debug!(ep = id, "endpoint dropped without close(): closing through the peer");
                 return true;
             }
@@ -79,7 +79,7 @@ impl Drop for EndpointInner {
             st.forget_ep(id);
             false
         });
-        if lingers {
+        if parting {
             // The driver moves it on (the flush, the peer's disconnect, the deadline).
             inner.signal.kick();
         }
@@ -400,17 +400,17 @@ impl Endpoint {
         let id = self.inner.id;
         let notice = self.inner.close_notice();
         let inner = self.worker_inner();
-        let lingers = inner.locked(|st| {
+        let parting = inner.locked(|st| {
             if let Some(e) = st.eps.get_mut(&id) {
                 e.closing = true;
             }
-            // (A close from another clone while it lingers waits for the same end.)
-            st.lingers(id) || notice.is_some_and(|k| st.linger(id, k))
+            // (A close from another clone while it parts waits for the same end.)
+            st.is_parting(id) || notice.is_some_and(|k| st.part(id, k))
         });
-        if lingers {
+        if parting {
             // The driver moves it on (the flush, the peer's disconnect, the deadline).
             inner.signal.kick();
-            std::future::poll_fn(|cx| inner.locked(|st| st.wait_linger(id, cx.waker()))).await;
+            std::future::poll_fn(|cx| inner.locked(|st| st.wait_parting(id, cx.waker()))).await;
             return Ok(());
         }
         let posted = self.worker_inner().locked(|st| {

@@ -171,7 +171,7 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                 {
                     // A peer that does not know the close notice (an older ucxkit)
                     // refused it: this side closes now instead of waiting for it.
-                    st.linger_refused(id);
+                    st.parting_refused(id);
                 } else {
                     tracing::debug!(nonce = m.nonce, "handshake reply for no pending connect");
                 }

@@ -1,5 +1,5 @@
 //! What a worker keeps of each endpoint and pending connection: the endpoint table,
-//! endpoint states, lingering closes, handshake waits, listener queues.
+//! endpoint states, parting closes, handshake waits, listener queues.
 
 use super::*;
 
@@ -119,12 +119,12 @@ impl Drop for EpTable {
     }
 }
 
-/// How long a closing endpoint waits for its peer ([`State::linger`]) before it closes
+/// How long a closing endpoint waits for its peer ([`State::part`]) before it closes
 /// anyway.
 pub(super) const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
 
-/// An endpoint being closed through its peer ([`State::linger`]).
-pub(super) struct Linger {
+/// An endpoint being closed through its peer ([`State::part`]).
+pub(super) struct Parting {
     /// The notice sent once the flush is done and the endpoint's operations have
     /// finished: [`Kind::CloseFirst`] on the connecting side, [`Kind::Closing`] on the
     /// accepting side.
@@ -133,7 +133,7 @@ pub(super) struct Linger {
     pub(super) sent: bool,
     /// Whether the peer refused the notice (it does not know it): close at once.
     pub(super) refused: bool,
-    /// The deadline in force (entries of [`Lingering::deadlines`] with another one are
+    /// The deadline in force (entries of [`Partings::deadlines`] with another one are
     /// stale).
     pub(super) deadline: Instant,
     /// The flush posted before the notice, while it runs.
@@ -142,14 +142,14 @@ pub(super) struct Linger {
     pub(super) waiters: Vec<Waker>,
 }
 
-/// Lingering endpoints, for the worker lock's holder to move on cheaply: the ones with
+/// Parting endpoints, for the worker lock's holder to move on cheaply: the ones with
 /// news (flush finished, endpoint failed) listed, the deadlines in order (all waits are
 /// equal), the clock read only now and then.
 #[derive(Default)]
-pub(crate) struct Lingering {
-    /// Endpoints still lingering.
+pub(crate) struct Partings {
+    /// Endpoints still parting.
     pub(crate) live: usize,
-    /// (deadline, endpoint), oldest first; may name endpoints no longer lingering.
+    /// (deadline, endpoint), oldest first; may name endpoints no longer parting.
     pub(super) deadlines: std::collections::VecDeque<(Instant, u64)>,
     /// Endpoints whose flush or one of whose operations finished, or which failed, since
     /// they were last looked at.
@@ -158,9 +158,9 @@ pub(crate) struct Lingering {
     pub(super) ticks: u32,
 }
 
-/// While endpoints linger: every how many progress calls the deadlines are checked (the
+/// While endpoints part: every how many progress calls the deadlines are checked (the
 /// driver also checks before it sleeps).
-pub(super) const LINGER_CLOCK_EVERY: u32 = 64;
+pub(super) const PARTING_CLOCK_EVERY: u32 = 64;
 
 /// The handle of an endpoint, as the worker keeps it: type-erased, so that the worker
 /// need not know the endpoint's type (see `Endpoint::from_ref`).
@@ -215,8 +215,8 @@ pub(crate) struct EpState {
     pub(super) lanes_failed: bool,
     /// Failed because ucxkit saw the peer process exit, UCX not knowing.
     pub(super) peer_exited: bool,
-    /// Closed or dropped, closing through the peer ([`State::linger`]).
-    pub(super) linger: Option<Linger>,
+    /// Closed or dropped, closing through the peer ([`State::part`]).
+    pub(super) parting: Option<Parting>,
     /// No [`crate::Endpoint`] stands for it: the peer of another connection's endpoint
     /// that UCX paired with this worker (see [`crate::pairing`]), kept open while that
     /// peer may use it, closed when it fails or the worker goes away.
@@ -251,7 +251,7 @@ impl EpState {
             closing: false,
             lanes_failed: false,
             peer_exited: false,
-            linger: None,
+            parting: None,
             hidden: false,
             by_address: false,
             stream_waiters: Vec::new(),

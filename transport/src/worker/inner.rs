@@ -133,8 +133,8 @@ impl WorkerInner {
                 st.keep_stream(id);
                 let running = st.ops_running(id);
                 let Some(e) = st.eps.get(&id) else { continue };
-                let (h, peer_mode, lingers) = (e.handle, e.peer_mode, e.linger.is_some());
-                if running && !peer_mode && !lingers && !h.is_null() && e.failed.is_none() {
+                let (h, peer_mode, parting) = (e.handle, e.peer_mode, e.parting.is_some());
+                if running && !peer_mode && !parting && !h.is_null() && e.failed.is_none() {
                     st.send_notice(h, Kind::CloseFirst, false, 0);
                 } else {
                     if !h.is_null() && e.failed.is_none() && e.by_address {
@@ -167,14 +167,14 @@ impl WorkerInner {
             // The peer's end is gone: this end is done too.
             st.fail_ep(id, Status::CONNECTION_RESET, false);
         }
-        if st.lingering.live > 0 || !st.lingering.news.is_empty() {
-            // (News of an endpoint no longer lingering, its parked flush finishing, is
+        if st.partings.live > 0 || !st.partings.news.is_empty() {
+            // (News of an endpoint no longer parting, its parked flush finishing, is
             // dropped here.)
-            st.tend_lingering();
+            st.tend_partings();
         }
-        // Replies and failures are handled; probes wait for an event, lingering endpoints
+        // Replies and failures are handled; probes wait for an event, parting endpoints
         // for their flush, their peer's close or their deadline.
-        st.chores = !st.probe_waiters.is_empty() || st.lingering.live > 0 || !st.lingering.news.is_empty();
+        st.chores = !st.probe_waiters.is_empty() || st.partings.live > 0 || !st.partings.news.is_empty();
     }
 
     /// Arms the worker's event fd (`ucp_worker_arm`). OK: armed, the fd signals the next
@@ -318,7 +318,7 @@ impl Drop for WorkerInner {
             unsafe { am.release(st.handle) };
         }
         // Endpoints still closing through their peer close now, and the hidden ones.
-        st.end_all_lingering();
+        st.end_all_partings();
         st.close_hidden();
         // Let parked operations (sends to slow peers, closes of dropped endpoints)
         // finish, bounded. Their peer may be another worker of this process that only
@@ -333,7 +333,7 @@ impl Drop for WorkerInner {
             // Closes that waited for operations run once those finished (UCX purges them
             // when the endpoint fails: such a close is quiet, as in `chores`).
             st.fail_reported();
-            for id in std::mem::take(&mut st.lingering.news) {
+            for id in std::mem::take(&mut st.partings.news) {
                 st.run_deferred_close(id);
             }
             for w in &others {

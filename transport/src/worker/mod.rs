@@ -420,7 +420,7 @@ impl Worker {
     /// (those still closing through their peer, and those waiting for operations still
     /// running on their endpoint, included).
     pub fn parked_requests(&self) -> usize {
-        self.shared.inner.locked(|st| st.parked + st.lingering() + st.closes_waiting_ops)
+        self.shared.inner.locked(|st| st.parked + st.parting_count() + st.closes_waiting_ops)
     }
 
     /// The raw handle: valid while this worker (or a clone, endpoint or listener of it)

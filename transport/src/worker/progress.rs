@@ -156,8 +156,8 @@ async fn sleep_once(
         while inner.progress_locked(st) != 0 {}
         // Endpoints closing through their peer: their deadline passes
         // with no event to announce it (the fallback timer below brings the driver back).
-        if st.lingering() > 0 {
-            st.end_overdue_lingering(std::time::Instant::now());
+        if st.parting_count() > 0 {
+            st.end_overdue_partings(std::time::Instant::now());
         }
         // Probes (`tag_recv_any`) are woken when a progress call reports events; a
         // message that became visible in a call reporting none would leave them asleep,

@@ -116,17 +116,17 @@ pub(crate) unsafe extern "C" fn stream_recv_cb(
     unsafe { complete(req, status, length, 0, user) }
 }
 
-/// Completion callback of the flush a lingering endpoint posts before its close notice
-/// ([`State::linger`]): tells the worker, then completes as [`send_cb`] does. The
+/// Completion callback of the flush a parting endpoint posts before its close notice
+/// ([`State::part`]): tells the worker, then completes as [`send_cb`] does. The
 /// endpoint is the one the request is bound to.
-pub(crate) unsafe extern "C" fn linger_flush_cb(
+pub(crate) unsafe extern "C" fn parting_flush_cb(
     req: *mut c_void,
     status: sys::ucs_status_t,
     user: *mut c_void,
 ) {
     // SAFETY: as in send_cb; the slot is read before `complete` may free it.
     let (ep, st) = unsafe { ((*req.cast::<Slot>()).bound_ep, &mut *user.cast::<State>()) };
-    st.linger_flushed(ep);
+    st.parting_flushed(ep);
     // SAFETY: as in send_cb.
     unsafe { complete(req, status, 0, 0, user) }
 }
@@ -136,7 +136,7 @@ pub(crate) unsafe extern "C" fn linger_flush_cb(
 /// closes.
 #[inline(always)]
 fn finished_on(st: &mut State, ep: u64, kind: OpKind) {
-    if (st.lingering.live > 0 || st.closes_waiting_ops > 0) && ep != 0 && kind == OpKind::Finish {
+    if (st.partings.live > 0 || st.closes_waiting_ops > 0) && ep != 0 && kind == OpKind::Finish {
         st.op_done(ep);
     }
 }
@@ -248,7 +248,7 @@ pub(crate) unsafe fn park_slot(slot: *mut Slot, keep: Box<dyn Any + Send>) {
 }
 
 /// Parks a pending close request that nobody waits for (or another request that owns no
-/// memory and may never finish: a lingering endpoint's flush): it counts in
+/// memory and may never finish: a parting endpoint's flush): it counts in
 /// `State::parked` and is listed in `State::closes`, so that a worker being destroyed
 /// lets it finish (bounded), then gives back any still running ([`give_up_closes`]).
 ///

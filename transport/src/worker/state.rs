@@ -37,7 +37,7 @@ pub(crate) struct State {
     /// Probes (`tag_recv_any`, stream data) waiting for any arrival.
     pub(super) probe_waiters: Vec<Waker>,
     /// Whether `probe_waiters`, `outbox`, `failed`, `close_first`, `peer_closing`,
-    /// `peer_closed` or `lingering` may hold something for [`WorkerInner::progress_locked`] to do after a
+    /// `peer_closed` or `parting` may hold something for [`WorkerInner::progress_locked`] to do after a
     /// progress call.
     pub(super) chores: bool,
     pub(crate) eps: EpTable,
@@ -50,8 +50,8 @@ pub(crate) struct State {
     pub(super) peer_closing: Vec<u64>,
     /// Endpoints whose peer closed its end as asked (`Closed`).
     pub(super) peer_closed: Vec<u64>,
-    /// Endpoints closed or dropped, closing through their peer ([`State::linger`]).
-    pub(crate) lingering: Lingering,
+    /// Endpoints closed or dropped, closing through their peer ([`State::part`]).
+    pub(crate) partings: Partings,
     /// Endpoints whose close waits for operations still running on them.
     pub(crate) closes_waiting_ops: usize,
     pub(crate) connects: IdMap<u64, HsWait>,
@@ -88,7 +88,7 @@ impl State {
             peer_closing: Vec::new(),
             peer_closed: Vec::new(),
             closes_waiting_ops: 0,
-            lingering: Lingering::default(),
+            partings: Partings::default(),
             connects: IdMap::default(),
             accepts: IdMap::default(),
             front_accepts: IdMap::default(),
@@ -226,10 +226,10 @@ impl State {
             self.forget_ep(id);
             return;
         }
-        if self.eps.get(&id).is_some_and(|e| e.linger.is_some() || e.close_waits_ops) {
+        if self.eps.get(&id).is_some_and(|e| e.parting.is_some() || e.close_waits_ops) {
             // Most likely the peer closing, as asked; a deferred close waits no more for
             // operations UCX purges (or ucxkit finished above).
-            self.lingering.news.push(id);
+            self.partings.news.push(id);
             self.chores = true;
         }
         self.after.kick();
@@ -347,7 +347,7 @@ impl State {
         }
     }
 
-    /// Forgets endpoint `id` (its last handle is gone, or it stopped lingering): removes
+    /// Forgets endpoint `id` (its last handle is gone, or it stopped parting): removes
     /// its entry, or leaves that to its deferred close.
     pub(crate) fn forget_ep(&mut self, id: u64) {
         match self.eps.get_mut(&id) {
@@ -400,7 +400,7 @@ impl State {
     pub(crate) fn keep_stream(&mut self, id: u64) {
         let Some(e) = self.eps.get_mut(&id) else { return };
         let h = e.handle;
-        if h.is_null() || e.closing || e.linger.is_some() {
+        if h.is_null() || e.closing || e.parting.is_some() {
             // (Closed by this side too: nobody reads any more.)
             return;
         }
@@ -454,25 +454,25 @@ impl State {
     /// on the accepting side: the peer takes in what arrived and answers `CloseFirst`,
     /// upon which this side closes); keeps the endpoint's entry until it fails (the
     /// peer's disconnect, or this side's close on `CloseFirst`) or [`CLOSE_FIRST_WAIT`]
-    /// passes (checked after progress calls, within [`LINGER_CLOCK_EVERY`] of them or
+    /// passes (checked after progress calls, within [`PARTING_CLOCK_EVERY`] of them or
     /// before the driver sleeps), and then closes it, waking the `close()` calls waiting
-    /// ([`State::wait_linger`]). Returns false, having done nothing, for an endpoint that
-    /// cannot take part (closed, failed, stream data out, or lingering already).
-    pub(crate) fn linger(&mut self, id: u64, notice: Kind) -> bool {
+    /// ([`State::wait_parting`]). Returns false, having done nothing, for an endpoint that
+    /// cannot take part (closed, failed, stream data out, or parting already).
+    pub(crate) fn part(&mut self, id: u64, notice: Kind) -> bool {
         let Some(e) = self.eps.get(&id) else { return false };
-        if e.handle.is_null() || e.failed.is_some() || e.data_out > 0 || e.linger.is_some() {
+        if e.handle.is_null() || e.failed.is_some() || e.data_out > 0 || e.parting.is_some() {
             return false;
         }
         let h = e.handle;
         let deadline = Instant::now() + CLOSE_FIRST_WAIT;
         let mut param = self.flagged_param(0);
-        param.cb.send = Some(request::linger_flush_cb);
+        param.cb.send = Some(request::parting_flush_cb);
         // SAFETY: h is a live endpoint of this worker; the lock is held. The callback finds
         // the endpoint through the request's binding, made before any progress call.
         let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
         let flush = match request::Posted::from_ptr(p, request::Completion::OK, false) {
             request::Posted::Pending(r) => {
-                r.bind(self, id, OpKind::LingerFlush);
+                r.bind(self, id, OpKind::PartingFlush);
                 Some(r)
             }
             request::Posted::Done(c) if c.status().is_ok() => None,
@@ -482,12 +482,12 @@ impl State {
             // Other clones see it closed from now on (operations posted after the notice
             // would be lost); the handle stays for the flush, the notice and the close.
             e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
-            e.linger =
-                Some(Linger { notice, sent: false, refused: false, deadline, flush, waiters: Vec::new() });
+            e.parting =
+                Some(Parting { notice, sent: false, refused: false, deadline, flush, waiters: Vec::new() });
         }
-        self.lingering.live += 1;
-        self.lingering.deadlines.push_back((deadline, id));
-        self.lingering.news.push(id);
+        self.partings.live += 1;
+        self.partings.deadlines.push_back((deadline, id));
+        self.partings.news.push(id);
         self.chores = true;
         true
     }
@@ -505,69 +505,69 @@ impl State {
         self.bound_to(id).any(|(r, kind)| kind == OpKind::Finish && unsafe { request::is_running(r) })
     }
 
-    /// Sends lingering endpoint `id`'s notice: its own, or [`Kind::CloseFirst`] when
+    /// Sends parting endpoint `id`'s notice: its own, or [`Kind::CloseFirst`] when
     /// operations still run on it (then the peer must close first: UCX requires an
     /// endpoint that closes itself to have none, and purges them when the peer's
     /// disconnect fails it); the peer then has [`CLOSE_FIRST_WAIT`] from now.
-    pub(super) fn send_linger_notice(&mut self, id: u64) {
+    pub(super) fn send_parting_notice(&mut self, id: u64) {
         let running = self.ops_running(id);
         let Some(e) = self.eps.get_mut(&id) else { return };
         let (h, peer_mode) = (e.handle, e.peer_mode);
-        let Some(l) = e.linger.as_mut() else { return };
+        let Some(l) = e.parting.as_mut() else { return };
         if l.sent || h.is_null() {
             return;
         }
         l.sent = true;
         l.deadline = Instant::now() + CLOSE_FIRST_WAIT;
         let (notice, deadline) = (if running { Kind::CloseFirst } else { l.notice }, l.deadline);
-        self.lingering.deadlines.push_back((deadline, id));
+        self.partings.deadlines.push_back((deadline, id));
         self.send_notice(h, notice, peer_mode, 0);
     }
 
-    /// The peer of lingering endpoint `id` refused its notice: closes it after this
+    /// The peer of parting endpoint `id` refused its notice: closes it after this
     /// progress call.
-    pub(crate) fn linger_refused(&mut self, id: u64) {
-        if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()).filter(|l| l.sent) {
+    pub(crate) fn parting_refused(&mut self, id: u64) {
+        if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()).filter(|l| l.sent) {
             tracing::debug!(ep = id, "the peer refused the close notice");
             l.refused = true;
-            self.lingering.news.push(id);
+            self.partings.news.push(id);
             self.chores = true;
         }
     }
 
-    /// For [`request`]'s completion callbacks, while endpoints linger or closes wait for
+    /// For [`request`]'s completion callbacks, while endpoints part or closes wait for
     /// operations: an operation bound to endpoint `id` finished.
     pub(crate) fn op_done(&mut self, id: u64) {
         let waits = self
             .eps
             .get(&id)
-            .is_some_and(|e| e.close_waits_ops || e.linger.as_ref().is_some_and(|l| !l.sent));
+            .is_some_and(|e| e.close_waits_ops || e.parting.as_ref().is_some_and(|l| !l.sent));
         if waits {
-            self.lingering.news.push(id);
+            self.partings.news.push(id);
             self.chores = true;
         }
     }
 
-    /// After a progress call while endpoints linger: moves on the ones with news, and
+    /// After a progress call while endpoints part: moves on the ones with news, and
     /// now and then closes those whose time is up.
-    pub(super) fn tend_lingering(&mut self) {
-        for id in std::mem::take(&mut self.lingering.news) {
-            self.advance_linger(id);
+    pub(super) fn tend_partings(&mut self) {
+        for id in std::mem::take(&mut self.partings.news) {
+            self.advance_parting(id);
             self.run_deferred_close(id);
         }
-        self.lingering.ticks = self.lingering.ticks.wrapping_add(1);
-        if self.lingering.ticks % LINGER_CLOCK_EVERY == 0 {
-            self.end_overdue_lingering(Instant::now());
+        self.partings.ticks = self.partings.ticks.wrapping_add(1);
+        if self.partings.ticks % PARTING_CLOCK_EVERY == 0 {
+            self.end_overdue_partings(Instant::now());
         }
     }
 
-    /// A lingering endpoint whose flush and operations finished sends its notice; one
+    /// A parting endpoint whose flush and operations finished sends its notice; one
     /// that failed (the peer closed, as asked) or whose flush failed is closed.
-    pub(super) fn advance_linger(&mut self, id: u64) {
+    pub(super) fn advance_parting(&mut self, id: u64) {
         let Some(e) = self.eps.get_mut(&id) else { return };
-        let Some(l) = e.linger.as_mut() else { return };
+        let Some(l) = e.parting.as_mut() else { return };
         if e.failed.is_some() || e.handle.is_null() || l.refused {
-            self.end_linger(id);
+            self.end_parting(id);
             return;
         }
         if l.sent {
@@ -577,11 +577,11 @@ impl State {
             match r.take_if_done(self) {
                 Ok(c) if c.status().is_ok() => {}
                 Ok(_) => {
-                    self.end_linger(id);
+                    self.end_parting(id);
                     return;
                 }
                 Err(r) => {
-                    if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
+                    if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()) {
                         l.flush = Some(r);
                     }
                     return;
@@ -590,38 +590,38 @@ impl State {
         }
         // Sends still running wait for the peer to take them (or for the deadline).
         if !self.ops_running(id) {
-            self.send_linger_notice(id);
+            self.send_parting_notice(id);
         }
     }
 
-    /// Moves on the lingering endpoints whose deadline is before `now`: one still waiting
+    /// Moves on the parting endpoints whose deadline is before `now`: one still waiting
     /// for its flush or operations sends its notice anyway and waits once more; one
     /// whose peer did not answer is closed. Called by the driver before it sleeps, too.
-    pub(crate) fn end_overdue_lingering(&mut self, now: Instant) {
-        while let Some(&(until, id)) = self.lingering.deadlines.front() {
+    pub(crate) fn end_overdue_partings(&mut self, now: Instant) {
+        while let Some(&(until, id)) = self.partings.deadlines.front() {
             if until > now {
                 break;
             }
-            self.lingering.deadlines.pop_front();
+            self.partings.deadlines.pop_front();
             let Some(e) = self.eps.get(&id) else { continue };
-            let Some(l) = e.linger.as_ref().filter(|l| l.deadline == until) else { continue };
+            let Some(l) = e.parting.as_ref().filter(|l| l.deadline == until) else { continue };
             if e.failed.is_some() || e.handle.is_null() {
                 // (Its news is on the way; end it now all the same.)
-                self.end_linger(id);
+                self.end_parting(id);
             } else if !l.sent {
                 tracing::debug!(ep = id, "operations still run on the closing endpoint: notice sent anyway");
-                self.send_linger_notice(id);
-            } else if self.end_linger(id) {
+                self.send_parting_notice(id);
+            } else if self.end_parting(id) {
                 tracing::debug!(ep = id, "the peer did not answer in time: closing the endpoint");
             }
         }
     }
 
-    /// Closes lingering endpoint `id` now and forgets it (its handle is gone); nothing
-    /// (false) if it no longer lingers.
-    pub(super) fn end_linger(&mut self, id: u64) -> bool {
-        let Some(l) = self.eps.get_mut(&id).and_then(|e| e.linger.take()) else { return false };
-        self.lingering.live -= 1;
+    /// Closes parting endpoint `id` now and forgets it (its handle is gone); nothing
+    /// (false) if it no longer parts.
+    pub(super) fn end_parting(&mut self, id: u64) -> bool {
+        let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting.take()) else { return false };
+        self.partings.live -= 1;
         let mut waiters = l.waiters;
         self.after.wake_all(&mut waiters);
         if let Some(r) = l.flush {
@@ -638,26 +638,26 @@ impl State {
         true
     }
 
-    /// Closes every lingering endpoint at once (the worker is going away).
-    pub(super) fn end_all_lingering(&mut self) {
-        for (_, id) in std::mem::take(&mut self.lingering.deadlines) {
-            self.end_linger(id);
+    /// Closes every parting endpoint at once (the worker is going away).
+    pub(super) fn end_all_partings(&mut self) {
+        for (_, id) in std::mem::take(&mut self.partings.deadlines) {
+            self.end_parting(id);
         }
     }
 
-    /// Endpoints still lingering.
-    pub(crate) fn lingering(&self) -> usize {
-        self.lingering.live
+    /// Endpoints still parting.
+    pub(crate) fn parting_count(&self) -> usize {
+        self.partings.live
     }
 
-    /// Whether endpoint `id` lingers.
-    pub(crate) fn lingers(&self, id: u64) -> bool {
-        self.eps.get(&id).is_some_and(|e| e.linger.is_some())
+    /// Whether endpoint `id` parts.
+    pub(crate) fn is_parting(&self, id: u64) -> bool {
+        self.eps.get(&id).is_some_and(|e| e.parting.is_some())
     }
 
-    /// Until endpoint `id` stops lingering: Pending, with `waker` woken at the end.
-    pub(crate) fn wait_linger(&mut self, id: u64, waker: &Waker) -> Poll<()> {
-        match self.eps.get_mut(&id).and_then(|e| e.linger.as_mut()) {
+    /// Until endpoint `id` stops parting: Pending, with `waker` woken at the end.
+    pub(crate) fn wait_parting(&mut self, id: u64, waker: &Waker) -> Poll<()> {
+        match self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()) {
             Some(l) => {
                 if !l.waiters.iter().any(|w| w.will_wake(waker)) {
                     l.waiters.push(waker.clone());
@@ -668,9 +668,9 @@ impl State {
         }
     }
 
-    /// For [`request::linger_flush_cb`]: the flush of lingering endpoint `id` finished.
-    pub(crate) fn linger_flushed(&mut self, id: u64) {
-        self.lingering.news.push(id);
+    /// For [`request::parting_flush_cb`]: the flush of parting endpoint `id` finished.
+    pub(crate) fn parting_flushed(&mut self, id: u64) {
+        self.partings.news.push(id);
         self.chores = true;
     }
 
