@@ -19,6 +19,7 @@ use crate::mem::RemoteKey;
 use crate::op::{OpState, SendOp};
 use crate::slot::OpKind;
 use crate::tag::{Space, Tag, TagInfo};
+use crate::worker::param::{Callback, Param};
 use crate::worker::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker};
 
@@ -187,16 +188,7 @@ pub(crate) fn post_recv_iov<B: IoBufMut>(
 }
 
 fn recv_iov_param(st: &mut State) -> sys::ucp_request_param_t {
-    sys::ucp_request_param_t {
-        op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
-            | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
-            | sys::UCP_OP_ATTR_FIELD_DATATYPE.0
-            | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0) as u32,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(tag_recv_cb) },
-        datatype: sys::ucp_dt_make_iov(),
-        user_data: (st as *mut State).cast(),
-        ..Default::default()
-    }
+    Param::new(st, Callback { recv: Some(tag_recv_cb) }).no_imm(true).datatype(sys::ucp_dt_make_iov()).0
 }
 
 /// Future of [`Endpoint::tag_recv_iov`] and [`Worker::tag_recv_iov`]: resolves to

@@ -311,17 +311,102 @@ impl<B: Send + 'static> SendOp<B> {
 /// such as a remote key) is kept until UCX has finished writing it. What lands there is
 /// lost; see each operation for what that means.
 #[must_use = "a receive-type operation does nothing useful unless awaited"]
-// The fields that own something are dropped by hand, as in `SendOp`.
 pub struct RecvOp<B: IoBufMut> {
-    /// Needed only while the operation may be pending (None for one finished at once).
-    worker: ManuallyDrop<Option<Worker>>,
-    /// For error messages (a failed endpoint becomes `ConnectionReset`).
-    ep: ManuallyDrop<Option<Endpoint>>,
+    own: Owned<B>,
     op: &'static str,
     /// The length on success: fixed (a get, a fetch) or, when None, what UCX reported.
     len: Option<usize>,
+}
+
+/// What a receive-type future owns ([`RecvOp`], [`crate::TagRecv`]): the operation's
+/// state, the handles that state needs ([`OpState::kept_handles`]) and what else UCX
+/// reads or writes until the operation completes. Dropping it parks a pending
+/// operation's buffer and extra with the worker.
+// The fields that own something are dropped by hand, as in `SendOp`.
+pub(crate) struct Owned<B: Send + 'static> {
+    /// Needed only while the operation may be pending (None for one finished at once).
+    worker: ManuallyDrop<Option<Worker>>,
+    /// For error messages (a failed endpoint becomes `ConnectionReset`), and for a
+    /// receive bound to it.
+    ep: ManuallyDrop<Option<Endpoint>>,
     state: ManuallyDrop<OpState<B>>,
     extra: ManuallyDrop<Option<Extra>>,
+}
+
+impl<B: Send + 'static> Owned<B> {
+    #[inline(always)]
+    pub(crate) fn new(
+        worker: Option<Worker>,
+        ep: Option<Endpoint>,
+        state: OpState<B>,
+        extra: Option<Extra>,
+    ) -> Owned<B> {
+        Owned {
+            worker: ManuallyDrop::new(worker),
+            ep: ManuallyDrop::new(ep),
+            state: ManuallyDrop::new(state),
+            extra: ManuallyDrop::new(extra),
+        }
+    }
+
+    /// The endpoint kept, if any.
+    #[inline(always)]
+    pub(crate) fn ep(&self) -> Option<&Endpoint> {
+        self.ep.as_ref()
+    }
+
+    /// As for [`OpState::completed_immediately`].
+    #[inline(always)]
+    pub(crate) fn completed_immediately(&self) -> bool {
+        self.state.completed_immediately()
+    }
+
+    /// Drives the operation (see [`OpState::poll`]); once it is done, UCX needs the extra
+    /// no more.
+    #[inline(always)]
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Finish<B>> {
+        let r = self.state.poll(self.worker.as_ref().map(|w| &*w.shared), cx);
+        if r.is_ready() && self.extra.is_some() {
+            *self.extra = None;
+        }
+        r
+    }
+
+    /// Drops the fields: a pending operation's buffer and extra are parked with the
+    /// worker first. The buffer goes last, as in `SendOp`.
+    ///
+    /// # Safety
+    /// Called once, from `drop`; the fields are not used afterwards.
+    #[inline(never)]
+    unsafe fn release(&mut self) {
+        let extra = self.extra.take();
+        self.state.park(self.worker.as_ref().map(|w| &*w.shared), extra);
+        // SAFETY: per contract, each field is dropped once and never used again.
+        unsafe {
+            ManuallyDrop::drop(&mut self.extra);
+            ManuallyDrop::drop(&mut self.ep);
+            ManuallyDrop::drop(&mut self.worker);
+            ManuallyDrop::drop(&mut self.state);
+        }
+    }
+}
+
+impl<B: Send + 'static> Drop for Owned<B> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        if self.extra.is_none() && self.state.is_inert() {
+            // Awaited to its end (or done at once with a buffer that needs no drop): at
+            // most the handles to let go, inline.
+            // SAFETY: from drop, once; the fields are not used afterwards.
+            unsafe {
+                ManuallyDrop::drop(&mut self.ep);
+                ManuallyDrop::drop(&mut self.worker);
+            }
+            return;
+        }
+        // SAFETY: from drop, once; the fields are not used afterwards.
+        unsafe { self.release() };
+    }
 }
 
 impl<B: IoBufMut> RecvOp<B> {
@@ -334,14 +419,7 @@ impl<B: IoBufMut> RecvOp<B> {
         state: OpState<B>,
         extra: Option<Extra>,
     ) -> RecvOp<B> {
-        RecvOp {
-            worker: ManuallyDrop::new(worker),
-            ep: ManuallyDrop::new(ep),
-            op,
-            len,
-            state: ManuallyDrop::new(state),
-            extra: ManuallyDrop::new(extra),
-        }
+        RecvOp { own: Owned::new(worker, ep, state, extra), op, len }
     }
 
     /// The future of an operation just posted on `ep`, keeping only the handles its
@@ -363,7 +441,7 @@ impl<B: IoBufMut> RecvOp<B> {
     /// memory it maps directly, say), or refused it; as for
     /// [`SendOp::completed_immediately`].
     pub fn completed_immediately(&self) -> bool {
-        self.state.completed_immediately()
+        self.own.completed_immediately()
     }
 }
 
@@ -375,11 +453,10 @@ impl<B: IoBufMut> Future for RecvOp<B> {
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        match this.state.poll(this.worker.as_ref().map(|w| &*w.shared), cx) {
+        match this.own.poll(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
-                *this.extra = None;
                 if !c.status().is_ok() {
                     if this.len.is_none() && c.len > 0 {
                         // A stream receive that gathered some bytes before the endpoint
@@ -403,44 +480,6 @@ impl<B: IoBufMut> RecvOp<B> {
     #[cold]
     #[inline(never)]
     fn failure(&self, status: crate::error::Status) -> Error {
-        op_error(self.ep.as_ref(), self.op, status)
-    }
-}
-
-impl<B: IoBufMut> Drop for RecvOp<B> {
-    #[inline(always)]
-    fn drop(&mut self) {
-        if self.extra.is_none() && self.state.is_inert() {
-            // Awaited to its end (or done at once with a buffer that needs no drop): at
-            // most the handles to let go, inline.
-            // SAFETY: from drop, once; the fields are not used afterwards.
-            unsafe {
-                ManuallyDrop::drop(&mut self.ep);
-                ManuallyDrop::drop(&mut self.worker);
-            }
-            return;
-        }
-        // SAFETY: from drop, once; the fields are not used afterwards.
-        unsafe { self.release() };
-    }
-}
-
-impl<B: IoBufMut> RecvOp<B> {
-    /// Drops the fields: a pending operation's buffer and extra are parked with the
-    /// worker first. The buffer goes last, as in `SendOp`.
-    ///
-    /// # Safety
-    /// Called once, from `drop`; the fields are not used afterwards.
-    #[inline(never)]
-    unsafe fn release(&mut self) {
-        let extra = self.extra.take();
-        self.state.park(self.worker.as_ref().map(|w| &*w.shared), extra);
-        // SAFETY: per contract, each field is dropped once and never used again.
-        unsafe {
-            ManuallyDrop::drop(&mut self.extra);
-            ManuallyDrop::drop(&mut self.ep);
-            ManuallyDrop::drop(&mut self.worker);
-            ManuallyDrop::drop(&mut self.state);
-        }
+        op_error(self.own.ep(), self.op, status)
     }
 }

@@ -37,6 +37,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::handshake::Kind;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::slot::OpKind;
+use crate::worker::param::{Callback, Param};
 use crate::worker::request::{stream_recv_cb, Completion, Posted};
 use crate::worker::State;
 
@@ -363,17 +364,12 @@ impl Endpoint {
 }
 
 fn stream_param(st: &mut State, wait_all: bool) -> sys::ucp_request_param_t {
-    let mut p = sys::ucp_request_param_t {
-        op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0) as u32,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_stream: Some(stream_recv_cb) },
-        user_data: (st as *mut State).cast(),
-        ..Default::default()
-    };
+    let p = Param::new(st, Callback { recv_stream: Some(stream_recv_cb) });
     if wait_all {
-        p.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS.0 as u32;
-        p.flags = sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32;
+        p.flags(sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32).0
+    } else {
+        p.0
     }
-    p
 }
 
 /// Receive chunk of a [`UcxStream`] unless set otherwise.

@@ -16,7 +16,6 @@
 //! call only: UCX copies them during the call or sends nothing.
 
 use std::future::Future;
-use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -25,7 +24,8 @@ use ucx_sys as sys;
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, ErrorKind, Result, Status};
-use crate::op::{OpState, SendOp};
+use crate::op::{OpState, Owned, SendOp};
+use crate::worker::param::{Callback, Param};
 use crate::worker::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker, WorkerInner};
 
@@ -133,15 +133,12 @@ pub type TagSend<B> = SendOp<B>;
 // The fields that own something are dropped by hand, as in `SendOp`.
 #[must_use = "a receive future does nothing unless awaited"]
 pub struct TagRecv<B: IoBufMut> {
-    /// Held while a receive may be pending (see `OpState::kept_handles`).
-    worker: ManuallyDrop<Option<Worker>>,
-    /// The endpoint the receive is bound to, held while it may be pending or when it
-    /// failed (for the error).
-    ep: ManuallyDrop<Option<Endpoint>>,
+    /// The state, with the worker while the receive may be pending and the endpoint it
+    /// is bound to while it may be pending or when it failed (for the error).
+    own: Owned<B>,
     /// The tag space the receive was posted in: sender tags are reported local to it.
     space: Space,
     capacity: usize,
-    state: ManuallyDrop<OpState<B>>,
 }
 
 impl Endpoint {
@@ -401,17 +398,9 @@ pub(crate) unsafe fn post_tag_recv(
 /// returning `UCS_OK`. Plain tag receives always need that, because UCX (1.13 to at least
 /// 1.15) does not fill `recv_info` when a tag receive completes at once, so the length
 /// and sender tag would be lost.
+#[inline(always)]
 fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
-    let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;
-    if no_imm {
-        mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
-    }
-    sys::ucp_request_param_t {
-        op_attr_mask: mask as u32,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv: Some(tag_recv_cb) },
-        user_data: (st as *mut State).cast(),
-        ..Default::default()
-    }
+    Param::new(st, Callback { recv: Some(tag_recv_cb) }).no_imm(no_imm).0
 }
 
 /// Posts a tag receive; when `ep` is given, the receive is bound to it, and its state is
@@ -460,20 +449,14 @@ impl<B: IoBufMut> TagRecv<B> {
         state: OpState<B>,
     ) -> TagRecv<B> {
         let (worker, ep) = state.kept_handles(worker, ep);
-        TagRecv {
-            worker: ManuallyDrop::new(worker),
-            ep: ManuallyDrop::new(ep),
-            space,
-            capacity,
-            state: ManuallyDrop::new(state),
-        }
+        TagRecv { own: Owned::new(worker, ep, state, None), space, capacity }
     }
 
     /// Whether the receive matched a message that had already arrived during the call
     /// that posted it (or was refused): awaiting it then returns at once. As for
     /// [`crate::SendOp::completed_immediately`].
     pub fn completed_immediately(&self) -> bool {
-        self.state.completed_immediately()
+        self.own.completed_immediately()
     }
 
     #[inline(always)]
@@ -484,7 +467,7 @@ impl<B: IoBufMut> TagRecv<B> {
             unsafe { buf.set_init(c.len.min(self.capacity)) };
             return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
         }
-        Err(recv_failure(c, self.capacity, (*self.ep).as_ref()))
+        Err(recv_failure(c, self.capacity, self.own.ep()))
     }
 }
 
@@ -505,49 +488,13 @@ impl<B: IoBufMut> Future for TagRecv<B> {
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        match this.state.poll(this.worker.as_ref().map(|w| &*w.shared), cx) {
+        match this.own.poll(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
             Poll::Ready(Ok((c, mut b))) => {
                 let r = this.finish(c, &mut b);
                 Poll::Ready((r, b))
             }
-        }
-    }
-}
-
-impl<B: IoBufMut> Drop for TagRecv<B> {
-    #[inline(always)]
-    fn drop(&mut self) {
-        if self.state.is_inert() {
-            // Awaited to its end (or done at once with a buffer that needs no drop): at
-            // most the handles to let go, inline.
-            // SAFETY: from drop, once; the fields are not used afterwards.
-            unsafe {
-                ManuallyDrop::drop(&mut self.ep);
-                ManuallyDrop::drop(&mut self.worker);
-            }
-            return;
-        }
-        // SAFETY: from drop, once; the fields are not used afterwards.
-        unsafe { self.release() };
-    }
-}
-
-impl<B: IoBufMut> TagRecv<B> {
-    /// Drops the fields: a pending receive is canceled and its buffer parked with the
-    /// worker first. The buffer goes last, as in `SendOp`.
-    ///
-    /// # Safety
-    /// Called once, from `drop`; the fields are not used afterwards.
-    #[inline(never)]
-    unsafe fn release(&mut self) {
-        self.state.park(self.worker.as_ref().map(|w| &*w.shared), None);
-        // SAFETY: per contract, each field is dropped once and never used again.
-        unsafe {
-            ManuallyDrop::drop(&mut self.ep);
-            ManuallyDrop::drop(&mut self.worker);
-            ManuallyDrop::drop(&mut self.state);
         }
     }
 }

@@ -207,16 +207,7 @@ impl AmMessage {
                             return Err(e);
                         }
                     }
-                    let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;
-                    if no_imm {
-                        mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
-                    }
-                    let param = sys::ucp_request_param_t {
-                        op_attr_mask: mask as u32,
-                        cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_am: Some(len_cb) },
-                        user_data: (st as *mut State).cast(),
-                        ..Default::default()
-                    };
+                    let param = Param::new(st, Callback { recv_am: Some(len_cb) }).no_imm(no_imm).0;
                     // SAFETY: desc is an unfetched rendezvous descriptor of this
                     // worker (consumed here, once); buf is valid for len bytes and
                     // owned by the future until UCX completes (parked on drop).

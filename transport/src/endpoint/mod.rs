@@ -12,6 +12,7 @@ use ucx_sys as sys;
 use crate::error::{Error, Peer, Result, Status};
 use crate::handshake::Kind;
 use crate::identity::ProcessIdentity;
+use crate::worker::param::Param;
 use crate::worker::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker};
 
@@ -518,8 +519,7 @@ impl Endpoint {
                 // Every operation takes the request path, which these calls cannot.
                 return Status::NO_RESOURCE;
             }
-            let mut param = op_param(st, false);
-            param.op_attr_mask |= sys::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0 as u32;
+            let mut param = Param::send(st).force_imm().0;
             match Posted::from_ptr(call(h, &mut param), Completion::OK, false) {
                 Posted::Done(c) => c.status(),
                 Posted::Pending(r) => {
@@ -546,17 +546,9 @@ impl Endpoint {
 }
 
 /// Request parameters for a send-type operation on this worker.
+#[inline(always)]
 pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
-    let mut mask = sys::UCP_OP_ATTR_FIELD_CALLBACK.0 | sys::UCP_OP_ATTR_FIELD_USER_DATA.0;
-    if no_imm {
-        mask |= sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0;
-    }
-    sys::ucp_request_param_t {
-        op_attr_mask: mask as u32,
-        cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(crate::worker::request::send_cb) },
-        user_data: (st as *mut State).cast(),
-        ..Default::default()
-    }
+    Param::send(st).no_imm(no_imm).0
 }
 
 /// Waits for a posted request of `worker` that owns no buffer: a flush, or the close of

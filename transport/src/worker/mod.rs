@@ -35,6 +35,7 @@ mod callbacks;
 mod eps;
 mod inner;
 mod options;
+pub(crate) mod param;
 pub(crate) mod progress;
 pub(crate) mod request;
 mod state;

@@ -465,8 +465,9 @@ impl State {
         }
         let h = e.handle;
         let deadline = Instant::now() + CLOSE_FIRST_WAIT;
-        let mut param = self.flagged_param(0);
-        param.cb.send = Some(request::parting_flush_cb);
+        let param =
+            super::param::Param::new(self, super::param::Callback { send: Some(request::parting_flush_cb) })
+                .0;
         // SAFETY: h is a live endpoint of this worker; the lock is held. The callback finds
         // the endpoint through the request's binding, made before any progress call.
         let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
@@ -719,15 +720,7 @@ impl State {
 
     /// Parameters for a send-type request of this worker with operation flags.
     pub(super) fn flagged_param(&mut self, flags: u32) -> sys::ucp_request_param_t {
-        sys::ucp_request_param_t {
-            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK.0
-                | sys::UCP_OP_ATTR_FIELD_USER_DATA.0
-                | sys::UCP_OP_ATTR_FIELD_FLAGS.0) as u32,
-            flags,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(request::send_cb) },
-            user_data: (self as *mut State).cast(),
-            ..Default::default()
-        }
+        super::param::Param::send(self).flags(flags).0
     }
 
     /// Sends a handshake message now (outside any callback).
