@@ -349,12 +349,6 @@ impl<B: Send + 'static> Owned<B> {
         }
     }
 
-    /// The endpoint kept, if any.
-    #[inline(always)]
-    pub(crate) fn ep(&self) -> Option<&Endpoint> {
-        self.ep.as_ref()
-    }
-
     /// As for [`OpState::completed_immediately`].
     #[inline(always)]
     pub(crate) fn completed_immediately(&self) -> bool {
@@ -370,6 +364,25 @@ impl<B: Send + 'static> Owned<B> {
             *self.extra = None;
         }
         r
+    }
+
+    /// Drives the operation to its end: the error found when posting, or what `done`
+    /// makes of the completion (with the buffer and the endpoint kept), each with the
+    /// buffer.
+    #[inline(always)]
+    pub(crate) fn poll_with<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        done: impl FnOnce(Completion, &mut B, Option<&Endpoint>) -> Result<T>,
+    ) -> Poll<(Result<T>, B)> {
+        match self.poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
+            Poll::Ready(Ok((c, mut b))) => {
+                let r = done(c, &mut b, self.ep.as_ref());
+                Poll::Ready((r, b))
+            }
+        }
     }
 
     /// Drops the fields: a pending operation's buffer and extra are parked with the
@@ -452,34 +465,28 @@ impl<B: IoBufMut> Future for RecvOp<B> {
 
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        match this.own.poll(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
-            Poll::Ready(Ok((c, mut b))) => {
-                if !c.status().is_ok() {
-                    if this.len.is_none() && c.len > 0 {
-                        // A stream receive that gathered some bytes before the endpoint
-                        // failed (or closed): they stay readable in the buffer.
-                        // SAFETY: UCX wrote c.len bytes at the start of the buffer.
-                        unsafe { b.set_init(c.len.min(b.bytes_total())) };
-                    }
-                    return Poll::Ready((Err(this.failure(c.status())), b));
+        let (len, op) = (self.len, self.op);
+        self.get_mut().own.poll_with(cx, |c, b, ep| {
+            if !c.status().is_ok() {
+                if len.is_none() && c.len > 0 {
+                    // A stream receive that gathered some bytes before the endpoint
+                    // failed (or closed): they stay readable in the buffer.
+                    // SAFETY: UCX wrote c.len bytes at the start of the buffer.
+                    unsafe { b.set_init(c.len.min(b.bytes_total())) };
                 }
-                let n = this.len.unwrap_or(c.len).min(b.bytes_total());
-                // SAFETY: UCX wrote n bytes at the start of the buffer.
-                unsafe { b.set_init(n) };
-                Poll::Ready((Ok(n), b))
+                return Err(failure(ep, op, c.status()));
             }
-        }
+            let n = len.unwrap_or(c.len).min(b.bytes_total());
+            // SAFETY: UCX wrote n bytes at the start of the buffer.
+            unsafe { b.set_init(n) };
+            Ok(n)
+        })
     }
 }
 
-impl<B: IoBufMut> RecvOp<B> {
-    /// The error for an operation that completed with a failed status.
-    #[cold]
-    #[inline(never)]
-    fn failure(&self, status: crate::error::Status) -> Error {
-        op_error(self.own.ep(), self.op, status)
-    }
+/// The error for a receive-type operation that completed with a failed status.
+#[cold]
+#[inline(never)]
+fn failure(ep: Option<&Endpoint>, op: &'static str, status: crate::error::Status) -> Error {
+    op_error(ep, op, status)
 }

@@ -458,17 +458,25 @@ impl<B: IoBufMut> TagRecv<B> {
     pub fn completed_immediately(&self) -> bool {
         self.own.completed_immediately()
     }
+}
 
-    #[inline(always)]
-    fn finish(&self, c: Completion, buf: &mut B) -> Result<TagInfo> {
-        let c = Completion::new(c.status(), c.len, self.space.local(c.sender_tag));
-        if c.status().is_ok() {
-            // SAFETY: UCX wrote c.len <= capacity bytes at the start of buf.
-            unsafe { buf.set_init(c.len.min(self.capacity)) };
-            return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
-        }
-        Err(recv_failure(c, self.capacity, self.own.ep()))
+/// The outcome of a tag receive of `capacity` bytes posted in `space`: the buffer's
+/// length set to what arrived, the sender's tag local to the space.
+#[inline(always)]
+fn finish<B: IoBufMut>(
+    space: Space,
+    capacity: usize,
+    c: Completion,
+    buf: &mut B,
+    ep: Option<&Endpoint>,
+) -> Result<TagInfo> {
+    let c = Completion::new(c.status(), c.len, space.local(c.sender_tag));
+    if c.status().is_ok() {
+        // SAFETY: UCX wrote c.len <= capacity bytes at the start of buf.
+        unsafe { buf.set_init(c.len.min(capacity)) };
+        return Ok(TagInfo { sender_tag: c.sender_tag, len: c.len });
     }
+    Err(recv_failure(c, capacity, ep))
 }
 
 /// The error for a tag receive (plain or vectored) of `capacity` bytes, bound to `ep`
@@ -487,14 +495,7 @@ impl<B: IoBufMut> Future for TagRecv<B> {
 
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        match this.own.poll(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err((e, b))) => Poll::Ready((Err(*e), b)),
-            Poll::Ready(Ok((c, mut b))) => {
-                let r = this.finish(c, &mut b);
-                Poll::Ready((r, b))
-            }
-        }
+        let (space, capacity) = (self.space, self.capacity);
+        self.get_mut().own.poll_with(cx, |c, b, ep| finish(space, capacity, c, b, ep))
     }
 }

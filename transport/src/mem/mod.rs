@@ -131,18 +131,7 @@ impl Context {
                 return Err(e);
             }
         };
-        Ok(MemRegion {
-            inner: Arc::new(MemInner {
-                ctx: self.inner.clone(),
-                id: next_region_id(),
-                packed: false.into(),
-                viewed: false.into(),
-                memh,
-                ptr,
-                len,
-                owned: Some(raw),
-            }),
-        })
+        Ok(MemRegion::new(self.inner.clone(), memh, ptr, len, Some(raw)))
     }
 
     /// Lets UCX allocate and register `len` zeroed bytes (`UCP_MEM_MAP_ALLOCATE`), which
@@ -170,18 +159,8 @@ impl Context {
         };
         // SAFETY: memh was just mapped; attr is a valid out-parameter.
         let st = Status(unsafe { sys::ucp_mem_query(memh, &mut attr) });
-        let region = MemRegion {
-            inner: Arc::new(MemInner {
-                ctx: self.inner.clone(),
-                id: next_region_id(),
-                packed: false.into(),
-                viewed: false.into(),
-                memh,
-                ptr: attr.address.cast(),
-                len: len.min(attr.length),
-                owned: None,
-            }),
-        };
+        let region =
+            MemRegion::new(self.inner.clone(), memh, attr.address.cast(), len.min(attr.length), None);
         st.check().map_err(|source| Error::MemMap { len, source })?;
         if region.inner.ptr.is_null() {
             return Err(Error::MemMap { len, source: Status::INVALID_PARAM });
@@ -358,6 +337,31 @@ fn map(ctx: &Context, ptr: *mut u8, len: usize, flags: u32) -> Result<sys::ucp_m
         .check()
         .map_err(|source| Error::MemMap { len, source })?;
     Ok(memh)
+}
+
+impl MemRegion {
+    /// The region of mapping `memh` of `len` bytes at `ptr`, owning the caller's buffer
+    /// `owned` if any (freed after the unmapping).
+    fn new(
+        ctx: Arc<ContextInner>,
+        memh: sys::ucp_mem_h,
+        ptr: *mut u8,
+        len: usize,
+        owned: Option<*mut [u8]>,
+    ) -> MemRegion {
+        MemRegion {
+            inner: Arc::new(MemInner {
+                ctx,
+                id: next_region_id(),
+                packed: false.into(),
+                viewed: false.into(),
+                memh,
+                ptr,
+                len,
+                owned,
+            }),
+        }
+    }
 }
 
 impl MemRegion {
