@@ -19,7 +19,7 @@ use crate::mem::RemoteKey;
 use crate::op::{OpState, SendOp};
 use crate::slot::OpKind;
 use crate::tag::{Space, Tag, TagInfo};
-use crate::worker::param::{Callback, Param};
+use crate::worker::param::{param, Callback, NO_IMM};
 use crate::worker::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker};
 
@@ -188,7 +188,7 @@ pub(crate) fn post_recv_iov<B: IoBufMut>(
 }
 
 fn recv_iov_param(st: &mut State) -> sys::ucp_request_param_t {
-    Param::new(st, Callback { recv: Some(tag_recv_cb) }).no_imm(true).datatype(sys::ucp_dt_make_iov()).0
+    param(st, Callback { recv: Some(tag_recv_cb) }, NO_IMM, 0, Some(sys::ucp_dt_make_iov()))
 }
 
 /// Future of [`Endpoint::tag_recv_iov`] and [`Worker::tag_recv_iov`]: resolves to

@@ -37,7 +37,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::handshake::Kind;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::slot::OpKind;
-use crate::worker::param::{Callback, Param};
+use crate::worker::param::{param, Callback};
 use crate::worker::request::{stream_recv_cb, Completion, Posted};
 use crate::worker::State;
 
@@ -364,12 +364,8 @@ impl Endpoint {
 }
 
 fn stream_param(st: &mut State, wait_all: bool) -> sys::ucp_request_param_t {
-    let p = Param::new(st, Callback { recv_stream: Some(stream_recv_cb) });
-    if wait_all {
-        p.flags(sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32).0
-    } else {
-        p.0
-    }
+    let flags = if wait_all { sys::UCP_STREAM_RECV_FLAG_WAITALL.0 as u32 } else { 0 };
+    param(st, Callback { recv_stream: Some(stream_recv_cb) }, 0, flags, None)
 }
 
 /// Receive chunk of a [`UcxStream`] unless set otherwise.

@@ -25,7 +25,7 @@ use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, ErrorKind, Result, Status};
 use crate::op::{OpState, Owned, SendOp};
-use crate::worker::param::{Callback, Param};
+use crate::worker::param::{no_imm as no_imm_bit, param, Callback};
 use crate::worker::request::{tag_recv_cb, Completion, Posted};
 use crate::worker::{State, Worker, WorkerInner};
 
@@ -43,7 +43,7 @@ pub(crate) struct Space {
     /// The bits that select the space, set in every wire tag of it.
     prefix: u64,
     /// The bits that name the space: matched by every receive in it.
-    fixed: u64,
+    pub(crate) fixed: u64,
 }
 
 impl Space {
@@ -55,7 +55,7 @@ impl Space {
     /// bits on a worker without namespaces.
     #[inline(always)]
     pub(crate) fn app(worker: &WorkerInner) -> Space {
-        Space { prefix: 0, fixed: if worker.namespaces { 1 << APP_TAG_BITS } else { 0 } }
+        Space { prefix: 0, fixed: (worker.namespaces as u64) << APP_TAG_BITS }
     }
 
     /// The space of namespace `n` (1..=127), whose tags have `bits` bits.
@@ -136,8 +136,9 @@ pub struct TagRecv<B: IoBufMut> {
     /// The state, with the worker while the receive may be pending and the endpoint it
     /// is bound to while it may be pending or when it failed (for the error).
     own: Owned<B>,
-    /// The tag space the receive was posted in: sender tags are reported local to it.
-    space: Space,
+    /// The bits that name the tag space the receive was posted in ([`Space`]): sender
+    /// tags are reported without them.
+    fixed: u64,
     capacity: usize,
 }
 
@@ -400,7 +401,7 @@ pub(crate) unsafe fn post_tag_recv(
 /// and sender tag would be lost.
 #[inline(always)]
 fn recv_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
-    Param::new(st, Callback { recv: Some(tag_recv_cb) }).no_imm(no_imm).0
+    param(st, Callback { recv: Some(tag_recv_cb) }, no_imm_bit(no_imm), 0, None)
 }
 
 /// Posts a tag receive; when `ep` is given, the receive is bound to it, and its state is
@@ -449,7 +450,7 @@ impl<B: IoBufMut> TagRecv<B> {
         state: OpState<B>,
     ) -> TagRecv<B> {
         let (worker, ep) = state.kept_handles(worker, ep);
-        TagRecv { own: Owned::new(worker, ep, state, None), space, capacity }
+        TagRecv { own: Owned::new(worker, ep, state, ()), fixed: space.fixed, capacity }
     }
 
     /// Whether the receive matched a message that had already arrived during the call
@@ -460,17 +461,18 @@ impl<B: IoBufMut> TagRecv<B> {
     }
 }
 
-/// The outcome of a tag receive of `capacity` bytes posted in `space`: the buffer's
-/// length set to what arrived, the sender's tag local to the space.
+/// The outcome of a tag receive of `capacity` bytes posted in the space named by the
+/// bits `fixed`: the buffer's length set to what arrived, the sender's tag local to the
+/// space.
 #[inline(always)]
 fn finish<B: IoBufMut>(
-    space: Space,
+    fixed: u64,
     capacity: usize,
     c: Completion,
     buf: &mut B,
     ep: Option<&Endpoint>,
 ) -> Result<TagInfo> {
-    let c = Completion::new(c.status(), c.len, space.local(c.sender_tag));
+    let c = Completion::new(c.status(), c.len, c.sender_tag & !fixed);
     if c.status().is_ok() {
         // SAFETY: UCX wrote c.len <= capacity bytes at the start of buf.
         unsafe { buf.set_init(c.len.min(capacity)) };
@@ -495,7 +497,7 @@ impl<B: IoBufMut> Future for TagRecv<B> {
 
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let (space, capacity) = (self.space, self.capacity);
-        self.get_mut().own.poll_with(cx, |c, b, ep| finish(space, capacity, c, b, ep))
+        let (fixed, capacity) = (self.fixed, self.capacity);
+        self.get_mut().own.poll_with(cx, |c, b, ep| finish(fixed, capacity, c, b, ep))
     }
 }

@@ -207,7 +207,7 @@ impl AmMessage {
                             return Err(e);
                         }
                     }
-                    let param = Param::new(st, Callback { recv_am: Some(len_cb) }).no_imm(no_imm).0;
+                    let param = param(st, Callback { recv_am: Some(len_cb) }, no_imm_bit(no_imm), 0, None);
                     // SAFETY: desc is an unfetched rendezvous descriptor of this
                     // worker (consumed here, once); buf is valid for len bytes and
                     // owned by the future until UCX completes (parked on drop).

@@ -50,7 +50,7 @@ use crate::error::{Error, Result, Status};
 use crate::handshake;
 use crate::op::{OpState, RecvOp, SendOp};
 use crate::slot::OpKind;
-use crate::worker::param::{Callback, Param};
+use crate::worker::param::{no_imm as no_imm_bit, param, Callback};
 use crate::worker::request::{len_cb, Completion, Posted};
 use crate::worker::{AmPart, IdMap, RunAfter, State, Worker};
 

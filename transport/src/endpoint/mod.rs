@@ -12,7 +12,7 @@ use ucx_sys as sys;
 use crate::error::{Error, Peer, Result, Status};
 use crate::handshake::Kind;
 use crate::identity::ProcessIdentity;
-use crate::worker::param::Param;
+use crate::worker::param;
 use crate::worker::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker};
 
@@ -234,10 +234,13 @@ impl Endpoint {
         op: &'static str,
         f: impl FnOnce(&mut State, sys::ucp_ep_h) -> R,
     ) -> std::result::Result<R, Box<Error>> {
-        self.worker_inner().locked(|st| match self.inner.usable.load(Ordering::Relaxed) {
-            h if h.is_null() => Err(Box::new(self.unusable(st, op))),
-            h => Ok(f(st, h)),
-        })
+        self.worker_inner().locked(
+            #[inline(always)]
+            |st| match self.inner.usable.load(Ordering::Relaxed) {
+                h if h.is_null() => Err(Box::new(self.unusable(st, op))),
+                h => Ok(f(st, h)),
+            },
+        )
     }
 
     /// The live UCX endpoint handle, or the reason it is gone (under the worker lock, so
@@ -479,15 +482,19 @@ impl Endpoint {
     ) -> std::result::Result<Posted, Box<Error>> {
         let no_imm = force_request || self.worker_inner().no_imm;
         let id = self.inner.id;
-        let posted = self.with_live(op, |st, h| {
-            let mut param = op_param(st, no_imm);
-            let p = call(st, h, &mut param);
-            let posted = Posted::from_ptr(p, Completion::OK, false);
-            if let Posted::Pending(r) = &posted {
-                r.bind(st, id, crate::slot::OpKind::Finish);
-            }
-            posted
-        });
+        let posted = self.with_live(
+            op,
+            #[inline(always)]
+            |st, h| {
+                let mut param = op_param(st, no_imm);
+                let p = call(st, h, &mut param);
+                let posted = Posted::from_ptr(p, Completion::OK, false);
+                if let Posted::Pending(r) = &posted {
+                    r.bind(st, id, crate::slot::OpKind::Finish);
+                }
+                posted
+            },
+        );
         if matches!(posted, Ok(Posted::Pending(_))) {
             self.worker_inner().posted();
         }
@@ -519,7 +526,7 @@ impl Endpoint {
                 // Every operation takes the request path, which these calls cannot.
                 return Status::NO_RESOURCE;
             }
-            let mut param = Param::send(st).force_imm().0;
+            let mut param = param::send(st, param::FORCE_IMM, 0);
             match Posted::from_ptr(call(h, &mut param), Completion::OK, false) {
                 Posted::Done(c) => c.status(),
                 Posted::Pending(r) => {
@@ -548,7 +555,7 @@ impl Endpoint {
 /// Request parameters for a send-type operation on this worker.
 #[inline(always)]
 pub(crate) fn op_param(st: &mut State, no_imm: bool) -> sys::ucp_request_param_t {
-    Param::send(st).no_imm(no_imm).0
+    param::send(st, param::no_imm(no_imm), 0)
 }
 
 /// Waits for a posted request of `worker` that owns no buffer: a flush, or the close of

@@ -465,9 +465,13 @@ impl State {
         }
         let h = e.handle;
         let deadline = Instant::now() + CLOSE_FIRST_WAIT;
-        let param =
-            super::param::Param::new(self, super::param::Callback { send: Some(request::parting_flush_cb) })
-                .0;
+        let param = super::param::param(
+            self,
+            super::param::Callback { send: Some(request::parting_flush_cb) },
+            0,
+            0,
+            None,
+        );
         // SAFETY: h is a live endpoint of this worker; the lock is held. The callback finds
         // the endpoint through the request's binding, made before any progress call.
         let p = unsafe { sys::ucp_ep_flush_nbx(h, &param) };
@@ -720,7 +724,7 @@ impl State {
 
     /// Parameters for a send-type request of this worker with operation flags.
     pub(super) fn flagged_param(&mut self, flags: u32) -> sys::ucp_request_param_t {
-        super::param::Param::send(self).flags(flags).0
+        super::param::send(self, 0, flags)
     }
 
     /// Sends a handshake message now (outside any callback).
