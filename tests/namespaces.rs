@@ -100,6 +100,8 @@ async fn tags_and_ids_outside_a_space_are_refused() {
     let (r, _) = ns_s.tag_send(&cep, 1, b"x".to_vec()).await;
     assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
     assert!(ns_s.try_am_send(&cep, 0, b"", b"x").is_err());
+    let (r, _) = ns_s.tag_recv_from(&cep, 1, tag::EXACT, vec![0u8; 4]).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidInput);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -184,6 +184,9 @@ impl Namespace {
 
     /// [`Endpoint::tag_recv`] (bound to `ep`) in this namespace.
     pub fn tag_recv_from<B: IoBufMut>(&self, ep: &Endpoint, tag: Tag, mask: u64, buf: B) -> TagRecv<B> {
+        if let Some(e) = self.foreign(ep) {
+            return TagRecv::refused(&self.inner.worker, Some(ep), e, buf);
+        }
         crate::tag::post_recv(&self.inner.worker, Some(ep), self.inner.space, tag, mask, buf)
     }
 

@@ -65,9 +65,10 @@ impl<B: Send + 'static> OpState<B> {
         !matches!(self, OpState::Pending(..))
     }
 
-    /// The handles a receive-type future keeps for this state: the worker while the
-    /// operation may be pending, the endpoint (if any) then too and when it failed, for
-    /// the error. One that succeeded at once keeps neither and changes no reference count.
+    /// The handles a receive-type future keeps for this state: while the operation may
+    /// be pending, the endpoint it is bound to (which holds its worker), or else the
+    /// worker; when it failed, the endpoint (if any), for the error. One that succeeded at
+    /// once keeps neither and changes no reference count.
     #[inline]
     pub(crate) fn kept_handles(
         &self,
@@ -75,7 +76,10 @@ impl<B: Send + 'static> OpState<B> {
         ep: Option<&Endpoint>,
     ) -> (Option<Worker>, Option<Endpoint>) {
         match self {
-            OpState::Pending(..) => (Some(worker.clone()), ep.cloned()),
+            OpState::Pending(..) => match ep {
+                Some(ep) => (None, Some(ep.clone())),
+                None => (Some(worker.clone()), None),
+            },
             OpState::Done(c, _) if c.status().is_ok() => (None, None),
             _ => (None, ep.cloned()),
         }
@@ -334,10 +338,11 @@ pub struct RecvOp<B: IoBufMut> {
 /// (`()`, no room in the future) where there never is.
 // The fields that own something are dropped by hand, as in `SendOp`.
 pub(crate) struct Owned<B: Send + 'static, X: Kept = ()> {
-    /// Needed only while the operation may be pending (None for one finished at once).
+    /// Needed only while the operation may be pending and bound to no endpoint (None
+    /// for one finished at once).
     worker: ManuallyDrop<Option<Worker>>,
-    /// For error messages (a failed endpoint becomes `ConnectionReset`), and for a
-    /// receive bound to it.
+    /// For error messages (a failed endpoint becomes `ConnectionReset`), and, while the
+    /// operation may be pending, for its worker.
     ep: ManuallyDrop<Option<Endpoint>>,
     state: ManuallyDrop<OpState<B>>,
     extra: ManuallyDrop<X>,
@@ -395,11 +400,21 @@ impl<B: Send + 'static, X: Kept> Owned<B, X> {
         self.state.completed_immediately()
     }
 
+    /// The worker of a pending operation: its own handle, or its endpoint's.
+    #[inline(always)]
+    fn worker_of<'a>(worker: &'a Option<Worker>, ep: &'a Option<Endpoint>) -> Option<&'a WorkerShared> {
+        match (worker, ep) {
+            (Some(w), _) => Some(&w.shared),
+            (None, Some(ep)) => Some(&ep.worker().shared),
+            (None, None) => None,
+        }
+    }
+
     /// Drives the operation (see [`OpState::poll`]); once it is done, UCX needs the extra
     /// no more.
     #[inline(always)]
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Finish<B>> {
-        let r = self.state.poll(self.worker.as_ref().map(|w| &*w.shared), cx);
+        let r = self.state.poll(Self::worker_of(&self.worker, &self.ep), cx);
         if r.is_ready() && !self.extra.is_empty() {
             drop(self.extra.take());
         }
@@ -433,7 +448,7 @@ impl<B: Send + 'static, X: Kept> Owned<B, X> {
     #[inline(never)]
     unsafe fn release(&mut self) {
         let extra = self.extra.take();
-        self.state.park(self.worker.as_ref().map(|w| &*w.shared), extra);
+        self.state.park(Self::worker_of(&self.worker, &self.ep), extra);
         // SAFETY: per contract, each field is dropped once and never used again.
         unsafe {
             ManuallyDrop::drop(&mut self.extra);

@@ -47,6 +47,9 @@ pub(crate) struct Space {
 }
 
 impl Space {
+    /// Every tag bit (for a receive refused before posting, which reports no tag).
+    pub(crate) const APP_ALL: Space = Space { prefix: 0, fixed: 0 };
+
     /// The application's space on a worker with namespaces.
     #[cfg(test)]
     pub(crate) const APP: Space = Space { prefix: 0, fixed: 1 << APP_TAG_BITS };
@@ -451,6 +454,12 @@ impl<B: IoBufMut> TagRecv<B> {
     ) -> TagRecv<B> {
         let (worker, ep) = state.kept_handles(worker, ep);
         TagRecv { own: Owned::new(worker, ep, state, ()), fixed: space.fixed, capacity }
+    }
+
+    /// A receive refused before posting, with `e`.
+    pub(crate) fn refused(worker: &Worker, ep: Option<&Endpoint>, e: Box<Error>, buf: B) -> TagRecv<B> {
+        let capacity = buf.bytes_total();
+        TagRecv::new(worker, ep, Space::APP_ALL, capacity, OpState::Failed(e, buf))
     }
 
     /// Whether the receive matched a message that had already arrived during the call
