@@ -1,7 +1,7 @@
 //! The slot ucxkit keeps inside every UCX request (UCX reserves [`SLOT_SIZE`] bytes in
 //! front of each request it hands out: the context's `request_size`), and what an
 //! endpoint's failure does to the request ([`OpKind`]). The callbacks that fill a slot,
-//! and its life, are in [`crate::request`].
+//! and its life, are in [`crate::worker::request`].
 
 use std::any::Any;
 use std::ffi::c_void;
