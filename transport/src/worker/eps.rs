@@ -119,49 +119,6 @@ impl Drop for EpTable {
     }
 }
 
-/// How long a closing endpoint waits for its peer ([`State::part`]) before it closes
-/// anyway.
-pub(super) const CLOSE_FIRST_WAIT: Duration = Duration::from_secs(1);
-
-/// An endpoint being closed through its peer ([`State::part`]).
-pub(super) struct Parting {
-    /// The notice sent once the flush is done and the endpoint's operations have
-    /// finished: [`Kind::CloseFirst`] on the connecting side, [`Kind::Closing`] on the
-    /// accepting side.
-    pub(super) notice: Kind,
-    /// Whether the notice went out.
-    pub(super) sent: bool,
-    /// Whether the peer refused the notice (it does not know it): close at once.
-    pub(super) refused: bool,
-    /// The deadline in force (entries of [`Partings::deadlines`] with another one are
-    /// stale).
-    pub(super) deadline: Instant,
-    /// The flush posted before the notice, while it runs.
-    pub(super) flush: Option<request::Request>,
-    /// [`crate::Endpoint::close`] calls waiting for the end.
-    pub(super) waiters: Vec<Waker>,
-}
-
-/// Parting endpoints, for the worker lock's holder to move on cheaply: the ones with
-/// news (flush finished, endpoint failed) listed, the deadlines in order (all waits are
-/// equal), the clock read only now and then.
-#[derive(Default)]
-pub(crate) struct Partings {
-    /// Endpoints still parting.
-    pub(crate) live: usize,
-    /// (deadline, endpoint), oldest first; may name endpoints no longer parting.
-    pub(super) deadlines: std::collections::VecDeque<(Instant, u64)>,
-    /// Endpoints whose flush or one of whose operations finished, or which failed, since
-    /// they were last looked at.
-    pub(crate) news: Vec<u64>,
-    /// Progress calls since the clock was last read for the deadlines.
-    pub(super) ticks: u32,
-}
-
-/// While endpoints part: every how many progress calls the deadlines are checked (the
-/// driver also checks before it sleeps).
-pub(super) const PARTING_CLOCK_EVERY: u32 = 64;
-
 /// The handle of an endpoint, as the worker keeps it: type-erased, so that the worker
 /// need not know the endpoint's type (see `Endpoint::from_ref`).
 pub(crate) type EndpointRef = std::sync::Weak<dyn std::any::Any + Send + Sync>;

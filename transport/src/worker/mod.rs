@@ -36,6 +36,7 @@ mod eps;
 mod inner;
 mod options;
 pub(crate) mod param;
+mod parting;
 pub(crate) mod progress;
 pub(crate) mod request;
 mod state;
@@ -44,6 +45,7 @@ pub(crate) use callbacks::*;
 pub(crate) use eps::*;
 pub(crate) use inner::*;
 pub use options::{EndpointOptions, ErrorMode, MAX_CONNECT_PAYLOAD};
+pub(crate) use parting::*;
 pub use progress::{ProgressMode, BUSY_IDLE, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET};
 pub(crate) use state::*;
 
