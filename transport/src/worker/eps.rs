@@ -323,3 +323,15 @@ impl Deferred {
         self.any = true;
     }
 }
+
+/// Endpoint error callback (`ucp_err_handler_cb_t`): `arg` is the worker State.
+pub(crate) unsafe extern "C" fn ep_err_cb(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    // SAFETY: UCX invokes this inside a call made under the worker lock; arg is the State.
+    let st = unsafe { &mut *arg.cast::<State>() };
+    if let Some(&id) = st.by_handle.get(&(ep as usize)) {
+        // Handled after the progress call returns: canceling and closing from inside a
+        // UCX callback is not allowed.
+        st.failed.push((id, Status(status)));
+        st.chores = true;
+    }
+}

@@ -31,8 +31,8 @@ use crate::lock::RawLock;
 use crate::slot::{OpKind, Slot};
 use crate::ucx_log;
 
-mod callbacks;
 mod eps;
+mod handshake_dispatch;
 mod inner;
 mod options;
 pub(crate) mod param;
@@ -41,8 +41,8 @@ pub(crate) mod progress;
 pub(crate) mod request;
 mod state;
 
-pub(crate) use callbacks::*;
 pub(crate) use eps::*;
+use handshake_dispatch::*;
 pub(crate) use inner::*;
 pub use options::{EndpointOptions, ErrorMode, MAX_CONNECT_PAYLOAD};
 pub(crate) use parting::*;

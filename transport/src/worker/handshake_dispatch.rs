@@ -1,19 +1,8 @@
-//! The callbacks UCX calls under the worker's lock: an endpoint's failure, and
-//! ucxkit's handshake messages.
+//! The worker's side of ucxkit's handshake (whose messages are in [`crate::handshake`]):
+//! the active-message handler that takes hellos, replies and close notices under the
+//! worker's lock and dispatches them to the connects, accepts and endpoints waiting.
 
 use super::*;
-
-/// Endpoint error callback (`ucp_err_handler_cb_t`): `arg` is the worker State.
-pub(crate) unsafe extern "C" fn ep_err_cb(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
-    // SAFETY: UCX invokes this inside a call made under the worker lock; arg is the State.
-    let st = unsafe { &mut *arg.cast::<State>() };
-    if let Some(&id) = st.by_handle.get(&(ep as usize)) {
-        // Handled after the progress call returns: canceling and closing from inside a
-        // UCX callback is not allowed.
-        st.failed.push((id, Status(status)));
-        st.chores = true;
-    }
-}
 
 /// The handshake's active-message handler.
 pub(super) unsafe extern "C" fn handshake_am_cb(
