@@ -123,6 +123,73 @@ impl Drop for EpTable {
 /// need not know the endpoint's type (see `Endpoint::from_ref`).
 pub(crate) type EndpointRef = std::sync::Weak<dyn std::any::Any + Send + Sync>;
 
+/// Where an endpoint's close stands.
+pub(super) enum Close {
+    /// No close under way: the endpoint is open, or its close ran (its handle is NULL).
+    None,
+    /// Closed or dropped, closing through the peer ([`State::part`]).
+    Parting(Parting),
+    /// A close asked for while stream data was out or operations still ran (or while a
+    /// flush runs before a forced close): run once they end
+    /// ([`State::run_deferred_close`]).
+    Deferred(DeferredClose),
+}
+
+/// A close waiting to run ([`Close::Deferred`]).
+pub(super) struct DeferredClose {
+    /// The UCX handle, taken out of the endpoint.
+    pub(super) handle: sys::ucp_ep_h,
+    /// Close forcibly.
+    pub(super) force: bool,
+    /// It waits for operations ([`State::ops_running`]); counted in
+    /// `State::closes_waiting_ops`.
+    pub(super) waits_ops: bool,
+    /// Nothing refers to the entry any more: removed once the close ran.
+    pub(super) orphan: bool,
+}
+
+impl EpState {
+    /// The endpoint's parting, if it closes through its peer.
+    pub(super) fn parting(&self) -> Option<&Parting> {
+        match &self.close {
+            Close::Parting(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// As [`EpState::parting`], to change it.
+    pub(super) fn parting_mut(&mut self) -> Option<&mut Parting> {
+        match &mut self.close {
+            Close::Parting(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Ends the endpoint's parting, giving it back.
+    pub(super) fn take_parting(&mut self) -> Option<Parting> {
+        match std::mem::replace(&mut self.close, Close::None) {
+            Close::Parting(p) => Some(p),
+            other => {
+                self.close = other;
+                None
+            }
+        }
+    }
+
+    /// The endpoint's close waiting to run, if any.
+    pub(super) fn deferred(&self) -> Option<&DeferredClose> {
+        match &self.close {
+            Close::Deferred(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Whether a close waiting to run waits for operations.
+    pub(super) fn close_waits_ops(&self) -> bool {
+        self.deferred().is_some_and(|d| d.waits_ops)
+    }
+}
+
 /// Per-endpoint bookkeeping, under the worker lock.
 pub(crate) struct EpState {
     /// NULL once closed.
@@ -152,14 +219,9 @@ pub(crate) struct EpState {
     pub(crate) endpoint: EndpointRef,
     /// Zero-copy stream data ([`crate::StreamData`]) handed out and not yet released.
     pub(crate) data_out: usize,
-    /// A close requested while stream data was out or operations still ran on the
-    /// endpoint: the UCX handle and whether to force; done when the last piece is
-    /// released and the operations have finished ([`State::run_deferred_close`]).
-    pub(crate) deferred_close: Option<(sys::ucp_ep_h, bool)>,
-    /// The deferred close waits for operations ([`State::ops_running`]).
-    pub(super) close_waits_ops: bool,
-    /// Nothing refers to the entry any more: removed once its deferred close ran.
-    pub(super) orphan: bool,
+    /// Where the endpoint's close stands: nowhere yet (or done, the handle NULL),
+    /// closing through the peer, or waiting to run.
+    pub(super) close: Close,
     /// ucxkit ended operations that UCX still runs (the peer process died unseen by UCX,
     /// [`State::fail_ep`]): UCX must not close the endpoint until it fails it itself,
     /// which purges them.
@@ -172,8 +234,6 @@ pub(crate) struct EpState {
     pub(super) lanes_failed: bool,
     /// Failed because ucxkit saw the peer process exit, UCX not knowing.
     pub(super) peer_exited: bool,
-    /// Closed or dropped, closing through the peer ([`State::part`]).
-    pub(super) parting: Option<Parting>,
     /// No [`crate::Endpoint`] stands for it: the peer of another connection's endpoint
     /// that UCX paired with this worker (see [`crate::pairing`]), kept open while that
     /// peer may use it, closed when it fails or the worker goes away.
@@ -201,14 +261,11 @@ impl EpState {
             kept: Vec::new(),
             kept_at: 0,
             data_out: 0,
-            deferred_close: None,
-            close_waits_ops: false,
-            orphan: false,
+            close: Close::None,
             poisoned: false,
             closing: false,
             lanes_failed: false,
             peer_exited: false,
-            parting: None,
             hidden: false,
             by_address: false,
             stream_waiters: Vec::new(),
@@ -333,5 +390,49 @@ pub(crate) unsafe extern "C" fn ep_err_cb(arg: *mut c_void, ep: sys::ucp_ep_h, s
         // UCX callback is not allowed.
         st.failed.push((id, Status(status)));
         st.chores = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parting() -> Parting {
+        Parting {
+            notice: Kind::Closing,
+            phase: Phase::Flushing,
+            refused: false,
+            deadline: Instant::now(),
+            flush: None,
+            waiters: Vec::new(),
+        }
+    }
+
+    fn deferred(waits_ops: bool) -> DeferredClose {
+        DeferredClose { handle: std::ptr::null_mut(), force: false, waits_ops, orphan: false }
+    }
+
+    /// What each state of an endpoint's close answers: (state, parting?, deferred?,
+    /// waits for operations?), and that taking the parting out only ends a parting.
+    #[test]
+    fn close_states() {
+        let table: [(Close, bool, bool, bool); 4] = [
+            (Close::None, false, false, false),
+            (Close::Parting(parting()), true, false, false),
+            (Close::Deferred(deferred(false)), false, true, false),
+            (Close::Deferred(deferred(true)), false, true, true),
+        ];
+        for (close, is_parting, is_deferred, waits) in table {
+            let mut e = EpState::new(std::ptr::null_mut(), false, Arc::default());
+            e.close = close;
+            assert_eq!(e.parting().is_some(), is_parting);
+            assert_eq!(e.parting_mut().is_some(), is_parting);
+            assert_eq!(e.deferred().is_some(), is_deferred);
+            assert_eq!(e.close_waits_ops(), waits);
+            assert_eq!(e.take_parting().is_some(), is_parting);
+            // Taken out, a parting leaves no close under way; anything else stays.
+            assert!(e.parting().is_none());
+            assert_eq!(e.deferred().is_some(), is_deferred);
+        }
     }
 }

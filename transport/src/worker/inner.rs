@@ -133,7 +133,7 @@ impl WorkerInner {
                 st.keep_stream(id);
                 let running = st.ops_running(id);
                 let Some(e) = st.eps.get(&id) else { continue };
-                let (h, peer_mode, parting) = (e.handle, e.peer_mode, e.parting.is_some());
+                let (h, peer_mode, parting) = (e.handle, e.peer_mode, e.parting().is_some());
                 if running && !peer_mode && !parting && !h.is_null() && e.failed.is_none() {
                     st.send_notice(h, Kind::CloseFirst, false, 0);
                 } else {
@@ -355,7 +355,7 @@ impl Drop for WorkerInner {
         // would destroy the endpoint with them (UCX 1.13 asserts; without assertions
         // they keep pointing at it), so the UCX worker is left as it is, never progressed
         // again, with its context (see `Worker`).
-        let stuck: Vec<u64> = st.eps.iter().filter(|(_, e)| e.close_waits_ops).map(|(&id, _)| id).collect();
+        let stuck: Vec<u64> = st.eps.iter().filter(|(_, e)| e.close_waits_ops()).map(|(&id, _)| id).collect();
         let mut leak = false;
         for id in stuck {
             if st.eps.get(&id).is_some_and(|e| e.peer_mode) {

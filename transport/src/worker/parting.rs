@@ -130,7 +130,7 @@ impl State {
     /// cannot take part (closed, failed, stream data out, or parting already).
     pub(crate) fn part(&mut self, id: u64, notice: Kind) -> bool {
         let Some(e) = self.eps.get(&id) else { return false };
-        if e.handle.is_null() || e.failed.is_some() || e.data_out > 0 || e.parting.is_some() {
+        if e.handle.is_null() || e.failed.is_some() || e.data_out > 0 || e.parting().is_some() {
             return false;
         }
         let h = e.handle;
@@ -157,7 +157,7 @@ impl State {
             // Other clones see it closed from now on (operations posted after the notice
             // would be lost); the handle stays for the flush, the notice and the close.
             e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
-            e.parting = Some(Parting {
+            e.close = Close::Parting(Parting {
                 notice,
                 phase: Phase::Flushing,
                 refused: false,
@@ -180,7 +180,7 @@ impl State {
     fn send_parting_notice(&mut self, id: u64, close_first: bool) {
         let Some(e) = self.eps.get_mut(&id) else { return };
         let (h, peer_mode) = (e.handle, e.peer_mode);
-        let Some(l) = e.parting.as_mut() else { return };
+        let Some(l) = e.parting_mut() else { return };
         if l.phase == Phase::NoticeSent || h.is_null() {
             return;
         }
@@ -195,7 +195,7 @@ impl State {
     /// progress call.
     pub(crate) fn parting_refused(&mut self, id: u64) {
         if let Some(l) =
-            self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()).filter(|l| l.phase == Phase::NoticeSent)
+            self.eps.get_mut(&id).and_then(|e| e.parting_mut()).filter(|l| l.phase == Phase::NoticeSent)
         {
             tracing::debug!(ep = id, "the peer refused the close notice");
             l.refused = true;
@@ -208,7 +208,7 @@ impl State {
     /// operations: an operation bound to endpoint `id` finished.
     pub(crate) fn op_done(&mut self, id: u64) {
         let waits = self.eps.get(&id).is_some_and(|e| {
-            e.close_waits_ops || e.parting.as_ref().is_some_and(|l| l.phase != Phase::NoticeSent)
+            e.close_waits_ops() || e.parting().is_some_and(|l| l.phase != Phase::NoticeSent)
         });
         if waits {
             self.partings.news.push(id);
@@ -233,7 +233,7 @@ impl State {
     /// finished, it failed, its notice was refused) and takes the protocol's [`step`].
     pub(super) fn advance_parting(&mut self, id: u64) {
         let Some(e) = self.eps.get(&id) else { return };
-        let Some(l) = e.parting.as_ref() else { return };
+        let Some(l) = e.parting() else { return };
         let (phase, refused) = (l.phase, l.refused);
         let failed = e.failed.is_some() || e.handle.is_null();
         // Only what the step reads is looked at: the flush and the operations matter
@@ -247,15 +247,14 @@ impl State {
 
     /// How parting endpoint `id`'s flush stands; a finished one is given back to UCX.
     fn parting_flush(&mut self, id: u64) -> Flush {
-        let Some(r) = self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()).and_then(|l| l.flush.take())
-        else {
+        let Some(r) = self.eps.get_mut(&id).and_then(|e| e.parting_mut()).and_then(|l| l.flush.take()) else {
             return Flush::Done;
         };
         match r.take_if_done(self) {
             Ok(c) if c.status().is_ok() => Flush::Done,
             Ok(_) => Flush::Failed,
             Err(r) => {
-                if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()) {
+                if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting_mut()) {
                     l.flush = Some(r);
                 }
                 Flush::Running
@@ -267,7 +266,7 @@ impl State {
     fn take_step(&mut self, id: u64, next: Phase, s: Step) {
         match s {
             Step::Wait => {
-                if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()) {
+                if let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting_mut()) {
                     l.phase = next;
                 }
             }
@@ -288,7 +287,7 @@ impl State {
             }
             self.partings.deadlines.pop_front();
             let Some(e) = self.eps.get(&id) else { continue };
-            let Some(l) = e.parting.as_ref().filter(|l| l.deadline == until) else { continue };
+            let Some(l) = e.parting().filter(|l| l.deadline == until) else { continue };
             let (phase, refused) = (l.phase, l.refused);
             let failed = e.failed.is_some() || e.handle.is_null();
             let ops_running = !failed && phase != Phase::NoticeSent && self.ops_running(id);
@@ -314,7 +313,7 @@ impl State {
     /// Closes parting endpoint `id` now and forgets it (its handle is gone); nothing
     /// (false) if it no longer parts.
     pub(super) fn end_parting(&mut self, id: u64) -> bool {
-        let Some(l) = self.eps.get_mut(&id).and_then(|e| e.parting.take()) else { return false };
+        let Some(l) = self.eps.get_mut(&id).and_then(|e| e.take_parting()) else { return false };
         self.partings.live -= 1;
         let mut waiters = l.waiters;
         self.after.wake_all(&mut waiters);
@@ -346,12 +345,12 @@ impl State {
 
     /// Whether endpoint `id` parts.
     pub(crate) fn is_parting(&self, id: u64) -> bool {
-        self.eps.get(&id).is_some_and(|e| e.parting.is_some())
+        self.eps.get(&id).is_some_and(|e| e.parting().is_some())
     }
 
     /// Until endpoint `id` stops parting: Pending, with `waker` woken at the end.
     pub(crate) fn wait_parting(&mut self, id: u64, waker: &Waker) -> Poll<()> {
-        match self.eps.get_mut(&id).and_then(|e| e.parting.as_mut()) {
+        match self.eps.get_mut(&id).and_then(|e| e.parting_mut()) {
             Some(l) => {
                 if !l.waiters.iter().any(|w| w.will_wake(waker)) {
                     l.waiters.push(waker.clone());

@@ -226,7 +226,7 @@ impl State {
             self.forget_ep(id);
             return;
         }
-        if self.eps.get(&id).is_some_and(|e| e.parting.is_some() || e.close_waits_ops) {
+        if self.eps.get(&id).is_some_and(|e| e.parting().is_some() || e.close_waits_ops()) {
             // Most likely the peer closing, as asked; a deferred close waits no more for
             // operations UCX purges (or ucxkit finished above).
             self.partings.news.push(id);
@@ -254,9 +254,8 @@ impl State {
             // endpoint they point to). Closed once the data is released and the
             // operations have finished, or failed (UCX purges them when the endpoint
             // fails). The handle stays known for the endpoint's failure.
-            e.deferred_close = Some((h, force));
+            e.close = Close::Deferred(DeferredClose { handle: h, force, waits_ops: ops, orphan: false });
             if ops {
-                e.close_waits_ops = true;
                 self.closes_waiting_ops += 1;
             }
             tracing::debug!(ep = id, ops, "close deferred");
@@ -287,8 +286,8 @@ impl State {
             if let request::Posted::Pending(r) = &posted {
                 r.bind(self, id, OpKind::Finish);
                 let e = self.eps.get_mut(&id)?;
-                e.deferred_close = Some((h, true));
-                e.close_waits_ops = true;
+                e.close =
+                    Close::Deferred(DeferredClose { handle: h, force: true, waits_ops: true, orphan: false });
                 self.closes_waiting_ops += 1;
                 self.park(posted, Box::new(()));
                 tracing::debug!(ep = id, "flushing, then closing forcibly");
@@ -309,8 +308,8 @@ impl State {
         let Some(e) = self.eps.get(&id) else { return };
         // (Operations ucxkit ended for a peer that died unseen by UCX still run in UCX
         // until UCX fails the endpoint itself, if it ever does.)
-        let waits = e.close_waits_ops && ((e.poisoned && !e.lanes_failed) || self.ops_running(id));
-        if e.deferred_close.is_none() || e.data_out > 0 || waits {
+        let waits = e.close_waits_ops() && ((e.poisoned && !e.lanes_failed) || self.ops_running(id));
+        if e.deferred().is_none() || e.data_out > 0 || waits {
             return;
         }
         self.close_deferred(id, false);
@@ -320,18 +319,28 @@ impl State {
     /// away and the close cannot wait any more).
     pub(super) fn close_deferred(&mut self, id: u64, force: bool) {
         let Some(e) = self.eps.get_mut(&id) else { return };
-        let Some((h, asked_force)) = e.deferred_close.take() else { return };
-        if std::mem::take(&mut e.close_waits_ops) {
+        if e.deferred().is_none() {
+            return;
+        }
+        let Close::Deferred(d) = std::mem::replace(&mut e.close, Close::None) else { return };
+        if d.waits_ops {
             self.closes_waiting_ops -= 1;
         }
+        let (h, asked_force) = (d.handle, d.force);
         // Forced in peer mode once UCX found the lanes dead (not when ucxkit marked it
         // failed on the peer's request to close first: that close flushes).
         let force = force || asked_force || (e.peer_mode && (e.lanes_failed || e.peer_exited));
         tracing::debug!(ep = id, force, "deferred close runs");
         // (Deferred again while an endpoint made from an address is flushed first.)
-        let Some(p) = self.close_now(id, h, force) else { return };
+        let Some(p) = self.close_now(id, h, force) else {
+            // Deferred again (a flush runs first): still nobody's.
+            if let Some(Close::Deferred(again)) = self.eps.get_mut(&id).map(|e| &mut e.close) {
+                again.orphan |= d.orphan;
+            }
+            return;
+        };
         self.finish_close(id, p);
-        if self.eps.get(&id).is_some_and(|e| e.orphan) {
+        if d.orphan {
             self.eps.remove(&id);
         }
     }
@@ -351,7 +360,11 @@ impl State {
     /// its entry, or leaves that to its deferred close.
     pub(crate) fn forget_ep(&mut self, id: u64) {
         match self.eps.get_mut(&id) {
-            Some(e) if e.deferred_close.is_some() => e.orphan = true,
+            Some(e) if e.deferred().is_some() => {
+                if let Close::Deferred(d) = &mut e.close {
+                    d.orphan = true;
+                }
+            }
             Some(_) => {
                 self.eps.remove(&id);
             }
@@ -400,7 +413,7 @@ impl State {
     pub(crate) fn keep_stream(&mut self, id: u64) {
         let Some(e) = self.eps.get_mut(&id) else { return };
         let h = e.handle;
-        if h.is_null() || e.closing || e.parting.is_some() {
+        if h.is_null() || e.closing || e.parting().is_some() {
             // (Closed by this side too: nobody reads any more.)
             return;
         }
