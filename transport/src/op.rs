@@ -106,21 +106,20 @@ impl<B: Send + 'static> OpState<B> {
     /// the operation is pending.
     #[inline(always)]
     pub(crate) fn poll(&mut self, worker: Option<&WorkerShared>, cx: &mut Context<'_>) -> Poll<Finish<B>> {
-        let c = match self {
+        let pending = match self {
             OpState::Pending(r, _) => {
                 match r.poll(worker.expect("invariant: a pending operation keeps its worker"), cx) {
-                    Poll::Ready(c) => c,
+                    Poll::Ready(c) => Some(c),
                     Poll::Pending => return Poll::Pending,
                 }
             }
-            OpState::Done(c, _) => *c,
-            OpState::Failed(..) => Completion::OK,
-            OpState::Finished => panic!("operation future polled after completion"),
+            _ => None,
         };
         Poll::Ready(match std::mem::replace(self, OpState::Finished) {
+            OpState::Done(c, b) => Ok((c, b)),
+            OpState::Pending(_, b) => Ok((pending.expect("set above"), b)),
             OpState::Failed(e, b) => Err((e, b)),
-            OpState::Pending(_, b) | OpState::Done(_, b) => Ok((c, b)),
-            OpState::Finished => unreachable!("checked above"),
+            OpState::Finished => panic!("operation future polled after completion"),
         })
     }
 
