@@ -267,13 +267,11 @@ struct Target {
 
 impl Target {
     async fn start(with_secret: bool) -> Target {
-        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "front_target", "--ignored", "--nocapture", "--test-threads=1"])
+        let mut child = common::procs::command("front_target", &[])
             .env("UCXKIT_FRONT_TARGET", if with_secret { "secret" } else { "open" })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .kill_on_drop(true)
             .spawn()
             .unwrap();
         // Drained as it comes (UCX logs each refused byte string there).

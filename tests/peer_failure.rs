@@ -121,12 +121,10 @@ async fn echo_between_processes(tls: &str) {
     let _serial = SERIAL.lock().await;
     let w = ctx(tls).create_worker().unwrap();
     let listener = w.listen(loopback()).unwrap();
-    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+    let mut child = common::procs::command("peer_process", &[])
         .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
         .env("UCXKIT_PEER_TLS", tls)
         .env("UCXKIT_PEER_ROLE", "echo")
-        .kill_on_drop(true)
         .spawn()
         .unwrap();
     let ep = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await.unwrap().unwrap();
@@ -158,12 +156,10 @@ async fn killed_peer_fails_pending_operations(tls: &str, mode: ErrorMode, mode_n
     let _serial = SERIAL.lock().await;
     let w = ctx(tls).worker().error_mode(mode).build().unwrap();
     let listener = w.listen(loopback()).unwrap();
-    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+    let mut child = common::procs::command("peer_process", &[])
         .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
         .env("UCXKIT_PEER_TLS", tls)
         .env("UCXKIT_PEER_MODE", mode_name)
-        .kill_on_drop(true)
         .spawn()
         .unwrap();
     let ep = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await.unwrap().unwrap();
@@ -245,13 +241,11 @@ async fn receive_from_a_dead_sender(tls: &str, mode: ErrorMode, mode_name: &str)
         let case = format!("{tls} {mode_name} bound={bound} posted before the kill={before}");
         let w = ctx(tls).worker().error_mode(mode).build().unwrap();
         let listener = w.listen(loopback()).unwrap();
-        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+        let mut child = common::procs::command("peer_process", &[])
             .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
             .env("UCXKIT_PEER_TLS", tls)
             .env("UCXKIT_PEER_MODE", mode_name)
             .env("UCXKIT_PEER_ROLE", "big_sender")
-            .kill_on_drop(true)
             .spawn()
             .unwrap();
         let ep = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await.unwrap().unwrap();
@@ -323,23 +317,19 @@ async fn survivor() {
     // Peers on another host: started in that network namespace, on its devices.
     let elsewhere = std::env::var("UCXKIT_VICTIM_NETNS").ok();
     for trial in 0..trials {
-        let exe = std::env::current_exe().unwrap();
         let mut cmd = match &elsewhere {
             Some(ns) => {
-                let mut c = tokio::process::Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(exe);
+                let mut c = common::procs::command("peer_process", &["ip", "netns", "exec", ns]);
                 c.env("UCXKIT_NET_DEVICES", std::env::var("UCXKIT_VICTIM_NET_DEVICES").unwrap());
                 c
             }
-            None => tokio::process::Command::new(exe),
+            None => common::procs::command("peer_process", &[]),
         };
         let mut victim = cmd
-            .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
             .env("UCXKIT_PEER_CONNECT", listener.local_addr().to_string())
             .env("UCXKIT_PEER_TLS", &tls)
             .env("UCXKIT_PEER_ROLE", "transfers")
             .env("UCXKIT_TRIAL", trial.to_string())
-            .kill_on_drop(true)
             .spawn()
             .unwrap();
         let ep = tokio::time::timeout(BOUND, listener.accept()).await.unwrap().unwrap();

@@ -90,13 +90,11 @@ async fn empty_everything(tls: &str) {
     let w = ctx(tls).create_worker().unwrap();
     let mut rx = w.am_recv(AM_ID).unwrap();
     let listener = w.listen(loopback()).unwrap();
-    let child = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "zero_length_peer", "--ignored", "--nocapture", "--test-threads=1"])
+    let child = common::procs::command("zero_length_peer", &[])
         .env("UCXKIT_ZL_CONNECT", listener.local_addr().to_string())
         .env("UCXKIT_ZL_TLS", tls)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
         .spawn()
         .unwrap();
     let ep = tokio::time::timeout(T, listener.accept()).await.unwrap().unwrap();

@@ -67,16 +67,10 @@ impl Group {
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).expect("exchange directory");
-        let exe = std::env::current_exe().expect("the test binary");
         let children = (1..size)
             .map(|rank| {
-                let mut c = tokio::process::Command::new(&exe);
-                c.args(["--exact", test, "--ignored", "--nocapture", "--test-threads=1"])
-                    .env(RANK, rank.to_string())
-                    .env(SIZE, size.to_string())
-                    .env(DIR, &dir)
-                    .stdin(Stdio::null())
-                    .kill_on_drop(true);
+                let mut c = command(test, &[]);
+                c.env(RANK, rank.to_string()).env(SIZE, size.to_string()).env(DIR, &dir).stdin(Stdio::null());
                 for (k, v) in env {
                     c.env(k, v);
                 }
@@ -118,6 +112,27 @@ impl Drop for Group {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// A command that runs the ignored test `test` of this test binary (`--exact test
+/// --ignored --nocapture`) in a child killed when its handle is dropped: for a child
+/// the test drives by hand (kills, pipes), where a [`Group`] does not fit. `wrapper`
+/// runs it under another program first (`["ip", "netns", "exec", "ns1"]`, say).
+///
+/// # Panics
+/// When this test binary's path cannot be found.
+pub fn command(test: &str, wrapper: &[&str]) -> tokio::process::Command {
+    let exe = std::env::current_exe().expect("the test binary");
+    let mut c = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut c = tokio::process::Command::new(program);
+            c.args(args).arg(exe);
+            c
+        }
+        None => tokio::process::Command::new(exe),
+    };
+    c.args(["--exact", test, "--ignored", "--nocapture", "--test-threads=1"]).kill_on_drop(true);
+    c
 }
 
 /// In a child started by [`Group::spawn`]: its role; None in any other run (the
