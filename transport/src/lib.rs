@@ -8,7 +8,10 @@
 //! - tagged messages ([`tag`]), vectored ones included ([`iov`]);
 //! - ordered byte streams and a tokio `AsyncRead + AsyncWrite` adapter ([`stream`]);
 //! - active messages with receivers, handlers and replies ([`am`]);
-//! - registered memory, remote keys, put/get and 64-bit atomics ([`mem`], [`rma`]).
+//! - registered memory, remote keys, put/get and 64-bit atomics ([`mem`], [`rma`]);
+//! - parts of buffers as operation buffers ([`Slice`]) and regions in place
+//!   ([`RegionView`]);
+//! - tag and active-message namespaces for layers sharing a worker ([`namespace`]).
 //!
 //! # Quick start
 //!
