@@ -348,7 +348,7 @@ impl Endpoint {
                             r.map_err(|reason| Error::Handshake { peer: self.inner.peer.clone(), reason }),
                         );
                     }
-                    let failed = st.eps.get(&id).and_then(|e| e.failed);
+                    let failed = st.eps.get(&id).and_then(|e| e.failed).map(|f| f.status);
                     // The endpoint failed before the peer answered: nobody accepted.
                     failed.map(|source| {
                         Err(match op {

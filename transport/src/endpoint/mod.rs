@@ -181,7 +181,7 @@ impl Endpoint {
     /// The status the endpoint failed with, if it has.
     pub fn failure(&self) -> Option<Status> {
         let id = self.inner.id;
-        self.worker_inner().locked(|st| st.eps.get(&id).and_then(|e| e.failed))
+        self.worker_inner().locked(|st| st.eps.get(&id).and_then(|e| e.failed).map(|f| f.status))
     }
 
     /// Waits until this endpoint fails (the peer died or the connection broke) and
@@ -196,7 +196,7 @@ impl Endpoint {
         let inner = self.worker_inner();
         std::future::poll_fn(|cx| {
             inner.locked(|st| match st.eps.get_mut(&id) {
-                Some(e) => match e.failed {
+                Some(e) => match e.failed.map(|f| f.status) {
                     Some(s) => Poll::Ready(s),
                     None => {
                         // Woken by the endpoint's failure (and by stream events; then
@@ -258,7 +258,7 @@ impl Endpoint {
     /// or it was closed.
     #[cold]
     fn unusable(&self, st: &State, op: &'static str) -> Error {
-        match st.eps.get(&self.inner.id).filter(|e| !e.closing).and_then(|e| e.failed) {
+        match st.eps.get(&self.inner.id).filter(|e| !e.closing).and_then(|e| e.failed).map(|f| f.status) {
             Some(s) => Error::ConnectionReset { op, peer: self.inner.peer.clone(), source: s },
             None => Error::ApiMisuse(format!("{op} on a closed endpoint ({})", self.inner.peer)),
         }

@@ -190,11 +190,28 @@ impl EpState {
     }
 }
 
+/// How an endpoint failed ([`State::fail_ep`]): the facts gather, as UCX and ucxkit
+/// learn of the failure in either order.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Failure {
+    /// The status of the first failure.
+    pub(crate) status: Status,
+    /// The first failure was ucxkit seeing the peer process exit, UCX not knowing.
+    pub(super) peer_exited: bool,
+    /// UCX reported the endpoint failed (its lanes are dead): closing it makes UCX log
+    /// flush errors, which go to `tracing` ([`ucx_log::quietly`]).
+    pub(super) lanes_dead: bool,
+    /// ucxkit ended operations that UCX still runs (the peer died unseen by UCX): UCX
+    /// must not close the endpoint until it fails it itself, which purges them.
+    pub(super) poisoned: bool,
+}
+
 /// Per-endpoint bookkeeping, under the worker lock.
 pub(crate) struct EpState {
     /// NULL once closed.
     pub(crate) handle: sys::ucp_ep_h,
-    pub(crate) failed: Option<Status>,
+    /// How the endpoint failed, once it has.
+    pub(crate) failed: Option<Failure>,
     /// The handle while the endpoint is usable (open and not failed), NULL after; shared
     /// with the [`crate::Endpoint`] so that posting needs no table lookup. Written and
     /// read only under the worker lock.
@@ -222,18 +239,9 @@ pub(crate) struct EpState {
     /// Where the endpoint's close stands: nowhere yet (or done, the handle NULL),
     /// closing through the peer, or waiting to run.
     pub(super) close: Close,
-    /// ucxkit ended operations that UCX still runs (the peer process died unseen by UCX,
-    /// [`State::fail_ep`]): UCX must not close the endpoint until it fails it itself,
-    /// which purges them.
-    pub(super) poisoned: bool,
     /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
     /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
     pub(crate) closing: bool,
-    /// UCX reported the endpoint failed (its lanes are dead): closing it makes UCX log
-    /// flush errors, which go to `tracing` ([`ucx_log::quietly`]).
-    pub(super) lanes_failed: bool,
-    /// Failed because ucxkit saw the peer process exit, UCX not knowing.
-    pub(super) peer_exited: bool,
     /// No [`crate::Endpoint`] stands for it: the peer of another connection's endpoint
     /// that UCX paired with this worker (see [`crate::pairing`]), kept open while that
     /// peer may use it, closed when it fails or the worker goes away.
@@ -262,10 +270,7 @@ impl EpState {
             kept_at: 0,
             data_out: 0,
             close: Close::None,
-            poisoned: false,
             closing: false,
-            lanes_failed: false,
-            peer_exited: false,
             hidden: false,
             by_address: false,
             stream_waiters: Vec::new(),

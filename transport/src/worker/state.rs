@@ -186,8 +186,7 @@ impl State {
         }
         let Some(e) = self.eps.get_mut(&id) else { return };
         if e.failed.is_none() {
-            e.failed = Some(status);
-            e.peer_exited = peer_exited;
+            e.failed = Some(Failure { status, peer_exited, lanes_dead: false, poisoned: false });
         }
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         tracing::debug!(ep = id, %status, "endpoint failed");
@@ -196,8 +195,8 @@ impl State {
         // Collected first: canceling one can complete and unlink it.
         let bound: Vec<_> = self.bound_to(id).collect();
         if !peer_mode && peer_exited && bound.iter().any(|&(_, kind)| kind != OpKind::Cancel) {
-            if let Some(e) = self.eps.get_mut(&id) {
-                e.poisoned = true;
+            if let Some(f) = self.eps.get_mut(&id).and_then(|e| e.failed.as_mut()) {
+                f.poisoned = true;
             }
         }
         for (r, kind) in bound {
@@ -240,7 +239,9 @@ impl State {
     /// [`State::finish_close`]; None if it was closed already or the close waits for
     /// borrowed stream data (`release_stream_data` finishes it).
     pub(crate) fn close_ep(&mut self, id: u64, force: bool) -> Option<request::Posted> {
-        let ops = !force && (self.ops_running(id) || self.eps.get(&id).is_some_and(|e| e.poisoned));
+        let ops = !force
+            && (self.ops_running(id)
+                || self.eps.get(&id).is_some_and(|e| e.failed.is_some_and(|f| f.poisoned)));
         let e = self.eps.get_mut(&id)?;
         let h = std::mem::replace(&mut e.handle, std::ptr::null_mut());
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
@@ -295,7 +296,7 @@ impl State {
             }
             force = true;
         }
-        let lanes_failed = self.eps.get(&id).is_some_and(|e| e.lanes_failed);
+        let lanes_failed = self.eps.get(&id).is_some_and(|e| e.failed.is_some_and(|f| f.lanes_dead));
         self.by_handle.remove(&(h as usize));
         self.accepts.remove(&(h as usize));
         Some(self.close_handle(h, force, lanes_failed))
@@ -308,7 +309,8 @@ impl State {
         let Some(e) = self.eps.get(&id) else { return };
         // (Operations ucxkit ended for a peer that died unseen by UCX still run in UCX
         // until UCX fails the endpoint itself, if it ever does.)
-        let waits = e.close_waits_ops() && ((e.poisoned && !e.lanes_failed) || self.ops_running(id));
+        let stuck = e.failed.is_some_and(|f| f.poisoned && !f.lanes_dead);
+        let waits = e.close_waits_ops() && (stuck || self.ops_running(id));
         if e.deferred().is_none() || e.data_out > 0 || waits {
             return;
         }
@@ -329,7 +331,8 @@ impl State {
         let (h, asked_force) = (d.handle, d.force);
         // Forced in peer mode once UCX found the lanes dead (not when ucxkit marked it
         // failed on the peer's request to close first: that close flushes).
-        let force = force || asked_force || (e.peer_mode && (e.lanes_failed || e.peer_exited));
+        let force =
+            force || asked_force || (e.peer_mode && e.failed.is_some_and(|f| f.lanes_dead || f.peer_exited));
         tracing::debug!(ep = id, force, "deferred close runs");
         // (Deferred again while an endpoint made from an address is flushed first.)
         let Some(p) = self.close_now(id, h, force) else {
@@ -350,7 +353,14 @@ impl State {
     pub(super) fn fail_reported(&mut self) {
         for (id, status) in std::mem::take(&mut self.failed) {
             if let Some(e) = self.eps.get_mut(&id) {
-                e.lanes_failed = true;
+                // Marked before fail_ep, whose closes are then quiet.
+                match &mut e.failed {
+                    Some(f) => f.lanes_dead = true,
+                    None => {
+                        e.failed =
+                            Some(Failure { status, peer_exited: false, lanes_dead: true, poisoned: false })
+                    }
+                }
             }
             self.fail_ep(id, status, false);
         }
@@ -462,7 +472,7 @@ impl State {
     /// Whether endpoint `id` failed because its peer process died unseen by UCX (same
     /// host, no peer error handling): UCX then never ends what that peer left half sent.
     pub(crate) fn peer_died_unseen(&self, id: u64) -> bool {
-        self.eps.get(&id).is_some_and(|e| e.peer_exited && !e.peer_mode)
+        self.eps.get(&id).is_some_and(|e| e.failed.is_some_and(|f| f.peer_exited) && !e.peer_mode)
     }
 
     /// Whether an operation that a closing endpoint waits for (a send, RMA, a fetch; not
@@ -486,7 +496,8 @@ impl State {
     /// at once instead. Other failed endpoints' closes finish: UCX discards lanes it
     /// found dead, and a peer that asked to be closed first waits for the disconnect.
     pub(crate) fn finish_close(&mut self, id: u64, posted: request::Posted) {
-        let hopeless = self.eps.get(&id).is_some_and(|e| e.peer_exited && !e.peer_mode);
+        let hopeless =
+            self.eps.get(&id).is_some_and(|e| e.failed.is_some_and(|f| f.peer_exited) && !e.peer_mode);
         match posted {
             request::Posted::Pending(r) if !hopeless && !r.is_done(self) => {
                 // SAFETY: a pending close request of ours, under the lock.
