@@ -239,7 +239,8 @@ fn forged_addresses_and_keys_do_not_kill_the_process() {
 /// on an endpoint to a worker of this process, a key that claims another process as its
 /// origin (so no region of this process holds it) is refused; an address whose
 /// shared-memory parts name this process but whose worker is none of its own, or that
-/// borrows one of its workers' uuid with other transport parts, is refused.
+/// borrows one of its workers' uuid with other transport parts, is refused; a key that
+/// claims a region of this process reaches that region through this process's own key.
 #[tokio::test]
 async fn forgeries_aimed_at_this_process_are_refused() {
     let c = ctx("posix,cma,tcp,self");
@@ -251,6 +252,17 @@ async fn forgeries_aimed_at_this_process_are_refused() {
     ep.unpack_key(&key).expect("a key of this process's region");
     let e = ep.unpack_key(&with_origin(&key, 0x1234_5678)).unwrap_err();
     assert!(e.to_string().contains("another process"), "{e}");
+    // A key claiming one of this process's regions (origin and range anyone given a key
+    // of this process can copy) with another region's UCX part: that part is not read;
+    // the put lands in the region the key claims, and only there.
+    let other = c.alloc(4096).unwrap();
+    let other_key = other.pack_key().unwrap();
+    let other_ucx = &other_key[44..44 + u32::from_le_bytes(other_key[40..44].try_into().unwrap()) as usize];
+    let forged = ep.unpack_key(&key_envelope(&key, other_ucx, None)).expect("the region's own key is used");
+    ep.put(b"claimed".to_vec(), &forged, 0).await.0.unwrap();
+    ep.flush().await.unwrap();
+    assert_eq!(&region.to_vec()[..7], b"claimed");
+    assert!(other.to_vec().iter().all(|&b| b == 0), "the forged UCX part was used");
 
     let opts = EndpointOptions { handshake: false, ..Default::default() };
     let ucx = genuine.ucx_bytes();

@@ -140,7 +140,7 @@ pub(crate) fn sanitize(
         }
         let usable = match cmpt.as_str() {
             "posix" => check_posix(key, template, &range, here)?,
-            "sysv" => check_sysv(key, &range)?,
+            "sysv" => check_sysv(key, &range, here)?,
             // The worker's own memory: only a region of this process.
             "self" => here,
             c => PEER_SIDE.contains(&c) || c.starts_with("ib"),
@@ -219,7 +219,7 @@ fn page_align(n: u64) -> u64 {
 
 /// A sysv key (`uct_sysv_packed_rkey_t`: segment id, the owner's address): UCX attaches
 /// the whole segment, whose size the kernel tells.
-fn check_sysv(key: &[u8], range: &Range<u64>) -> Result<bool, String> {
+fn check_sysv(key: &[u8], range: &Range<u64>, here: bool) -> Result<bool, String> {
     if key.len() < 12 {
         return Err(format!("a sysv key of {} bytes", key.len()));
     }
@@ -230,6 +230,11 @@ fn check_sysv(key: &[u8], range: &Range<u64>) -> Result<bool, String> {
     // SAFETY: IPC_STAT writes one shmid_ds into `ds`, valid for the call.
     if unsafe { libc::shmctl(shmid, libc::IPC_STAT, &mut ds) } != 0 {
         return Err(format!("the key's sysv segment {shmid}: {}", std::io::Error::last_os_error()));
+    }
+    // As for posix: a segment this process made is a region's of this process only.
+    // SAFETY: getpid has no preconditions.
+    if !here && ds.shm_cpid == unsafe { libc::getpid() } {
+        return Err("the key's sysv segment is this process's, and the key is not of its regions".into());
     }
     let end = owner.checked_add(ds.shm_segsz as u64).ok_or("a sysv segment that wraps around")?;
     if range.start < owner || range.end > end {
@@ -374,5 +379,24 @@ mod tests {
         let mut bad = k.clone();
         bad[8] = 200;
         assert!(walk(&bad).is_err(), "memory type");
+    }
+
+    /// A sysv segment this process made is reachable by a key of its own regions only.
+    #[test]
+    fn sysv_segments_of_this_process() {
+        // SAFETY: a private segment of one page, removed below; no memory is passed.
+        let id = unsafe { libc::shmget(libc::IPC_PRIVATE, 4096, libc::IPC_CREAT | 0o600) };
+        assert!(id >= 0, "shmget: {}", std::io::Error::last_os_error());
+        let owner = 0x1000_0000u64;
+        let key: Vec<u8> = [&id.to_ne_bytes()[..], &owner.to_ne_bytes()[..]].concat();
+        let inside = owner..owner + 64;
+        let other = check_sysv(&key, &inside, false);
+        let here = check_sysv(&key, &inside, true);
+        let outside = check_sysv(&key, &(owner..owner + 8192), true);
+        // SAFETY: removes the segment made above, attached nowhere.
+        unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+        assert!(other.unwrap_err().contains("this process's"));
+        assert_eq!(here, Ok(true));
+        assert!(outside.is_err());
     }
 }

@@ -305,10 +305,26 @@ impl Endpoint {
             }
         }
         let bad = |reason: String| Error::BadRemoteKey { reason };
-        if region.is_none() && self.reaches_this_process() {
-            // UCX would copy into this process's memory wherever the key says.
-            return Err(bad("a key of another process, for an endpoint that may reach this one".into()));
+        match &region {
+            None if self.reaches_this_process() => {
+                // UCX would copy into this process's memory wherever the key says.
+                return Err(bad("a key of another process, for an endpoint that may reach this one".into()));
+            }
+            Some(_) if !self.reaches_this_process() => {
+                return Err(bad(
+                    "a key of a region of this process, for an endpoint to another process".into()
+                ));
+            }
+            _ => {}
         }
+        // A key of this process's region: its origin and range are the sender's word
+        // (anyone given one key of this process can name its other regions), so the UCX
+        // part is this process's own, packed anew; the sender's is not read.
+        let own_ucx = match &region {
+            Some(r) => Some(MemRegion { inner: r.clone() }.with_ucx_key(<[u8]>::to_vec)?),
+            None => None,
+        };
+        let ucx = own_ucx.as_deref().unwrap_or(ucx);
         // Only the transport keys this endpoint's lanes use, each checked (see
         // `ucx_key`).
         let lanes = crate::ucx_key::lane_domains(&self.transport_info()?);
