@@ -29,9 +29,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use ucxkit::transport::{
-    tag, Context, Endpoint, EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerAddress,
-};
+use ucxkit::transport::{tag, Context, Endpoint, EndpointOptions, Worker, WorkerAddress};
 
 use bench::{recv_ctrl, send_ctrl, Side, Test, CTRL};
 use ucxkit_tools::cli::{self, parse_duration, ErrMode, Progress, Transport};
@@ -208,30 +206,16 @@ fn context(args: &Args) -> ucxkit::transport::Result<Context> {
     if let Some(tls) = &args.tls {
         return b.transports(tls.as_str()).build();
     }
-    match args.transport {
-        Transport::Shm => b.transports("posix,cma,tcp,self"),
-        Transport::Tcp => b.transports("tcp,self"),
-        Transport::Auto => b,
-    }
-    .build()
+    args.transport.apply(b).build()
 }
 
 fn worker(args: &Args, ctx: &Context) -> ucxkit::transport::Result<Worker> {
-    let mode = match args.progress {
-        Progress::Event => ProgressMode::Event,
-        Progress::Busy => ProgressMode::BusyPoll,
-    };
-    let err = match args.error_mode {
-        ErrMode::Auto => ErrorMode::Auto,
-        ErrMode::Peer => ErrorMode::Peer,
-        ErrMode::None => ErrorMode::None,
-    };
     let opts = EndpointOptions {
-        error_mode: err,
+        error_mode: args.error_mode.mode(),
         require_transports: args.require_transport.clone(),
         ..Default::default()
     };
-    ctx.worker().progress_mode(mode).endpoint_options(opts).build()
+    ctx.worker().progress_mode(args.progress.mode()).endpoint_options(opts).build()
 }
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -249,9 +233,9 @@ async fn loopback(args: &Args) -> AnyResult<()> {
         None => Command::new(exe),
     };
     cmd.args(["--server", "--once", "--port", "0", "--bind", "127.0.0.1"])
-        .args(["--transport", transport_arg(args.transport)])
-        .args(["--progress", if args.progress == Progress::Busy { "busy" } else { "event" }])
-        .args(["--error-mode", errmode_arg(args.error_mode)])
+        .args(["--transport", args.transport.name()])
+        .args(["--progress", args.progress.name()])
+        .args(["--error-mode", args.error_mode.name()])
         .args(args.tls.as_ref().map(|t| vec!["--tls".to_string(), t.clone()]).unwrap_or_default())
         .args(if args.require_transport.is_empty() {
             vec![]
@@ -285,22 +269,6 @@ async fn loopback(args: &Args) -> AnyResult<()> {
         return Err(format!("server process failed: {status}").into());
     }
     Ok(())
-}
-
-fn transport_arg(t: Transport) -> &'static str {
-    match t {
-        Transport::Shm => "shm",
-        Transport::Tcp => "tcp",
-        Transport::Auto => "auto",
-    }
-}
-
-fn errmode_arg(e: ErrMode) -> &'static str {
-    match e {
-        ErrMode::Auto => "auto",
-        ErrMode::Peer => "peer",
-        ErrMode::None => "none",
-    }
 }
 
 async fn client(args: &Args, addr: &str) -> AnyResult<()> {
@@ -338,7 +306,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
             t.check_size(size)?;
         }
     }
-    if !args.output.json && !args.output.csv {
+    if args.output.table() {
         out!(
             "# ucxkit-perf: server {addr}, lanes {lanes}, progress {:?}, error mode {}, UCX {:?}{}",
             args.progress,
@@ -445,7 +413,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         let title = format!("ucxkit-perf over {transport} ({:?} progress)", args.progress);
         let svg = plot::render(&rows, &title, &|name| Test::from_name(name).is_some_and(Test::is_latency))?;
         std::fs::write(path, svg).map_err(|e| format!("writing {}: {e}", path.display()))?;
-        if !args.output.json && !args.output.csv {
+        if args.output.table() {
             out!("# plot written to {}", path.display())?;
         }
     }
@@ -455,14 +423,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
 /// The `UCX_TLS` this run uses, for ucx_perftest (None: UCX's default, from the
 /// environment).
 fn effective_tls(args: &Args) -> Option<String> {
-    if let Some(t) = &args.tls {
-        return Some(t.clone());
-    }
-    match args.transport {
-        Transport::Shm => Some("posix,cma,tcp,self".into()),
-        Transport::Tcp => Some("tcp,self".into()),
-        Transport::Auto => std::env::var("UCX_TLS").ok(),
-    }
+    args.tls.clone().or_else(|| args.transport.tls())
 }
 
 /// Picks an iteration count that runs for about `d`. Trial runs, each longer than the last,
