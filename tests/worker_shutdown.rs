@@ -72,10 +72,13 @@ async fn shutdown_is_bounded_by_its_limit() {
             assert_eq!(e.kind(), ErrorKind::Timeout, "{mode:?}: {e}");
         }
         eprintln!("{mode:?}: shutdown in {:?}", started.elapsed());
-        for f in sends {
-            // The sends end (sent, or failed by the close), or stay with the process
-            // when UCX cannot end them; never a hang past this bound.
-            let _ = tokio::time::timeout(T, f).await;
+        for (i, f) in sends.into_iter().enumerate() {
+            // The close through the peer ended them: sent (the peer took them in while
+            // it closed) or failed by the close.
+            assert!(
+                tokio::time::timeout(T, f).await.is_ok(),
+                "{mode:?}: send {i} still pending after the shutdown"
+            );
         }
     }
 }
