@@ -123,19 +123,8 @@ impl Drop for EpTable {
 /// need not know the endpoint's type (see `Endpoint::from_ref`).
 pub(crate) type EndpointRef = std::sync::Weak<dyn std::any::Any + Send + Sync>;
 
-/// Where an endpoint's close stands.
-pub(super) enum Close {
-    /// No close under way: the endpoint is open, or its close ran (its handle is NULL).
-    None,
-    /// Closed or dropped, closing through the peer ([`State::part`]).
-    Parting(Parting),
-    /// A close asked for while stream data was out or operations still ran (or while a
-    /// flush runs before a forced close): run once they end
-    /// ([`State::run_deferred_close`]).
-    Deferred(DeferredClose),
-}
-
-/// A close waiting to run ([`Close::Deferred`]).
+/// A close asked for while stream data was out or operations still ran (or while a
+/// flush runs before a forced close): run once they end ([`State::run_deferred_close`]).
 pub(super) struct DeferredClose {
     /// The UCX handle, taken out of the endpoint.
     pub(super) handle: sys::ucp_ep_h,
@@ -151,37 +140,22 @@ pub(super) struct DeferredClose {
 impl EpState {
     /// The endpoint's parting, if it closes through its peer.
     pub(super) fn parting(&self) -> Option<&Parting> {
-        match &self.close {
-            Close::Parting(p) => Some(p),
-            _ => None,
-        }
+        self.parting.as_ref()
     }
 
     /// As [`EpState::parting`], to change it.
     pub(super) fn parting_mut(&mut self) -> Option<&mut Parting> {
-        match &mut self.close {
-            Close::Parting(p) => Some(p),
-            _ => None,
-        }
+        self.parting.as_mut()
     }
 
     /// Ends the endpoint's parting, giving it back.
     pub(super) fn take_parting(&mut self) -> Option<Parting> {
-        match std::mem::replace(&mut self.close, Close::None) {
-            Close::Parting(p) => Some(p),
-            other => {
-                self.close = other;
-                None
-            }
-        }
+        self.parting.take()
     }
 
     /// The endpoint's close waiting to run, if any.
     pub(super) fn deferred(&self) -> Option<&DeferredClose> {
-        match &self.close {
-            Close::Deferred(d) => Some(d),
-            _ => None,
-        }
+        self.deferred.as_ref()
     }
 
     /// Whether a close waiting to run waits for operations.
@@ -236,9 +210,11 @@ pub(crate) struct EpState {
     pub(crate) endpoint: EndpointRef,
     /// Zero-copy stream data ([`crate::StreamData`]) handed out and not yet released.
     pub(crate) data_out: usize,
-    /// Where the endpoint's close stands: nowhere yet (or done, the handle NULL),
-    /// closing through the peer, or waiting to run.
-    pub(super) close: Close,
+    /// Closed or dropped, closing through the peer ([`State::part`]).
+    pub(super) parting: Option<Parting>,
+    /// A close waiting to run. A parting endpoint can have one too: the peer's answer
+    /// closes it while operations still run on it.
+    pub(super) deferred: Option<DeferredClose>,
     /// [`crate::Endpoint::close`] was called: later operations are misuse, even if the
     /// peer's disconnect (asked for by that close) failed the endpoint meanwhile.
     pub(crate) closing: bool,
@@ -269,7 +245,8 @@ impl EpState {
             kept: Vec::new(),
             kept_at: 0,
             data_out: 0,
-            close: Close::None,
+            parting: None,
+            deferred: None,
             closing: false,
             hidden: false,
             by_address: false,
@@ -417,27 +394,30 @@ mod tests {
         DeferredClose { handle: std::ptr::null_mut(), force: false, waits_ops, orphan: false }
     }
 
-    /// What each state of an endpoint's close answers: (state, parting?, deferred?,
-    /// waits for operations?), and that taking the parting out only ends a parting.
+    /// What each state of an endpoint's close answers: (parting, deferred close)
+    /// -> parting?, deferred?, waits for operations?; taking the parting out leaves the
+    /// deferred close alone.
     #[test]
     fn close_states() {
-        let table: [(Close, bool, bool, bool); 4] = [
-            (Close::None, false, false, false),
-            (Close::Parting(parting()), true, false, false),
-            (Close::Deferred(deferred(false)), false, true, false),
-            (Close::Deferred(deferred(true)), false, true, true),
+        let table: [(bool, Option<bool>, bool, bool, bool); 5] = [
+            (false, None, false, false, false),
+            (true, None, true, false, false),
+            (false, Some(false), false, true, false),
+            (false, Some(true), false, true, true),
+            (true, Some(true), true, true, true),
         ];
-        for (close, is_parting, is_deferred, waits) in table {
+        for (p, d, is_parting, is_deferred, waits) in table {
             let mut e = EpState::new(std::ptr::null_mut(), false, Arc::default());
-            e.close = close;
+            e.parting = p.then(parting);
+            e.deferred = d.map(deferred);
             assert_eq!(e.parting().is_some(), is_parting);
             assert_eq!(e.parting_mut().is_some(), is_parting);
             assert_eq!(e.deferred().is_some(), is_deferred);
             assert_eq!(e.close_waits_ops(), waits);
             assert_eq!(e.take_parting().is_some(), is_parting);
-            // Taken out, a parting leaves no close under way; anything else stays.
             assert!(e.parting().is_none());
             assert_eq!(e.deferred().is_some(), is_deferred);
+            assert_eq!(e.close_waits_ops(), waits);
         }
     }
 }

@@ -157,7 +157,7 @@ impl State {
             // Other clones see it closed from now on (operations posted after the notice
             // would be lost); the handle stays for the flush, the notice and the close.
             e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
-            e.close = Close::Parting(Parting {
+            e.parting = Some(Parting {
                 notice,
                 phase: Phase::Flushing,
                 refused: false,

@@ -255,7 +255,7 @@ impl State {
             // endpoint they point to). Closed once the data is released and the
             // operations have finished, or failed (UCX purges them when the endpoint
             // fails). The handle stays known for the endpoint's failure.
-            e.close = Close::Deferred(DeferredClose { handle: h, force, waits_ops: ops, orphan: false });
+            e.deferred = Some(DeferredClose { handle: h, force, waits_ops: ops, orphan: false });
             if ops {
                 self.closes_waiting_ops += 1;
             }
@@ -287,8 +287,7 @@ impl State {
             if let request::Posted::Pending(r) = &posted {
                 r.bind(self, id, OpKind::Finish);
                 let e = self.eps.get_mut(&id)?;
-                e.close =
-                    Close::Deferred(DeferredClose { handle: h, force: true, waits_ops: true, orphan: false });
+                e.deferred = Some(DeferredClose { handle: h, force: true, waits_ops: true, orphan: false });
                 self.closes_waiting_ops += 1;
                 self.park(posted, Box::new(()));
                 tracing::debug!(ep = id, "flushing, then closing forcibly");
@@ -324,7 +323,7 @@ impl State {
         if e.deferred().is_none() {
             return;
         }
-        let Close::Deferred(d) = std::mem::replace(&mut e.close, Close::None) else { return };
+        let Some(d) = e.deferred.take() else { return };
         if d.waits_ops {
             self.closes_waiting_ops -= 1;
         }
@@ -337,7 +336,7 @@ impl State {
         // (Deferred again while an endpoint made from an address is flushed first.)
         let Some(p) = self.close_now(id, h, force) else {
             // Deferred again (a flush runs first): still nobody's.
-            if let Some(Close::Deferred(again)) = self.eps.get_mut(&id).map(|e| &mut e.close) {
+            if let Some(again) = self.eps.get_mut(&id).and_then(|e| e.deferred.as_mut()) {
                 again.orphan |= d.orphan;
             }
             return;
@@ -371,7 +370,7 @@ impl State {
     pub(crate) fn forget_ep(&mut self, id: u64) {
         match self.eps.get_mut(&id) {
             Some(e) if e.deferred().is_some() => {
-                if let Close::Deferred(d) = &mut e.close {
+                if let Some(d) = &mut e.deferred {
                     d.orphan = true;
                 }
             }
