@@ -92,3 +92,21 @@ async fn an_idle_worker_shuts_down() {
     w.shutdown(Duration::from_secs(5)).await.unwrap();
     assert_eq!(l.accept().await.unwrap_err().kind(), ErrorKind::InvalidInput);
 }
+
+/// A plain UCX listener's request taken before the shutdown stays usable after it (the
+/// UCX listener lives until its last handle goes): rejecting it refuses the client, and
+/// the listener takes no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_taken_before_the_shutdown_can_still_be_rejected() {
+    let c = common::ctx("tcp,self");
+    let (s, cw) = (c.create_worker().unwrap(), c.create_worker().unwrap());
+    let plain = ucxkit::transport::EndpointOptions { handshake: false, ..Default::default() };
+    let l = s.listen_with(loopback(), plain.clone()).unwrap();
+    let addr = l.local_addr();
+    let connect = tokio::spawn(async move { cw.connect_with(addr, plain).await.map(drop) });
+    let req = tokio::time::timeout(T, l.next()).await.unwrap().unwrap();
+    tokio::time::timeout(T, s.shutdown(Duration::from_secs(5))).await.unwrap().unwrap();
+    req.reject();
+    assert!(tokio::time::timeout(T, connect).await.unwrap().unwrap().is_err(), "the client was not refused");
+    assert_eq!(l.next().await.unwrap_err().kind(), ErrorKind::InvalidInput);
+}

@@ -42,8 +42,6 @@ struct UcxListener {
     handle: sys::ucp_listener_h,
     id: u64,
     cb_arg: *mut CbArg,
-    /// Destroyed already (by [`Worker::shutdown`]).
-    closed: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the listener handle and cb_arg are only used under the worker lock or in Drop.
@@ -53,30 +51,34 @@ unsafe impl Sync for UcxListener {}
 
 impl Drop for UcxListener {
     fn drop(&mut self) {
-        self.close();
-    }
-}
-
-impl UcxListener {
-    /// Destroys the UCX listener, refusing the requests nobody took; idempotent.
-    fn close(&self) {
-        let (id, handle, cb_arg) = (self.id, self.handle, self.cb_arg);
+        let (handle, cb_arg) = (self.handle, self.cb_arg);
         self.worker.shared.inner.locked(|st| {
-            if self.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
-                return;
-            }
-            // Refuse the requests nobody took while the listener still exists.
-            if let Some(ls) = st.listeners.remove(&id) {
-                for r in ls.queue {
-                    reject_locked(st, handle, r);
-                }
-            }
+            self.stop_locked(st);
             // SAFETY: the listener is live and destroyed once, under the worker lock (so
             // no connection callback runs concurrently); after this none refers to cb_arg.
+            // No request taken from it is left: each holds the listener's handle.
             unsafe { sys::ucp_listener_destroy(handle) };
             // SAFETY: allocated by Box::into_raw in bind and no longer referenced.
             drop(unsafe { Box::from_raw(cb_arg) });
         });
+    }
+}
+
+impl UcxListener {
+    /// Stops taking requests, refusing the ones queued; idempotent. The UCX listener
+    /// itself lives until its last handle goes, since a request taken from it may still
+    /// be accepted or rejected; requests arriving meanwhile go unanswered (their clients
+    /// time out).
+    fn stop(&self) {
+        self.worker.shared.inner.locked(|st| self.stop_locked(st));
+    }
+
+    fn stop_locked(&self, st: &mut State) {
+        if let Some(ls) = st.listeners.remove(&self.id) {
+            for r in ls.queue {
+                reject_locked(st, self.handle, r);
+            }
+        }
     }
 }
 
@@ -195,7 +197,7 @@ impl Worker {
             let bound = if q.is_ok() { socket_addr_from(&attr.sockaddr).unwrap_or(addr) } else { addr };
             st.listeners.insert(id, ListenerState::default());
             tracing::debug!(listener = id, %bound, "listening (UCX)");
-            let ucx = UcxListener { worker: self.clone(), handle, id, cb_arg, closed: false.into() };
+            let ucx = UcxListener { worker: self.clone(), handle, id, cb_arg };
             Ok(Listener {
                 inner: Arc::new(ListenerInner {
                     worker: self.clone(),
@@ -212,7 +214,7 @@ impl Closer for ListenerInner {
     fn close(&self) {
         match &self.kind {
             Kind::Front(f) => f.close(),
-            Kind::Ucx(u) => u.close(),
+            Kind::Ucx(u) => u.stop(),
         }
     }
 }

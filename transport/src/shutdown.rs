@@ -35,7 +35,8 @@ impl Worker {
     /// Safe to drop: the listeners are closed and the endpoints' closes go on in the
     /// background.
     pub async fn shutdown(self, limit: Duration) -> Result<()> {
-        let deadline = Instant::now() + limit;
+        // (Bounded, so that `Duration::MAX` means "no limit" rather than an overflow.)
+        let deadline = Instant::now() + limit.min(Duration::from_secs(1 << 32));
         self.shared.shut.store(true, Ordering::Release);
         let closers: Vec<_> =
             std::mem::take(&mut *self.shared.closers.lock().unwrap_or_else(PoisonError::into_inner));

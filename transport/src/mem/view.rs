@@ -41,6 +41,9 @@ impl MemRegion {
                 handles - 1
             )));
         }
+        // The other handles' drops (on other threads) happen before the view's accesses,
+        // as in `Arc::get_mut`: `strong_count` alone is a relaxed load.
+        std::sync::atomic::fence(Ordering::Acquire);
         self.inner.viewed.store(true, Ordering::Release);
         Ok(RegionView { region: self })
     }

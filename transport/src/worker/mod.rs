@@ -196,12 +196,13 @@ impl WorkerBuilder {
             .map_err(Error::CreateWorker)?;
         let tables = install_am(handle, state_ptr.cast()).map_err(Error::CreateWorker)?;
         inner.locked(|st| st.am = Some(tables));
+        // Before the driver starts: a failure here drops the worker whole.
+        let own_address = inner.locked(|st| ucx_address_of(st.handle))?;
         // Only now may another thread progress it (see `live_workers`).
         register_live(&inner);
         rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));
         let id = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(worker = id, mode = ?self.mode, "worker created");
-        let own_address = inner.locked(|st| ucx_address_of(st.handle))?;
         let uuid = crate::ucx_address::uuid_of(&own_address);
         if let Some(u) = uuid {
             own_workers().insert(u, own_address.clone());
