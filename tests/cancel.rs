@@ -308,6 +308,47 @@ async fn dropped_matched_receive_finishes_in_background() {
     assert_eq!(next.await.1, b"abc");
 }
 
+/// Receives bound to an endpoint, dropped while the future holds the endpoint's last
+/// handle (the future keeps only the endpoint, through which it finds the worker): an
+/// unmatched one is canceled and its buffer never written; a matched rendezvous one
+/// keeps its buffer parked until UCX has written it, then releases it.
+#[tokio::test]
+async fn dropped_endpoint_receives_holding_the_last_endpoint() {
+    // TCP: a rendezvous over shared memory can finish within the first poll.
+    let (server, _client, a, ep) = pair("tcp,self").await;
+    let (s, state) = Sentinel::new(64, 0xAA);
+    let mut unmatched = a.tag_recv(21, tag::EXACT, s);
+    assert!(poll_once(&mut unmatched).await.is_pending());
+    let b = a.clone();
+    drop(a);
+    drop(unmatched);
+    wait_parked_zero(&server).await;
+    assert_eq!(state.load(Ordering::SeqCst), CLEAN, "the dropped receive buffer was written");
+
+    let len = 16 << 20;
+    let send = ep.tag_send(22, payload(22, len));
+    for _ in 0..10_000 {
+        if server.tag_probe(22, tag::EXACT).is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let (s, state) = Sentinel::new(len, 0x55);
+    let mut matched = b.tag_recv(22, tag::EXACT, s);
+    let pending = poll_once(&mut matched).await.is_pending();
+    assert!(pending, "a 16 MiB rendezvous receive over TCP finished at its first poll");
+    drop(b);
+    drop(matched);
+    assert_eq!(state.load(Ordering::SeqCst), NOT_DROPPED, "a buffer UCX writes was freed");
+    // The receive, parked (and the endpoint, closing through its peer, its last handle
+    // gone).
+    assert!(server.parked_requests() >= 1, "the receive is not parked");
+    let (r, _) = send.await;
+    r.unwrap();
+    wait_parked_zero(&server).await;
+    assert_ne!(state.load(Ordering::SeqCst), NOT_DROPPED, "the parked buffer is released after completion");
+}
+
 #[tokio::test]
 async fn worker_dropped_with_operations_in_flight() {
     let (server, client, a, ep) = pair("tcp,self").await;
