@@ -55,16 +55,26 @@ impl WorkerInner {
         r
     }
 
-    /// Does what was collected under the lock, once it is released.
+    /// Does what was collected under the lock, once it is released. A panic of a
+    /// task's waker or of a released buffer's drop is caught and logged: this runs inside
+    /// the calls that post operations, and an unwind there would drop the buffer of the
+    /// operation just handed to UCX.
     #[inline(never)]
     pub(super) fn run_after(&self, after: Deferred) {
+        use std::panic::{catch_unwind, AssertUnwindSafe};
         if after.kick {
             self.signal.kick();
         }
         for w in after.wake {
-            w.wake();
+            if catch_unwind(AssertUnwindSafe(|| w.wake())).is_err() {
+                tracing::error!("a task's waker panicked; the panic was caught");
+            }
         }
-        drop(after.graveyard);
+        for g in after.graveyard {
+            if catch_unwind(AssertUnwindSafe(|| drop(g))).is_err() {
+                tracing::error!("dropping a buffer UCX released panicked; the panic was caught");
+            }
+        }
         for h in after.handlers {
             h.run();
         }
