@@ -173,6 +173,11 @@ impl Message {
     }
 }
 
+/// How many times a connection through a listener is tried again after it collided with
+/// another one between the same two workers (see [`crate::pairing`]); the accepting side
+/// queues no more hellos than that for one connection.
+pub(crate) const MAX_COLLISIONS: u32 = 8;
+
 /// Whether `e` says the peer refused a hello because the connection met another one
 /// between the same two workers (the connecting side then tries again).
 pub(crate) fn is_collision(e: &crate::error::Error) -> bool {

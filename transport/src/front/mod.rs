@@ -72,9 +72,7 @@ pub(crate) mod wire;
 
 use crate::worker::ErrorMode;
 
-/// How many times a connection is tried again after it collided with another one
-/// between the same two workers (see [`crate::pairing`]).
-pub(crate) const MAX_COLLISIONS: u32 = 8;
+pub(crate) use crate::handshake::MAX_COLLISIONS;
 
 /// Whether a context can connect through UCX's connection manager (its sockets ride
 /// UCX's tcp transport).

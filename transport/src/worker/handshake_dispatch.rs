@@ -59,6 +59,11 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                     return sys::UCS_OK;
                 }
                 match st.front_accepts.get_mut(&m.nonce) {
+                    // More hellos than a client's collisions can explain are dropped:
+                    // the queue is bounded whatever a client sends.
+                    Some(w) if w.hellos.len() > handshake::MAX_COLLISIONS as usize => {
+                        st.bad_handshakes += 1;
+                    }
                     Some(w) => {
                         // Answered once the accept took the endpoint over (see `pairing`).
                         w.hellos.push_back((reply_ep, m.peer_mode));

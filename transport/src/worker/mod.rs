@@ -494,6 +494,43 @@ mod tests {
         b.unwrap();
     }
 
+    /// Hellos for a waiting front accept beyond what collisions explain are dropped and
+    /// counted: the queue stays bounded whatever a client sends.
+    #[tokio::test]
+    async fn a_flood_of_hellos_is_bounded() {
+        let c = ctx();
+        let server = c.create_worker().unwrap();
+        let client = c.create_worker().unwrap();
+        let l = server.listen_with("127.0.0.1:0".parse().unwrap(), no_handshake()).unwrap();
+        let (s, ep) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), no_handshake()));
+        let (_s, ep) = (s.unwrap(), ep.unwrap());
+        server.shared.inner.locked(|st| {
+            st.front_accepts.insert(55, FrontWait { hellos: Default::default(), waker: None });
+        });
+        let hello = crate::handshake::Message {
+            kind: Kind::FrontHello,
+            peer_mode: false,
+            nonce: 55,
+            identity: ProcessIdentity::current(),
+        };
+        let sent = 100u64;
+        for _ in 0..sent {
+            send_garbage(&ep, &hello.encode());
+        }
+        let cap = handshake::MAX_COLLISIONS as usize + 1;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let queued = server.shared.inner.locked(|st| st.front_accepts[&55].hellos.len());
+            assert!(queued <= cap, "{queued} hellos queued");
+            if queued as u64 + server.bad_handshakes() == sent {
+                assert_eq!(queued, cap);
+                break;
+            }
+            assert!(Instant::now() < deadline, "hellos lost: {queued} queued");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     #[tokio::test]
     async fn garbage_reply_fails_the_connect() {
         let c = ctx();
