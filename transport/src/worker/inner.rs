@@ -105,6 +105,8 @@ impl WorkerInner {
     /// `ucp_worker_progress` plus the work that must happen outside UCX callbacks
     /// (handshake replies, failing endpoints).
     pub(crate) fn progress_locked(&self, st: &mut State) -> u32 {
+        // SAFETY: the lock is held.
+        unsafe { request::free_spare(st) };
         // SAFETY: the worker is valid and the lock is held.
         let n = unsafe { sys::ucp_worker_progress(st.handle) };
         if st.chores {
@@ -388,7 +390,10 @@ impl Drop for WorkerInner {
             return;
         }
         // SAFETY: we are in drop, the worker not yet destroyed.
-        unsafe { request::give_up_closes(st) };
+        unsafe {
+            request::free_spare(st);
+            request::give_up_closes(st);
+        }
         if st.parked > 0 {
             tracing::warn!(
                 parked = st.parked,

@@ -69,6 +69,8 @@ pub(crate) struct State {
     /// Head of the list of pending requests bound to an endpoint (linked through their
     /// slots; see [`request::Request::bind`]).
     pub(crate) bound: *mut Slot,
+    /// A completed request not given back to UCX yet (see `request::free_later`).
+    pub(crate) spare: *mut Slot,
 }
 
 impl State {
@@ -98,6 +100,7 @@ impl State {
             am: None,
             spin_quiet_until: None,
             bound: std::ptr::null_mut(),
+            spare: std::ptr::null_mut(),
         }
     }
 
