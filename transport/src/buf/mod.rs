@@ -12,13 +12,16 @@
 //! they need no `unsafe`.
 //!
 //! A part of a buffer is sent or received through a [`Slice`] ([`IoBuf::into_slice`],
-//! [`IoBufMut::into_slice_mut`]), which gives the whole buffer back.
+//! [`IoBufMut::into_slice_mut`]), which gives the whole buffer back; several operations
+//! use parts of one buffer at once through a [`SharedBuf`].
 
 use std::ops::RangeBounds;
 
 use crate::error::Error;
+pub use shared::{SharedBuf, SharedSlice};
 pub use slice::Slice;
 
+mod shared;
 mod slice;
 
 /// A buffer UCX may read from while an operation owns it.
