@@ -1,0 +1,107 @@
+//! One-step and pairwise algorithms: gather and scatter with the root talking to every
+//! rank at once, and pairwise all-to-all.
+
+use std::ops::Range;
+
+use super::{add_mod, sub_mod, Region, Schedule};
+
+/// Gather to `root`: every rank sends its input (`Input[0..len of its block]`) and the
+/// root receives rank i's into `blocks[i]` of its data (its own block copied from its
+/// input). One step.
+pub fn gather(n: usize, r: usize, root: usize, blocks: &[Range<usize>]) -> Schedule {
+    let mut s = Schedule::default();
+    if r == root {
+        s.copy_before(0, Region::input(0..blocks[r].len()), Region::data(blocks[r].clone()));
+        for peer in (0..n).filter(|&p| p != root) {
+            s.recv(0, peer, Region::data(blocks[peer].clone()));
+        }
+    } else {
+        s.send(0, root, Region::input(0..blocks[r].len()));
+    }
+    s
+}
+
+/// Scatter from `root`: the root sends `blocks[i]` of its input to rank i, which receives
+/// it at the start of its data; the root copies its own. One step.
+pub fn scatter(n: usize, r: usize, root: usize, blocks: &[Range<usize>]) -> Schedule {
+    let mut s = Schedule::default();
+    if r == root {
+        s.copy_before(0, Region::input(blocks[r].clone()), Region::data(0..blocks[r].len()));
+        for peer in (0..n).filter(|&p| p != root) {
+            s.send(0, peer, Region::input(blocks[peer].clone()));
+        }
+    } else {
+        s.recv(0, root, Region::data(0..blocks[r].len()));
+    }
+    s
+}
+
+/// Pairwise all-to-all: rank r's block for rank i is `send[i]` of its input, and the
+/// block from rank i lands in `recv[i]` of its data. Step k (1..n) exchanges with
+/// `r + k` (send) and `r - k` (receive): one message each way per step, so no rank is
+/// flooded. `send` and `recv` are this rank's layouts (all-to-allv when they differ).
+pub fn pairwise_alltoall(n: usize, r: usize, send: &[Range<usize>], recv: &[Range<usize>]) -> Schedule {
+    let mut s = Schedule::default();
+    s.copy_before(0, Region::input(send[r].clone()), Region::data(recv[r].clone()));
+    for k in 1..n {
+        let (to, from) = (add_mod(r, k, n), sub_mod(r, k, n));
+        s.send(k - 1, to, Region::input(send[to].clone()));
+        s.recv(k - 1, from, Region::data(recv[from].clone()));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::sim::{contribution, run, SIZES};
+    use crate::schedule::{blocks_of, even_blocks};
+    use crate::ReduceOp;
+
+    #[test]
+    fn gather_and_scatter_place_every_block() {
+        for n in SIZES {
+            let lens: Vec<usize> = (0..n).map(|i| (i * 3) % 5).collect();
+            let blocks = blocks_of(&lens);
+            let count = blocks.last().map_or(0, |b| b.end);
+            for root in [0, n - 1] {
+                let inputs: Vec<Vec<u8>> = (0..n).map(|r| contribution(r, lens[r])).collect();
+                let data = (0..n).map(|r| vec![0u8; if r == root { count } else { 0 }]).collect();
+                let scheds: Vec<_> = (0..n).map(|r| gather(n, r, root, &blocks)).collect();
+                let got = run(&scheds, data, inputs.clone(), ReduceOp::Sum);
+                assert_eq!(got[root], inputs.concat(), "gather n {n} root {root}");
+
+                let all: Vec<u8> = contribution(7, count);
+                let inputs = (0..n).map(|r| if r == root { all.clone() } else { vec![] }).collect();
+                let data = (0..n).map(|r| vec![0u8; lens[r]]).collect();
+                let scheds: Vec<_> = (0..n).map(|r| scatter(n, r, root, &blocks)).collect();
+                let got = run(&scheds, data, inputs, ReduceOp::Sum);
+                for r in 0..n {
+                    assert_eq!(got[r], all[blocks[r].clone()], "scatter n {n} root {root} rank {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pairwise_alltoall_transposes() {
+        for n in SIZES {
+            for per in [0, 1, 3] {
+                let blocks = even_blocks(n * per, n);
+                let inputs: Vec<Vec<u32>> =
+                    (0..n).map(|r| (0..n * per).map(|i| (r * 1000 + i) as u32).collect()).collect();
+                let scheds: Vec<_> = (0..n).map(|r| pairwise_alltoall(n, r, &blocks, &blocks)).collect();
+                let got = run(&scheds, vec![vec![0; n * per]; n], inputs.clone(), ReduceOp::Sum);
+                for r in 0..n {
+                    for i in 0..n {
+                        assert_eq!(
+                            got[r][blocks[i].clone()],
+                            inputs[i][blocks[r].clone()],
+                            "n {n} per {per}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
