@@ -6,8 +6,11 @@
 //!   tagged messaging over UCX, driven by tokio, with owned buffers and cancel-safe
 //!   futures.
 //!
-//! Collectives and large-object push/pull are built on `transport` and will appear here
-//! as the `collectives` and `object-push` features.
+//! - `collectives` (`ucxkit-collectives`, feature `collectives`): allreduce, broadcast,
+//!   all-to-all and the rest of the MPI set between the ranks of a communicator.
+//!
+//! Large-object push/pull is built on `transport` and will appear here as the
+//! `object-push` feature.
 //!
 //! See the [`transport`] crate documentation for a quick start.
 
@@ -15,6 +18,9 @@
 #![forbid(unsafe_code)]
 
 pub use ucxkit_transport as transport;
+
+#[cfg(feature = "collectives")]
+pub use ucxkit_collectives as collectives;
 
 /// The README's example, compiled as a doctest so that it stays true.
 #[cfg(doctest)]

@@ -1,5 +1,5 @@
 //! The element types collectives move and reduce: [`Element`] (implemented for the
-//! integers, `f32`, `f64`, [`f16`] and [`bf16`]) and [`DataType`], its name at run time.
+//! integers, `f32`, `f64`, [`f16`](struct@f16) and [`bf16`]) and [`DataType`], its name at run time.
 
 use std::fmt;
 
@@ -96,7 +96,7 @@ mod sealed {
 }
 
 /// A type collectives can move and reduce. Implemented for `i8`...`i64`, `u8`...`u64`,
-/// [`f16`], [`bf16`], `f32` and `f64`; sealed.
+/// [`f16`](struct@f16), [`bf16`], `f32` and `f64`; sealed.
 pub trait Element:
     bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + Kernels + sealed::Sealed + 'static
 {

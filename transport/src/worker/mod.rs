@@ -396,6 +396,11 @@ impl Worker {
         }
     }
 
+    /// Whether `other` is a handle of this same worker.
+    pub fn same_as(&self, other: &Worker) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
     /// The context this worker belongs to.
     pub fn context(&self) -> Context {
         Context { inner: self.shared.inner.ctx.clone() }

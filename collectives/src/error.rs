@@ -1,0 +1,85 @@
+//! Errors of collective operations, and [`Failed`], which gives the caller's buffer back
+//! with the error whenever it can.
+
+use std::time::Duration;
+
+/// Why a collective (or forming a communicator) failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The call was malformed (lengths that do not fit the world size, a root out of
+    /// range, a bitwise reduction of floats); nothing was sent.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The transport failed (a peer's endpoint reset, a message of the wrong size).
+    #[error("rank {rank}: {source}")]
+    Transport {
+        /// The rank the failed operation talked to.
+        rank: usize,
+        /// What the transport reported.
+        #[source]
+        source: ucxkit_transport::Error,
+    },
+    /// A message from a peer did not have the length the schedule expects: the ranks
+    /// called different collectives, or with different sizes.
+    #[error(
+        "rank {rank} sent {} where {want} bytes were expected (do all ranks call the same collective with the same sizes?)",
+        .got.map_or_else(|| "more".to_string(), |g| format!("{g} bytes"))
+    )]
+    Mismatch {
+        /// The sending rank.
+        rank: usize,
+        /// Bytes received (None: more than expected).
+        got: Option<usize>,
+        /// Bytes expected.
+        want: usize,
+    },
+    /// The call's deadline passed before it finished.
+    #[error("the collective did not finish within {0:?}")]
+    DeadlineExceeded(Duration),
+    /// A broken invariant of this crate (a bug): reported rather than panicking.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// Forming the group failed.
+    #[error("bootstrap: {0}")]
+    Bootstrap(String),
+}
+
+/// Result of this crate's calls.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A failed collective: the error, and the caller's buffer when it could be given back
+/// (always for [`Error::InvalidArgument`]; after a failure in flight only once the
+/// transport released every part of it, else it is kept until the transport does, and
+/// then freed).
+#[derive(Debug)]
+pub struct Failed<T> {
+    /// What went wrong.
+    pub error: Error,
+    /// The buffer, when it could be given back.
+    pub buf: Option<Vec<T>>,
+}
+
+impl<T> Failed<T> {
+    pub(crate) fn new(error: Error, buf: Option<Vec<T>>) -> Failed<T> {
+        Failed { error, buf }
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Display for Failed<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl<T: std::fmt::Debug> std::error::Error for Failed<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl<T> From<Failed<T>> for Error {
+    fn from(f: Failed<T>) -> Error {
+        f.error
+    }
+}

@@ -1,0 +1,480 @@
+//! The collective operations of a [`Communicator`]. Each takes the caller's buffer by
+//! value and gives it back (as the result, or inside [`Failed`]); each call takes its
+//! sequence number when it is made, so calls made in the same order on every rank match
+//! however their futures are polled.
+
+use std::future::Future;
+
+use ucxkit_transport::tag::EXACT;
+
+use crate::comm::Communicator;
+use crate::error::{Error, Failed, Result};
+use crate::exec::{self, Bufs};
+use crate::plan::{self, Op};
+use crate::schedule::{blocks_of, even_blocks, linear, ring, Schedule};
+use crate::tag::{tag, P2P_STEP};
+use crate::{Element, ReduceOp};
+
+/// An error for a malformed call, with the buffer given back.
+fn invalid<T>(buf: Vec<T>, msg: String) -> Failed<T> {
+    Failed::new(Error::InvalidArgument(msg), Some(buf))
+}
+
+impl Communicator {
+    /// Runs `sched` on `bufs` under the communicator's deadline.
+    async fn execute<T: Element>(
+        &self,
+        seq: u16,
+        sched: &Schedule,
+        bufs: &mut Bufs<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let wire = self.wire();
+        let run = exec::run(&wire, seq, sched, bufs, op);
+        match self.opts.deadline {
+            Some(d) => tokio::time::timeout(d, run).await.map_err(|_| Error::DeadlineExceeded(d))?,
+            None => run.await,
+        }
+    }
+
+    /// Runs the planned algorithm of `op` in place on `buf` (no input buffer).
+    async fn in_place<T: Element>(
+        &self,
+        seq: u16,
+        op: Op,
+        root: usize,
+        buf: Vec<T>,
+        reduce: ReduceOp,
+    ) -> Result<Vec<T>, Failed<T>> {
+        let elem = std::mem::size_of::<T>();
+        let count = buf.len();
+        let alg = self.plan(op, count * elem, elem, root).algorithm;
+        let sched = plan::schedule(op, alg, self.size(), self.rank(), root, count, elem);
+        self.finish(seq, &sched, Bufs::new(buf, Vec::new(), sched.scratch), reduce, true).await
+    }
+
+    /// Runs `sched` and gives back the data buffer (on failure: the data buffer when
+    /// `data_is_callers`, else the input).
+    async fn finish<T: Element>(
+        &self,
+        seq: u16,
+        sched: &Schedule,
+        mut bufs: Bufs<T>,
+        reduce: ReduceOp,
+        data_is_callers: bool,
+    ) -> Result<Vec<T>, Failed<T>> {
+        match self.execute(seq, sched, &mut bufs, reduce).await {
+            Ok(()) => match bufs.into_data() {
+                Some(v) => Ok(v),
+                None => Err(Failed::new(Error::Internal("the result buffer is still in use".into()), None)),
+            },
+            Err(e) if data_is_callers => Err(Failed::new(e, bufs.into_data())),
+            Err(e) => {
+                let input = bufs.take_input();
+                Err(Failed::new(e, input))
+            }
+        }
+    }
+
+    fn check_reduce<T: Element>(&self, op: ReduceOp) -> Option<String> {
+        (!op.applies_to(T::DTYPE)).then(|| format!("{op} does not apply to {}", T::DTYPE))
+    }
+
+    fn check_root(&self, root: usize) -> Option<String> {
+        (root >= self.size()).then(|| format!("root {root} is outside a group of {}", self.size()))
+    }
+
+    fn check_counts(&self, counts: &[usize]) -> Option<String> {
+        (counts.len() != self.size())
+            .then(|| format!("{} counts for a group of {}", counts.len(), self.size()))
+    }
+
+    /// Every rank ends with the element-wise reduction of all ranks' `buf` (all of the
+    /// same length).
+    pub fn allreduce<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            if let Some(m) = comm.check_reduce::<T>(op) {
+                return Err(invalid(buf, m));
+            }
+            comm.in_place(seq, Op::Allreduce, 0, buf, op).await
+        }
+    }
+
+    /// Every rank ends with `root`'s `buf`; every rank passes a buffer of the same length
+    /// (what the others' hold is overwritten).
+    pub fn broadcast<T: Element>(
+        &self,
+        buf: Vec<T>,
+        root: usize,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            if let Some(m) = comm.check_root(root) {
+                return Err(invalid(buf, m));
+            }
+            comm.in_place(seq, Op::Broadcast, root, buf, ReduceOp::Sum).await
+        }
+    }
+
+    /// `root` ends with the reduction of all ranks' `buf`; the others get their buffer
+    /// back holding a partial result.
+    pub fn reduce<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
+                return Err(invalid(buf, m));
+            }
+            comm.in_place(seq, Op::Reduce, root, buf, op).await
+        }
+    }
+
+    /// Every rank ends with all ranks' `buf`s (of the same length) one after the other,
+    /// in rank order.
+    pub fn allgather<T: Element>(
+        &self,
+        buf: Vec<T>,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let counts = vec![buf.len(); self.size()];
+        self.allgather_v(buf, counts)
+    }
+
+    /// [`Communicator::allgather`] where rank i contributes `counts[i]` elements (this
+    /// rank's `buf` holds `counts[rank]`).
+    pub fn allgather_v<T: Element>(
+        &self,
+        buf: Vec<T>,
+        counts: Vec<usize>,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_counts(&counts) {
+                return Err(invalid(buf, m));
+            }
+            if buf.len() != counts[r] {
+                let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
+            data[blocks[r].clone()].copy_from_slice(&buf);
+            let sched = ring::allgather(n, r, &blocks);
+            comm.finish(seq, &sched, Bufs::new(data, buf, 0), ReduceOp::Sum, false).await
+        }
+    }
+
+    /// Reduces all ranks' `buf` (of the same length) and leaves rank i block i of the
+    /// result: the length cut into `size()` blocks as evenly as possible, the first
+    /// `len % size` one element longer.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let counts = even_blocks(buf.len(), self.size()).iter().map(|b| b.len()).collect();
+        self.reduce_scatter_v(buf, counts, op)
+    }
+
+    /// [`Communicator::reduce_scatter`] with rank i's block `counts[i]` elements long
+    /// (`buf` holds their sum).
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        buf: Vec<T>,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
+                return Err(invalid(buf, m));
+            }
+            if counts.iter().sum::<usize>() != buf.len() {
+                let m = format!(
+                    "the counts add up to {}, the buffer holds {}",
+                    counts.iter().sum::<usize>(),
+                    buf.len()
+                );
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let elem = std::mem::size_of::<T>();
+            let even = even_blocks(buf.len(), n) == blocks;
+            let alg = if even {
+                comm.plan(Op::ReduceScatter, buf.len() / n.max(1) * elem, elem, 0).algorithm
+            } else {
+                plan::Algorithm::Ring
+            };
+            let sched = match alg {
+                plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
+                _ => ring::reduce_scatter(n, r, &blocks),
+            };
+            let mut out =
+                comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), sched.scratch), op, true).await?;
+            // This rank's block to the front, the rest cut off.
+            out.copy_within(blocks[r].clone(), 0);
+            out.truncate(blocks[r].len());
+            Ok(out)
+        }
+    }
+
+    /// `root` ends with all ranks' `buf` (of the same length) one after the other; the
+    /// others get their buffer back.
+    pub fn gather<T: Element>(
+        &self,
+        buf: Vec<T>,
+        root: usize,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let counts = vec![buf.len(); self.size()];
+        self.gather_v(buf, counts, root)
+    }
+
+    /// [`Communicator::gather`] where rank i contributes `counts[i]` elements.
+    pub fn gather_v<T: Element>(
+        &self,
+        buf: Vec<T>,
+        counts: Vec<usize>,
+        root: usize,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
+                return Err(invalid(buf, m));
+            }
+            if buf.len() != counts[r] {
+                let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let sched = linear::gather(n, r, root, &blocks);
+            if r != root {
+                let mut bufs = Bufs::new(Vec::new(), buf, 0);
+                return match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
+                    Ok(()) => bufs.take_input().ok_or_else(|| {
+                        Failed::new(Error::Internal("the input is still in use".into()), None)
+                    }),
+                    Err(e) => Err(Failed::new(e, bufs.take_input())),
+                };
+            }
+            let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
+            comm.finish(seq, &sched, Bufs::new(data, buf, 0), ReduceOp::Sum, false).await
+        }
+    }
+
+    /// Rank i ends with elements `i * count..(i + 1) * count` of `root`'s `buf` (which
+    /// holds `size() * count`); the others' `buf` only lends its allocation.
+    pub fn scatter<T: Element>(
+        &self,
+        buf: Vec<T>,
+        count: usize,
+        root: usize,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let counts = vec![count; self.size()];
+        self.scatter_v(buf, counts, root)
+    }
+
+    /// [`Communicator::scatter`] with rank i's part `counts[i]` elements long.
+    pub fn scatter_v<T: Element>(
+        &self,
+        buf: Vec<T>,
+        counts: Vec<usize>,
+        root: usize,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
+                return Err(invalid(buf, m));
+            }
+            let total: usize = counts.iter().sum();
+            if r == root && buf.len() != total {
+                let m = format!("the root's buffer holds {}, the counts add up to {total}", buf.len());
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let sched = linear::scatter(n, r, root, &blocks);
+            let (data, input) = if r == root {
+                (vec![T::zeroed(); counts[r]], buf)
+            } else {
+                let mut b = buf;
+                b.clear();
+                b.resize(counts[r], T::zeroed());
+                (b, Vec::new())
+            };
+            comm.finish(seq, &sched, Bufs::new(data, input, 0), ReduceOp::Sum, r != root).await
+        }
+    }
+
+    /// Rank r sends block i of its `buf` (`size()` blocks of equal length) to rank i and
+    /// ends with block r of every rank's, in rank order.
+    pub fn alltoall<T: Element>(
+        &self,
+        buf: Vec<T>,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let n = self.size();
+        let each = buf.len() / n.max(1);
+        let counts = if buf.len() % n.max(1) == 0 { vec![each; n] } else { Vec::new() };
+        self.alltoall_v(buf, counts.clone(), counts)
+    }
+
+    /// All-to-all with this rank's block for rank i `send_counts[i]` elements long and
+    /// the block from rank i `recv_counts[i]` long (each rank's send counts must match
+    /// its peers' receive counts).
+    pub fn alltoall_v<T: Element>(
+        &self,
+        buf: Vec<T>,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_counts(&send_counts).or_else(|| comm.check_counts(&recv_counts)) {
+                return Err(invalid(
+                    buf,
+                    format!("{m} (an all-to-all buffer's length must be a multiple of the group's size)"),
+                ));
+            }
+            if send_counts.iter().sum::<usize>() != buf.len() {
+                return Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
+            }
+            let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
+            let sched = linear::pairwise_alltoall(n, r, &send, &recv);
+            let data = vec![T::zeroed(); recv_counts.iter().sum()];
+            comm.finish(seq, &sched, Bufs::new(data, buf, 0), ReduceOp::Sum, false).await
+        }
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> impl Future<Output = Result<()>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let sched = plan::schedule(
+                Op::Barrier,
+                plan::Algorithm::Dissemination,
+                comm.size(),
+                comm.rank(),
+                0,
+                0,
+                1,
+            );
+            let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), 0);
+            comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await
+        }
+    }
+
+    /// Rank r ends with the reduction of ranks `0..=r`'s `buf`.
+    pub fn scan<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        self.scan_inner(buf, op, false)
+    }
+
+    /// Rank r ends with the reduction of ranks `0..r`'s `buf`; rank 0 gets its buffer
+    /// back as it was.
+    pub fn exscan<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        self.scan_inner(buf, op, true)
+    }
+
+    fn scan_inner<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+        exclusive: bool,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            if let Some(m) = comm.check_reduce::<T>(op) {
+                return Err(invalid(buf, m));
+            }
+            let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
+            comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), sched.scratch), op, true).await
+        }
+    }
+
+    /// Sends `buf` to rank `peer` with `tag` (point to point, matched by
+    /// [`Communicator::recv`] on `peer` with this rank and the same tag, in order).
+    pub fn send<T: Element>(
+        &self,
+        buf: Vec<T>,
+        peer: usize,
+        tag_: u16,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let comm = self.clone();
+        async move {
+            let Some(ep) = comm.endpoint(peer) else {
+                return Err(invalid(
+                    buf,
+                    format!("no rank {peer} to send to (this is rank {})", comm.rank()),
+                ));
+            };
+            let b = ucxkit_transport::SharedBuf::new(buf);
+            let (r, s) =
+                comm.inner.ns.tag_send(ep, tag(comm.id(), tag_, P2P_STEP, comm.rank()), b.whole()).await;
+            drop(s);
+            let buf = b.try_into_vec().ok();
+            match r {
+                Ok(()) => {
+                    buf.ok_or_else(|| Failed::new(Error::Internal("send buffer still in use".into()), None))
+                }
+                Err(source) => Err(Failed::new(Error::Transport { rank: peer, source }, buf)),
+            }
+        }
+    }
+
+    /// Receives into `buf` (exactly its length) what rank `peer` sends with `tag`.
+    pub fn recv<T: Element>(
+        &self,
+        buf: Vec<T>,
+        peer: usize,
+        tag_: u16,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let comm = self.clone();
+        async move {
+            let Some(ep) = comm.endpoint(peer) else {
+                return Err(invalid(
+                    buf,
+                    format!("no rank {peer} to receive from (this is rank {})", comm.rank()),
+                ));
+            };
+            let want = std::mem::size_of_val(&buf[..]);
+            let b = ucxkit_transport::SharedBuf::new(buf);
+            let (r, s) =
+                comm.inner.ns.tag_recv_from(ep, tag(comm.id(), tag_, P2P_STEP, peer), EXACT, b.whole()).await;
+            drop(s);
+            let buf = b.try_into_vec().ok();
+            let r = match r {
+                Ok(info) if info.len == want => Ok(()),
+                Ok(info) => Err(Error::Mismatch { rank: peer, got: Some(info.len), want }),
+                Err(ucxkit_transport::Error::Truncated { .. }) => {
+                    Err(Error::Mismatch { rank: peer, got: None, want })
+                }
+                Err(source) => Err(Error::Transport { rank: peer, source }),
+            };
+            match (r, buf) {
+                (Ok(()), Some(b)) => Ok(b),
+                (Ok(()), None) => {
+                    Err(Failed::new(Error::Internal("receive buffer still in use".into()), None))
+                }
+                (Err(e), b) => Err(Failed::new(e, b)),
+            }
+        }
+    }
+}

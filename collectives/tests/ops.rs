@@ -1,0 +1,257 @@
+//! Every operation of a communicator against a naive reference, on in-process groups of
+//! 1 to 5 workers (full meshes over TCP and shared memory), with every algorithm the
+//! planner can pick forced in turn; concurrent calls; malformed calls; mismatched calls.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use ucxkit_collectives::{Communicator, Element, Error, Op, Options, ReduceOp};
+use ucxkit_testkit as common;
+use ucxkit_transport::namespace::COLLECTIVES;
+
+const TLS: &str = "tcp,posix,cma,self";
+
+/// A communicator per worker of a fresh mesh of `n`.
+async fn group(n: usize) -> (common::Mesh, Vec<Communicator>) {
+    let mesh = common::mesh(TLS, n).await;
+    let comms = (0..n)
+        .map(|r| {
+            let ns = mesh.workers[r].namespace(COLLECTIVES).expect("namespace");
+            Communicator::from_endpoints(&ns, 0, r, mesh.eps[r].clone()).expect("communicator")
+        })
+        .collect();
+    (mesh, comms)
+}
+
+fn contribution<T: Element>(r: usize, count: usize) -> Vec<T> {
+    (0..count).map(|i| T::from_small(((r * 7 + i * 3) % 5) as u8 + 1)).collect()
+}
+
+fn reduce_all<T: Element>(parts: &[Vec<T>], op: ReduceOp) -> Vec<T> {
+    let mut acc = parts[0].clone();
+    for p in &parts[1..] {
+        T::reduce(op, &mut acc, p);
+    }
+    acc
+}
+
+/// Runs `f(rank, comm)` on every rank at once and returns the results in rank order.
+async fn all<F, Fut, R>(comms: &[Communicator], f: F) -> Vec<R>
+where
+    F: Fn(usize, Communicator) -> Fut,
+    Fut: std::future::Future<Output = R>,
+{
+    let limit = Duration::from_secs(60);
+    tokio::time::timeout(limit, join_all(comms.iter().enumerate().map(|(r, c)| f(r, c.clone()))))
+        .await
+        .expect("collective finished in time")
+}
+
+async fn check_reductions<T: Element>(comms: &[Communicator], count: usize, op: ReduceOp) {
+    let n = comms.len();
+    let parts: Vec<Vec<T>> = (0..n).map(|r| contribution(r, count)).collect();
+    let want = reduce_all(&parts, op);
+    let got = all(comms, |r, c| {
+        let p = parts[r].clone();
+        async move { c.allreduce(p, op).await.expect("allreduce") }
+    })
+    .await;
+    assert!(got.iter().all(|g| *g == want), "allreduce {} {op} n {n} count {count}", T::DTYPE);
+    let root = n - 1;
+    let got = all(comms, |r, c| {
+        let p = parts[r].clone();
+        async move { c.reduce(p, op, root).await.expect("reduce") }
+    })
+    .await;
+    assert_eq!(got[root], want, "reduce {} n {n} count {count}", T::DTYPE);
+    let got = all(comms, |r, c| {
+        let p = parts[r].clone();
+        async move { c.reduce_scatter(p, op).await.expect("reduce_scatter") }
+    })
+    .await;
+    assert_eq!(got.concat(), want, "reduce_scatter {} n {n} count {count}", T::DTYPE);
+    for exclusive in [false, true] {
+        let got = all(comms, |r, c| {
+            let p = parts[r].clone();
+            async move {
+                if exclusive {
+                    c.exscan(p, op).await.expect("exscan")
+                } else {
+                    c.scan(p, op).await.expect("scan")
+                }
+            }
+        })
+        .await;
+        for (r, g) in got.iter().enumerate() {
+            let want = match (exclusive, r) {
+                (true, 0) => parts[0].clone(),
+                (true, _) => reduce_all(&parts[..r], op),
+                (false, _) => reduce_all(&parts[..=r], op),
+            };
+            assert_eq!(*g, want, "scan exclusive {exclusive} rank {r}");
+        }
+    }
+}
+
+async fn check_movement(comms: &[Communicator], count: usize) {
+    let n = comms.len();
+    let parts: Vec<Vec<u32>> = (0..n).map(|r| (0..count).map(|i| (r * 1000 + i) as u32).collect()).collect();
+    for root in [0, n / 2] {
+        let got = all(comms, |r, c| {
+            let b = if r == root { parts[root].clone() } else { vec![0; count] };
+            async move { c.broadcast(b, root).await.expect("broadcast") }
+        })
+        .await;
+        assert!(got.iter().all(|g| *g == parts[root]), "broadcast n {n} count {count} root {root}");
+        let got = all(comms, |r, c| {
+            let p = parts[r].clone();
+            async move { c.gather(p, root).await.expect("gather") }
+        })
+        .await;
+        assert_eq!(got[root], parts.concat(), "gather n {n} count {count}");
+        let got = all(comms, |r, c| {
+            let b = if r == root { parts.concat() } else { Vec::new() };
+            async move { c.scatter(b, count, root).await.expect("scatter") }
+        })
+        .await;
+        assert_eq!(got, parts, "scatter n {n} count {count}");
+    }
+    let got = all(comms, |r, c| {
+        let p = parts[r].clone();
+        async move { c.allgather(p).await.expect("allgather") }
+    })
+    .await;
+    assert!(got.iter().all(|g| *g == parts.concat()), "allgather n {n} count {count}");
+    let got = all(comms, |r, c| {
+        let b: Vec<u32> = (0..n * count).map(|i| (r * 100_000 + i) as u32).collect();
+        async move { c.alltoall(b).await.expect("alltoall") }
+    })
+    .await;
+    for (r, g) in got.iter().enumerate() {
+        let want: Vec<u32> = (0..n)
+            .flat_map(|src| (r * count..(r + 1) * count).map(move |i| (src * 100_000 + i) as u32))
+            .collect();
+        assert_eq!(*g, want, "alltoall n {n} count {count} rank {r}");
+    }
+    all(comms, |_, c| async move { c.barrier().await.expect("barrier") }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_matches_the_reference_on_1_to_5_ranks() {
+    for n in 1..=5 {
+        let (_mesh, comms) = group(n).await;
+        for count in [0, 1, 7, 1000] {
+            check_reductions::<i32>(&comms, count, ReduceOp::Sum).await;
+            check_movement(&comms, count).await;
+        }
+        check_reductions::<f32>(&comms, 33, ReduceOp::Max).await;
+        check_reductions::<u8>(&comms, 5, ReduceOp::Bxor).await;
+        check_reductions::<ucxkit_collectives::bf16>(&comms, 300, ReduceOp::Sum).await;
+        check_reductions::<ucxkit_collectives::f16>(&comms, 3, ReduceOp::Prod).await;
+        check_reductions::<u64>(&comms, 100_000, ReduceOp::Min).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_algorithm_runs_when_forced() {
+    for n in [2, 3, 4, 5] {
+        let (_mesh, comms) = group(n).await;
+        for op in [Op::Allreduce, Op::Broadcast, Op::Reduce, Op::ReduceScatter] {
+            for alg in op.candidates() {
+                let forced: Vec<Communicator> = comms
+                    .iter()
+                    .map(|c| c.with_options(Options { algorithm: vec![(op, *alg)], ..Default::default() }))
+                    .collect();
+                assert!(forced[0].plan(op, 64, 4, 0).forced);
+                for count in [1, 250_000] {
+                    match op {
+                        Op::Broadcast => check_movement(&forced, count).await,
+                        _ => check_reductions::<i64>(&forced, count, ReduceOp::Sum).await,
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_collectives_do_not_cross() {
+    let (_mesh, comms) = group(4).await;
+    let got = all(&comms, |r, c| async move {
+        // Started in the same order everywhere, awaited in reverse.
+        let futs: Vec<_> =
+            (0..8).map(|k| c.allreduce(vec![(r * 10 + k) as i64; 3 + k * 1000], ReduceOp::Sum)).collect();
+        let mut out = Vec::new();
+        for f in futs.into_iter().rev() {
+            out.push(f.await.expect("allreduce"));
+        }
+        out
+    })
+    .await;
+    for (k, res) in got[0].iter().rev().enumerate() {
+        let want = (0..4).map(|r| (r * 10 + k) as i64).sum::<i64>();
+        assert!(res.iter().all(|v| *v == want) && res.len() == 3 + k * 1000, "call {k}");
+    }
+    assert!(got.iter().all(|g| *g == got[0]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn point_to_point_messages_match_by_peer_and_tag() {
+    let (_mesh, comms) = group(3).await;
+    let got = all(&comms, |r, c| async move {
+        match r {
+            0 => {
+                let b = c.recv(vec![0u16; 4], 2, 7).await.expect("recv 7");
+                let a = c.recv(vec![0u16; 4], 1, 7).await.expect("recv from 1");
+                [a, b].concat()
+            }
+            r => c.send(vec![r as u16; 4], 0, 7).await.expect("send"),
+        }
+    })
+    .await;
+    assert_eq!(got[0], [vec![1; 4], vec![2; 4]].concat());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_calls_give_the_buffer_back() {
+    let (_mesh, comms) = group(2).await;
+    let c = &comms[0];
+    let f = c.allreduce(vec![1.0f32; 3], ReduceOp::Band).await.expect_err("bitwise on floats");
+    assert!(matches!(f.error, Error::InvalidArgument(_)), "{}", f.error);
+    assert_eq!(f.buf, Some(vec![1.0; 3]));
+    let f = c.broadcast(vec![1u8; 2], 2).await.expect_err("root out of range");
+    assert_eq!(f.buf, Some(vec![1; 2]));
+    let f = c.alltoall(vec![1u8; 3]).await.expect_err("not a multiple of the size");
+    assert_eq!(f.buf, Some(vec![1; 3]));
+    let f = c.allgather_v(vec![1u8; 3], vec![3]).await.expect_err("counts of the wrong length");
+    assert_eq!(f.buf.map(|b| b.len()), Some(3));
+    let f = c.send(vec![1u8], 0, 0).await.expect_err("send to self");
+    assert_eq!(f.buf, Some(vec![1]));
+    assert!(Communicator::from_endpoints(
+        &comms[1].endpoint(0).expect("ep").worker().namespace(COLLECTIVES + 5).expect("ns"),
+        0,
+        2,
+        vec![None, None]
+    )
+    .is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_sizes_are_reported_and_a_silent_peer_hits_the_deadline() {
+    let (_mesh, comms) = group(2).await;
+    let opts = Options { deadline: Some(Duration::from_millis(500)), ..Default::default() };
+    let timed: Vec<Communicator> = comms.iter().map(|c| c.with_options(opts.clone())).collect();
+    let got = all(&timed, |r, c| async move {
+        c.broadcast(vec![1u32; 4 + r], 0).await.map(|_| ()).map_err(|f| f.error)
+    })
+    .await;
+    assert!(got.iter().any(|r| matches!(r, Err(Error::Mismatch { .. }))), "{got:?}");
+    // Rank 1 never calls: rank 0 gives up at its deadline, with its buffer back.
+    let (_mesh, comms) = group(2).await;
+    let c = comms[0].with_options(opts);
+    let t = std::time::Instant::now();
+    let f = c.allreduce(vec![5u8; 4], ReduceOp::Sum).await.expect_err("no peer");
+    assert!(matches!(f.error, Error::DeadlineExceeded(_)), "{}", f.error);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert_eq!(f.buf.map(|b| b.len()), Some(4));
+}
