@@ -27,6 +27,34 @@ pub struct Options {
 /// Plans kept per communicator before the cache starts over.
 const PLAN_CACHE: usize = 512;
 
+/// The communicator ids in use among a family of communicators (one made by
+/// [`Communicator::from_endpoints`] or a bootstrap, and those split or duplicated from
+/// it), as a bitmap.
+#[derive(Default)]
+pub(crate) struct IdPool {
+    used: [u64; (MAX_COMMS / 64) as usize],
+}
+
+impl IdPool {
+    fn take(&mut self, id: u16) {
+        self.used[usize::from(id / 64)] |= 1 << (id % 64);
+    }
+
+    fn free(&mut self, id: u16) {
+        self.used[usize::from(id / 64)] &= !(1 << (id % 64));
+    }
+
+    /// The free ids, as a bitmap (1: free).
+    fn free_map(&self) -> Vec<u64> {
+        self.used.iter().map(|u| !u).collect()
+    }
+}
+
+/// The lowest id set in `map`, a bitmap of free ids.
+fn lowest(map: &[u64]) -> Option<u16> {
+    map.iter().enumerate().find(|(_, w)| **w != 0).map(|(i, w)| (i * 64) as u16 + w.trailing_zeros() as u16)
+}
+
 pub(crate) struct Inner {
     pub(crate) ns: Namespace,
     pub(crate) eps: Vec<Option<Endpoint>>,
@@ -36,6 +64,13 @@ pub(crate) struct Inner {
     seq: Mutex<u16>,
     plans: Mutex<HashMap<(Op, usize, usize, usize), Plan>>,
     forced_env: Vec<(Op, Algorithm)>,
+    ids: Arc<Mutex<IdPool>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.ids.lock().unwrap_or_else(PoisonError::into_inner).free(self.id);
+    }
 }
 
 /// A group of `size()` ranks that run collectives together; this process is rank
@@ -98,6 +133,18 @@ impl Communicator {
                 _ => {}
             }
         }
+        let mut pool = IdPool::default();
+        pool.take(id);
+        Communicator::new(ns, id, rank, eps, Arc::new(Mutex::new(pool)))
+    }
+
+    fn new(
+        ns: &Namespace,
+        id: u16,
+        rank: usize,
+        eps: Vec<Option<Endpoint>>,
+        ids: Arc<Mutex<IdPool>>,
+    ) -> Result<Communicator> {
         let forced_env = match std::env::var(plan::ENV) {
             Ok(spec) => plan::parse_forced(&spec)
                 .map_err(|e| Error::InvalidArgument(format!("{}: {e}", plan::ENV)))?,
@@ -112,9 +159,56 @@ impl Communicator {
                 seq: Mutex::new(0),
                 plans: Mutex::new(HashMap::new()),
                 forced_env,
+                ids,
             }),
             opts: Arc::new(Options::default()),
         })
+    }
+
+    /// Splits the group: the ranks that pass the same `color` form a new communicator,
+    /// ordered by `key` (ties by rank here); a rank passing None takes part but gets
+    /// none. Every rank of this communicator must call it (it is a collective: two of
+    /// them run on this communicator, for the colours and for a free id). Endpoints are
+    /// shared with this communicator: nothing new is connected.
+    ///
+    /// Not to be called concurrently with another `split` or `dup` of a communicator of
+    /// the same family (they could pick the same id).
+    ///
+    /// # Errors
+    /// What the two collectives report, or [`Error::InvalidArgument`] when every
+    /// communicator id is taken.
+    pub async fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        let free = self.inner.ids.lock().unwrap_or_else(PoisonError::into_inner).free_map();
+        let mine = vec![color.map_or(u64::MAX, u64::from), key as u64];
+        let everyone = self.allgather(mine).await?;
+        let free = self.allreduce(free, crate::ReduceOp::Band).await?;
+        let Some(color) = color else { return Ok(None) };
+        let id =
+            lowest(&free).ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
+        let mut members: Vec<(i64, usize)> = everyone
+            .chunks_exact(2)
+            .enumerate()
+            .filter(|(_, c)| c[0] == u64::from(color))
+            .map(|(r, c)| (c[1] as i64, r))
+            .collect();
+        members.sort_unstable();
+        let rank = members.iter().position(|(_, r)| *r == self.rank()).unwrap_or_default();
+        let eps = members.iter().map(|(_, r)| self.inner.eps[*r].clone()).collect();
+        self.inner.ids.lock().unwrap_or_else(PoisonError::into_inner).take(id);
+        let c = Communicator::new(&self.inner.ns, id, rank, eps, self.inner.ids.clone())?;
+        Ok(Some(c.with_options((*self.opts).clone())))
+    }
+
+    /// A second communicator over the same ranks, in the same order, whose collectives
+    /// never match this one's. A collective over this communicator.
+    ///
+    /// # Errors
+    /// As for [`Communicator::split`].
+    pub async fn dup(&self) -> Result<Communicator> {
+        match self.split(Some(0), self.rank() as i64).await? {
+            Some(c) => Ok(c),
+            None => Err(Error::Internal("dup gave no communicator".into())),
+        }
     }
 
     /// This communicator with `opts` for the calls made through the returned handle

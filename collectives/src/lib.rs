@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod bootstrap;
 mod comm;
 pub mod dtype;
 pub mod error;
@@ -20,8 +21,10 @@ mod ops;
 pub mod plan;
 pub mod reduce;
 pub mod schedule;
+pub mod store;
 pub mod tag;
 
+pub use bootstrap::InitOptions;
 pub use comm::{Communicator, Options};
 pub use dtype::{bf16, f16, DataType, Element};
 pub use error::{Error, Failed, Result};

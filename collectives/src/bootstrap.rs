@@ -1,0 +1,192 @@
+//! Forming a group: every rank publishes its worker's address in a [`Store`], reads
+//! everyone else's, connects an endpoint to each, and the group holds a barrier before
+//! it is handed out, so every rank leaves [`Communicator::bootstrap`] only once all
+//! are connected. The whole of it has a deadline, and a rank that never came is named.
+
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use ucxkit_transport::{namespace::COLLECTIVES, Context, ProgressMode, Worker, WorkerAddress};
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::store::env::{self, StoreAddr};
+use crate::store::{FileStore, Store, TcpStore, TcpStoreServer};
+
+/// How [`Communicator::init_with`] forms its group.
+#[derive(Clone, Debug)]
+pub struct InitOptions {
+    /// Forming the group fails past this.
+    pub deadline: Duration,
+    /// The progress mode of the worker it makes.
+    pub progress: ProgressMode,
+    /// UCX transports for the context it makes (`UCX_TLS` syntax; None: UCX's choice).
+    pub transports: Option<String>,
+}
+
+impl Default for InitOptions {
+    /// 60 s, event-driven progress, UCX's transports.
+    fn default() -> Self {
+        InitOptions { deadline: Duration::from_secs(60), progress: ProgressMode::Event, transports: None }
+    }
+}
+
+fn boot(what: impl std::fmt::Display) -> Error {
+    Error::Bootstrap(what.to_string())
+}
+
+fn addr_key(r: usize) -> String {
+    format!("ucxkit/world/addr/{r}")
+}
+
+impl Communicator {
+    /// Forms a group of `size` ranks, this process being `rank`, meeting at `store`:
+    /// `host:port` (rank 0 serves a TCP store there for as long as forming takes) or
+    /// `file:DIR`. Makes a context and a worker of its own; see
+    /// [`Communicator::bootstrap`] to use yours.
+    ///
+    /// # Errors
+    /// [`Error::Bootstrap`] when the store cannot be reached or served, when ranks do not
+    /// all come within 60 s (naming those that did not), or when connecting fails.
+    pub async fn init(rank: usize, size: usize, store: &str) -> Result<Communicator> {
+        Self::init_with(rank, size, store, InitOptions::default()).await
+    }
+
+    /// [`Communicator::init`] with options.
+    ///
+    /// # Errors
+    /// As for [`Communicator::init`].
+    pub async fn init_with(rank: usize, size: usize, store: &str, opts: InitOptions) -> Result<Communicator> {
+        let addr: StoreAddr = store.parse()?;
+        let mut ctx = Context::builder();
+        if let Some(t) = &opts.transports {
+            ctx = ctx.transports(t);
+        }
+        let ctx = ctx.build().map_err(|e| boot(format!("making a UCX context: {e}")))?;
+        let worker = ctx
+            .worker()
+            .progress_mode(opts.progress)
+            .build()
+            .map_err(|e| boot(format!("making a worker: {e}")))?;
+        let (store, _server) = open(&addr, rank, opts.deadline).await?;
+        Self::bootstrap(&worker, rank, size, &*store, opts.deadline).await
+    }
+
+    /// Forms the group its launcher describes (`mpirun`, `srun`, torchrun; see
+    /// [`crate::store::env`]), with [`InitOptions::default`].
+    ///
+    /// # Errors
+    /// As for [`crate::store::env::detect`] and [`Communicator::init`].
+    pub async fn from_env() -> Result<Communicator> {
+        Self::from_launch(&env::detect()?, InitOptions::default()).await
+    }
+
+    /// Forms the group `launch` describes (see [`crate::store::env::detect_from`]).
+    ///
+    /// # Errors
+    /// As for [`Communicator::init`].
+    pub async fn from_launch(launch: &env::Launch, opts: InitOptions) -> Result<Communicator> {
+        let store = match &launch.store {
+            StoreAddr::Tcp(a) => a.clone(),
+            StoreAddr::File(d) => format!("file:{}", d.display()),
+        };
+        Self::init_with(launch.rank, launch.size, &store, opts).await
+    }
+
+    /// Forms a group of `size` ranks on `worker` through `store`: claims the worker's
+    /// collectives namespace (so at most one group per worker forms this way at a
+    /// time; more come from [`Communicator::split`] and [`Communicator::dup`]),
+    /// publishes the worker's address, connects to every other rank and holds a
+    /// barrier, all within `deadline`.
+    ///
+    /// # Errors
+    /// [`Error::Bootstrap`] naming the ranks that never published their address, or what
+    /// failed; [`Error::InvalidArgument`] for a rank outside the group.
+    pub async fn bootstrap(
+        worker: &Worker,
+        rank: usize,
+        size: usize,
+        store: &dyn Store,
+        deadline: Duration,
+    ) -> Result<Communicator> {
+        if rank >= size {
+            return Err(Error::InvalidArgument(format!("rank {rank} is outside a group of {size}")));
+        }
+        let end = Instant::now() + deadline;
+        let left = || end.saturating_duration_since(Instant::now());
+        let ns = worker
+            .namespace(COLLECTIVES)
+            .map_err(|e| boot(format!("claiming the collectives namespace: {e}")))?;
+        let me = worker.address().map_err(|e| boot(format!("reading the worker address: {e}")))?;
+        let mut value = (size as u64).to_le_bytes().to_vec();
+        value.extend_from_slice(me.as_bytes());
+        store.set(&addr_key(rank), &value).await?;
+        let keys: Vec<String> = (0..size).map(addr_key).collect();
+        let values = match store.wait(&keys, left()).await {
+            Ok(v) => v,
+            Err(_) => return Err(absent(store, size, deadline).await),
+        };
+        let mut addrs = Vec::with_capacity(size);
+        for (r, v) in values.iter().enumerate() {
+            let (n, a) = v.split_at(v.len().min(8));
+            let n = u64::from_le_bytes(n.try_into().unwrap_or_default());
+            if n != size as u64 {
+                return Err(boot(format!("rank {r} forms a group of {n}, this rank ({rank}) one of {size}")));
+            }
+            addrs.push(
+                WorkerAddress::from_bytes(a).map_err(|e| boot(format!("rank {r}'s worker address: {e}")))?,
+            );
+        }
+        let connects = (0..size).map(|r| {
+            let a = &addrs[r];
+            async move {
+                if r == rank {
+                    return Ok(None);
+                }
+                worker
+                    .connect_address(a)
+                    .await
+                    .map(Some)
+                    .map_err(|e| boot(format!("connecting to rank {r}: {e}")))
+            }
+        });
+        let eps = tokio::time::timeout(left(), join_all(connects))
+            .await
+            .map_err(|_| boot(format!("connecting to every rank took over {deadline:?}")))?
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        let comm = Communicator::from_endpoints(&ns, 0, rank, eps)?;
+        match tokio::time::timeout(left(), comm.barrier()).await {
+            Ok(Ok(())) => Ok(comm),
+            Ok(Err(e)) => Err(boot(format!("the group's first barrier failed: {e}"))),
+            Err(_) => Err(boot(format!("the group's first barrier did not finish within {deadline:?}"))),
+        }
+    }
+}
+
+/// The error naming the ranks whose address is missing.
+async fn absent(store: &dyn Store, size: usize, deadline: Duration) -> Error {
+    let mut missing = Vec::new();
+    for r in 0..size {
+        if !matches!(store.get(&addr_key(r)).await, Ok(Some(_))) {
+            missing.push(r.to_string());
+        }
+    }
+    boot(format!("ranks {} never came within {deadline:?}", missing.join(", ")))
+}
+
+/// Opens the store at `addr`: rank 0 serves a TCP one first.
+async fn open(
+    addr: &StoreAddr,
+    rank: usize,
+    deadline: Duration,
+) -> Result<(Box<dyn Store>, Option<TcpStoreServer>)> {
+    match addr {
+        StoreAddr::File(dir) => Ok((Box::new(FileStore::new(dir)?), None)),
+        StoreAddr::Tcp(a) => {
+            let server = if rank == 0 { Some(TcpStoreServer::bind(a.as_str()).await?) } else { None };
+            let at = server.as_ref().map_or_else(|| a.clone(), |s| s.local_addr().to_string());
+            Ok((Box::new(TcpStore::connect(&at, deadline).await?), server))
+        }
+    }
+}

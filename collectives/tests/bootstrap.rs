@@ -1,0 +1,212 @@
+//! Forming groups: through a TCP store and a file store in one process, with a rank
+//! missing (named in the error), in real processes with torchrun-style variables, under
+//! `mpirun`, and splitting and duplicating communicators.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use ucxkit_collectives::store::env::detect_from;
+use ucxkit_collectives::store::{FileStore, Store, TcpStore, TcpStoreServer};
+use ucxkit_collectives::{Communicator, Error, InitOptions, ReduceOp};
+use ucxkit_testkit as common;
+use ucxkit_testkit::procs::{role, Group};
+
+const TLS: &str = "posix,cma,self";
+/// Transports of ranks in processes of their own.
+const TLS_NET: &str = "posix,cma,tcp,self";
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Forms `size` ranks in this process (workers of one context) through `store(rank)`;
+/// only the ranks in `present` come.
+async fn form<S: Store>(
+    size: usize,
+    present: &[usize],
+    store: impl Fn(usize) -> S,
+    deadline: Duration,
+) -> Vec<Result<Communicator, Error>> {
+    let ctx = common::ctx(TLS);
+    let workers: Vec<_> = present.iter().map(|_| ctx.worker().build().expect("worker")).collect();
+    let stores: Vec<S> = present.iter().map(|&r| store(r)).collect();
+    join_all(
+        present
+            .iter()
+            .zip(&workers)
+            .zip(&stores)
+            .map(|((&r, w), s)| Communicator::bootstrap(w, r, size, s, deadline)),
+    )
+    .await
+}
+
+async fn sums_to(comms: &[Communicator]) -> Vec<Vec<i32>> {
+    let calls = comms.iter().map(|c| c.allreduce(vec![c.rank() as i32 + 1; 5], ReduceOp::Sum));
+    join_all(calls).await.into_iter().map(|r| r.expect("allreduce")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_meet_through_a_tcp_store_and_split() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").await.expect("store");
+    let at = server.local_addr().to_string();
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(TcpStore::connect(&at, LIMIT).await.expect("connect"));
+    }
+    let ctx = common::ctx(TLS);
+    let workers: Vec<_> = (0..4).map(|_| ctx.worker().build().expect("worker")).collect();
+    let comms: Vec<Communicator> =
+        join_all((0..4).map(|r| Communicator::bootstrap(&workers[r], r, 4, &clients[r], LIMIT)))
+            .await
+            .into_iter()
+            .map(|c| c.expect("bootstrap"))
+            .collect();
+    assert!(sums_to(&comms).await.iter().all(|s| *s == vec![10; 5]));
+
+    // Even and odd ranks, ordered backwards by key; rank 3 takes no part in a colour.
+    let halves: Vec<Option<Communicator>> = join_all(comms.iter().map(|c| {
+        let color = (c.rank() != 3).then_some((c.rank() % 2) as u32);
+        c.split(color, -(c.rank() as i64))
+    }))
+    .await
+    .into_iter()
+    .map(|c| c.expect("split"))
+    .collect();
+    assert!(halves[3].is_none());
+    let halves: Vec<Communicator> = halves.into_iter().flatten().collect();
+    assert_eq!(halves.iter().map(|c| (c.size(), c.rank())).collect::<Vec<_>>(), vec![(2, 1), (1, 0), (2, 0)]);
+    assert_ne!(halves[0].id(), comms[0].id());
+    // The sub-communicators and the world run at once without crossing.
+    let (world, sub) = tokio::join!(sums_to(&comms), sums_to(&halves));
+    assert!(world.iter().all(|s| *s == vec![10; 5]));
+    // Each adds its rank in the sub-communicator plus one.
+    assert_eq!(sub, vec![vec![3; 5], vec![1; 5], vec![3; 5]]);
+
+    let dups: Vec<Communicator> =
+        join_all(comms.iter().map(|c| c.dup())).await.into_iter().map(|c| c.expect("dup")).collect();
+    assert!(dups
+        .iter()
+        .zip(&comms)
+        .all(|(d, c)| d.rank() == c.rank() && d.id() != c.id() && d.id() != halves[0].id()));
+    assert!(sums_to(&dups).await.iter().all(|s| *s == vec![10; 5]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_meet_through_a_file_store() {
+    let dir = std::env::temp_dir().join(format!("ucxkit-coll-file-{}", std::process::id()));
+    let comms: Vec<Communicator> = form(3, &[0, 1, 2], |_| FileStore::new(&dir).expect("dir"), LIMIT)
+        .await
+        .into_iter()
+        .map(|c| c.expect("bootstrap"))
+        .collect();
+    assert!(sums_to(&comms).await.iter().all(|s| *s == vec![6; 5]));
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_never_comes_is_named() {
+    let dir = std::env::temp_dir().join(format!("ucxkit-coll-missing-{}", std::process::id()));
+    let t = std::time::Instant::now();
+    let got = form(4, &[0, 2], |_| FileStore::new(&dir).expect("dir"), Duration::from_millis(500)).await;
+    assert!(t.elapsed() < Duration::from_secs(10));
+    for r in got {
+        let e = r.expect_err("two ranks are missing");
+        assert!(e.to_string().contains("ranks 1, 3 never came"), "{e}");
+    }
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
+/// A free TCP port on the loopback (bound, then let go).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// One rank formed from launcher variables (`vars`, or this process's environment
+/// when None): allreduce, split, broadcast, and a barrier.
+async fn env_rank(vars: Option<&[(&str, String)]>) {
+    let form = async {
+        match vars {
+            None => Communicator::from_env().await,
+            Some(vars) => {
+                let l = detect_from(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+                    .expect("variables");
+                let opts = InitOptions { transports: Some(TLS_NET.into()), ..Default::default() };
+                Communicator::from_launch(&l, opts).await
+            }
+        }
+    };
+    let c = tokio::time::timeout(LIMIT, form).await.expect("in time").expect("formed");
+    let (r, n) = (c.rank(), c.size());
+    let sum = c.allreduce(vec![r as u64 + 1; 1000], ReduceOp::Sum).await.expect("allreduce");
+    assert_eq!(sum, vec![(n * (n + 1) / 2) as u64; 1000]);
+    let half = c.split(Some((r % 2) as u32), r as i64).await.expect("split").expect("a colour");
+    let b = half.broadcast(vec![r as u8; 3], 0).await.expect("broadcast");
+    assert_eq!(b, vec![(r % 2) as u8; 3]);
+    c.barrier().await.expect("barrier");
+}
+
+/// The variables torchrun sets for rank `r` of 4.
+fn torchrun(r: usize, port: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", r.to_string()),
+        ("WORLD_SIZE", "4".into()),
+        ("LOCAL_RANK", r.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.into()),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_meet_with_torchrun_variables() {
+    let port = free_port().to_string();
+    let env = [
+        ("WORLD_SIZE", "4"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port.as_str()),
+        ("UCX_TLS", "posix,cma,tcp,self"),
+    ];
+    let (group, _me) = Group::spawn("torchrun_rank", 4, &env);
+    // Rank 0 is this process.
+    for (k, v) in env.iter().chain(&[("RANK", "0")]) {
+        std::env::set_var(k, v);
+    }
+    env_rank(None).await;
+    group.wait(LIMIT).await.expect("every rank finished");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a child of processes_meet_with_torchrun_variables"]
+async fn torchrun_rank() {
+    let Some(me) = role() else { return };
+    let port = std::env::var("MASTER_PORT").expect("the parent's port");
+    env_rank(Some(&torchrun(me.rank, &port))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_meet_under_mpirun() {
+    let dir = std::env::temp_dir().join(format!("ucxkit-coll-mpirun-{}", std::process::id()));
+    let exe = std::env::current_exe().expect("test binary");
+    let store = format!("UCXKIT_STORE=file:{}", dir.display());
+    let run = tokio::process::Command::new("mpirun")
+        .args(["-np", "4", "--oversubscribe", "--allow-run-as-root", "--mca", "btl", "self,vader"])
+        .args(["-x", &store, "-x", &format!("UCX_TLS={TLS_NET}")])
+        .arg(exe)
+        .args(["--exact", "mpirun_rank", "--ignored", "--nocapture", "--test-threads=1"])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("mpirun finished in time")
+        .expect("mpirun runs (apt-get install openmpi-bin)");
+    let done: Vec<bool> = (0..4).map(|r| dir.join(format!("done-{r}")).exists()).collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "mpirun: {}\n{text}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert_eq!(done, [true; 4], "every rank finished its part\n{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a child of processes_meet_under_mpirun"]
+async fn mpirun_rank() {
+    let Ok(rank) = std::env::var("OMPI_COMM_WORLD_RANK") else { return };
+    env_rank(None).await;
+    let dir = std::env::var("UCXKIT_STORE").expect("the store");
+    std::fs::write(format!("{}/done-{rank}", dir.trim_start_matches("file:")), b"").expect("marking done");
+}
