@@ -20,7 +20,8 @@ pub struct Options {
     pub deadline: Option<Duration>,
     /// Algorithms forced per operation.
     pub algorithm: Vec<(Op, Algorithm)>,
-    /// The cost model's constants (the defaults when None).
+    /// The cost model's constants (when None: [`plan::COSTS_ENV`]'s file, else the
+    /// defaults).
     pub costs: Option<Costs>,
 }
 
@@ -64,6 +65,8 @@ pub(crate) struct Inner {
     seq: Mutex<u16>,
     plans: Mutex<HashMap<(Op, usize, usize, usize), Plan>>,
     forced_env: Vec<(Op, Algorithm)>,
+    /// The cost model's constants: the defaults, or [`plan::COSTS_ENV`]'s.
+    costs: Costs,
     ids: Arc<Mutex<IdPool>>,
 }
 
@@ -150,6 +153,16 @@ impl Communicator {
                 .map_err(|e| Error::InvalidArgument(format!("{}: {e}", plan::ENV)))?,
             Err(_) => Vec::new(),
         };
+        let costs = match std::env::var_os(plan::COSTS_ENV) {
+            Some(path) => {
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    Error::InvalidArgument(format!("{}={}: {e}", plan::COSTS_ENV, path.to_string_lossy()))
+                })?;
+                Costs::from_text(&text)
+                    .map_err(|e| Error::InvalidArgument(format!("{}: {e}", plan::COSTS_ENV)))?
+            }
+            None => Costs::default(),
+        };
         Ok(Communicator {
             inner: Arc::new(Inner {
                 ns: ns.clone(),
@@ -159,6 +172,7 @@ impl Communicator {
                 seq: Mutex::new(0),
                 plans: Mutex::new(HashMap::new()),
                 forced_env,
+                costs,
                 ids,
             }),
             opts: Arc::new(Options::default()),
@@ -262,7 +276,7 @@ impl Communicator {
         if cache.len() >= PLAN_CACHE {
             cache.clear();
         }
-        let costs = self.opts.costs.unwrap_or_default();
+        let costs = self.opts.costs.unwrap_or(self.inner.costs);
         let p = plan::choose(op, self.size(), root, bytes / elem, elem, &costs);
         cache.insert(key, p.clone());
         p

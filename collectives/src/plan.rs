@@ -201,6 +201,46 @@ impl Default for Costs {
     }
 }
 
+/// The variable naming a file of cost constants (as [`Costs::to_text`] writes them,
+/// for example by `ucxkit-coll tune`), loaded by every communicator made afterwards
+/// unless its options give constants.
+pub const COSTS_ENV: &str = "UCXKIT_COLL_COSTS";
+
+impl Costs {
+    /// The constants as `key=value` lines: `latency_us`, `bandwidth` (bytes/s) and
+    /// `reduce_rate` (bytes/s).
+    pub fn to_text(&self) -> String {
+        format!(
+            "latency_us={}\nbandwidth={}\nreduce_rate={}\n",
+            self.latency.as_secs_f64() * 1e6,
+            self.bandwidth,
+            self.reduce_rate
+        )
+    }
+
+    /// Parses [`Costs::to_text`]'s form; keys left out keep their defaults.
+    ///
+    /// # Errors
+    /// A line that is not `key=value` with a known key and a positive, finite number.
+    pub fn from_text(text: &str) -> Result<Costs, String> {
+        let mut c = Costs::default();
+        for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+            let (k, v) = line.split_once('=').ok_or_else(|| format!("{line:?} is not key=value"))?;
+            let v: f64 = v.trim().parse().map_err(|_| format!("{line:?}: not a number"))?;
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{line:?}: must be positive"));
+            }
+            match k.trim() {
+                "latency_us" => c.latency = Duration::from_secs_f64(v * 1e-6),
+                "bandwidth" => c.bandwidth = v,
+                "reduce_rate" => c.reduce_rate = v,
+                other => return Err(format!("unknown cost {other:?}")),
+            }
+        }
+        Ok(c)
+    }
+}
+
 /// How much better (as a fraction) an algorithm must price than the choice for half the
 /// size before the choice changes.
 pub const HYSTERESIS: f64 = 0.10;
@@ -352,6 +392,15 @@ mod tests {
         let p = choose(Op::Broadcast, 3, 0, 2, 4, &c);
         assert!(p.to_string().starts_with("broadcast of 8 B: "), "{p}");
         assert_eq!(p.priced.len(), Op::Broadcast.candidates().len());
+    }
+
+    #[test]
+    fn costs_round_trip_as_text() {
+        let c = Costs { latency: Duration::from_nanos(1500), bandwidth: 3e9, reduce_rate: 2e9 };
+        assert_eq!(Costs::from_text(&c.to_text()), Ok(c));
+        assert!(Costs::from_text("latency_us=-1").is_err());
+        assert!(Costs::from_text("speed=1").is_err());
+        assert!(Costs::from_text("bandwidth").is_err());
     }
 
     #[test]

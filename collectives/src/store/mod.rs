@@ -1,7 +1,7 @@
 //! Key-value stores that ranks meet through before they have endpoints (Gloo's shape):
 //! `set`, `get`, `wait` for keys with a timeout, and an atomic `add`. [`TcpStore`] is
 //! served by one rank (rank 0 in [`crate::Communicator::init`]); [`FileStore`] lives in
-//! a directory every rank can reach. The [`env`] module reads the launchers' variables.
+//! a directory every rank can reach. The [`mod@env`] module reads the launchers' variables.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,0 +1,305 @@
+//! One rank's part: form the group, then for each operation and size time the calls
+//! (warm-up, barrier, timed loop; the slowest rank's mean per call), check results on
+//! request, and let rank 0 report.
+
+use std::time::{Duration, Instant};
+
+use ucxkit::collectives::store::env;
+use ucxkit::collectives::{plan, Communicator, DataType, Element, InitOptions, Options, ReduceOp};
+
+use crate::row::CollRow;
+use crate::Args;
+
+type Res<T> = Result<T, String>;
+
+/// The longest a cell's timed loop aims to run.
+const CELL_BUDGET: Duration = Duration::from_millis(500);
+
+/// Forms the group from the launcher's (or `--np`'s) variables and runs every cell.
+pub(crate) async fn run(args: &Args) -> Res<()> {
+    let launch = env::detect().map_err(|e| format!("{e} (or start ranks with --np N)"))?;
+    if crate::spawn::child_rank().is_some() {
+        crate::spawn::pin(launch.rank);
+    }
+    let opts = InitOptions {
+        progress: args.progress.mode(),
+        transports: args.transport.tls(),
+        deadline: Duration::from_secs(60),
+    };
+    let mut comm = Communicator::from_launch(&launch, opts).await.map_err(|e| e.to_string())?;
+    if let Some(spec) = &args.algo {
+        let algorithm = plan::parse_forced(spec)?;
+        comm = comm.with_options(Options { algorithm, ..Default::default() });
+    }
+    if let Some(crate::Command::Tune { out }) = &args.command {
+        return crate::spawn::tune(&comm, out).await;
+    }
+    let dtype: DataType = args.dtype.parse()?;
+    let redop: ReduceOp = args.redop.parse()?;
+    if !redop.applies_to(dtype) {
+        return Err(format!("{redop} does not apply to {dtype}"));
+    }
+    let ops: Vec<String> = if args.op.iter().any(|o| o == "all") {
+        [
+            "allreduce",
+            "broadcast",
+            "reduce",
+            "allgather",
+            "reduce_scatter",
+            "alltoall",
+            "gather",
+            "scatter",
+            "barrier",
+            "scan",
+        ]
+        .map(String::from)
+        .to_vec()
+    } else {
+        args.op.clone()
+    };
+    let sizes = crate::sizes(&args.sizes)?;
+    let machine = crate::spawn::child_rank().is_some() || args.output.json;
+    if comm.rank() == 0 && !machine {
+        if args.output.csv {
+            println!("{}", CollRow::csv_header());
+        } else {
+            println!("{}", CollRow::table_header());
+        }
+    }
+    for op in &ops {
+        let cells: &[usize] = if op == "barrier" { &[0] } else { &sizes };
+        for &bytes in cells {
+            let row = match dtype {
+                DataType::I8 => cell::<i8>(&comm, args, op, bytes, redop).await,
+                DataType::I16 => cell::<i16>(&comm, args, op, bytes, redop).await,
+                DataType::I32 => cell::<i32>(&comm, args, op, bytes, redop).await,
+                DataType::I64 => cell::<i64>(&comm, args, op, bytes, redop).await,
+                DataType::U8 => cell::<u8>(&comm, args, op, bytes, redop).await,
+                DataType::U16 => cell::<u16>(&comm, args, op, bytes, redop).await,
+                DataType::U32 => cell::<u32>(&comm, args, op, bytes, redop).await,
+                DataType::U64 => cell::<u64>(&comm, args, op, bytes, redop).await,
+                DataType::F16 => cell::<ucxkit::collectives::f16>(&comm, args, op, bytes, redop).await,
+                DataType::Bf16 => cell::<ucxkit::collectives::bf16>(&comm, args, op, bytes, redop).await,
+                DataType::F32 => cell::<f32>(&comm, args, op, bytes, redop).await,
+                DataType::F64 => cell::<f64>(&comm, args, op, bytes, redop).await,
+            }?;
+            if comm.rank() == 0 {
+                let line = if machine {
+                    row.json()
+                } else if args.output.csv {
+                    row.csv()
+                } else {
+                    row.table()
+                };
+                println!("{line}");
+            }
+        }
+    }
+    comm.barrier().await.map_err(|e| e.to_string())
+}
+
+/// Elements per rank's input for `op` on a buffer of `count` elements (nccl-tests'
+/// sizes: the operation's larger buffer).
+fn input_len(op: &str, count: usize, n: usize, rank: usize, root: usize) -> usize {
+    match op {
+        "allgather" | "gather" => count / n,
+        "scatter" if rank != root => 0,
+        "barrier" => 0,
+        _ => count,
+    }
+}
+
+/// This rank's input element i: small integers, exact under every reduction.
+fn value<T: Element>(rank: usize, i: usize) -> T {
+    T::from_small(((rank * 7 + i * 3) % 5) as u8 + 1)
+}
+
+/// One call of `op`; returns the buffer to pass to the next (the result, cut or grown
+/// back to the input's length).
+async fn once<T: Element>(
+    c: &Communicator,
+    op: &str,
+    buf: Vec<T>,
+    count: usize,
+    redop: ReduceOp,
+    root: usize,
+) -> Res<Vec<T>> {
+    let n = c.size();
+    let mut out = result(c, op, buf, count, redop, root).await?;
+    match op {
+        "allgather" | "gather" => out.truncate(count / n),
+        "reduce_scatter" => out.resize(count, T::zeroed()),
+        "scatter" if c.rank() == root => out.resize(count, T::zeroed()),
+        _ => {}
+    }
+    Ok(out)
+}
+
+/// One call of `op`: its result as the operation gives it.
+async fn result<T: Element>(
+    c: &Communicator,
+    op: &str,
+    buf: Vec<T>,
+    count: usize,
+    redop: ReduceOp,
+    root: usize,
+) -> Res<Vec<T>> {
+    let n = c.size();
+    let err = |f: ucxkit::collectives::Failed<T>| f.error.to_string();
+    Ok(match op {
+        "allreduce" => c.allreduce(buf, redop).await.map_err(err)?,
+        "broadcast" => c.broadcast(buf, root).await.map_err(err)?,
+        "reduce" => c.reduce(buf, redop, root).await.map_err(err)?,
+        "scan" => c.scan(buf, redop).await.map_err(err)?,
+        "alltoall" => c.alltoall(buf).await.map_err(err)?,
+        "allgather" => c.allgather(buf).await.map_err(err)?,
+        "gather" => c.gather(buf, root).await.map_err(err)?,
+        "reduce_scatter" => c.reduce_scatter(buf, redop).await.map_err(err)?,
+        "scatter" => c.scatter(buf, count / n, root).await.map_err(err)?,
+        "barrier" => {
+            c.barrier().await.map_err(|e| e.to_string())?;
+            buf
+        }
+        other => return Err(format!("unknown operation {other}")),
+    })
+}
+
+/// Elements of `got` (this rank's result of one call on the reference inputs) that
+/// differ from what the operation must give.
+fn wrong<T: Element>(
+    op: &str,
+    got: &[T],
+    n: usize,
+    rank: usize,
+    count: usize,
+    redop: ReduceOp,
+    root: usize,
+) -> u64 {
+    let input = |r: usize, len: usize| -> Vec<T> { (0..len).map(|i| value(r, i)).collect() };
+    let reduced = |upto: usize, len: usize| {
+        let mut acc = input(0, len);
+        for r in 1..upto {
+            T::reduce(redop, &mut acc, &input(r, len));
+        }
+        acc
+    };
+    let per = count / n;
+    let want: Vec<T> = match op {
+        "allreduce" => reduced(n, count),
+        "reduce" if rank == root => reduced(n, count),
+        "scan" => reduced(rank + 1, count),
+        "broadcast" => input(root, count),
+        "allgather" => (0..n).flat_map(|r| input(r, per)).collect(),
+        "gather" if rank == root => (0..n).flat_map(|r| input(r, per)).collect(),
+        "reduce_scatter" => reduced(n, count)[rank * per..(rank + 1) * per].to_vec(),
+        "alltoall" => (0..n).flat_map(|r| input(r, count)[rank * per..(rank + 1) * per].to_vec()).collect(),
+        "scatter" => input(root, count)[rank * per..(rank + 1) * per].to_vec(),
+        _ => return 0,
+    };
+    let diff = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    (diff + got.len().abs_diff(want.len())) as u64
+}
+
+/// Measures one cell; every rank returns the row (rank 0's is printed).
+async fn cell<T: Element>(
+    c: &Communicator,
+    args: &Args,
+    op: &str,
+    bytes: usize,
+    redop: ReduceOp,
+) -> Res<CollRow> {
+    let (n, r, root) = (c.size(), c.rank(), args.root.min(c.size() - 1));
+    let elem = std::mem::size_of::<T>();
+    let mut count = bytes / elem;
+    if matches!(op, "allgather" | "gather" | "scatter" | "reduce_scatter" | "alltoall") {
+        count -= count % n;
+    }
+    let fresh = || -> Vec<T> { (0..input_len(op, count, n, r, root)).map(|i| value(r, i)).collect() };
+    let mut buf = fresh();
+    let t = Instant::now();
+    for _ in 0..args.warmup {
+        buf = once(c, op, buf, count, redop, root).await?;
+    }
+    // As many iterations as fit the cell's budget, judged from the warm-up and agreed on
+    // (every rank must make the same calls).
+    let per_call = t.elapsed().as_secs_f64() / args.warmup.max(1) as f64;
+    let fit = (CELL_BUDGET.as_secs_f64() / per_call.max(1e-9)) as u64;
+    let iters = c
+        .allreduce(vec![args.iters.min(fit).max(5)], ReduceOp::Min)
+        .await
+        .map_err(|f| f.error.to_string())?[0];
+    c.barrier().await.map_err(|e| e.to_string())?;
+    let skew = Duration::from_micros(args.skew_us * r as u64);
+    let mut spent = Duration::ZERO;
+    let t = Instant::now();
+    for _ in 0..iters {
+        if !skew.is_zero() {
+            c.barrier().await.map_err(|e| e.to_string())?;
+            let s = Instant::now();
+            while s.elapsed() < skew {
+                std::hint::spin_loop();
+            }
+            buf = once(c, op, buf, count, redop, root).await?;
+            spent += s.elapsed();
+        } else {
+            buf = once(c, op, buf, count, redop, root).await?;
+        }
+    }
+    if skew.is_zero() {
+        spent = t.elapsed();
+    }
+    let mine = spent.as_secs_f64() / iters as f64;
+    let slowest = c.allreduce(vec![mine], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
+    let wrong = if args.check {
+        let got = result(c, op, fresh(), count, redop, root).await?;
+        let w = wrong(op, &got, n, r, count, redop, root);
+        Some(c.allreduce(vec![w], ReduceOp::Sum).await.map_err(|f| f.error.to_string())?[0])
+    } else {
+        None
+    };
+    let planned = plan_op(op).map(|o| c.plan(o, plan_bytes(op, count, n) * elem, elem, root));
+    Ok(CollRow {
+        op: op.into(),
+        bytes: count * elem,
+        count,
+        dtype: T::DTYPE.name().into(),
+        redop: redop.name().into(),
+        root,
+        np: n,
+        algo: planned.map_or_else(|| fixed_algo(op).into(), |p| p.algorithm.to_string()),
+        time_us: slowest * 1e6,
+        wrong,
+        source: "ucxkit".into(),
+    })
+}
+
+/// The planner's name for `op`, where the planner chooses.
+fn plan_op(op: &str) -> Option<plan::Op> {
+    match op {
+        "allreduce" => Some(plan::Op::Allreduce),
+        "broadcast" => Some(plan::Op::Broadcast),
+        "reduce" => Some(plan::Op::Reduce),
+        "reduce_scatter" => Some(plan::Op::ReduceScatter),
+        _ => None,
+    }
+}
+
+/// The bytes per rank the planner is asked about.
+fn plan_bytes(op: &str, count: usize, n: usize) -> usize {
+    if op == "reduce_scatter" {
+        count / n
+    } else {
+        count
+    }
+}
+
+/// The algorithm of the operations the planner does not choose for.
+fn fixed_algo(op: &str) -> &'static str {
+    match op {
+        "allgather" => "ring",
+        "alltoall" => "pairwise",
+        "gather" | "scatter" => "direct",
+        "barrier" => "dissemination",
+        _ => "doubling",
+    }
+}

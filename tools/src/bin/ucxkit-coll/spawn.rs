@@ -1,0 +1,196 @@
+//! `--np N`: start N ranks of this program on this host (torchrun-style variables, each
+//! pinned to a CPU in turn), gather rank 0's rows, run the comparison, print; and
+//! `tune`, which measures the cost model's constants.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use ucxkit::collectives::reduce::Kernels;
+use ucxkit::collectives::{plan, Communicator, ReduceOp};
+
+use crate::row::CollRow;
+use crate::Args;
+
+/// Set in the ranks `--np` starts: the rank.
+const CHILD: &str = "UCXKIT_COLL_CHILD";
+
+/// This process's rank when `--np` started it.
+pub(crate) fn child_rank() -> Option<usize> {
+    std::env::var(CHILD).ok()?.parse().ok()
+}
+
+/// Pins this process to CPU `rank mod CPUs`.
+pub(crate) fn pin(rank: usize) {
+    if let Some(ids) = core_affinity::get_core_ids().filter(|i| !i.is_empty()) {
+        core_affinity::set_for_current(ids[rank % ids.len()]);
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+}
+
+/// Starts `np` ranks, gathers rank 0's rows, adds the comparison's, prints them all.
+pub(crate) async fn run(args: &Args, np: usize, limit: Duration) -> Result<(), String> {
+    if np == 0 {
+        return Err("--np needs at least one rank".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+    let port = free_port()?.to_string();
+    let mut children = Vec::new();
+    for r in 0..np {
+        let mut c = tokio::process::Command::new(&exe);
+        c.args(std::env::args_os().skip(1))
+            .env(CHILD, r.to_string())
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", np.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env_remove("UCXKIT_STORE")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .env_remove("SLURM_PROCID")
+            .stdin(Stdio::null())
+            .stdout(if r == 0 { Stdio::piped() } else { Stdio::null() })
+            .kill_on_drop(true);
+        children.push(c.spawn().map_err(|e| format!("starting rank {r}: {e}"))?);
+    }
+    let out = children[0].stdout.take().ok_or("rank 0's output")?;
+    let mut lines = BufReader::new(out).lines();
+    let mut rows = Vec::new();
+    let end = Instant::now() + limit;
+    let mut quiet = false;
+    let print = |r: &CollRow, header: &mut bool| {
+        if !args.output.table() || args.compare.is_some() {
+            return;
+        }
+        if !*header {
+            println!("{}", CollRow::table_header());
+            *header = true;
+        }
+        println!("{}", r.table());
+    };
+    while let Ok(Ok(Some(line))) = tokio::time::timeout_at(end.into(), lines.next_line()).await {
+        if let Some(r) = CollRow::from_json(&line, "ucxkit") {
+            print(&r, &mut quiet);
+            rows.push(r);
+        }
+    }
+    let mut failed = Vec::new();
+    for (r, c) in children.iter_mut().enumerate() {
+        match tokio::time::timeout_at(end.into(), c.wait()).await {
+            Ok(Ok(s)) if s.success() => {}
+            Ok(Ok(s)) => failed.push(format!("rank {r}: {s}")),
+            _ => failed.push(format!("rank {r} did not finish")),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(failed.join("; "));
+    }
+    let theirs = match args.compare.as_deref() {
+        None => Vec::new(),
+        Some("mpi") => crate::mpi::run(args, np, &rows).await?,
+        Some(other) => return Err(format!("--compare {other}: only mpi is known")),
+    };
+    report(args, &rows, &theirs)
+}
+
+/// Prints ucxkit's rows and the comparison's, with a ratio per cell.
+fn report(args: &Args, ours: &[CollRow], theirs: &[CollRow]) -> Result<(), String> {
+    let matching = |r: &CollRow| theirs.iter().find(|t| t.op == r.op && t.bytes == r.bytes);
+    if args.output.json {
+        for r in ours.iter().chain(theirs) {
+            println!("{}", r.json());
+        }
+    } else if args.output.csv {
+        println!("{}", CollRow::csv_header());
+        for r in ours.iter().chain(theirs) {
+            println!("{}", r.csv());
+        }
+    } else if !theirs.is_empty() {
+        println!("{}  {:>7}", CollRow::table_header(), "ratio");
+        for r in ours {
+            println!("{}", r.table());
+            if let Some(t) = matching(r) {
+                println!("{}  {:>7.2}", t.table(), r.time_us / t.time_us.max(1e-9));
+            }
+        }
+    }
+    if let Some(path) = &args.output.plot {
+        let rows: Vec<ucxkit_tools::report::Row> = ours.iter().chain(theirs).flat_map(plot_rows).collect();
+        let svg = ucxkit_tools::plot::render(&rows, "ucxkit-coll", &|t: &str| t.ends_with(" time"))?;
+        std::fs::write(path, svg).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// A cell as the plotting module's rows: bus bandwidth, and time per call.
+fn plot_rows(r: &CollRow) -> [ucxkit_tools::report::Row; 2] {
+    let row = |test: String, lat_us: f64, bw_mibps: f64| ucxkit_tools::report::Row {
+        test,
+        size: r.bytes,
+        iters: 0,
+        lat_us,
+        lat_p50_us: f64::NAN,
+        lat_p99_us: f64::NAN,
+        bw_mibps,
+        msg_rate: 0.0,
+        transport: String::new(),
+        source: r.source.clone(),
+    };
+    [
+        row(r.op.clone(), 0.0, r.busbw() * 1e9 / (1 << 20) as f64),
+        row(format!("{} time", r.op), r.time_us, 0.0),
+    ]
+}
+
+/// `tune`: measures the per-step latency (a barrier's time over its steps), the link
+/// bandwidth (a ring allgather of 16 MiB) and the reduction rate (f32 sums in memory);
+/// rank 0 writes them where the communicator reads them (`UCXKIT_COLL_COSTS`).
+pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), String> {
+    let n = c.size();
+    let e = |e: ucxkit::collectives::Error| e.to_string();
+    let steps = (n as f64).log2().ceil().max(1.0);
+    let t = Instant::now();
+    let iters = 2000;
+    for _ in 0..iters {
+        c.barrier().await.map_err(e)?;
+    }
+    let latency = t.elapsed().as_secs_f64() / iters as f64 / steps;
+    let per = (16 << 20) / 4 / n.max(1);
+    let mut buf = vec![1f32; per];
+    let t = Instant::now();
+    let reps = 5;
+    for _ in 0..reps {
+        let mut all = c.allgather(buf).await.map_err(|f| f.error.to_string())?;
+        all.truncate(per);
+        buf = all;
+    }
+    let ring = t.elapsed().as_secs_f64() / reps as f64;
+    let moved = (n.saturating_sub(1) * per * 4) as f64;
+    let bandwidth = if n > 1 { moved / (ring - (n - 1) as f64 * latency).max(1e-9) } else { 1e10 };
+    let mut a = vec![1f32; 4 << 20];
+    let b = vec![2f32; 4 << 20];
+    let t = Instant::now();
+    for _ in 0..5 {
+        f32::reduce(ReduceOp::Sum, &mut a, &b);
+    }
+    let reduce_rate = (5 * a.len() * 4) as f64 / t.elapsed().as_secs_f64();
+    // Every rank's view, made one: the slowest latency, the lowest rates.
+    let lat = c.allreduce(vec![latency], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
+    let rates =
+        c.allreduce(vec![bandwidth, reduce_rate], ReduceOp::Min).await.map_err(|f| f.error.to_string())?;
+    let costs =
+        plan::Costs { latency: Duration::from_secs_f64(lat), bandwidth: rates[0], reduce_rate: rates[1] };
+    if c.rank() == 0 {
+        std::fs::write(out, costs.to_text()).map_err(|e| format!("writing {}: {e}", out.display()))?;
+        println!(
+            "{} (load with UCXKIT_COLL_COSTS={})",
+            costs.to_text().trim().replace('\n', ", "),
+            out.display()
+        );
+    }
+    Ok(())
+}
