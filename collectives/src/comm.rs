@@ -5,11 +5,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use ucxkit_transport::{Endpoint, Namespace};
+use std::any::Any;
+
+use ucxkit_transport::{Endpoint, Namespace, SharedBuf};
 
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Costs, Op, Plan};
+use crate::schedule::Schedule;
 use crate::tag::{MAX_COMMS, MAX_RANKS};
+use crate::Element;
 
 /// Per-communicator options: a deadline for every call, and algorithms forced per
 /// operation (in addition to the environment's [`plan::ENV`], which they override).
@@ -56,6 +60,22 @@ fn lowest(map: &[u64]) -> Option<u16> {
     map.iter().enumerate().find(|(_, w)| **w != 0).map(|(i, w)| (i * 64) as u16 + w.trailing_zeros() as u16)
 }
 
+/// What a plan is cached by: operation, elements, element size, root, forced algorithm.
+type PlanKey = (Op, usize, usize, usize, Option<Algorithm>);
+
+/// Plans made so far, and the last one used.
+#[derive(Default)]
+struct PlanCache {
+    map: HashMap<PlanKey, Arc<Planned>>,
+    last: Option<(PlanKey, Arc<Planned>)>,
+}
+
+/// A plan, and this rank's schedule for it.
+pub(crate) struct Planned {
+    pub(crate) plan: Plan,
+    pub(crate) sched: Schedule,
+}
+
 pub(crate) struct Inner {
     pub(crate) ns: Namespace,
     pub(crate) eps: Vec<Option<Endpoint>>,
@@ -63,7 +83,9 @@ pub(crate) struct Inner {
     pub(crate) id: u16,
     /// The next call's sequence number.
     seq: Mutex<u16>,
-    plans: Mutex<HashMap<(Op, usize, usize, usize), Plan>>,
+    plans: Mutex<PlanCache>,
+    /// The scratch buffer the last call left (a `SharedBuf<T>` of its type).
+    scratch: Mutex<Option<Box<dyn Any + Send>>>,
     forced_env: Vec<(Op, Algorithm)>,
     /// The cost model's constants: the defaults, or [`plan::COSTS_ENV`]'s.
     costs: Costs,
@@ -170,7 +192,8 @@ impl Communicator {
                 rank,
                 id,
                 seq: Mutex::new(0),
-                plans: Mutex::new(HashMap::new()),
+                plans: Mutex::new(PlanCache::default()),
+                scratch: Mutex::new(None),
                 forced_env,
                 costs,
                 ids,
@@ -262,24 +285,61 @@ impl Communicator {
     /// What runs `op` on `bytes` bytes per rank of `elem`-byte elements with `root` (0
     /// where there is none), and why.
     pub fn plan(&self, op: Op, bytes: usize, elem: usize, root: usize) -> Plan {
+        self.planned(op, bytes / elem.max(1), elem, root).plan.clone()
+    }
+
+    /// The plan for `op` on `count` elements of `elem` bytes with `root`, with this
+    /// rank's schedule for it, from the cache when it was made before.
+    pub(crate) fn planned(&self, op: Op, count: usize, elem: usize, root: usize) -> Arc<Planned> {
         let elem = elem.max(1);
         let forced =
             self.opts.algorithm.iter().chain(&self.inner.forced_env).find(|(o, _)| *o == op).map(|(_, a)| *a);
-        if let Some(algorithm) = forced {
-            return Plan { op, bytes, algorithm, forced: true, priced: Vec::new() };
-        }
-        let key = (op, bytes, elem, root);
+        let key = (op, count, elem, root, forced);
         let mut cache = self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(p) = cache.get(&key) {
-            return p.clone();
+        // The last plan first: a loop of one collective hashes nothing.
+        if let Some((k, p)) = &cache.last {
+            if *k == key {
+                return p.clone();
+            }
         }
-        if cache.len() >= PLAN_CACHE {
-            cache.clear();
+        if let Some(p) = cache.map.get(&key).cloned() {
+            cache.last = Some((key, p.clone()));
+            return p;
         }
-        let costs = self.opts.costs.unwrap_or(self.inner.costs);
-        let p = plan::choose(op, self.size(), root, bytes / elem, elem, &costs);
-        cache.insert(key, p.clone());
+        if cache.map.len() >= PLAN_CACHE {
+            cache.map.clear();
+        }
+        let plan = match forced {
+            Some(algorithm) => Plan { op, bytes: count * elem, algorithm, forced: true, priced: Vec::new() },
+            None => {
+                plan::choose(op, self.size(), root, count, elem, &self.opts.costs.unwrap_or(self.inner.costs))
+            }
+        };
+        let sched = plan::schedule(op, plan.algorithm, self.size(), self.rank(), root, count, elem);
+        let p = Arc::new(Planned { plan, sched });
+        cache.map.insert(key, p.clone());
+        cache.last = Some((key, p.clone()));
         p
+    }
+
+    /// A scratch buffer of at least `len` elements: the one the last call left, when it
+    /// is of type `T`, long enough and free, else a new one.
+    pub(crate) fn take_scratch<T: Element>(&self, len: usize) -> Option<SharedBuf<T>> {
+        if len == 0 {
+            return None;
+        }
+        let kept = self.inner.scratch.lock().unwrap_or_else(PoisonError::into_inner).take();
+        match kept.map(|b| b.downcast::<SharedBuf<T>>()) {
+            Some(Ok(b)) if b.len() >= len && !b.in_use() => Some(*b),
+            _ => Some(SharedBuf::new(vec![T::zeroed(); len])),
+        }
+    }
+
+    /// Keeps `scratch` for the next call, if no transfer still holds it.
+    pub(crate) fn give_scratch<T: Element>(&self, scratch: Option<SharedBuf<T>>) {
+        if let Some(b) = scratch.filter(|b| !b.in_use()) {
+            *self.inner.scratch.lock().unwrap_or_else(PoisonError::into_inner) = Some(Box::new(b));
+        }
     }
 
     pub(crate) fn wire(&self) -> crate::exec::Wire<'_> {

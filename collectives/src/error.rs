@@ -56,13 +56,16 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct Failed<T> {
     /// What went wrong.
     pub error: Error,
-    /// The buffer, when it could be given back.
+    /// The buffer, when it could be given back (for the calls that take two, the input).
     pub buf: Option<Vec<T>>,
+    /// The output buffer of the calls that take one (`*_into`), when it could be given
+    /// back.
+    pub output: Option<Vec<T>>,
 }
 
 impl<T> Failed<T> {
     pub(crate) fn new(error: Error, buf: Option<Vec<T>>) -> Failed<T> {
-        Failed { error, buf }
+        Failed { error, buf, output: None }
     }
 }
 

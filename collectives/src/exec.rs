@@ -4,8 +4,13 @@
 //! one buffer at once without copying, and the local steps read and write them in place
 //! once the transfers have let go.
 
-use futures_util::future::join_all;
-use ucxkit_transport::{tag::EXACT, Endpoint, Namespace, SharedBuf, SharedSlice};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::Duration;
+
+use smallvec::SmallVec;
+use ucxkit_transport::{tag::EXACT, Endpoint, Namespace, SharedBuf, SharedSlice, TagRecv, TagSend};
 
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
@@ -32,8 +37,8 @@ impl Wire<'_> {
 /// A rank's buffers for one call.
 pub(crate) struct Bufs<T: Element> {
     pub(crate) data: SharedBuf<T>,
-    pub(crate) input: SharedBuf<T>,
-    pub(crate) scratch: SharedBuf<T>,
+    pub(crate) input: Option<SharedBuf<T>>,
+    pub(crate) scratch: Option<SharedBuf<T>>,
 }
 
 #[cold]
@@ -46,45 +51,58 @@ fn outside(r: &Region) -> Error {
     Error::Internal(format!("schedule region {r:?} is outside its buffer"))
 }
 
-impl<T: Element> Bufs<T> {
-    pub(crate) fn new(data: Vec<T>, input: Vec<T>, scratch: usize) -> Bufs<T> {
-        Bufs { data: data.into(), input: input.into(), scratch: vec![T::zeroed(); scratch].into() }
+/// The values of a buffer the call may not have (none: no values).
+fn view_of<T: Element>(b: Option<&mut SharedBuf<T>>) -> Result<&mut [T]> {
+    match b {
+        Some(b) => b.view().ok_or_else(in_use),
+        None => Ok(&mut []),
     }
+}
 
-    fn buf(&self, b: Buf) -> &SharedBuf<T> {
-        match b {
-            Buf::Data => &self.data,
-            Buf::Input => &self.input,
-            Buf::Scratch => &self.scratch,
-        }
+impl<T: Element> Bufs<T> {
+    /// Buffers for a call: `data`, the caller's `input` where the operation has one (an
+    /// empty one counts as none), and `scratch`.
+    pub(crate) fn new(data: Vec<T>, input: Vec<T>, scratch: Option<SharedBuf<T>>) -> Bufs<T> {
+        let input = (input.capacity() > 0).then(|| input.into());
+        Bufs { data: data.into(), input, scratch }
     }
 
     fn slice(&self, r: &Region) -> Result<SharedSlice<T>> {
-        self.buf(r.buf).slice(r.range.clone()).map_err(|_| outside(r))
+        let buf = match r.buf {
+            Buf::Data => Some(&self.data),
+            Buf::Input => self.input.as_ref(),
+            Buf::Scratch => self.scratch.as_ref(),
+        };
+        match buf {
+            Some(b) => b.slice(r.range.clone()).map_err(|_| outside(r)),
+            // An empty region of a buffer the call does not have (a barrier's message).
+            None if r.is_empty() => self.data.slice(0..0).map_err(|_| outside(r)),
+            None => Err(outside(r)),
+        }
     }
 
     fn view(&mut self, b: Buf) -> Result<&mut [T]> {
-        match b {
-            Buf::Data => self.data.view(),
-            Buf::Input => self.input.view(),
-            Buf::Scratch => self.scratch.view(),
-        }
-        .ok_or_else(in_use)
+        let buf = match b {
+            Buf::Data => Some(&mut self.data),
+            Buf::Input => self.input.as_mut(),
+            Buf::Scratch => self.scratch.as_mut(),
+        };
+        view_of(buf)
     }
 
     /// Views of two different buffers: `(from, into)`.
     fn two(&mut self, a: Buf, b: Buf) -> Result<(&mut [T], &mut [T])> {
         let Bufs { data, input, scratch } = self;
-        let (x, y) = match (a, b) {
-            (Buf::Data, Buf::Input) => (data.view(), input.view()),
-            (Buf::Data, Buf::Scratch) => (data.view(), scratch.view()),
-            (Buf::Input, Buf::Data) => (input.view(), data.view()),
-            (Buf::Input, Buf::Scratch) => (input.view(), scratch.view()),
-            (Buf::Scratch, Buf::Data) => (scratch.view(), data.view()),
-            (Buf::Scratch, Buf::Input) => (scratch.view(), input.view()),
+        let (data, input, scratch) = (Some(data), input.as_mut(), scratch.as_mut());
+        Ok(match (a, b) {
+            (Buf::Data, Buf::Input) => (view_of(data)?, view_of(input)?),
+            (Buf::Data, Buf::Scratch) => (view_of(data)?, view_of(scratch)?),
+            (Buf::Input, Buf::Data) => (view_of(input)?, view_of(data)?),
+            (Buf::Input, Buf::Scratch) => (view_of(input)?, view_of(scratch)?),
+            (Buf::Scratch, Buf::Data) => (view_of(scratch)?, view_of(data)?),
+            (Buf::Scratch, Buf::Input) => (view_of(scratch)?, view_of(input)?),
             _ => return Err(Error::Internal("two views of one buffer".into())),
-        };
-        Ok((x.ok_or_else(in_use)?, y.ok_or_else(in_use)?))
+        })
     }
 
     /// `into = from`, or `into = into op from` when `op` is given.
@@ -118,32 +136,37 @@ impl<T: Element> Bufs<T> {
         Ok(())
     }
 
-    /// Gives the data buffer back, if the transport let go of it.
-    pub(crate) fn into_data(self) -> Option<Vec<T>> {
-        self.data.try_into_vec().ok()
+    /// Gives the data buffer back, if the transport let go of it, and the scratch.
+    pub(crate) fn into_data(self) -> (Option<Vec<T>>, Option<SharedBuf<T>>) {
+        (self.data.try_into_vec().ok(), self.scratch)
     }
 
-    /// Gives the input buffer back, if the transport let go of it.
+    /// Gives the input buffer back, if the transport let go of it (an empty one when
+    /// there was none).
     pub(crate) fn take_input(&mut self) -> Option<Vec<T>> {
-        let input = std::mem::replace(&mut self.input, Vec::new().into());
-        match input.try_into_vec() {
-            Ok(v) => Some(v),
-            Err(b) => {
-                self.input = b;
+        match self.input.take().map(SharedBuf::try_into_vec) {
+            None => Some(Vec::new()),
+            Some(Ok(v)) => Some(v),
+            Some(Err(b)) => {
+                self.input = Some(b);
                 None
             }
         }
     }
 }
 
-/// Runs `sched` for call `seq`, reducing with `op`.
+/// Runs `sched` for call `seq`, reducing with `op`; fails with
+/// [`Error::DeadlineExceeded`] once `limit` has passed (the timer is made only when
+/// there is a limit).
 pub(crate) async fn run<T: Element>(
     w: &Wire<'_>,
     seq: u16,
     sched: &Schedule,
     bufs: &mut Bufs<T>,
     op: ReduceOp,
+    limit: Option<Duration>,
 ) -> Result<()> {
+    let mut timer = limit.map(|d| (d, Box::pin(tokio::time::sleep(d))));
     if sched.steps.len() > MAX_STEPS {
         return Err(Error::InvalidArgument(format!(
             "the schedule has {} steps, more than the tag layout's {MAX_STEPS}",
@@ -155,7 +178,7 @@ pub(crate) async fn run<T: Element>(
             bufs.apply(from, into, None)?;
         }
         if !step.xfers.is_empty() {
-            exchange(w, seq, s as u16, &step.xfers, bufs).await?;
+            exchange(w, seq, s as u16, &step.xfers, bufs, timer.as_mut()).await?;
         }
         for c in &step.combines {
             match c {
@@ -167,43 +190,92 @@ pub(crate) async fn run<T: Element>(
     Ok(())
 }
 
-/// Posts one step's transfers and waits for all of them. Receives are bound to their
-/// peer's endpoint, so a peer's failure ends them.
+/// One transfer of a step in flight.
+enum InFlight<T: Element> {
+    Send { peer: usize, op: TagSend<SharedSlice<T>> },
+    Recv { peer: usize, want: usize, op: TagRecv<SharedSlice<T>> },
+    Done,
+}
+
+/// Posts one step's transfers and waits for all of them, polling them in place (no
+/// allocation for the few transfers a step has). Receives are bound to their peer's
+/// endpoint, so a peer's failure ends them. The first failure is returned once every
+/// transfer has ended, so no buffer is left held by a transfer still in flight.
 async fn exchange<T: Element>(
     w: &Wire<'_>,
     seq: u16,
     step: u16,
     xfers: &[Xfer],
     bufs: &Bufs<T>,
+    mut timer: Option<&mut (Duration, Pin<Box<tokio::time::Sleep>>)>,
 ) -> Result<()> {
-    let mut sends = Vec::new();
-    let mut recvs = Vec::new();
+    let mut flight: SmallVec<[InFlight<T>; 2]> = SmallVec::with_capacity(xfers.len());
+    // Receives first: a message that finds its receive posted lands in place, where one
+    // that arrives first is copied aside by UCX and again when the receive comes.
     for x in xfers {
-        match x {
-            Xfer::Send { peer, from } => {
-                let f = w.ns.tag_send(w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(from)?);
-                sends.push(async move { (*peer, f.await.0) });
-            }
-            Xfer::Recv { peer, into } => {
-                let want = into.len() * std::mem::size_of::<T>();
-                let f =
-                    w.ns.tag_recv_from(w.ep(*peer)?, tag(w.comm, seq, step, *peer), EXACT, bufs.slice(into)?);
-                recvs.push(async move { (*peer, want, f.await.0) });
-            }
+        if let Xfer::Recv { peer, into } = x {
+            flight.push(InFlight::Recv {
+                peer: *peer,
+                want: into.len() * std::mem::size_of::<T>(),
+                op: w.ns.tag_recv_from(w.ep(*peer)?, tag(w.comm, seq, step, *peer), EXACT, bufs.slice(into)?),
+            });
         }
     }
-    let (sent, received) = futures_util::future::join(join_all(sends), join_all(recvs)).await;
-    for (peer, r) in sent {
-        r.map_err(|source| Error::Transport { rank: peer, source })?;
-    }
-    for (peer, want, r) in received {
-        let info = r.map_err(|source| match source {
-            ucxkit_transport::Error::Truncated { .. } => Error::Mismatch { rank: peer, got: None, want },
-            source => Error::Transport { rank: peer, source },
-        })?;
-        if info.len != want {
-            return Err(Error::Mismatch { rank: peer, got: Some(info.len), want });
+    for x in xfers {
+        if let Xfer::Send { peer, from } = x {
+            flight.push(InFlight::Send {
+                peer: *peer,
+                op: w.ns.tag_send(w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(from)?),
+            });
         }
     }
-    Ok(())
+    let mut first: Option<Error> = None;
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for f in flight.iter_mut() {
+            let r = match f {
+                InFlight::Send { peer, op } => match Pin::new(op).poll(cx) {
+                    Poll::Pending => {
+                        pending = true;
+                        continue;
+                    }
+                    Poll::Ready((r, _)) => r.map_err(|source| Error::Transport { rank: *peer, source }),
+                },
+                InFlight::Recv { peer, want, op } => match Pin::new(op).poll(cx) {
+                    Poll::Pending => {
+                        pending = true;
+                        continue;
+                    }
+                    Poll::Ready((r, _)) => match r {
+                        Ok(info) if info.len == *want => Ok(()),
+                        Ok(info) => Err(Error::Mismatch { rank: *peer, got: Some(info.len), want: *want }),
+                        Err(ucxkit_transport::Error::Truncated { .. }) => {
+                            Err(Error::Mismatch { rank: *peer, got: None, want: *want })
+                        }
+                        Err(source) => Err(Error::Transport { rank: *peer, source }),
+                    },
+                },
+                InFlight::Done => continue,
+            };
+            *f = InFlight::Done;
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        }
+        if !pending {
+            return Poll::Ready(());
+        }
+        if let Some((d, sleep)) = timer.as_mut() {
+            if sleep.as_mut().poll(cx).is_ready() {
+                first.get_or_insert(Error::DeadlineExceeded(*d));
+                return Poll::Ready(());
+            }
+        }
+        Poll::Pending
+    })
+    .await;
+    match first {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }

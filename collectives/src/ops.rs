@@ -30,11 +30,7 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         let wire = self.wire();
-        let run = exec::run(&wire, seq, sched, bufs, op);
-        match self.opts.deadline {
-            Some(d) => tokio::time::timeout(d, run).await.map_err(|_| Error::DeadlineExceeded(d))?,
-            None => run.await,
-        }
+        exec::run(&wire, seq, sched, bufs, op, self.opts.deadline).await
     }
 
     /// Runs the planned algorithm of `op` in place on `buf` (no input buffer).
@@ -48,9 +44,9 @@ impl Communicator {
     ) -> Result<Vec<T>, Failed<T>> {
         let elem = std::mem::size_of::<T>();
         let count = buf.len();
-        let alg = self.plan(op, count * elem, elem, root).algorithm;
-        let sched = plan::schedule(op, alg, self.size(), self.rank(), root, count, elem);
-        self.finish(seq, &sched, Bufs::new(buf, Vec::new(), sched.scratch), reduce, true).await
+        let planned = self.planned(op, count, elem, root);
+        let scratch = self.take_scratch(planned.sched.scratch);
+        self.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), scratch), reduce, true).await
     }
 
     /// Runs `sched` and gives back the data buffer (on failure: the data buffer when
@@ -64,11 +60,14 @@ impl Communicator {
         data_is_callers: bool,
     ) -> Result<Vec<T>, Failed<T>> {
         match self.execute(seq, sched, &mut bufs, reduce).await {
-            Ok(()) => match bufs.into_data() {
-                Some(v) => Ok(v),
-                None => Err(Failed::new(Error::Internal("the result buffer is still in use".into()), None)),
-            },
-            Err(e) if data_is_callers => Err(Failed::new(e, bufs.into_data())),
+            Ok(()) => {
+                let (data, scratch) = bufs.into_data();
+                self.give_scratch(scratch);
+                data.ok_or_else(|| {
+                    Failed::new(Error::Internal("the result buffer is still in use".into()), None)
+                })
+            }
+            Err(e) if data_is_callers => Err(Failed::new(e, bufs.into_data().0)),
             Err(e) => {
                 let input = bufs.take_input();
                 Err(Failed::new(e, input))
@@ -169,7 +168,30 @@ impl Communicator {
             let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
             data[blocks[r].clone()].copy_from_slice(&buf);
             let sched = ring::allgather(n, r, &blocks);
-            comm.finish(seq, &sched, Bufs::new(data, buf, 0), ReduceOp::Sum, false).await
+            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        }
+    }
+
+    /// [`Communicator::allgather`] in place: `buf` holds `size()` blocks of equal length,
+    /// this rank's (block `rank`) filled in; every block is filled on return. No buffer
+    /// is allocated.
+    pub fn allgather_in_place<T: Element>(
+        &self,
+        buf: Vec<T>,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let n = comm.size();
+            if buf.len() % n != 0 {
+                let m = format!(
+                    "an in-place allgather's buffer holds a multiple of {n} elements, not {}",
+                    buf.len()
+                );
+                return Err(invalid(buf, m));
+            }
+            let elem = std::mem::size_of::<T>();
+            let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
+            comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), None), ReduceOp::Sum, true).await
         }
     }
 
@@ -219,12 +241,42 @@ impl Communicator {
                 plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
                 _ => ring::reduce_scatter(n, r, &blocks),
             };
-            let mut out =
-                comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), sched.scratch), op, true).await?;
+            let mut out = comm
+                .finish(seq, &sched, Bufs::new(buf, Vec::new(), comm.take_scratch(sched.scratch)), op, true)
+                .await?;
             // This rank's block to the front, the rest cut off.
             out.copy_within(blocks[r].clone(), 0);
             out.truncate(blocks[r].len());
             Ok(out)
+        }
+    }
+
+    /// [`Communicator::reduce_scatter`] in place: the whole buffer comes back, with this
+    /// rank's block (as `reduce_scatter` cuts them) reduced and the rest holding partial
+    /// results. No buffer is allocated or moved.
+    pub fn reduce_scatter_in_place<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            if let Some(m) = comm.check_reduce::<T>(op) {
+                return Err(invalid(buf, m));
+            }
+            let (n, r) = (comm.size(), comm.rank());
+            let elem = std::mem::size_of::<T>();
+            let sched_owned;
+            let planned;
+            let sched = if buf.len() % n == 0 {
+                planned = comm.planned(Op::ReduceScatter, buf.len() / n, elem, 0);
+                &planned.sched
+            } else {
+                sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
+                &sched_owned
+            };
+            let scratch = comm.take_scratch(sched.scratch);
+            comm.finish(seq, sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
         }
     }
 
@@ -259,7 +311,7 @@ impl Communicator {
             let blocks = blocks_of(&counts);
             let sched = linear::gather(n, r, root, &blocks);
             if r != root {
-                let mut bufs = Bufs::new(Vec::new(), buf, 0);
+                let mut bufs = Bufs::new(Vec::new(), buf, None);
                 return match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
                     Ok(()) => bufs.take_input().ok_or_else(|| {
                         Failed::new(Error::Internal("the input is still in use".into()), None)
@@ -268,7 +320,7 @@ impl Communicator {
                 };
             }
             let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-            comm.finish(seq, &sched, Bufs::new(data, buf, 0), ReduceOp::Sum, false).await
+            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
         }
     }
 
@@ -312,7 +364,7 @@ impl Communicator {
                 b.resize(counts[r], T::zeroed());
                 (b, Vec::new())
             };
-            comm.finish(seq, &sched, Bufs::new(data, input, 0), ReduceOp::Sum, r != root).await
+            comm.finish(seq, &sched, Bufs::new(data, input, None), ReduceOp::Sum, r != root).await
         }
     }
 
@@ -352,7 +404,40 @@ impl Communicator {
             let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
             let sched = linear::pairwise_alltoall(n, r, &send, &recv);
             let data = vec![T::zeroed(); recv_counts.iter().sum()];
-            comm.finish(seq, &sched, Bufs::new(data, buf, 0), ReduceOp::Sum, false).await
+            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        }
+    }
+
+    /// [`Communicator::alltoall`] into `out`, which comes back holding the result (its
+    /// allocation reused when large enough), with `buf`: `(result, buf)`. On failure,
+    /// [`Failed::output`] holds `out` when it could be given back.
+    pub fn alltoall_into<T: Element>(
+        &self,
+        buf: Vec<T>,
+        mut out: Vec<T>,
+    ) -> impl Future<Output = Result<(Vec<T>, Vec<T>), Failed<T>>> + Send + 'static {
+        let (comm, seq) = (self.clone(), self.next_seq());
+        async move {
+            let n = comm.size();
+            if buf.len() % n != 0 {
+                let m = format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
+                return Err(Failed { output: Some(out), ..invalid(buf, m) });
+            }
+            out.resize(buf.len(), T::zeroed());
+            let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
+            let mut bufs = Bufs::new(out, buf, None);
+            let r = comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await;
+            let input = bufs.take_input();
+            let (output, _) = bufs.into_data();
+            match (r, output, input) {
+                (Ok(()), Some(o), Some(i)) => Ok((o, i)),
+                (Ok(()), output, input) => Err(Failed {
+                    error: Error::Internal("a buffer is still in use".into()),
+                    buf: input,
+                    output,
+                }),
+                (Err(error), output, input) => Err(Failed { error, buf: input, output }),
+            }
         }
     }
 
@@ -369,7 +454,7 @@ impl Communicator {
                 0,
                 1,
             );
-            let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), 0);
+            let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), None);
             comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await
         }
     }
@@ -405,7 +490,8 @@ impl Communicator {
                 return Err(invalid(buf, m));
             }
             let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
-            comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), sched.scratch), op, true).await
+            let scratch = comm.take_scratch(sched.scratch);
+            comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
         }
     }
 

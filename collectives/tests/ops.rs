@@ -70,6 +70,20 @@ async fn check_reductions<T: Element>(comms: &[Communicator], count: usize, op: 
     })
     .await;
     assert_eq!(got.concat(), want, "reduce_scatter {} n {n} count {count}", T::DTYPE);
+    let got = all(comms, |r, c| {
+        let p = parts[r].clone();
+        async move { c.reduce_scatter_in_place(p, op).await.expect("reduce_scatter_in_place") }
+    })
+    .await;
+    let cut = |r: usize| {
+        let (q, rem) = (count / n, count % n);
+        let start = r * q + r.min(rem);
+        start..start + q + usize::from(r < rem)
+    };
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(g.len(), count);
+        assert_eq!(g[cut(r)], want[cut(r)], "reduce_scatter_in_place rank {r}");
+    }
     for exclusive in [false, true] {
         let got = all(comms, |r, c| {
             let p = parts[r].clone();
@@ -132,6 +146,25 @@ async fn check_movement(comms: &[Communicator], count: usize) {
             .flat_map(|src| (r * count..(r + 1) * count).map(move |i| (src * 100_000 + i) as u32))
             .collect();
         assert_eq!(*g, want, "alltoall n {n} count {count} rank {r}");
+    }
+    let got = all(comms, |r, c| {
+        let mut b = vec![0u32; n * count];
+        b[r * count..(r + 1) * count].copy_from_slice(&parts[r]);
+        async move { c.allgather_in_place(b).await.expect("allgather_in_place") }
+    })
+    .await;
+    assert!(got.iter().all(|g| *g == parts.concat()), "allgather_in_place n {n} count {count}");
+    let got = all(comms, |r, c| {
+        let b: Vec<u32> = (0..n * count).map(|i| (r * 100_000 + i) as u32).collect();
+        async move { c.alltoall_into(b, Vec::with_capacity(3)).await.expect("alltoall_into") }
+    })
+    .await;
+    for (r, (g, input)) in got.iter().enumerate() {
+        let want: Vec<u32> = (0..n)
+            .flat_map(|src| (r * count..(r + 1) * count).map(move |i| (src * 100_000 + i) as u32))
+            .collect();
+        assert_eq!(*g, want, "alltoall_into n {n} count {count} rank {r}");
+        assert_eq!(input.len(), n * count, "the input comes back");
     }
     all(comms, |_, c| async move { c.barrier().await.expect("barrier") }).await;
 }
@@ -225,6 +258,10 @@ async fn malformed_calls_give_the_buffer_back() {
     assert_eq!(f.buf, Some(vec![1; 3]));
     let f = c.allgather_v(vec![1u8; 3], vec![3]).await.expect_err("counts of the wrong length");
     assert_eq!(f.buf.map(|b| b.len()), Some(3));
+    let f = c.alltoall_into(vec![1u8; 3], vec![7u8; 2]).await.expect_err("not a multiple");
+    assert_eq!((f.buf, f.output), (Some(vec![1; 3]), Some(vec![7; 2])));
+    let f = c.allgather_in_place(vec![1u8; 3]).await.expect_err("not a multiple");
+    assert_eq!(f.buf, Some(vec![1; 3]));
     let f = c.send(vec![1u8], 0, 0).await.expect_err("send to self");
     assert_eq!(f.buf, Some(vec![1]));
     assert!(Communicator::from_endpoints(
