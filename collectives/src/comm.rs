@@ -9,6 +9,7 @@ use std::any::Any;
 
 use ucxkit_transport::{Endpoint, Namespace, SharedBuf};
 
+use crate::abort::{AbortCell, Registry};
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Costs, Op, Plan};
 use crate::schedule::Schedule;
@@ -31,34 +32,6 @@ pub struct Options {
 
 /// Plans kept per communicator before the cache starts over.
 const PLAN_CACHE: usize = 512;
-
-/// The communicator ids in use among a family of communicators (one made by
-/// [`Communicator::from_endpoints`] or a bootstrap, and those split or duplicated from
-/// it), as a bitmap.
-#[derive(Default)]
-pub(crate) struct IdPool {
-    used: [u64; (MAX_COMMS / 64) as usize],
-}
-
-impl IdPool {
-    fn take(&mut self, id: u16) {
-        self.used[usize::from(id / 64)] |= 1 << (id % 64);
-    }
-
-    fn free(&mut self, id: u16) {
-        self.used[usize::from(id / 64)] &= !(1 << (id % 64));
-    }
-
-    /// The free ids, as a bitmap (1: free).
-    fn free_map(&self) -> Vec<u64> {
-        self.used.iter().map(|u| !u).collect()
-    }
-}
-
-/// The lowest id set in `map`, a bitmap of free ids.
-fn lowest(map: &[u64]) -> Option<u16> {
-    map.iter().enumerate().find(|(_, w)| **w != 0).map(|(i, w)| (i * 64) as u16 + w.trailing_zeros() as u16)
-}
 
 /// What a plan is cached by: operation, elements, element size, root, forced algorithm.
 type PlanKey = (Op, usize, usize, usize, Option<Algorithm>);
@@ -89,12 +62,15 @@ pub(crate) struct Inner {
     forced_env: Vec<(Op, Algorithm)>,
     /// The cost model's constants: the defaults, or [`plan::COSTS_ENV`]'s.
     costs: Costs,
-    ids: Arc<Mutex<IdPool>>,
+    /// The worker's communicators, where this one's id is held.
+    pub(crate) registry: Arc<Registry>,
+    /// Whether (and why) the communicator was aborted.
+    pub(crate) abort: Arc<AbortCell>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        self.ids.lock().unwrap_or_else(PoisonError::into_inner).free(self.id);
+        self.registry.release(self.id, &self.abort);
     }
 }
 
@@ -158,17 +134,15 @@ impl Communicator {
                 _ => {}
             }
         }
-        let mut pool = IdPool::default();
-        pool.take(id);
-        Communicator::new(ns, id, rank, eps, Arc::new(Mutex::new(pool)))
+        Communicator::new(ns, id, rank, eps)
     }
 
-    fn new(
+    /// A communicator with id `id` on `ns`'s worker, whose endpoints were checked.
+    pub(crate) fn new(
         ns: &Namespace,
         id: u16,
         rank: usize,
         eps: Vec<Option<Endpoint>>,
-        ids: Arc<Mutex<IdPool>>,
     ) -> Result<Communicator> {
         let forced_env = match std::env::var(plan::ENV) {
             Ok(spec) => plan::parse_forced(&spec)
@@ -185,6 +159,11 @@ impl Communicator {
             }
             None => Costs::default(),
         };
+        let registry = Registry::of(ns)?;
+        let abort = Arc::new(AbortCell::default());
+        if !registry.claim(id, &abort) {
+            return Err(Error::InvalidArgument(format!("communicator id {id} is taken on this worker")));
+        }
         Ok(Communicator {
             inner: Arc::new(Inner {
                 ns: ns.clone(),
@@ -196,7 +175,8 @@ impl Communicator {
                 scratch: Mutex::new(None),
                 forced_env,
                 costs,
-                ids,
+                registry,
+                abort,
             }),
             opts: Arc::new(Options::default()),
         })
@@ -208,20 +188,20 @@ impl Communicator {
     /// them run on this communicator, for the colours and for a free id). Endpoints are
     /// shared with this communicator: nothing new is connected.
     ///
-    /// Not to be called concurrently with another `split` or `dup` of a communicator of
-    /// the same family (they could pick the same id).
+    /// Two of them running at once on one worker may pick the same id; one then fails
+    /// with [`Error::InvalidArgument`] (and aborts its communicator).
     ///
     /// # Errors
     /// What the two collectives report, or [`Error::InvalidArgument`] when every
     /// communicator id is taken.
     pub async fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        let free = self.inner.ids.lock().unwrap_or_else(PoisonError::into_inner).free_map();
+        let free = self.inner.registry.free_map();
         let mine = vec![color.map_or(u64::MAX, u64::from), key as u64];
         let everyone = self.allgather(mine).await?;
         let free = self.allreduce(free, crate::ReduceOp::Band).await?;
         let Some(color) = color else { return Ok(None) };
-        let id =
-            lowest(&free).ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
+        let id = crate::failure::lowest(&free)
+            .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
         let mut members: Vec<(i64, usize)> = everyone
             .chunks_exact(2)
             .enumerate()
@@ -231,8 +211,7 @@ impl Communicator {
         members.sort_unstable();
         let rank = members.iter().position(|(_, r)| *r == self.rank()).unwrap_or_default();
         let eps = members.iter().map(|(_, r)| self.inner.eps[*r].clone()).collect();
-        self.inner.ids.lock().unwrap_or_else(PoisonError::into_inner).take(id);
-        let c = Communicator::new(&self.inner.ns, id, rank, eps, self.inner.ids.clone())?;
+        let c = Communicator::new(&self.inner.ns, id, rank, eps)?;
         Ok(Some(c.with_options((*self.opts).clone())))
     }
 
@@ -345,6 +324,7 @@ impl Communicator {
     pub(crate) fn wire(&self) -> crate::exec::Wire<'_> {
         crate::exec::Wire {
             ns: &self.inner.ns,
+            abort: &self.inner.abort,
             eps: &self.inner.eps,
             rank: self.inner.rank,
             comm: self.inner.id,

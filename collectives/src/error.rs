@@ -34,6 +34,11 @@ pub enum Error {
         /// Bytes expected.
         want: usize,
     },
+    /// The communicator was aborted: a collective failed on some rank (see
+    /// [`crate::abort`]). Every later call on it fails the same way; make a new one of
+    /// the live ranks with [`crate::Communicator::shrink`].
+    #[error("{}", describe(.0))]
+    Aborted(crate::abort::Abort),
     /// The call's deadline passed before it finished.
     #[error("the collective did not finish within {0:?}")]
     DeadlineExceeded(Duration),
@@ -43,6 +48,26 @@ pub enum Error {
     /// Forming the group failed.
     #[error("bootstrap: {0}")]
     Bootstrap(String),
+}
+
+fn describe(a: &crate::abort::Abort) -> String {
+    match a.failed {
+        Some(f) => {
+            format!("the communicator was aborted: rank {f} failed (seen by rank {}): {}", a.by, a.reason)
+        }
+        None => format!("the communicator was aborted by rank {}: {}", a.by, a.reason),
+    }
+}
+
+impl Error {
+    /// The rank this error is about, when it is about one.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            Error::Transport { rank, .. } | Error::Mismatch { rank, .. } => Some(*rank),
+            Error::Aborted(a) => a.failed,
+            _ => None,
+        }
+    }
 }
 
 /// Result of this crate's calls.

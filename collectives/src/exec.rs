@@ -12,6 +12,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 use ucxkit_transport::{tag::EXACT, Endpoint, Namespace, SharedBuf, SharedSlice, TagRecv, TagSend};
 
+use crate::abort::AbortCell;
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
 use crate::tag::{tag, MAX_STEPS};
@@ -20,6 +21,7 @@ use crate::{Element, ReduceOp};
 /// What the executor needs of a communicator.
 pub(crate) struct Wire<'a> {
     pub(crate) ns: &'a Namespace,
+    pub(crate) abort: &'a AbortCell,
     pub(crate) eps: &'a [Option<Endpoint>],
     pub(crate) rank: usize,
     pub(crate) comm: u16,
@@ -166,6 +168,9 @@ pub(crate) async fn run<T: Element>(
     op: ReduceOp,
     limit: Option<Duration>,
 ) -> Result<()> {
+    if let Some(a) = w.abort.get() {
+        return Err(Error::Aborted(a));
+    }
     let mut timer = limit.map(|d| (d, Box::pin(tokio::time::sleep(d))));
     if sched.steps.len() > MAX_STEPS {
         return Err(Error::InvalidArgument(format!(
@@ -230,6 +235,8 @@ async fn exchange<T: Element>(
         }
     }
     let mut first: Option<Error> = None;
+    // Made only once the step has to wait: a wake-up when the communicator is aborted.
+    let mut aborted: Option<Pin<Box<tokio::sync::futures::Notified<'_>>>> = None;
     std::future::poll_fn(|cx| {
         let mut pending = false;
         for f in flight.iter_mut() {
@@ -263,6 +270,15 @@ async fn exchange<T: Element>(
             }
         }
         if !pending {
+            return Poll::Ready(());
+        }
+        let wake = aborted.get_or_insert_with(|| {
+            let mut n = Box::pin(w.abort.notify.notified());
+            n.as_mut().enable();
+            n
+        });
+        if w.abort.is_set() || wake.as_mut().poll(cx).is_ready() {
+            first = w.abort.get().map(Error::Aborted);
             return Poll::Ready(());
         }
         if let Some((d, sleep)) = timer.as_mut() {

@@ -12,11 +12,13 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod abort;
 mod bootstrap;
 mod comm;
 pub mod dtype;
 pub mod error;
 mod exec;
+mod failure;
 mod ops;
 pub mod plan;
 pub mod reduce;

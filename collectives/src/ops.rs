@@ -95,12 +95,17 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            if let Some(m) = comm.check_reduce::<T>(op) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                if let Some(m) = comm.check_reduce::<T>(op) {
+                    return Err(invalid(buf, m));
+                }
+                comm.in_place(seq, Op::Allreduce, 0, buf, op).await
             }
-            comm.in_place(seq, Op::Allreduce, 0, buf, op).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -111,12 +116,17 @@ impl Communicator {
         buf: Vec<T>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            if let Some(m) = comm.check_root(root) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                if let Some(m) = comm.check_root(root) {
+                    return Err(invalid(buf, m));
+                }
+                comm.in_place(seq, Op::Broadcast, root, buf, ReduceOp::Sum).await
             }
-            comm.in_place(seq, Op::Broadcast, root, buf, ReduceOp::Sum).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -128,12 +138,17 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
+                    return Err(invalid(buf, m));
+                }
+                comm.in_place(seq, Op::Reduce, root, buf, op).await
             }
-            comm.in_place(seq, Op::Reduce, root, buf, op).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -154,21 +169,26 @@ impl Communicator {
         buf: Vec<T>,
         counts: Vec<usize>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let (n, r) = (comm.size(), comm.rank());
-            if let Some(m) = comm.check_counts(&counts) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let (n, r) = (comm.size(), comm.rank());
+                if let Some(m) = comm.check_counts(&counts) {
+                    return Err(invalid(buf, m));
+                }
+                if buf.len() != counts[r] {
+                    let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
+                    return Err(invalid(buf, m));
+                }
+                let blocks = blocks_of(&counts);
+                let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
+                data[blocks[r].clone()].copy_from_slice(&buf);
+                let sched = ring::allgather(n, r, &blocks);
+                comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
             }
-            if buf.len() != counts[r] {
-                let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
-                return Err(invalid(buf, m));
-            }
-            let blocks = blocks_of(&counts);
-            let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-            data[blocks[r].clone()].copy_from_slice(&buf);
-            let sched = ring::allgather(n, r, &blocks);
-            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -179,19 +199,24 @@ impl Communicator {
         &self,
         buf: Vec<T>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let n = comm.size();
-            if buf.len() % n != 0 {
-                let m = format!(
-                    "an in-place allgather's buffer holds a multiple of {n} elements, not {}",
-                    buf.len()
-                );
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let n = comm.size();
+                if buf.len() % n != 0 {
+                    let m = format!(
+                        "an in-place allgather's buffer holds a multiple of {n} elements, not {}",
+                        buf.len()
+                    );
+                    return Err(invalid(buf, m));
+                }
+                let elem = std::mem::size_of::<T>();
+                let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
+                comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), None), ReduceOp::Sum, true).await
             }
-            let elem = std::mem::size_of::<T>();
-            let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
-            comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), None), ReduceOp::Sum, true).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -215,39 +240,50 @@ impl Communicator {
         counts: Vec<usize>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let (n, r) = (comm.size(), comm.rank());
-            if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let (n, r) = (comm.size(), comm.rank());
+                if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
+                    return Err(invalid(buf, m));
+                }
+                if counts.iter().sum::<usize>() != buf.len() {
+                    let m = format!(
+                        "the counts add up to {}, the buffer holds {}",
+                        counts.iter().sum::<usize>(),
+                        buf.len()
+                    );
+                    return Err(invalid(buf, m));
+                }
+                let blocks = blocks_of(&counts);
+                let elem = std::mem::size_of::<T>();
+                let even = even_blocks(buf.len(), n) == blocks;
+                let alg = if even {
+                    comm.plan(Op::ReduceScatter, buf.len() / n.max(1) * elem, elem, 0).algorithm
+                } else {
+                    plan::Algorithm::Ring
+                };
+                let sched = match alg {
+                    plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
+                    _ => ring::reduce_scatter(n, r, &blocks),
+                };
+                let mut out = comm
+                    .finish(
+                        seq,
+                        &sched,
+                        Bufs::new(buf, Vec::new(), comm.take_scratch(sched.scratch)),
+                        op,
+                        true,
+                    )
+                    .await?;
+                // This rank's block to the front, the rest cut off.
+                out.copy_within(blocks[r].clone(), 0);
+                out.truncate(blocks[r].len());
+                Ok(out)
             }
-            if counts.iter().sum::<usize>() != buf.len() {
-                let m = format!(
-                    "the counts add up to {}, the buffer holds {}",
-                    counts.iter().sum::<usize>(),
-                    buf.len()
-                );
-                return Err(invalid(buf, m));
-            }
-            let blocks = blocks_of(&counts);
-            let elem = std::mem::size_of::<T>();
-            let even = even_blocks(buf.len(), n) == blocks;
-            let alg = if even {
-                comm.plan(Op::ReduceScatter, buf.len() / n.max(1) * elem, elem, 0).algorithm
-            } else {
-                plan::Algorithm::Ring
-            };
-            let sched = match alg {
-                plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
-                _ => ring::reduce_scatter(n, r, &blocks),
-            };
-            let mut out = comm
-                .finish(seq, &sched, Bufs::new(buf, Vec::new(), comm.take_scratch(sched.scratch)), op, true)
-                .await?;
-            // This rank's block to the front, the rest cut off.
-            out.copy_within(blocks[r].clone(), 0);
-            out.truncate(blocks[r].len());
-            Ok(out)
+            .await;
+            call.done(r)
         }
     }
 
@@ -259,24 +295,29 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            if let Some(m) = comm.check_reduce::<T>(op) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                if let Some(m) = comm.check_reduce::<T>(op) {
+                    return Err(invalid(buf, m));
+                }
+                let (n, r) = (comm.size(), comm.rank());
+                let elem = std::mem::size_of::<T>();
+                let sched_owned;
+                let planned;
+                let sched = if buf.len() % n == 0 {
+                    planned = comm.planned(Op::ReduceScatter, buf.len() / n, elem, 0);
+                    &planned.sched
+                } else {
+                    sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
+                    &sched_owned
+                };
+                let scratch = comm.take_scratch(sched.scratch);
+                comm.finish(seq, sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
             }
-            let (n, r) = (comm.size(), comm.rank());
-            let elem = std::mem::size_of::<T>();
-            let sched_owned;
-            let planned;
-            let sched = if buf.len() % n == 0 {
-                planned = comm.planned(Op::ReduceScatter, buf.len() / n, elem, 0);
-                &planned.sched
-            } else {
-                sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
-                &sched_owned
-            };
-            let scratch = comm.take_scratch(sched.scratch);
-            comm.finish(seq, sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -298,29 +339,34 @@ impl Communicator {
         counts: Vec<usize>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let (n, r) = (comm.size(), comm.rank());
-            if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let (n, r) = (comm.size(), comm.rank());
+                if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
+                    return Err(invalid(buf, m));
+                }
+                if buf.len() != counts[r] {
+                    let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
+                    return Err(invalid(buf, m));
+                }
+                let blocks = blocks_of(&counts);
+                let sched = linear::gather(n, r, root, &blocks);
+                if r != root {
+                    let mut bufs = Bufs::new(Vec::new(), buf, None);
+                    return match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
+                        Ok(()) => bufs.take_input().ok_or_else(|| {
+                            Failed::new(Error::Internal("the input is still in use".into()), None)
+                        }),
+                        Err(e) => Err(Failed::new(e, bufs.take_input())),
+                    };
+                }
+                let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
+                comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
             }
-            if buf.len() != counts[r] {
-                let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
-                return Err(invalid(buf, m));
-            }
-            let blocks = blocks_of(&counts);
-            let sched = linear::gather(n, r, root, &blocks);
-            if r != root {
-                let mut bufs = Bufs::new(Vec::new(), buf, None);
-                return match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
-                    Ok(()) => bufs.take_input().ok_or_else(|| {
-                        Failed::new(Error::Internal("the input is still in use".into()), None)
-                    }),
-                    Err(e) => Err(Failed::new(e, bufs.take_input())),
-                };
-            }
-            let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -343,28 +389,33 @@ impl Communicator {
         counts: Vec<usize>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let (n, r) = (comm.size(), comm.rank());
-            if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let (n, r) = (comm.size(), comm.rank());
+                if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
+                    return Err(invalid(buf, m));
+                }
+                let total: usize = counts.iter().sum();
+                if r == root && buf.len() != total {
+                    let m = format!("the root's buffer holds {}, the counts add up to {total}", buf.len());
+                    return Err(invalid(buf, m));
+                }
+                let blocks = blocks_of(&counts);
+                let sched = linear::scatter(n, r, root, &blocks);
+                let (data, input) = if r == root {
+                    (vec![T::zeroed(); counts[r]], buf)
+                } else {
+                    let mut b = buf;
+                    b.clear();
+                    b.resize(counts[r], T::zeroed());
+                    (b, Vec::new())
+                };
+                comm.finish(seq, &sched, Bufs::new(data, input, None), ReduceOp::Sum, r != root).await
             }
-            let total: usize = counts.iter().sum();
-            if r == root && buf.len() != total {
-                let m = format!("the root's buffer holds {}, the counts add up to {total}", buf.len());
-                return Err(invalid(buf, m));
-            }
-            let blocks = blocks_of(&counts);
-            let sched = linear::scatter(n, r, root, &blocks);
-            let (data, input) = if r == root {
-                (vec![T::zeroed(); counts[r]], buf)
-            } else {
-                let mut b = buf;
-                b.clear();
-                b.resize(counts[r], T::zeroed());
-                (b, Vec::new())
-            };
-            comm.finish(seq, &sched, Bufs::new(data, input, None), ReduceOp::Sum, r != root).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -389,22 +440,27 @@ impl Communicator {
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let (n, r) = (comm.size(), comm.rank());
-            if let Some(m) = comm.check_counts(&send_counts).or_else(|| comm.check_counts(&recv_counts)) {
-                return Err(invalid(
-                    buf,
-                    format!("{m} (an all-to-all buffer's length must be a multiple of the group's size)"),
-                ));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let (n, r) = (comm.size(), comm.rank());
+                if let Some(m) = comm.check_counts(&send_counts).or_else(|| comm.check_counts(&recv_counts)) {
+                    return Err(invalid(
+                        buf,
+                        format!("{m} (an all-to-all buffer's length must be a multiple of the group's size)"),
+                    ));
+                }
+                if send_counts.iter().sum::<usize>() != buf.len() {
+                    return Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
+                }
+                let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
+                let sched = linear::pairwise_alltoall(n, r, &send, &recv);
+                let data = vec![T::zeroed(); recv_counts.iter().sum()];
+                comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
             }
-            if send_counts.iter().sum::<usize>() != buf.len() {
-                return Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
-            }
-            let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
-            let sched = linear::pairwise_alltoall(n, r, &send, &recv);
-            let data = vec![T::zeroed(); recv_counts.iter().sum()];
-            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+            .await;
+            call.done(r)
         }
     }
 
@@ -416,46 +472,57 @@ impl Communicator {
         buf: Vec<T>,
         mut out: Vec<T>,
     ) -> impl Future<Output = Result<(Vec<T>, Vec<T>), Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let n = comm.size();
-            if buf.len() % n != 0 {
-                let m = format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
-                return Err(Failed { output: Some(out), ..invalid(buf, m) });
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let n = comm.size();
+                if buf.len() % n != 0 {
+                    let m =
+                        format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
+                    return Err(Failed { output: Some(out), ..invalid(buf, m) });
+                }
+                out.resize(buf.len(), T::zeroed());
+                let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
+                let mut bufs = Bufs::new(out, buf, None);
+                let r = comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await;
+                let input = bufs.take_input();
+                let (output, _) = bufs.into_data();
+                match (r, output, input) {
+                    (Ok(()), Some(o), Some(i)) => Ok((o, i)),
+                    (Ok(()), output, input) => Err(Failed {
+                        error: Error::Internal("a buffer is still in use".into()),
+                        buf: input,
+                        output,
+                    }),
+                    (Err(error), output, input) => Err(Failed { error, buf: input, output }),
+                }
             }
-            out.resize(buf.len(), T::zeroed());
-            let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
-            let mut bufs = Bufs::new(out, buf, None);
-            let r = comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await;
-            let input = bufs.take_input();
-            let (output, _) = bufs.into_data();
-            match (r, output, input) {
-                (Ok(()), Some(o), Some(i)) => Ok((o, i)),
-                (Ok(()), output, input) => Err(Failed {
-                    error: Error::Internal("a buffer is still in use".into()),
-                    buf: input,
-                    output,
-                }),
-                (Err(error), output, input) => Err(Failed { error, buf: input, output }),
-            }
+            .await;
+            call.done(r)
         }
     }
 
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> impl Future<Output = Result<()>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            let sched = plan::schedule(
-                Op::Barrier,
-                plan::Algorithm::Dissemination,
-                comm.size(),
-                comm.rank(),
-                0,
-                0,
-                1,
-            );
-            let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), None);
-            comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                let sched = plan::schedule(
+                    Op::Barrier,
+                    plan::Algorithm::Dissemination,
+                    comm.size(),
+                    comm.rank(),
+                    0,
+                    0,
+                    1,
+                );
+                let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), None);
+                comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await
+            }
+            .await;
+            call.done(r)
         }
     }
 
@@ -484,14 +551,19 @@ impl Communicator {
         op: ReduceOp,
         exclusive: bool,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let (comm, seq) = (self.clone(), self.next_seq());
+        let call = self.begin();
         async move {
-            if let Some(m) = comm.check_reduce::<T>(op) {
-                return Err(invalid(buf, m));
+            let (comm, seq) = (call.comm.clone(), call.seq);
+            let r = async {
+                if let Some(m) = comm.check_reduce::<T>(op) {
+                    return Err(invalid(buf, m));
+                }
+                let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
+                let scratch = comm.take_scratch(sched.scratch);
+                comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
             }
-            let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
-            let scratch = comm.take_scratch(sched.scratch);
-            comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+            .await;
+            call.done(r)
         }
     }
 

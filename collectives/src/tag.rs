@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | 55-46 | communicator id | 10 |
 //! | 45-30 | sequence number of the call on its communicator (wraps) | 16 |
-//! | 29-16 | step of the schedule; [`P2P_STEP`] for point-to-point messages | 14 |
+//! | 29-16 | step of the schedule; [`CONTROL_STEP`] for `shrink`, [`P2P_STEP`] for point-to-point messages | 14 |
 //! | 15-0 | source rank | 16 |
 //!
 //! A receive matches all 56 bits. Point-to-point messages carry the user's tag (16 bits)
@@ -16,8 +16,12 @@
 pub const MAX_COMMS: u16 = 1 << 10;
 /// Ranks per communicator: 0..MAX_RANKS.
 pub const MAX_RANKS: usize = 1 << 16;
-/// Steps per schedule: 0..MAX_STEPS (one more value is [`P2P_STEP`]).
-pub const MAX_STEPS: usize = (1 << 14) - 1;
+/// Steps per schedule: 0..MAX_STEPS (the two values above are [`CONTROL_STEP`] and
+/// [`P2P_STEP`]).
+pub const MAX_STEPS: usize = (1 << 14) - 2;
+/// The step field of the messages of [`crate::Communicator::shrink`] (the sequence
+/// field holds its round).
+pub const CONTROL_STEP: u16 = (1 << 14) - 2;
 /// The step field of point-to-point messages.
 pub const P2P_STEP: u16 = (1 << 14) - 1;
 

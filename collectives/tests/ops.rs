@@ -247,22 +247,44 @@ async fn point_to_point_messages_match_by_peer_and_tag() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_calls_give_the_buffer_back() {
+    // A malformed call fails where it is made and aborts the communicator (its peers
+    // would otherwise wait for its messages); each check gets a fresh group.
+    async fn first<T: std::fmt::Debug>(
+        f: impl std::future::Future<Output = Result<T, ucxkit_collectives::Failed<u8>>>,
+    ) -> ucxkit_collectives::Failed<u8> {
+        f.await.expect_err("malformed")
+    }
     let (_mesh, comms) = group(2).await;
     let c = &comms[0];
     let f = c.allreduce(vec![1.0f32; 3], ReduceOp::Band).await.expect_err("bitwise on floats");
     assert!(matches!(f.error, Error::InvalidArgument(_)), "{}", f.error);
     assert_eq!(f.buf, Some(vec![1.0; 3]));
-    let f = c.broadcast(vec![1u8; 2], 2).await.expect_err("root out of range");
+    // Now aborted, here and at the peer: later calls fail at once, buffers back.
+    let f = c.broadcast(vec![1u8; 2], 0).await.expect_err("aborted");
+    assert!(matches!(f.error, Error::Aborted(_)), "{}", f.error);
     assert_eq!(f.buf, Some(vec![1; 2]));
-    let f = c.alltoall(vec![1u8; 3]).await.expect_err("not a multiple of the size");
-    assert_eq!(f.buf, Some(vec![1; 3]));
-    let f = c.allgather_v(vec![1u8; 3], vec![3]).await.expect_err("counts of the wrong length");
-    assert_eq!(f.buf.map(|b| b.len()), Some(3));
-    let f = c.alltoall_into(vec![1u8; 3], vec![7u8; 2]).await.expect_err("not a multiple");
+    let peer = tokio::time::timeout(Duration::from_secs(10), comms[1].allreduce(vec![0u8; 1], ReduceOp::Sum))
+        .await
+        .expect("the peer learns of the abort")
+        .expect_err("aborted there too");
+    assert!(matches!(&peer.error, Error::Aborted(a) if a.by == 0), "{}", peer.error);
+    let (_m1, g1) = group(2).await;
+    let (_m2, g2) = group(2).await;
+    let (_m3, g3) = group(2).await;
+    for (name, f) in [
+        ("root out of range", first(g1[0].broadcast(vec![1u8; 2], 2)).await),
+        ("not a multiple of the size", first(g2[0].alltoall(vec![1u8; 3])).await),
+        ("counts of the wrong length", first(g3[0].allgather_v(vec![1u8; 3], vec![3])).await),
+    ] {
+        assert!(matches!(f.error, Error::InvalidArgument(_)), "{name}: {}", f.error);
+        assert!(f.buf.is_some_and(|b| !b.is_empty()), "{name}");
+    }
+    let (_m, c2) = group(2).await;
+    let f = c2[0].alltoall_into(vec![1u8; 3], vec![7u8; 2]).await.expect_err("not a multiple");
     assert_eq!((f.buf, f.output), (Some(vec![1; 3]), Some(vec![7; 2])));
-    let f = c.allgather_in_place(vec![1u8; 3]).await.expect_err("not a multiple");
+    let f = c2[1].allgather_in_place(vec![1u8; 3]).await.expect_err("not a multiple");
     assert_eq!(f.buf, Some(vec![1; 3]));
-    let f = c.send(vec![1u8], 0, 0).await.expect_err("send to self");
+    let f = c2[0].send(vec![1u8], 0, 0).await.expect_err("send to self");
     assert_eq!(f.buf, Some(vec![1]));
     assert!(Communicator::from_endpoints(
         &comms[1].endpoint(0).expect("ep").worker().namespace(COLLECTIVES + 5).expect("ns"),
