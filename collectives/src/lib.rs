@@ -8,6 +8,48 @@
 //! operations tie them together. Messages travel in the worker's collectives namespace
 //! (`ucxkit_transport::namespace::COLLECTIVES`), tagged as [`tag`] lays out, so they
 //! never match the application's or another layer's.
+//!
+//! # Forming a group
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), ucxkit_collectives::Error> {
+//! use ucxkit_collectives::{Communicator, ReduceOp};
+//! // Under mpirun, srun or torchrun; UCXKIT_STORE=host:port (rank 0 serves it) or
+//! // UCXKIT_STORE=file:DIR where the launcher names no store.
+//! let comm = Communicator::from_env().await?;
+//! // Or with no launcher: Communicator::init(rank, size, "10.0.0.1:29500").
+//! let sum = comm.allreduce(vec![1.0f32; 1 << 20], ReduceOp::Sum).await?;
+//! let half = comm.split(Some((comm.rank() % 2) as u32), 0).await?;
+//! # let _ = (sum, half); Ok(()) }
+//! ```
+//!
+//! [`Communicator::bootstrap`] forms a group on a worker of your own through any
+//! [`store::Store`]; [`Communicator::from_endpoints`] makes one of endpoints you
+//! connected yourself.
+//!
+//! # Calls
+//!
+//! Every operation takes the caller's buffer by value and gives it back (as the result,
+//! or inside [`Failed`] with the error). Calls are futures that may run at once on one
+//! communicator, but every rank must make the same calls in the same order (as in MPI;
+//! the order of the calls, not of the awaits). A deadline for every call of a handle:
+//! `comm.with_options(Options { deadline: Some(d), ..Default::default() })`.
+//!
+//! # Failures
+//!
+//! A call that fails on any rank, or whose future is dropped before it finished, aborts
+//! the communicator on every rank ([`abort`]): pending and later calls fail with
+//! [`Error::Aborted`], naming the rank that failed, within the transport's time to see a
+//! dead peer plus one message (10 to 100 ms for a killed process on one host). The live
+//! ranks then call [`Communicator::shrink`] for a communicator of themselves.
+//!
+//! # Choosing algorithms
+//!
+//! [`plan`] prices every candidate algorithm's schedule with a cost model and picks the
+//! cheapest; [`Communicator::plan`] says what it picked and why. Variables:
+//! `UCXKIT_COLL_ALGO=allreduce=ring,broadcast=knomial:4` forces algorithms
+//! ([`plan::ENV`]); `UCXKIT_COLL_COSTS=FILE` loads the model's constants measured by
+//! `ucxkit-coll tune` ([`plan::COSTS_ENV`]).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
