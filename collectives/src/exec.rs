@@ -21,6 +21,8 @@ use crate::{Element, ReduceOp};
 /// What the executor needs of a communicator.
 pub(crate) struct Wire<'a> {
     pub(crate) ns: &'a Namespace,
+    /// Transfers longer than this many bytes move in pieces of this size.
+    pub(crate) segment: usize,
     pub(crate) abort: &'a AbortCell,
     pub(crate) eps: &'a [Option<Endpoint>],
     pub(crate) rank: usize,
@@ -195,6 +197,18 @@ pub(crate) async fn run<T: Element>(
     Ok(())
 }
 
+/// `r` cut into pieces of at most `seg` elements (one piece when it is shorter, or
+/// empty). A large transfer moves as several messages with one tag, posted at once:
+/// UCX matches messages of one tag between two endpoints in the order they were sent,
+/// so the pieces land in order. (Off by default: see `DEFAULT_SEGMENT`.)
+fn segments(r: &Region, seg: usize) -> impl Iterator<Item = Region> + '_ {
+    let n = r.len().div_ceil(seg).max(1);
+    (0..n).map(move |i| Region {
+        buf: r.buf,
+        range: (r.range.start + i * seg).min(r.range.end)..(r.range.start + (i + 1) * seg).min(r.range.end),
+    })
+}
+
 /// One transfer of a step in flight.
 enum InFlight<T: Element> {
     Send { peer: usize, op: TagSend<SharedSlice<T>> },
@@ -215,23 +229,34 @@ async fn exchange<T: Element>(
     mut timer: Option<&mut (Duration, Pin<Box<tokio::time::Sleep>>)>,
 ) -> Result<()> {
     let mut flight: SmallVec<[InFlight<T>; 2]> = SmallVec::with_capacity(xfers.len());
+    let elem = std::mem::size_of::<T>().max(1);
+    let seg = (w.segment / elem).max(1);
     // Receives first: a message that finds its receive posted lands in place, where one
     // that arrives first is copied aside by UCX and again when the receive comes.
     for x in xfers {
         if let Xfer::Recv { peer, into } = x {
-            flight.push(InFlight::Recv {
-                peer: *peer,
-                want: into.len() * std::mem::size_of::<T>(),
-                op: w.ns.tag_recv_from(w.ep(*peer)?, tag(w.comm, seq, step, *peer), EXACT, bufs.slice(into)?),
-            });
+            for part in segments(into, seg) {
+                flight.push(InFlight::Recv {
+                    peer: *peer,
+                    want: part.len() * elem,
+                    op: w.ns.tag_recv_from(
+                        w.ep(*peer)?,
+                        tag(w.comm, seq, step, *peer),
+                        EXACT,
+                        bufs.slice(&part)?,
+                    ),
+                });
+            }
         }
     }
     for x in xfers {
         if let Xfer::Send { peer, from } = x {
-            flight.push(InFlight::Send {
-                peer: *peer,
-                op: w.ns.tag_send(w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(from)?),
-            });
+            for part in segments(from, seg) {
+                flight.push(InFlight::Send {
+                    peer: *peer,
+                    op: w.ns.tag_send(w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(&part)?),
+                });
+            }
         }
     }
     let mut first: Option<Error> = None;

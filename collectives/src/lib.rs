@@ -69,7 +69,7 @@ pub mod store;
 pub mod tag;
 
 pub use bootstrap::InitOptions;
-pub use comm::{Communicator, Options};
+pub use comm::{Communicator, Options, DEFAULT_SEGMENT, SEGMENT_ENV};
 pub use dtype::{bf16, f16, DataType, Element};
 pub use error::{Error, Failed, Result};
 pub use plan::{Algorithm, Op, Plan};

@@ -185,8 +185,13 @@ pub fn parse_forced(spec: &str) -> Result<Vec<(Op, Algorithm)>, String> {
 /// The cost model's constants.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Costs {
-    /// Per step: the latency of one message round.
+    /// Per step whose messages are all short: the latency of one message round.
     pub latency: Duration,
+    /// Per step with a message of [`Costs::rndv_threshold`] bytes or more: the latency
+    /// of a rendezvous (the receiver asks for the data before it moves).
+    pub rndv_latency: Duration,
+    /// The message size from which UCX uses its rendezvous protocol.
+    pub rndv_threshold: usize,
     /// Bytes per second one rank moves in one direction.
     pub bandwidth: f64,
     /// Bytes per second one rank reduces.
@@ -194,10 +199,18 @@ pub struct Costs {
 }
 
 impl Default for Costs {
-    /// Shared memory on one host, as measured with UCX 1.13: 1 µs per step (a message
-    /// through the executor), 5 GB/s, reductions at 4 GB/s.
+    /// Shared memory on one host, as `ucxkit-coll --np 2 tune` measured it with UCX
+    /// 1.13 on a 2-core machine (medians of runs that spread about 2x): 0.5 µs per short
+    /// step, 2 µs per rendezvous step (from 8 KiB), 6 GB/s per direction, reductions at
+    /// 12 GB/s.
     fn default() -> Costs {
-        Costs { latency: Duration::from_micros(1), bandwidth: 5e9, reduce_rate: 4e9 }
+        Costs {
+            latency: Duration::from_nanos(500),
+            rndv_latency: Duration::from_micros(2),
+            rndv_threshold: 8 << 10,
+            bandwidth: 6e9,
+            reduce_rate: 12e9,
+        }
     }
 }
 
@@ -207,12 +220,14 @@ impl Default for Costs {
 pub const COSTS_ENV: &str = "UCXKIT_COLL_COSTS";
 
 impl Costs {
-    /// The constants as `key=value` lines: `latency_us`, `bandwidth` (bytes/s) and
-    /// `reduce_rate` (bytes/s).
+    /// The constants as `key=value` lines: `latency_us`, `rndv_latency_us`,
+    /// `rndv_threshold` (bytes), `bandwidth` (bytes/s) and `reduce_rate` (bytes/s).
     pub fn to_text(&self) -> String {
         format!(
-            "latency_us={}\nbandwidth={}\nreduce_rate={}\n",
+            "latency_us={}\nrndv_latency_us={}\nrndv_threshold={}\nbandwidth={}\nreduce_rate={}\n",
             self.latency.as_secs_f64() * 1e6,
+            self.rndv_latency.as_secs_f64() * 1e6,
+            self.rndv_threshold,
             self.bandwidth,
             self.reduce_rate
         )
@@ -232,6 +247,8 @@ impl Costs {
             }
             match k.trim() {
                 "latency_us" => c.latency = Duration::from_secs_f64(v * 1e-6),
+                "rndv_latency_us" => c.rndv_latency = Duration::from_secs_f64(v * 1e-6),
+                "rndv_threshold" => c.rndv_threshold = v as usize,
                 "bandwidth" => c.bandwidth = v,
                 "reduce_rate" => c.reduce_rate = v,
                 other => return Err(format!("unknown cost {other:?}")),
@@ -322,12 +339,19 @@ pub(crate) fn schedule(
 pub fn price(s: &Schedule, elem: usize, c: &Costs) -> Duration {
     let mut t = 0f64;
     for st in &s.steps {
-        let (mut out, mut inn) = (0usize, 0usize);
+        let (mut out, mut inn, mut largest) = (0usize, 0usize, 0usize);
         for x in &st.xfers {
-            match x {
-                Xfer::Send { from, .. } => out += from.len() * elem,
-                Xfer::Recv { into, .. } => inn += into.len() * elem,
-            }
+            let bytes = match x {
+                Xfer::Send { from, .. } => {
+                    out += from.len() * elem;
+                    from.len() * elem
+                }
+                Xfer::Recv { into, .. } => {
+                    inn += into.len() * elem;
+                    into.len() * elem
+                }
+            };
+            largest = largest.max(bytes);
         }
         let reduced: usize = st
             .combines
@@ -338,7 +362,8 @@ pub fn price(s: &Schedule, elem: usize, c: &Costs) -> Duration {
             })
             .sum();
         if !st.xfers.is_empty() {
-            t += c.latency.as_secs_f64();
+            let l = if largest >= c.rndv_threshold { c.rndv_latency } else { c.latency };
+            t += l.as_secs_f64();
         }
         t += out.max(inn) as f64 / c.bandwidth + reduced as f64 / c.reduce_rate;
     }
@@ -396,7 +421,12 @@ mod tests {
 
     #[test]
     fn costs_round_trip_as_text() {
-        let c = Costs { latency: Duration::from_nanos(1500), bandwidth: 3e9, reduce_rate: 2e9 };
+        let c = Costs {
+            latency: Duration::from_nanos(1500),
+            bandwidth: 3e9,
+            reduce_rate: 2e9,
+            ..Costs::default()
+        };
         assert_eq!(Costs::from_text(&c.to_text()), Ok(c));
         assert!(Costs::from_text("latency_us=-1").is_err());
         assert!(Costs::from_text("speed=1").is_err());

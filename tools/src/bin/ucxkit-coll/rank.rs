@@ -130,15 +130,8 @@ async fn once<T: Element>(
     // The forms that allocate nothing per call where there are some, as nccl-tests keep
     // their buffers from call to call.
     let mut out = match op {
-        "allgather" => {
-            let mut b = buf;
-            let per = b.len();
-            b.resize(count, T::zeroed());
-            b.copy_within(0..per, c.rank() * per);
-            let mut all = c.allgather_in_place(b).await.map_err(err)?;
-            all.copy_within(c.rank() * per..(c.rank() + 1) * per, 0);
-            all
-        }
+        // The whole result buffer, this rank's block in place, from call to call.
+        "allgather" => c.allgather_in_place(buf).await.map_err(err)?,
         "reduce_scatter" => c.reduce_scatter_in_place(buf, redop).await.map_err(err)?,
         "alltoall" => {
             let (out, input) = c.alltoall_into(buf, std::mem::take(spare)).await.map_err(err)?;
@@ -148,7 +141,7 @@ async fn once<T: Element>(
         _ => result(c, op, buf, count, redop, root).await?,
     };
     match op {
-        "allgather" | "gather" => out.truncate(count / n),
+        "gather" => out.truncate(count / n),
         "scatter" if c.rank() == root => out.resize(count, T::zeroed()),
         _ => {}
     }
@@ -236,6 +229,12 @@ async fn cell<T: Element>(
     }
     let fresh = || -> Vec<T> { (0..input_len(op, count, n, r, root)).map(|i| value(r, i)).collect() };
     let mut buf = fresh();
+    if op == "allgather" {
+        // Timed in place: the whole result buffer, this rank's block where it belongs.
+        let per = buf.len();
+        buf.resize(count, T::zeroed());
+        buf.copy_within(0..per, r * per);
+    }
     let mut spare = Vec::new();
     let t = Instant::now();
     for _ in 0..args.warmup {

@@ -6,8 +6,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, BufReader};
+use ucxkit::collectives::plan::Costs;
 use ucxkit::collectives::reduce::Kernels;
-use ucxkit::collectives::{plan, Communicator, ReduceOp};
+use ucxkit::collectives::{Communicator, ReduceOp};
 
 use crate::row::CollRow;
 use crate::Args;
@@ -73,9 +74,13 @@ pub(crate) async fn run(args: &Args, np: usize, limit: Duration) -> Result<(), S
         println!("{}", r.table());
     };
     while let Ok(Ok(Some(line))) = tokio::time::timeout_at(end.into(), lines.next_line()).await {
-        if let Some(r) = CollRow::from_json(&line, "ucxkit") {
-            print(&r, &mut quiet);
-            rows.push(r);
+        match CollRow::from_json(&line, "ucxkit") {
+            Some(r) => {
+                print(&r, &mut quiet);
+                rows.push(r);
+            }
+            // What rank 0 says besides rows (tune's constants).
+            None => println!("{line}"),
         }
     }
     let mut failed = Vec::new();
@@ -147,7 +152,9 @@ fn plot_rows(r: &CollRow) -> [ucxkit_tools::report::Row; 2] {
 }
 
 /// `tune`: measures the per-step latency (a barrier's time over its steps), the link
-/// bandwidth (a ring allgather of 16 MiB) and the reduction rate (f32 sums in memory);
+/// bandwidth (a ring allgather of 16 MiB), a rendezvous step's latency (a ring
+/// allgather of blocks at the rendezvous threshold, less their bytes' time) and the
+/// reduction rate (f32 sums in memory);
 /// rank 0 writes them where the communicator reads them (`UCXKIT_COLL_COSTS`).
 pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), String> {
     let n = c.size();
@@ -160,17 +167,29 @@ pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), 
     }
     let latency = t.elapsed().as_secs_f64() / iters as f64 / steps;
     let per = (16 << 20) / 4 / n.max(1);
-    let mut buf = vec![1f32; per];
-    let t = Instant::now();
+    let mut buf = vec![1f32; per * n];
     let reps = 5;
+    // One untimed call first: the pages of the buffer, and UCX's caches, settle.
+    buf = c.allgather_in_place(buf).await.map_err(|f| f.error.to_string())?;
+    let t = Instant::now();
     for _ in 0..reps {
-        let mut all = c.allgather(buf).await.map_err(|f| f.error.to_string())?;
-        all.truncate(per);
-        buf = all;
+        buf = c.allgather_in_place(buf).await.map_err(|f| f.error.to_string())?;
     }
     let ring = t.elapsed().as_secs_f64() / reps as f64;
     let moved = (n.saturating_sub(1) * per * 4) as f64;
     let bandwidth = if n > 1 { moved / (ring - (n - 1) as f64 * latency).max(1e-9) } else { 1e10 };
+    // A rendezvous step: an allgather of 32 KiB blocks, less what its bytes take.
+    let rndv = Costs::default().rndv_threshold * 4 / 4;
+    let mut small = vec![1f32; rndv * n];
+    small = c.allgather_in_place(small).await.map_err(|f| f.error.to_string())?;
+    let t = Instant::now();
+    let reps = 200;
+    for _ in 0..reps {
+        small = c.allgather_in_place(small).await.map_err(|f| f.error.to_string())?;
+    }
+    let per_step = t.elapsed().as_secs_f64() / reps as f64 / n.saturating_sub(1).max(1) as f64;
+    let rndv_latency = (per_step - (rndv * 4) as f64 / bandwidth).max(latency);
+    drop(small);
     let mut a = vec![1f32; 4 << 20];
     let b = vec![2f32; 4 << 20];
     let t = Instant::now();
@@ -179,11 +198,17 @@ pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), 
     }
     let reduce_rate = (5 * a.len() * 4) as f64 / t.elapsed().as_secs_f64();
     // Every rank's view, made one: the slowest latency, the lowest rates.
-    let lat = c.allreduce(vec![latency], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
+    let lat =
+        c.allreduce(vec![latency, rndv_latency], ReduceOp::Max).await.map_err(|f| f.error.to_string())?;
     let rates =
         c.allreduce(vec![bandwidth, reduce_rate], ReduceOp::Min).await.map_err(|f| f.error.to_string())?;
-    let costs =
-        plan::Costs { latency: Duration::from_secs_f64(lat), bandwidth: rates[0], reduce_rate: rates[1] };
+    let costs = Costs {
+        latency: Duration::from_secs_f64(lat[0]),
+        rndv_latency: Duration::from_secs_f64(lat[1]),
+        bandwidth: rates[0],
+        reduce_rate: rates[1],
+        ..Costs::default()
+    };
     if c.rank() == 0 {
         std::fs::write(out, costs.to_text()).map_err(|e| format!("writing {}: {e}", out.display()))?;
         println!(
