@@ -2,6 +2,7 @@
 //! collectives in the collectives namespace of its worker.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -67,7 +68,7 @@ pub(crate) struct Inner {
     pub(crate) rank: usize,
     pub(crate) id: u16,
     /// The next call's sequence number.
-    seq: Mutex<u16>,
+    seq: AtomicU16,
     plans: Mutex<PlanCache>,
     /// The scratch buffer the last call left (a `SharedBuf<T>` of its type).
     scratch: Mutex<Option<Box<dyn Any + Send>>>,
@@ -190,7 +191,7 @@ impl Communicator {
                 eps,
                 rank,
                 id,
-                seq: Mutex::new(0),
+                seq: AtomicU16::new(0),
                 plans: Mutex::new(PlanCache::default()),
                 scratch: Mutex::new(None),
                 forced_env,
@@ -276,10 +277,8 @@ impl Communicator {
 
     /// Takes the next call's sequence number.
     pub(crate) fn next_seq(&self) -> u16 {
-        let mut s = self.inner.seq.lock().unwrap_or_else(PoisonError::into_inner);
-        let seq = *s;
-        *s = s.wrapping_add(1);
-        seq
+        // Wraps at 2^16, as the tag's field does.
+        self.inner.seq.fetch_add(1, Ordering::Relaxed)
     }
 
     /// What runs `op` on `bytes` bytes per rank of `elem`-byte elements with `root` (0
