@@ -203,10 +203,8 @@ pub(crate) async fn run<T: Element>(
 /// so the pieces land in order. (Off by default: see `DEFAULT_SEGMENT`.)
 fn segments(r: &Region, seg: usize) -> impl Iterator<Item = Region> + '_ {
     let n = r.len().div_ceil(seg).max(1);
-    (0..n).map(move |i| Region {
-        buf: r.buf,
-        range: (r.range.start + i * seg).min(r.range.end)..(r.range.start + (i + 1) * seg).min(r.range.end),
-    })
+    let at = move |i: usize| r.range.start.saturating_add(i.saturating_mul(seg)).min(r.range.end);
+    (0..n).map(move |i| Region { buf: r.buf, range: at(i)..at(i + 1) })
 }
 
 /// One transfer of a step in flight.
@@ -318,5 +316,19 @@ async fn exchange<T: Element>(
     match first {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_cover_the_region_without_overflow() {
+        let r = Region::data(3..13);
+        let parts: Vec<_> = segments(&r, 4).map(|p| p.range).collect();
+        assert_eq!(parts, vec![3..7, 7..11, 11..13]);
+        assert_eq!(segments(&r, usize::MAX).map(|p| p.range).collect::<Vec<_>>(), vec![3..13]);
+        assert_eq!(segments(&Region::data(5..5), 4).map(|p| p.range).collect::<Vec<_>>(), vec![5..5]);
     }
 }
