@@ -240,6 +240,12 @@ impl WorkerInner {
                         return Poll::Ready(t);
                     }
                 }
+                // Nothing came in a whole spin: give the processor away before spinning
+                // again (sched_yield), so that busy-polling processes that outnumber the
+                // cores let each other run. Without it, four busy ranks on two cores took
+                // 5.7 ms per 8-byte allreduce (the scheduler's time slice), against 8 us
+                // for Open MPI, which yields the same way.
+                std::thread::yield_now();
                 self.signal.future_yielded();
                 cx.waker().wake_by_ref();
                 Poll::Pending
