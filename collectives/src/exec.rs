@@ -140,6 +140,11 @@ impl<T: Element> Bufs<T> {
         Ok(())
     }
 
+    /// Whether the call has no element to move: no data and no input.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.data.is_empty() && self.input.as_ref().map_or(true, |i| i.is_empty())
+    }
+
     /// Gives the data buffer back, if the transport let go of it, and the scratch.
     pub(crate) fn into_data(self) -> (Option<Vec<T>>, Option<SharedBuf<T>>) {
         (self.data.try_into_vec().ok(), self.scratch)

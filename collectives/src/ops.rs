@@ -59,7 +59,15 @@ impl Communicator {
         reduce: ReduceOp,
         data_is_callers: bool,
     ) -> Result<Vec<T>, Failed<T>> {
-        match self.execute(seq, sched, &mut bufs, reduce).await {
+        // A call on no elements at all moves nothing (every rank knows the sizes): it
+        // returns at once, as MPI's do, without a message.
+        let nothing = bufs.is_empty();
+        let run = if nothing {
+            self.aborted().map_or(Ok(()), |a| Err(Error::Aborted(a)))
+        } else {
+            self.execute(seq, sched, &mut bufs, reduce).await
+        };
+        match run {
             Ok(()) => {
                 let (data, scratch) = bufs.into_data();
                 self.give_scratch(scratch);

@@ -225,7 +225,8 @@ async fn cell<T: Element>(
     let elem = std::mem::size_of::<T>();
     let mut count = bytes / elem;
     if matches!(op, "allgather" | "gather" | "scatter" | "reduce_scatter" | "alltoall") {
-        count -= count % n;
+        // Whole blocks, at least one element per rank.
+        count = (count - count % n).max(n);
     }
     let fresh = || -> Vec<T> { (0..input_len(op, count, n, r, root)).map(|i| value(r, i)).collect() };
     let mut buf = fresh();
