@@ -1,6 +1,7 @@
 //! Reduction operations ([`ReduceOp`]) and their kernels: one loop per type and
 //! operation, chosen once per call (never per element), written so that the compiler
-//! vectorises them; `f16` and `bf16` are widened to `f32` in blocks, reduced, and
+//! vectorises them; `f16` is widened to `f32` in blocks (by the processor's F16C
+//! instructions where it has them), `bf16` element by element in one pass; both are
 //! rounded back to nearest even.
 
 use std::fmt;
@@ -179,33 +180,40 @@ impl Kernels for f16 {
     }
 }
 
-/// bf16 to f32: the top half of the f32's bits.
+/// One bf16 (its bits) to f32.
 #[inline(always)]
-fn bf16_widen(h: &[bf16], f: &mut [f32]) {
-    for (d, s) in f.iter_mut().zip(h) {
-        *d = f32::from_bits((s.to_bits() as u32) << 16);
-    }
+fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
 }
 
-/// f32 to bf16, rounded to nearest even; a NaN stays a (quiet) NaN. Branch-free, so it
-/// vectorises.
+/// One f32 to bf16 bits, rounded to nearest even, NaN kept quiet; branch-free.
 #[inline(always)]
-fn bf16_narrow(f: &[f32], h: &mut [bf16]) {
-    for (d, s) in h.iter_mut().zip(f) {
-        let x = s.to_bits();
-        let nan = (x & 0x7fff_ffff) > 0x7f80_0000;
-        let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
-        let quiet = ((x >> 16) as u16) | 0x0040;
-        *d = bf16::from_bits(if nan { quiet } else { rounded });
-    }
+fn f32_to_bf16(f: f32) -> u16 {
+    let x = f.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let quiet = (x >> 16) | 0x0040;
+    (if (x & 0x7fff_ffff) > 0x7f80_0000 { quiet } else { rounded }) as u16
+}
+
+/// A bf16 reduction in one pass over the raw bits: widen both, combine, round back,
+/// element by element, which the compiler vectorises (where widening into blocks and
+/// narrowing back took three passes and ran 12x slower than a copy).
+#[inline(always)]
+fn bf16_fused(acc: &mut [bf16], other: &[bf16], f: impl Fn(f32, f32) -> f32) {
+    let a: &mut [u16] = bytemuck::cast_slice_mut(acc);
+    let b: &[u16] = bytemuck::cast_slice(other);
+    zip_with(a, b, |x, y| f32_to_bf16(f(bf16_to_f32(x), bf16_to_f32(y))));
 }
 
 impl Kernels for bf16 {
     fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {
-        if op.is_bitwise() {
-            return bits16(op, acc, other, bf16::to_bits, bf16::from_bits);
+        match op {
+            ReduceOp::Sum => bf16_fused(acc, other, |a, b| a + b),
+            ReduceOp::Prod => bf16_fused(acc, other, |a, b| a * b),
+            ReduceOp::Min => bf16_fused(acc, other, |a, b| if b < a { b } else { a }),
+            ReduceOp::Max => bf16_fused(acc, other, |a, b| if b > a { b } else { a }),
+            _ => bits16(op, acc, other, bf16::to_bits, bf16::from_bits),
         }
-        through_f32(op, acc, other, bf16_widen, bf16_narrow);
     }
 }
 
@@ -288,14 +296,11 @@ mod tests {
             0.1,
             65504.0,
         ];
-        let mut out = [bf16::ZERO; 8];
-        bf16_narrow(&cases, &mut out);
-        for (f, h) in cases.iter().zip(out) {
-            assert_eq!(h, bf16::from_f32(*f), "{f}");
+        for f in cases {
+            assert_eq!(bf16::from_bits(f32_to_bf16(f)), bf16::from_f32(f), "{f}");
         }
-        let mut nan = [bf16::ZERO];
-        bf16_narrow(&[f32::NAN], &mut nan);
-        assert!(nan[0].is_nan());
+        assert!(bf16::from_bits(f32_to_bf16(f32::NAN)).is_nan());
+        assert_eq!(bf16_to_f32(bf16::from_f32(-2.5).to_bits()), -2.5);
     }
 
     #[test]
