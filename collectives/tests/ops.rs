@@ -186,6 +186,18 @@ async fn every_operation_matches_the_reference_on_1_to_5_ranks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_matches_the_reference_on_6_to_8_ranks() {
+    for n in 6..=8 {
+        let (_mesh, comms) = group(n).await;
+        for count in [1, 13, 4099] {
+            check_reductions::<i32>(&comms, count, ReduceOp::Sum).await;
+            check_movement(&comms, count).await;
+        }
+        check_reductions::<f64>(&comms, 100, ReduceOp::Min).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_algorithm_runs_when_forced() {
     for n in [2, 3, 4, 5] {
         let (_mesh, comms) = group(n).await;
