@@ -492,10 +492,15 @@ impl Communicator {
                 }
                 out.resize(buf.len(), T::zeroed());
                 let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
-                let mut bufs = Bufs::new(out, buf, None);
-                let r = comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await;
+                let mut bufs = Bufs::new(out, buf, comm.take_scratch(planned.sched.scratch));
+                let r = if bufs.is_empty() {
+                    comm.aborted().map_or(Ok(()), |a| Err(Error::Aborted(a)))
+                } else {
+                    comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await
+                };
                 let input = bufs.take_input();
-                let (output, _) = bufs.into_data();
+                let (output, scratch) = bufs.into_data();
+                comm.give_scratch(scratch);
                 match (r, output, input) {
                     (Ok(()), Some(o), Some(i)) => Ok((o, i)),
                     (Ok(()), output, input) => Err(Failed {

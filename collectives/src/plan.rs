@@ -79,8 +79,8 @@ impl Op {
             Op::Allgather => &[Ring],
             Op::ReduceScatter => &[Ring, RingBidir],
             Op::Gather | Op::Scatter => &[Direct],
-            Op::Alltoall => &[Pairwise],
-            Op::Barrier => &[Dissemination],
+            Op::Alltoall => &[Pairwise, Bruck],
+            Op::Barrier => &[Dissemination, Knomial(4)],
             Op::Scan => &[RecursiveDoubling],
         }
     }
@@ -120,6 +120,8 @@ pub enum Algorithm {
     ScatterAllgather,
     /// Pairwise exchange (all-to-all).
     Pairwise,
+    /// Bruck's log-step exchange (all-to-all).
+    Bruck,
     /// Dissemination (barrier).
     Dissemination,
 }
@@ -136,6 +138,7 @@ impl fmt::Display for Algorithm {
             Algorithm::Chain => f.write_str("chain"),
             Algorithm::ScatterAllgather => f.write_str("scatter_allgather"),
             Algorithm::Pairwise => f.write_str("pairwise"),
+            Algorithm::Bruck => f.write_str("bruck"),
             Algorithm::Dissemination => f.write_str("dissemination"),
         }
     }
@@ -153,6 +156,7 @@ impl std::str::FromStr for Algorithm {
             "chain" => Algorithm::Chain,
             "scatter_allgather" => Algorithm::ScatterAllgather,
             "pairwise" => Algorithm::Pairwise,
+            "bruck" => Algorithm::Bruck,
             "dissemination" => Algorithm::Dissemination,
             _ => match s.strip_prefix("knomial:").map(str::parse::<u8>) {
                 Some(Ok(k)) if k >= 2 => Algorithm::Knomial(k),
@@ -326,10 +330,12 @@ pub(crate) fn schedule(
         (Op::ReduceScatter, _) => ring::reduce_scatter(n, r, &even_blocks(count * n, n)),
         (Op::Gather, _) => linear::gather(n, r, root, &even_blocks(count * n, n)),
         (Op::Scatter, _) => linear::scatter(n, r, root, &even_blocks(count * n, n)),
+        (Op::Alltoall, Algorithm::Bruck) => linear::bruck_alltoall(n, r, count),
         (Op::Alltoall, _) => {
             let b = even_blocks(count * n, n);
             linear::pairwise_alltoall(n, r, &b, &b)
         }
+        (Op::Barrier, Algorithm::Knomial(k)) => doubling::knomial_barrier(n, r, k.into()),
         (Op::Barrier, _) => doubling::barrier(n, r),
         (Op::Scan, _) => doubling::scan(n, r, count, false),
     }

@@ -155,6 +155,29 @@ pub fn barrier(n: usize, r: usize) -> Schedule {
     s
 }
 
+/// k-nomial (k-port dissemination) barrier: in round j every rank signals ranks
+/// `r + i k^j` and waits for `r - i k^j`, for i in 1..k with `i k^j < n`: ceil(log_k n)
+/// rounds of up to k - 1 messages each, fewer rounds than dissemination (radix 2) when
+/// messages in flight together cost little more than one. `radix` below 2 is taken as 2.
+pub fn knomial_barrier(n: usize, r: usize, radix: usize) -> Schedule {
+    let k = radix.max(2);
+    let mut s = Schedule::default();
+    let (mut m, mut round) = (1usize, 0usize);
+    while m < n {
+        for i in 1..k {
+            let Some(d) = i.checked_mul(m).filter(|&d| d < n) else { break };
+            s.send(round, add_mod(r, d, n), Region::data(0..0));
+            s.recv(round, sub_mod(r, d, n), Region::data(0..0));
+        }
+        m = match m.checked_mul(k) {
+            Some(x) => x,
+            None => break,
+        };
+        round += 1;
+    }
+    s
+}
+
 /// Inclusive (`exclusive` false) or exclusive scan by recursive doubling (Hillis and
 /// Steele): in step k rank `r` sends its running partial to `r + 2^k` and folds in the
 /// one of `r - 2^k`. Rank `r` ends with the reduction of ranks `0..=r` (inclusive) or
@@ -233,6 +256,32 @@ mod tests {
             let scheds: Vec<_> = (0..n).map(|r| barrier(n, r)).collect();
             run::<u8>(&scheds, vec![vec![]; n], vec![vec![]; n], ReduceOp::Sum);
             assert_eq!(scheds[0].busy_steps(), (n as f64).log2().ceil() as usize);
+        }
+    }
+
+    /// Every rank must have heard, directly or through others, from every rank before
+    /// it leaves: followed through the schedules' messages round by round.
+    #[test]
+    fn knomial_barriers_hear_from_everyone() {
+        for k in [2, 3, 4, 8] {
+            for n in SIZES {
+                let scheds: Vec<_> = (0..n).map(|r| knomial_barrier(n, r, k)).collect();
+                run::<u8>(&scheds, vec![vec![]; n], vec![vec![]; n], ReduceOp::Sum);
+                let mut heard: Vec<Vec<bool>> = (0..n).map(|r| (0..n).map(|i| i == r).collect()).collect();
+                for st in 0..scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0) {
+                    let before = heard.clone();
+                    for (r, sched) in scheds.iter().enumerate() {
+                        for x in sched.steps.get(st).map_or(&[][..], |s| &s.xfers[..]) {
+                            if let crate::schedule::Xfer::Recv { peer, .. } = x {
+                                for i in 0..n {
+                                    heard[r][i] |= before[*peer][i];
+                                }
+                            }
+                        }
+                    }
+                }
+                assert!(heard.iter().all(|h| h.iter().all(|&x| x)), "k {k} n {n}");
+            }
         }
     }
 

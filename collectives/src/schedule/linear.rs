@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::{add_mod, sub_mod, Region, Schedule};
+use super::{add_mod, sub_mod, Combine, Region, Schedule};
 
 /// Gather to `root`: every rank sends its input (`Input[0..len of its block]`) and the
 /// root receives rank i's into `blocks[i]` of its data (its own block copied from its
@@ -51,6 +51,48 @@ pub fn pairwise_alltoall(n: usize, r: usize, send: &[Range<usize>], recv: &[Rang
     s
 }
 
+/// Bruck's all-to-all for blocks of `b` elements: ceil(log2 n) steps instead of n - 1,
+/// each sending the blocks whose index has bit k set to rank `r + 2^k`, packed into one
+/// message: fewer, larger messages, for small blocks where latency dominates. Blocks
+/// are rotated by the rank first and back at the end. Scratch: n blocks (the rotated
+/// working copy) and two packing areas of ceil(n/2) blocks.
+pub fn bruck_alltoall(n: usize, r: usize, b: usize) -> Schedule {
+    let mut s = Schedule::default();
+    if n == 0 {
+        return s;
+    }
+    let tmp = |i: usize| Region::scratch(i * b..(i + 1) * b);
+    let half = n.div_ceil(2);
+    let (send_at, recv_at) = (n * b, (n + half) * b);
+    s.reserve_scratch((n + 2 * half) * b);
+    for i in 0..n {
+        s.copy_before(0, Region::input(add_mod(r, i, n) * b..(add_mod(r, i, n) + 1) * b), tmp(i));
+    }
+    let mut k = 0;
+    while (1 << k) < n {
+        let d = 1 << k;
+        let moved: Vec<usize> = (0..n).filter(|i| i & d != 0).collect();
+        for (j, &i) in moved.iter().enumerate() {
+            s.copy_before(k, tmp(i), Region::scratch(send_at + j * b..send_at + (j + 1) * b));
+        }
+        let len = moved.len() * b;
+        s.send(k, add_mod(r, d, n), Region::scratch(send_at..send_at + len));
+        s.recv(k, sub_mod(r, d, n), Region::scratch(recv_at..recv_at + len));
+        for (j, &i) in moved.iter().enumerate() {
+            let from = Region::scratch(recv_at + j * b..recv_at + (j + 1) * b);
+            s.combine_after(k, Combine::Copy { from, into: tmp(i) });
+        }
+        k += 1;
+    }
+    // Back from the rotation: the block from rank r - i sits at i.
+    let last = k.saturating_sub(1);
+    for i in 0..n {
+        let dst = sub_mod(r, i, n);
+        s.combine_after(last, Combine::Copy { from: tmp(i), into: Region::data(dst * b..(dst + 1) * b) });
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,6 +121,29 @@ mod tests {
                 for r in 0..n {
                     assert_eq!(got[r], all[blocks[r].clone()], "scatter n {n} root {root} rank {r}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn bruck_alltoall_transposes_in_log_steps() {
+        for n in SIZES {
+            for b in [0, 1, 3] {
+                let inputs: Vec<Vec<u32>> =
+                    (0..n).map(|r| (0..n * b).map(|i| (r * 1000 + i) as u32).collect()).collect();
+                let scheds: Vec<_> = (0..n).map(|r| bruck_alltoall(n, r, b)).collect();
+                let got = run(&scheds, vec![vec![0; n * b]; n], inputs.clone(), ReduceOp::Sum);
+                for r in 0..n {
+                    for i in 0..n {
+                        assert_eq!(
+                            got[r][i * b..(i + 1) * b],
+                            inputs[i][r * b..(r + 1) * b],
+                            "n {n} b {b} rank {r}"
+                        );
+                    }
+                }
+                let rounds = (n as f64).log2().ceil() as usize;
+                assert_eq!(scheds[0].steps.iter().filter(|s| !s.xfers.is_empty()).count(), rounds);
             }
         }
     }
