@@ -6,10 +6,12 @@
 use std::future::Future;
 
 use ucxkit_transport::tag::EXACT;
+use ucxkit_transport::{SharedBuf, SharedSlice};
 
 use crate::comm::Communicator;
 use crate::error::{Error, Failed, Result};
 use crate::exec::{self, Bufs};
+use crate::failure::Outcome;
 use crate::plan::{self, Op};
 use crate::schedule::{blocks_of, even_blocks, linear, ring, Schedule};
 use crate::tag::{tag, P2P_STEP};
@@ -21,6 +23,25 @@ fn invalid<T>(buf: Vec<T>, msg: String) -> Failed<T> {
 }
 
 impl Communicator {
+    /// A collective call: takes its sequence number now, runs `body` with this
+    /// communicator and that number, and ends the call with the result (a failure
+    /// aborts the communicator; see [`crate::failure`]).
+    fn call<R, F>(
+        &self,
+        body: impl FnOnce(Communicator, u16) -> F,
+    ) -> impl Future<Output = R> + Send + 'static
+    where
+        R: Outcome + Send + 'static,
+        F: Future<Output = R> + Send + 'static,
+    {
+        let call = self.begin();
+        let run = body(call.comm.clone(), call.seq);
+        async move {
+            let r = run.await;
+            call.done(r)
+        }
+    }
+
     /// Runs `sched` on `bufs` under the communicator's deadline.
     async fn execute<T: Element>(
         &self,
@@ -103,18 +124,12 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                if let Some(m) = comm.check_reduce::<T>(op) {
-                    return Err(invalid(buf, m));
-                }
-                comm.in_place(seq, Op::Allreduce, 0, buf, op).await
+        self.call(move |comm, seq| async move {
+            if let Some(m) = comm.check_reduce::<T>(op) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            comm.in_place(seq, Op::Allreduce, 0, buf, op).await
+        })
     }
 
     /// Every rank ends with `root`'s `buf`; every rank passes a buffer of the same length
@@ -124,18 +139,12 @@ impl Communicator {
         buf: Vec<T>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                if let Some(m) = comm.check_root(root) {
-                    return Err(invalid(buf, m));
-                }
-                comm.in_place(seq, Op::Broadcast, root, buf, ReduceOp::Sum).await
+        self.call(move |comm, seq| async move {
+            if let Some(m) = comm.check_root(root) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            comm.in_place(seq, Op::Broadcast, root, buf, ReduceOp::Sum).await
+        })
     }
 
     /// `root` ends with the reduction of all ranks' `buf`; the others get their buffer
@@ -146,18 +155,12 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
-                    return Err(invalid(buf, m));
-                }
-                comm.in_place(seq, Op::Reduce, root, buf, op).await
+        self.call(move |comm, seq| async move {
+            if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            comm.in_place(seq, Op::Reduce, root, buf, op).await
+        })
     }
 
     /// Every rank ends with all ranks' `buf`s (of the same length) one after the other,
@@ -177,27 +180,21 @@ impl Communicator {
         buf: Vec<T>,
         counts: Vec<usize>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let (n, r) = (comm.size(), comm.rank());
-                if let Some(m) = comm.check_counts(&counts) {
-                    return Err(invalid(buf, m));
-                }
-                if buf.len() != counts[r] {
-                    let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
-                    return Err(invalid(buf, m));
-                }
-                let blocks = blocks_of(&counts);
-                let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-                data[blocks[r].clone()].copy_from_slice(&buf);
-                let sched = ring::allgather(n, r, &blocks);
-                comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        self.call(move |comm, seq| async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_counts(&counts) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            if buf.len() != counts[r] {
+                let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
+            data[blocks[r].clone()].copy_from_slice(&buf);
+            let sched = ring::allgather(n, r, &blocks);
+            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        })
     }
 
     /// [`Communicator::allgather`] in place: `buf` holds `size()` blocks of equal length,
@@ -207,25 +204,19 @@ impl Communicator {
         &self,
         buf: Vec<T>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let n = comm.size();
-                if buf.len() % n != 0 {
-                    let m = format!(
-                        "an in-place allgather's buffer holds a multiple of {n} elements, not {}",
-                        buf.len()
-                    );
-                    return Err(invalid(buf, m));
-                }
-                let elem = std::mem::size_of::<T>();
-                let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
-                comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), None), ReduceOp::Sum, true).await
+        self.call(move |comm, seq| async move {
+            let n = comm.size();
+            if buf.len() % n != 0 {
+                let m = format!(
+                    "an in-place allgather's buffer holds a multiple of {n} elements, not {}",
+                    buf.len()
+                );
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            let elem = std::mem::size_of::<T>();
+            let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
+            comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), None), ReduceOp::Sum, true).await
+        })
     }
 
     /// Reduces all ranks' `buf` (of the same length) and leaves rank i block i of the
@@ -248,51 +239,39 @@ impl Communicator {
         counts: Vec<usize>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let (n, r) = (comm.size(), comm.rank());
-                if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
-                    return Err(invalid(buf, m));
-                }
-                if counts.iter().sum::<usize>() != buf.len() {
-                    let m = format!(
-                        "the counts add up to {}, the buffer holds {}",
-                        counts.iter().sum::<usize>(),
-                        buf.len()
-                    );
-                    return Err(invalid(buf, m));
-                }
-                let blocks = blocks_of(&counts);
-                let elem = std::mem::size_of::<T>();
-                let even = even_blocks(buf.len(), n) == blocks;
-                let alg = if even {
-                    comm.plan(Op::ReduceScatter, buf.len() / n.max(1) * elem, elem, 0).algorithm
-                } else {
-                    plan::Algorithm::Ring
-                };
-                let sched = match alg {
-                    plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
-                    _ => ring::reduce_scatter(n, r, &blocks),
-                };
-                let mut out = comm
-                    .finish(
-                        seq,
-                        &sched,
-                        Bufs::new(buf, Vec::new(), comm.take_scratch(sched.scratch)),
-                        op,
-                        true,
-                    )
-                    .await?;
-                // This rank's block to the front, the rest cut off.
-                out.copy_within(blocks[r].clone(), 0);
-                out.truncate(blocks[r].len());
-                Ok(out)
+        self.call(move |comm, seq| async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            if counts.iter().sum::<usize>() != buf.len() {
+                let m = format!(
+                    "the counts add up to {}, the buffer holds {}",
+                    counts.iter().sum::<usize>(),
+                    buf.len()
+                );
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let elem = std::mem::size_of::<T>();
+            let even = even_blocks(buf.len(), n) == blocks;
+            let alg = if even {
+                comm.plan(Op::ReduceScatter, buf.len() / n.max(1) * elem, elem, 0).algorithm
+            } else {
+                plan::Algorithm::Ring
+            };
+            let sched = match alg {
+                plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
+                _ => ring::reduce_scatter(n, r, &blocks),
+            };
+            let mut out = comm
+                .finish(seq, &sched, Bufs::new(buf, Vec::new(), comm.take_scratch(sched.scratch)), op, true)
+                .await?;
+            // This rank's block to the front, the rest cut off.
+            out.copy_within(blocks[r].clone(), 0);
+            out.truncate(blocks[r].len());
+            Ok(out)
+        })
     }
 
     /// [`Communicator::reduce_scatter`] in place: the whole buffer comes back, with this
@@ -303,30 +282,24 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                if let Some(m) = comm.check_reduce::<T>(op) {
-                    return Err(invalid(buf, m));
-                }
-                let (n, r) = (comm.size(), comm.rank());
-                let elem = std::mem::size_of::<T>();
-                let sched_owned;
-                let planned;
-                let sched = if buf.len() % n == 0 {
-                    planned = comm.planned(Op::ReduceScatter, buf.len() / n, elem, 0);
-                    &planned.sched
-                } else {
-                    sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
-                    &sched_owned
-                };
-                let scratch = comm.take_scratch(sched.scratch);
-                comm.finish(seq, sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+        self.call(move |comm, seq| async move {
+            if let Some(m) = comm.check_reduce::<T>(op) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            let (n, r) = (comm.size(), comm.rank());
+            let elem = std::mem::size_of::<T>();
+            let sched_owned;
+            let planned;
+            let sched = if buf.len() % n == 0 {
+                planned = comm.planned(Op::ReduceScatter, buf.len() / n, elem, 0);
+                &planned.sched
+            } else {
+                sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
+                &sched_owned
+            };
+            let scratch = comm.take_scratch(sched.scratch);
+            comm.finish(seq, sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+        })
     }
 
     /// `root` ends with all ranks' `buf` (of the same length) one after the other; the
@@ -347,35 +320,29 @@ impl Communicator {
         counts: Vec<usize>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let (n, r) = (comm.size(), comm.rank());
-                if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
-                    return Err(invalid(buf, m));
-                }
-                if buf.len() != counts[r] {
-                    let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
-                    return Err(invalid(buf, m));
-                }
-                let blocks = blocks_of(&counts);
-                let sched = linear::gather(n, r, root, &blocks);
-                if r != root {
-                    let mut bufs = Bufs::new(Vec::new(), buf, None);
-                    return match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
-                        Ok(()) => bufs.take_input().ok_or_else(|| {
-                            Failed::new(Error::Internal("the input is still in use".into()), None)
-                        }),
-                        Err(e) => Err(Failed::new(e, bufs.take_input())),
-                    };
-                }
-                let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-                comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        self.call(move |comm, seq| async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            if buf.len() != counts[r] {
+                let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let sched = linear::gather(n, r, root, &blocks);
+            if r != root {
+                let mut bufs = Bufs::new(Vec::new(), buf, None);
+                return match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
+                    Ok(()) => bufs.take_input().ok_or_else(|| {
+                        Failed::new(Error::Internal("the input is still in use".into()), None)
+                    }),
+                    Err(e) => Err(Failed::new(e, bufs.take_input())),
+                };
+            }
+            let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
+            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        })
     }
 
     /// Rank i ends with elements `i * count..(i + 1) * count` of `root`'s `buf` (which
@@ -397,34 +364,28 @@ impl Communicator {
         counts: Vec<usize>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let (n, r) = (comm.size(), comm.rank());
-                if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
-                    return Err(invalid(buf, m));
-                }
-                let total: usize = counts.iter().sum();
-                if r == root && buf.len() != total {
-                    let m = format!("the root's buffer holds {}, the counts add up to {total}", buf.len());
-                    return Err(invalid(buf, m));
-                }
-                let blocks = blocks_of(&counts);
-                let sched = linear::scatter(n, r, root, &blocks);
-                let (data, input) = if r == root {
-                    (vec![T::zeroed(); counts[r]], buf)
-                } else {
-                    let mut b = buf;
-                    b.clear();
-                    b.resize(counts[r], T::zeroed());
-                    (b, Vec::new())
-                };
-                comm.finish(seq, &sched, Bufs::new(data, input, None), ReduceOp::Sum, r != root).await
+        self.call(move |comm, seq| async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            let total: usize = counts.iter().sum();
+            if r == root && buf.len() != total {
+                let m = format!("the root's buffer holds {}, the counts add up to {total}", buf.len());
+                return Err(invalid(buf, m));
+            }
+            let blocks = blocks_of(&counts);
+            let sched = linear::scatter(n, r, root, &blocks);
+            let (data, input) = if r == root {
+                (vec![T::zeroed(); counts[r]], buf)
+            } else {
+                let mut b = buf;
+                b.clear();
+                b.resize(counts[r], T::zeroed());
+                (b, Vec::new())
+            };
+            comm.finish(seq, &sched, Bufs::new(data, input, None), ReduceOp::Sum, r != root).await
+        })
     }
 
     /// Rank r sends block i of its `buf` (`size()` blocks of equal length) to rank i and
@@ -448,28 +409,22 @@ impl Communicator {
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let (n, r) = (comm.size(), comm.rank());
-                if let Some(m) = comm.check_counts(&send_counts).or_else(|| comm.check_counts(&recv_counts)) {
-                    return Err(invalid(
-                        buf,
-                        format!("{m} (an all-to-all buffer's length must be a multiple of the group's size)"),
-                    ));
-                }
-                if send_counts.iter().sum::<usize>() != buf.len() {
-                    return Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
-                }
-                let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
-                let sched = linear::pairwise_alltoall(n, r, &send, &recv);
-                let data = vec![T::zeroed(); recv_counts.iter().sum()];
-                comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        self.call(move |comm, seq| async move {
+            let (n, r) = (comm.size(), comm.rank());
+            if let Some(m) = comm.check_counts(&send_counts).or_else(|| comm.check_counts(&recv_counts)) {
+                return Err(invalid(
+                    buf,
+                    format!("{m} (an all-to-all buffer's length must be a multiple of the group's size)"),
+                ));
             }
-            .await;
-            call.done(r)
-        }
+            if send_counts.iter().sum::<usize>() != buf.len() {
+                return Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
+            }
+            let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
+            let sched = linear::pairwise_alltoall(n, r, &send, &recv);
+            let data = vec![T::zeroed(); recv_counts.iter().sum()];
+            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+        })
     }
 
     /// [`Communicator::alltoall`] into `out`, which comes back holding the result (its
@@ -480,63 +435,50 @@ impl Communicator {
         buf: Vec<T>,
         mut out: Vec<T>,
     ) -> impl Future<Output = Result<(Vec<T>, Vec<T>), Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let n = comm.size();
-                if buf.len() % n != 0 {
-                    let m =
-                        format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
-                    return Err(Failed { output: Some(out), ..invalid(buf, m) });
-                }
-                out.resize(buf.len(), T::zeroed());
-                let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
-                let mut bufs = Bufs::new(out, buf, comm.take_scratch(planned.sched.scratch));
-                let r = if bufs.is_empty() {
-                    comm.aborted().map_or(Ok(()), |a| Err(Error::Aborted(a)))
-                } else {
-                    comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await
-                };
-                let input = bufs.take_input();
-                let (output, scratch) = bufs.into_data();
-                comm.give_scratch(scratch);
-                match (r, output, input) {
-                    (Ok(()), Some(o), Some(i)) => Ok((o, i)),
-                    (Ok(()), output, input) => Err(Failed {
-                        error: Error::Internal("a buffer is still in use".into()),
-                        buf: input,
-                        output,
-                    }),
-                    (Err(error), output, input) => Err(Failed { error, buf: input, output }),
-                }
+        self.call(move |comm, seq| async move {
+            let n = comm.size();
+            if buf.len() % n != 0 {
+                let m = format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
+                return Err(Failed { output: Some(out), ..invalid(buf, m) });
             }
-            .await;
-            call.done(r)
-        }
+            out.resize(buf.len(), T::zeroed());
+            let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
+            let mut bufs = Bufs::new(out, buf, comm.take_scratch(planned.sched.scratch));
+            let r = if bufs.is_empty() {
+                comm.aborted().map_or(Ok(()), |a| Err(Error::Aborted(a)))
+            } else {
+                comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await
+            };
+            let input = bufs.take_input();
+            let (output, scratch) = bufs.into_data();
+            comm.give_scratch(scratch);
+            match (r, output, input) {
+                (Ok(()), Some(o), Some(i)) => Ok((o, i)),
+                (Ok(()), output, input) => Err(Failed {
+                    error: Error::Internal("a buffer is still in use".into()),
+                    buf: input,
+                    output,
+                }),
+                (Err(error), output, input) => Err(Failed { error, buf: input, output }),
+            }
+        })
     }
 
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> impl Future<Output = Result<()>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                let sched = plan::schedule(
-                    Op::Barrier,
-                    plan::Algorithm::Dissemination,
-                    comm.size(),
-                    comm.rank(),
-                    0,
-                    0,
-                    1,
-                );
-                let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), None);
-                comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await
-            }
-            .await;
-            call.done(r)
-        }
+        self.call(move |comm, seq| async move {
+            let sched = plan::schedule(
+                Op::Barrier,
+                plan::Algorithm::Dissemination,
+                comm.size(),
+                comm.rank(),
+                0,
+                0,
+                1,
+            );
+            let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), None);
+            comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await
+        })
     }
 
     /// Rank r ends with the reduction of ranks `0..=r`'s `buf`.
@@ -564,20 +506,14 @@ impl Communicator {
         op: ReduceOp,
         exclusive: bool,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        let call = self.begin();
-        async move {
-            let (comm, seq) = (call.comm.clone(), call.seq);
-            let r = async {
-                if let Some(m) = comm.check_reduce::<T>(op) {
-                    return Err(invalid(buf, m));
-                }
-                let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
-                let scratch = comm.take_scratch(sched.scratch);
-                comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+        self.call(move |comm, seq| async move {
+            if let Some(m) = comm.check_reduce::<T>(op) {
+                return Err(invalid(buf, m));
             }
-            .await;
-            call.done(r)
-        }
+            let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
+            let scratch = comm.take_scratch(sched.scratch);
+            comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+        })
     }
 
     /// Sends `buf` to rank `peer` with `tag` (point to point, matched by
@@ -590,23 +526,8 @@ impl Communicator {
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
         let comm = self.clone();
         async move {
-            let Some(ep) = comm.endpoint(peer) else {
-                return Err(invalid(
-                    buf,
-                    format!("no rank {peer} to send to (this is rank {})", comm.rank()),
-                ));
-            };
-            let b = ucxkit_transport::SharedBuf::new(buf);
-            let (r, s) =
-                comm.inner.ns.tag_send(ep, tag(comm.id(), tag_, P2P_STEP, comm.rank()), b.whole()).await;
-            drop(s);
-            let buf = b.try_into_vec().ok();
-            match r {
-                Ok(()) => {
-                    buf.ok_or_else(|| Failed::new(Error::Internal("send buffer still in use".into()), None))
-                }
-                Err(source) => Err(Failed::new(Error::Transport { rank: peer, source }, buf)),
-            }
+            let t = tag(comm.id(), tag_, P2P_STEP, comm.rank());
+            comm.p2p(buf, peer, "send to", |ns, ep, b| ns.tag_send(ep, t, b), |()| Ok(())).await
         }
     }
 
@@ -619,33 +540,47 @@ impl Communicator {
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
         let comm = self.clone();
         async move {
-            let Some(ep) = comm.endpoint(peer) else {
-                return Err(invalid(
-                    buf,
-                    format!("no rank {peer} to receive from (this is rank {})", comm.rank()),
-                ));
-            };
             let want = std::mem::size_of_val(&buf[..]);
-            let b = ucxkit_transport::SharedBuf::new(buf);
-            let (r, s) =
-                comm.inner.ns.tag_recv_from(ep, tag(comm.id(), tag_, P2P_STEP, peer), EXACT, b.whole()).await;
-            drop(s);
-            let buf = b.try_into_vec().ok();
-            let r = match r {
-                Ok(info) if info.len == want => Ok(()),
-                Ok(info) => Err(Error::Mismatch { rank: peer, got: Some(info.len), want }),
-                Err(ucxkit_transport::Error::Truncated { .. }) => {
-                    Err(Error::Mismatch { rank: peer, got: None, want })
-                }
-                Err(source) => Err(Error::Transport { rank: peer, source }),
+            let t = tag(comm.id(), tag_, P2P_STEP, peer);
+            let exact = move |info: ucxkit_transport::TagInfo| match info.len {
+                n if n == want => Ok(()),
+                n => Err(Error::Mismatch { rank: peer, got: Some(n), want }),
             };
-            match (r, buf) {
-                (Ok(()), Some(b)) => Ok(b),
-                (Ok(()), None) => {
-                    Err(Failed::new(Error::Internal("receive buffer still in use".into()), None))
-                }
-                (Err(e), b) => Err(Failed::new(e, b)),
+            comm.p2p(buf, peer, "receive from", |ns, ep, b| ns.tag_recv_from(ep, t, EXACT, b), exact).await
+        }
+    }
+
+    /// A point-to-point transfer of `buf` with rank `peer`: `post` starts it on the
+    /// whole buffer, `check` judges what it reported; the buffer comes back either way.
+    async fn p2p<T: Element, O, F>(
+        &self,
+        buf: Vec<T>,
+        peer: usize,
+        what: &str,
+        post: impl FnOnce(&ucxkit_transport::Namespace, &ucxkit_transport::Endpoint, SharedSlice<T>) -> F,
+        check: impl FnOnce(O) -> Result<()>,
+    ) -> Result<Vec<T>, Failed<T>>
+    where
+        F: Future<Output = (ucxkit_transport::Result<O>, SharedSlice<T>)>,
+    {
+        let Some(ep) = self.endpoint(peer) else {
+            let m = format!("no rank {peer} to {what} (this is rank {})", self.rank());
+            return Err(invalid(buf, m));
+        };
+        let b = SharedBuf::new(buf);
+        let (r, slice) = post(&self.inner.ns, ep, b.whole()).await;
+        drop(slice);
+        let r = match r {
+            Ok(o) => check(o),
+            Err(ucxkit_transport::Error::Truncated { .. }) => {
+                Err(Error::Mismatch { rank: peer, got: None, want: b.len() * std::mem::size_of::<T>() })
             }
+            Err(source) => Err(Error::Transport { rank: peer, source }),
+        };
+        match (r, b.try_into_vec().ok()) {
+            (Ok(()), Some(v)) => Ok(v),
+            (Ok(()), None) => Err(Failed::new(Error::Internal("the buffer is still in use".into()), None)),
+            (Err(e), v) => Err(Failed::new(e, v)),
         }
     }
 }

@@ -8,25 +8,16 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use ucxkit_collectives::store::FileStore;
 use ucxkit_collectives::{Communicator, Error, Options, ReduceOp};
-use ucxkit_testkit as common;
+use ucxkit_testkit as kit;
+
+mod common;
+use common::group;
 use ucxkit_testkit::procs::{role, Group};
-use ucxkit_transport::namespace::COLLECTIVES;
 
 /// How long survivors may take to learn of a dead rank (same host: ucxkit's watch of
 /// the peer process, then one abort message).
 const BOUND: Duration = Duration::from_secs(5);
 const LIMIT: Duration = Duration::from_secs(60);
-
-async fn group(n: usize) -> (common::Mesh, Vec<Communicator>) {
-    let mesh = common::mesh("tcp,posix,cma,self", n).await;
-    let comms = (0..n)
-        .map(|r| {
-            let ns = mesh.workers[r].namespace(COLLECTIVES).expect("namespace");
-            Communicator::from_endpoints(&ns, 0, r, mesh.eps[r].clone()).expect("communicator")
-        })
-        .collect();
-    (mesh, comms)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
@@ -94,7 +85,7 @@ async fn killed_rank_member() {
 /// until theirs fails, check the error and its timing, then shrink and allreduce again.
 async fn member(rank: usize, size: usize, dir: &str) {
     let store = FileStore::new(dir).expect("store");
-    let worker = common::ctx("posix,cma,tcp,self").worker().build().expect("worker");
+    let worker = kit::ctx("posix,cma,tcp,self").worker().build().expect("worker");
     let c = Communicator::bootstrap(&worker, rank, size, &store, LIMIT).await.expect("bootstrap");
     let died = std::path::Path::new(dir).join("died");
     let mut i = 0u64;

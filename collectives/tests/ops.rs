@@ -6,22 +6,10 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use ucxkit_collectives::{Communicator, Element, Error, Op, Options, ReduceOp};
-use ucxkit_testkit as common;
+
+mod common;
+use common::group;
 use ucxkit_transport::namespace::COLLECTIVES;
-
-const TLS: &str = "tcp,posix,cma,self";
-
-/// A communicator per worker of a fresh mesh of `n`.
-async fn group(n: usize) -> (common::Mesh, Vec<Communicator>) {
-    let mesh = common::mesh(TLS, n).await;
-    let comms = (0..n)
-        .map(|r| {
-            let ns = mesh.workers[r].namespace(COLLECTIVES).expect("namespace");
-            Communicator::from_endpoints(&ns, 0, r, mesh.eps[r].clone()).expect("communicator")
-        })
-        .collect();
-    (mesh, comms)
-}
 
 fn contribution<T: Element>(r: usize, count: usize) -> Vec<T> {
     (0..count).map(|i| T::from_small(((r * 7 + i * 3) % 5) as u8 + 1)).collect()
