@@ -73,9 +73,9 @@ impl Op {
     pub fn candidates(self) -> &'static [Algorithm] {
         use Algorithm::*;
         match self {
-            Op::Allreduce => &[RecursiveDoubling, Rabenseifner, Ring],
-            Op::Broadcast => &[Knomial(2), Knomial(4), Direct, Chain, ScatterAllgather],
-            Op::Reduce => &[Knomial(2), Knomial(4), Direct],
+            Op::Allreduce => &[RecursiveDoubling, Rabenseifner, Ring, DoubleTree],
+            Op::Broadcast => &[Knomial(2), Knomial(4), Direct, Chain, ScatterAllgather, DoubleTree],
+            Op::Reduce => &[Knomial(2), Knomial(4), Direct, DoubleTree],
             Op::Allgather => &[Ring],
             Op::ReduceScatter => &[Ring, RingBidir],
             Op::Gather | Op::Scatter => &[Direct],
@@ -118,6 +118,8 @@ pub enum Algorithm {
     Chain,
     /// Binomial scatter then ring allgather (broadcast).
     ScatterAllgather,
+    /// Two binary trees, each carrying half (broadcast, reduce, allreduce).
+    DoubleTree,
     /// Pairwise exchange (all-to-all).
     Pairwise,
     /// Bruck's log-step exchange (all-to-all).
@@ -137,6 +139,7 @@ impl fmt::Display for Algorithm {
             Algorithm::Direct => f.write_str("direct"),
             Algorithm::Chain => f.write_str("chain"),
             Algorithm::ScatterAllgather => f.write_str("scatter_allgather"),
+            Algorithm::DoubleTree => f.write_str("dbtree"),
             Algorithm::Pairwise => f.write_str("pairwise"),
             Algorithm::Bruck => f.write_str("bruck"),
             Algorithm::Dissemination => f.write_str("dissemination"),
@@ -155,6 +158,7 @@ impl std::str::FromStr for Algorithm {
             "direct" => Algorithm::Direct,
             "chain" => Algorithm::Chain,
             "scatter_allgather" => Algorithm::ScatterAllgather,
+            "dbtree" => Algorithm::DoubleTree,
             "pairwise" => Algorithm::Pairwise,
             "bruck" => Algorithm::Bruck,
             "dissemination" => Algorithm::Dissemination,
@@ -314,14 +318,17 @@ pub(crate) fn schedule(
     match (op, alg) {
         (Op::Allreduce, Algorithm::RecursiveDoubling) => doubling::allreduce(n, r, count),
         (Op::Allreduce, Algorithm::Rabenseifner) => doubling::rabenseifner(n, r, count),
+        (Op::Allreduce, Algorithm::DoubleTree) => tree::dbtree_allreduce(n, r, count),
         (Op::Allreduce, _) => ring::allreduce(n, r, &even_blocks(count, n)),
         (Op::Broadcast, Algorithm::Knomial(k)) => tree::knomial_bcast(n, r, root, count, k.into()),
         (Op::Broadcast, Algorithm::Direct) => tree::direct_bcast(n, r, root, count),
+        (Op::Broadcast, Algorithm::DoubleTree) => tree::dbtree_bcast(n, r, root, count),
         (Op::Broadcast, Algorithm::Chain) => {
             tree::chain_bcast(n, r, root, count, chain_segments(count * elem))
         }
         (Op::Broadcast, _) => tree::scatter_allgather_bcast(n, r, root, count),
         (Op::Reduce, Algorithm::Knomial(k)) => tree::knomial_reduce(n, r, root, count, k.into()),
+        (Op::Reduce, Algorithm::DoubleTree) => tree::dbtree_reduce(n, r, root, count),
         (Op::Reduce, _) => tree::knomial_reduce(n, r, root, count, n.max(2)),
         (Op::Allgather, _) => ring::allgather(n, r, &even_blocks(count * n, n)),
         (Op::ReduceScatter, Algorithm::RingBidir) => {

@@ -146,6 +146,139 @@ pub fn scatter_allgather_bcast(n: usize, r: usize, root: usize, count: usize) ->
     s
 }
 
+/// One binary tree of a double binary tree, over relative ranks `1..n`: each rank's
+/// parent (0 for the tree's root, which the broadcast root feeds), children, depth and
+/// height.
+struct Btree {
+    parent: Vec<usize>,
+    children: Vec<Vec<usize>>,
+    depth: Vec<usize>,
+    height: Vec<usize>,
+}
+
+impl Btree {
+    /// The balanced in-order tree over `order` (relative ranks, each once), hung under
+    /// rank 0.
+    fn new(n: usize, order: &[usize]) -> Btree {
+        let mut t = Btree {
+            parent: vec![0; n],
+            children: vec![Vec::new(); n],
+            depth: vec![0; n],
+            height: vec![0; n],
+        };
+        t.build(order, 0, 1);
+        t
+    }
+
+    /// Builds the subtree of `part` under `parent` at `depth`; returns its root's height.
+    fn build(&mut self, part: &[usize], parent: usize, depth: usize) -> Option<usize> {
+        if part.is_empty() {
+            return None;
+        }
+        let mid = part.len() / 2;
+        let me = part[mid];
+        self.parent[me] = parent;
+        self.children[parent].push(me);
+        self.depth[me] = depth;
+        let l = self.build(&part[..mid], me, depth + 1);
+        let r = self.build(&part[mid + 1..], me, depth + 1);
+        let h = l.max(r).map_or(0, |h| h + 1);
+        self.height[me] = h;
+        Some(h)
+    }
+}
+
+/// The two trees of a double binary tree over `n` ranks: the in-order tree over
+/// relative ranks 1..n, and the same over them mirrored (an even number of them) or
+/// shifted by one (odd), as NCCL builds them: either way every rank's position changes
+/// parity, so the leaves of one tree (even positions) are inner nodes of the other.
+fn btrees(n: usize) -> [Btree; 2] {
+    let order: Vec<usize> = (1..n).collect();
+    let mut other = order.clone();
+    if order.len() % 2 == 0 {
+        other.reverse();
+    } else {
+        other.rotate_left(1);
+    }
+    [Btree::new(n, &order), Btree::new(n, &other)]
+}
+
+/// The steps a double binary tree reduce takes on `n` ranks (the same on every rank,
+/// so that what follows it starts at the same step everywhere).
+fn dbtree_reduce_steps(n: usize) -> usize {
+    let top = btrees(n).iter().map(|t| t.height.iter().copied().max().unwrap_or(0)).max().unwrap_or(0);
+    2 * (top + 2)
+}
+
+/// Double binary tree broadcast: the root sends one half of the data down each tree;
+/// each rank passes a half on to its children in that tree. Tree 0 moves in even
+/// steps, tree 1 in odd ones, so the two never share a step (and a pair of ranks never
+/// has two messages in one).
+pub fn dbtree_bcast(n: usize, r: usize, root: usize, count: usize) -> Schedule {
+    let mut s = Schedule::default();
+    if n < 2 {
+        return s;
+    }
+    let v = sub_mod(r, root, n);
+    let real = |v: usize| add_mod(v, root, n);
+    let halves = even_blocks(count, 2);
+    for (t, tree) in btrees(n).iter().enumerate() {
+        let half = Region::data(halves[t].clone());
+        let step = |d: usize| 2 * d + t;
+        if v != 0 {
+            s.recv(step(tree.depth[v] - 1), real(tree.parent[v]), half.clone());
+        }
+        for &c in &tree.children[v] {
+            s.send(step(tree.depth[c] - 1), real(c), half.clone());
+        }
+    }
+    s
+}
+
+/// Double binary tree reduce to `root`: each half climbs its tree, every inner rank
+/// folding in its children's partial results; the trees' roots hand them to the root.
+/// Tree 0 in even steps, tree 1 in odd ones. Scratch: room for two children's halves
+/// per tree.
+pub fn dbtree_reduce(n: usize, r: usize, root: usize, count: usize) -> Schedule {
+    let mut s = Schedule::default();
+    if n < 2 {
+        return s;
+    }
+    let v = sub_mod(r, root, n);
+    let real = |v: usize| add_mod(v, root, n);
+    let halves = even_blocks(count, 2);
+    let trees = btrees(n);
+    // Step of a send from a node of height h up to its parent; the root's receives from
+    // a tree's root come after everything below it.
+    let top = trees.iter().map(|t| t.height.iter().copied().max().unwrap_or(0)).max().unwrap_or(0);
+    for (t, tree) in trees.iter().enumerate() {
+        let half = halves[t].clone();
+        let step = |h: usize| 2 * h + t;
+        let up = |x: usize| if tree.parent[x] == 0 { top + 1 } else { tree.height[x] };
+        if v != 0 {
+            s.send(step(up(v)), real(tree.parent[v]), Region::data(half.clone()));
+        }
+        let slots = half.len();
+        for (i, &c) in tree.children[v].iter().enumerate() {
+            let at = (2 * t + i) * slots;
+            s.recv_reduce(step(up(c)), real(c), at..at + slots, Region::data(half.clone()));
+        }
+    }
+    s
+}
+
+/// Allreduce as a double binary tree reduce to rank 0 followed by a double binary tree
+/// broadcast from it.
+pub fn dbtree_allreduce(n: usize, r: usize, count: usize) -> Schedule {
+    let mut s = dbtree_reduce(n, r, 0, count);
+    let offset = dbtree_reduce_steps(n);
+    let b = dbtree_bcast(n, r, 0, count);
+    for (i, st) in b.steps.into_iter().enumerate() {
+        *s.step(offset + i) = st;
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,6 +310,36 @@ mod tests {
             check_bcast(|n, r, root, c| chain_bcast(n, r, root, c, segs));
         }
         check_bcast(scatter_allgather_bcast);
+    }
+
+    #[test]
+    fn double_binary_trees_broadcast_reduce_and_allreduce() {
+        check_bcast(dbtree_bcast);
+        for n in SIZES {
+            for count in COUNTS {
+                let parts: Vec<Vec<i64>> = (0..n).map(|r| contribution(r, count)).collect();
+                let want = reduce_all(&parts, ReduceOp::Sum);
+                for root in [0, n - 1] {
+                    let scheds: Vec<_> = (0..n).map(|r| dbtree_reduce(n, r, root, count)).collect();
+                    let got = run(&scheds, parts.clone(), vec![vec![]; n], ReduceOp::Sum);
+                    assert_eq!(got[root], want, "reduce n {n} count {count} root {root}");
+                }
+                let scheds: Vec<_> = (0..n).map(|r| dbtree_allreduce(n, r, count)).collect();
+                let got = run(&scheds, parts.clone(), vec![vec![]; n], ReduceOp::Sum);
+                assert!(got.iter().all(|g| *g == want), "allreduce n {n} count {count}");
+            }
+        }
+    }
+
+    #[test]
+    fn each_tree_carries_half_and_most_leaves_of_one_are_inner_in_the_other() {
+        let [a, b] = btrees(16);
+        let inner_in_both =
+            (1..16).filter(|&v| !a.children[v].is_empty() && !b.children[v].is_empty()).count();
+        let leaves_in_both =
+            (1..16).filter(|&v| a.children[v].is_empty() && b.children[v].is_empty()).count();
+        assert!(inner_in_both <= 2 && leaves_in_both <= 2, "{inner_in_both} {leaves_in_both}");
+        assert_eq!(dbtree_bcast(16, 0, 0, 1000).bytes_sent(1), 1000);
     }
 
     #[test]
