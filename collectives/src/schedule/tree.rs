@@ -210,19 +210,28 @@ fn dbtree_reduce_steps(n: usize) -> usize {
     2 * (top + 2)
 }
 
+/// What both double binary tree forms start from, for rank `r` of `n` (None below two
+/// ranks): its rank relative to `root`, the way back to real ranks, the two halves of
+/// `count` elements and the two trees.
+#[allow(clippy::type_complexity)]
+fn dbtree_setup(
+    n: usize,
+    r: usize,
+    root: usize,
+    count: usize,
+) -> Option<(usize, impl Fn(usize) -> usize, Vec<std::ops::Range<usize>>, [Btree; 2])> {
+    (n >= 2)
+        .then(|| (sub_mod(r, root, n), move |v: usize| add_mod(v, root, n), even_blocks(count, 2), btrees(n)))
+}
+
 /// Double binary tree broadcast: the root sends one half of the data down each tree;
 /// each rank passes a half on to its children in that tree. Tree 0 moves in even
 /// steps, tree 1 in odd ones, so the two never share a step (and a pair of ranks never
 /// has two messages in one).
 pub fn dbtree_bcast(n: usize, r: usize, root: usize, count: usize) -> Schedule {
     let mut s = Schedule::default();
-    if n < 2 {
-        return s;
-    }
-    let v = sub_mod(r, root, n);
-    let real = |v: usize| add_mod(v, root, n);
-    let halves = even_blocks(count, 2);
-    for (t, tree) in btrees(n).iter().enumerate() {
+    let Some((v, real, halves, trees)) = dbtree_setup(n, r, root, count) else { return s };
+    for (t, tree) in trees.iter().enumerate() {
         let half = Region::data(halves[t].clone());
         let step = |d: usize| 2 * d + t;
         if v != 0 {
@@ -241,13 +250,7 @@ pub fn dbtree_bcast(n: usize, r: usize, root: usize, count: usize) -> Schedule {
 /// per tree.
 pub fn dbtree_reduce(n: usize, r: usize, root: usize, count: usize) -> Schedule {
     let mut s = Schedule::default();
-    if n < 2 {
-        return s;
-    }
-    let v = sub_mod(r, root, n);
-    let real = |v: usize| add_mod(v, root, n);
-    let halves = even_blocks(count, 2);
-    let trees = btrees(n);
+    let Some((v, real, halves, trees)) = dbtree_setup(n, r, root, count) else { return s };
     // Step of a send from a node of height h up to its parent; the root's receives from
     // a tree's root come after everything below it.
     let top = trees.iter().map(|t| t.height.iter().copied().max().unwrap_or(0)).max().unwrap_or(0);
