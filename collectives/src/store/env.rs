@@ -132,12 +132,12 @@ mod tests {
         .expect("mpirun");
         assert_eq!((l.launcher, l.rank, l.size, l.local_rank), (Launcher::OpenMpi, 2, 4, Some(0)));
         assert_eq!(l.store, StoreAddr::Tcp("node0:7000".into()));
-        let l = detect_from(env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), (STORE_ENV, "file:/tmp/j")]))
-            .expect("srun");
-        assert_eq!(
-            (l.launcher, l.local_rank, l.store),
-            (Launcher::Slurm, None, StoreAddr::File("/tmp/j".into()))
-        );
+        let dir = std::env::temp_dir().join("job");
+        let store = format!("file:{}", dir.display());
+        let l =
+            detect_from(env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), (STORE_ENV, store.as_str())]))
+                .expect("srun");
+        assert_eq!((l.launcher, l.local_rank, l.store), (Launcher::Slurm, None, StoreAddr::File(dir)));
         let l = detect_from(env(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "1"),
