@@ -10,7 +10,7 @@ use ucxkit_testkit as common;
 use std::time::Duration;
 
 use common::{pair, payload};
-use ucxkit::transport::{tag, ErrorKind, IoBuf, IoBufMut};
+use ucxkit::transport::{tag, ErrorKind, IoBuf, IoBufMut, SharedBuf};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -128,4 +128,31 @@ async fn refused_slices_and_empty_ones() {
     let (info, got) = tokio::time::timeout(T, recv).await.unwrap();
     assert_eq!(info.unwrap().len, 0);
     assert_eq!(got.bytes_total(), 0);
+}
+
+/// A rendezvous send from a part of a `SharedBuf` whose future is dropped before the
+/// peer receives keeps its slice parked with the worker: the owner can neither view the
+/// values nor take the `Vec` back (UCX still reads them) until the peer has taken the
+/// message, which then holds exactly those values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_send_keeps_its_shared_slice_until_ucx_is_done() {
+    let (_s, _c, sep, cep) = pair("tcp,self").await;
+    let len = 4 << 20;
+    let mut buf = SharedBuf::new(payload(3, 2 * len));
+    // Values len..2len, large enough for UCX's rendezvous: pending until the peer asks.
+    let send = cep.tag_send(9, buf.slice(len..2 * len).unwrap());
+    assert!(!send.completed_immediately(), "a rendezvous send waits for its receiver");
+    drop(send);
+    assert!(buf.in_use() && buf.view().is_none(), "the values are UCX's while the send is pending");
+    let buf = buf.try_into_vec().expect_err("no Vec back while UCX may read it");
+    let (r, got) =
+        tokio::time::timeout(T, sep.tag_recv(9, tag::EXACT, Vec::with_capacity(len))).await.unwrap();
+    assert_eq!(r.unwrap().len, len);
+    let mut buf = buf;
+    let deadline = std::time::Instant::now() + T;
+    while buf.in_use() {
+        assert!(std::time::Instant::now() < deadline, "the parked send never ended");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(got[..], buf.view().unwrap()[len..]);
 }
