@@ -291,8 +291,15 @@ impl Communicator {
     /// rank's schedule for it, from the cache when it was made before.
     pub(crate) fn planned(&self, op: Op, count: usize, elem: usize, root: usize) -> Arc<Planned> {
         let elem = elem.max(1);
-        let forced =
-            self.opts.algorithm.iter().chain(&self.inner.forced_env).find(|(o, _)| *o == op).map(|(_, a)| *a);
+        // A forced algorithm counts only where it can run the operation (the variable's
+        // are checked when read; options' here).
+        let forced = self
+            .opts
+            .algorithm
+            .iter()
+            .chain(&self.inner.forced_env)
+            .find(|(o, a)| *o == op && op.candidates().contains(a))
+            .map(|(_, a)| *a);
         let key = (op, count, elem, root, forced);
         let mut cache = self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
         // The last plan first: a loop of one collective hashes nothing.

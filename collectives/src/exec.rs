@@ -190,7 +190,7 @@ pub(crate) async fn run<T: Element>(
             bufs.apply(from, into, None)?;
         }
         if !step.xfers.is_empty() {
-            exchange(w, seq, s as u16, &step.xfers, bufs, timer.as_mut()).await?;
+            exchange(w, seq, s as u16, &step.xfers, sched.sync, bufs, timer.as_mut()).await?;
         }
         for c in &step.combines {
             match c {
@@ -219,6 +219,8 @@ enum InFlight<T: Element> {
     Done,
 }
 
+/// Empty transfers are left out on both sides (every rank knows the sizes), except in
+/// a schedule that synchronises (`sync`: a barrier), where they are the point.
 /// Posts one step's transfers and waits for all of them, polling them in place (no
 /// allocation for the few transfers a step has). Receives are bound to their peer's
 /// endpoint, so a peer's failure ends them. The first failure is returned once every
@@ -228,6 +230,7 @@ async fn exchange<T: Element>(
     seq: u16,
     step: u16,
     xfers: &[Xfer],
+    sync: bool,
     bufs: &Bufs<T>,
     mut timer: Option<&mut (Duration, Pin<Box<tokio::time::Sleep>>)>,
 ) -> Result<()> {
@@ -238,6 +241,9 @@ async fn exchange<T: Element>(
     // that arrives first is copied aside by UCX and again when the receive comes.
     for x in xfers {
         if let Xfer::Recv { peer, into } = x {
+            if into.is_empty() && !sync {
+                continue;
+            }
             for part in segments(into, seg) {
                 flight.push(InFlight::Recv {
                     peer: *peer,
@@ -254,6 +260,9 @@ async fn exchange<T: Element>(
     }
     for x in xfers {
         if let Xfer::Send { peer, from } = x {
+            if from.is_empty() && !sync {
+                continue;
+            }
             for part in segments(from, seg) {
                 flight.push(InFlight::Send {
                     peer: *peer,
@@ -306,7 +315,9 @@ async fn exchange<T: Element>(
             n
         });
         if w.abort.is_set() || wake.as_mut().poll(cx).is_ready() {
-            first = w.abort.get().map(Error::Aborted);
+            if let Some(a) = w.abort.get() {
+                first.get_or_insert(Error::Aborted(a));
+            }
             return Poll::Ready(());
         }
         if let Some((d, sleep)) = timer.as_mut() {

@@ -110,7 +110,8 @@ impl Communicator {
         let (n, me) = (self.size(), self.rank());
         let end = Instant::now() + deadline;
         let mut failed = vec![false; n];
-        if let Some(f) = self.aborted().and_then(|a| a.failed) {
+        // (The failed rank came off the wire: one outside the group is ignored.)
+        if let Some(f) = self.aborted().and_then(|a| a.failed).filter(|&f| f < n) {
             failed[f] = true;
         }
         let mut free = self.inner.registry.free_map();

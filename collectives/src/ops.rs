@@ -113,8 +113,14 @@ impl Communicator {
     }
 
     fn check_counts(&self, counts: &[usize]) -> Option<String> {
-        (counts.len() != self.size())
-            .then(|| format!("{} counts for a group of {}", counts.len(), self.size()))
+        if counts.len() != self.size() {
+            return Some(format!("{} counts for a group of {}", counts.len(), self.size()));
+        }
+        counts
+            .iter()
+            .try_fold(0usize, |a, &c| a.checked_add(c))
+            .is_none()
+            .then(|| "the counts add up to more than a buffer can hold".to_string())
     }
 
     /// Every rank ends with the element-wise reduction of all ranks' `buf` (all of the
@@ -467,17 +473,11 @@ impl Communicator {
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> impl Future<Output = Result<()>> + Send + 'static {
         self.call(move |comm, seq| async move {
-            let sched = plan::schedule(
-                Op::Barrier,
-                plan::Algorithm::Dissemination,
-                comm.size(),
-                comm.rank(),
-                0,
-                0,
-                1,
-            );
+            // Planned like the others (cached, and forced by options or the variable).
+            let planned = comm.planned(Op::Barrier, 0, 1, 0);
+            let sched = &planned.sched;
             let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), None);
-            comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await
+            comm.execute(seq, sched, &mut bufs, ReduceOp::Sum).await
         })
     }
 

@@ -350,40 +350,44 @@ pub(crate) fn schedule(
 
 /// The modelled time of one rank's schedule.
 pub fn price(s: &Schedule, elem: usize, c: &Costs) -> Duration {
-    let mut t = 0f64;
-    for st in &s.steps {
-        let (mut out, mut inn, mut largest) = (0usize, 0usize, 0usize);
-        for x in &st.xfers {
-            let bytes = match x {
-                Xfer::Send { from, .. } => {
-                    out += from.len() * elem;
-                    from.len() * elem
-                }
-                Xfer::Recv { into, .. } => {
-                    inn += into.len() * elem;
-                    into.len() * elem
-                }
-            };
-            largest = largest.max(bytes);
-        }
-        let reduced: usize = st
-            .combines
-            .iter()
-            .map(|c| match c {
-                crate::schedule::Combine::Reduce { from, .. } => from.len() * elem,
-                crate::schedule::Combine::Copy { .. } => 0,
-            })
-            .sum();
-        if !st.xfers.is_empty() {
-            let l = if largest >= c.rndv_threshold { c.rndv_latency } else { c.latency };
-            t += l.as_secs_f64();
-        }
-        t += out.max(inn) as f64 / c.bandwidth + reduced as f64 / c.reduce_rate;
-    }
-    Duration::from_secs_f64(t)
+    Duration::from_secs_f64(s.steps.iter().map(|st| step_price(st, elem, c)).sum())
 }
 
-/// The modelled time of `alg` running `op`: that of its slowest rank.
+/// The modelled time of one step of one rank, in seconds.
+fn step_price(st: &crate::schedule::Step, elem: usize, c: &Costs) -> f64 {
+    let (mut out, mut inn, mut largest) = (0usize, 0usize, 0usize);
+    for x in &st.xfers {
+        let bytes = match x {
+            Xfer::Send { from, .. } => {
+                out += from.len() * elem;
+                from.len() * elem
+            }
+            Xfer::Recv { into, .. } => {
+                inn += into.len() * elem;
+                into.len() * elem
+            }
+        };
+        largest = largest.max(bytes);
+    }
+    let reduced: usize = st
+        .combines
+        .iter()
+        .map(|c| match c {
+            crate::schedule::Combine::Reduce { from, .. } => from.len() * elem,
+            crate::schedule::Combine::Copy { .. } => 0,
+        })
+        .sum();
+    let mut t = out.max(inn) as f64 / c.bandwidth + reduced as f64 / c.reduce_rate;
+    if !st.xfers.is_empty() {
+        let l = if largest >= c.rndv_threshold { c.rndv_latency } else { c.latency };
+        t += l.as_secs_f64();
+    }
+    t
+}
+
+/// The modelled time of `alg` running `op`: the ranks move in lockstep (a step waits
+/// for its messages), so each step costs what it costs its busiest rank, and steps in
+/// which a rank is idle still take the others' time.
 pub fn price_all(
     op: Op,
     alg: Algorithm,
@@ -393,7 +397,14 @@ pub fn price_all(
     elem: usize,
     c: &Costs,
 ) -> Duration {
-    (0..n).map(|r| price(&schedule(op, alg, n, r, root, count, elem), elem, c)).max().unwrap_or_default()
+    let scheds: Vec<Schedule> = (0..n).map(|r| schedule(op, alg, n, r, root, count, elem)).collect();
+    let steps = scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0);
+    let t: f64 = (0..steps)
+        .map(|i| {
+            scheds.iter().filter_map(|s| s.steps.get(i)).map(|st| step_price(st, elem, c)).fold(0.0, f64::max)
+        })
+        .sum();
+    Duration::from_secs_f64(t)
 }
 
 /// Chooses the algorithm for `op` of `count` elements of `elem` bytes on `n` ranks.

@@ -15,7 +15,8 @@ pub enum ReduceOp {
     Sum,
     /// Product (integers wrap on overflow).
     Prod,
-    /// Minimum. For floats, a NaN in the running result stays; a NaN arriving is skipped.
+    /// Minimum. For floats a NaN on either side gives a NaN, so the result is the same
+    /// whichever order ranks combine in.
     Min,
     /// Maximum; NaNs as for [`ReduceOp::Min`].
     Max,
@@ -124,8 +125,8 @@ macro_rules! float_kernels {
                     ReduceOp::Prod => zip_with(acc, other, |a, b| a * b),
                     // Written as selects (not `f32::min`, which is a call with NaN rules)
                     // so that they become the processor's min and max instructions.
-                    ReduceOp::Min => zip_with(acc, other, |a, b| if b < a { b } else { a }),
-                    ReduceOp::Max => zip_with(acc, other, |a, b| if b > a { b } else { a }),
+                    ReduceOp::Min => zip_with(acc, other, |a, b| if b < a || b != b { b } else { a }),
+                    ReduceOp::Max => zip_with(acc, other, |a, b| if b > a || b != b { b } else { a }),
                     ReduceOp::Band => zip_with(acc, other, |a, b| <$t>::from_bits(a.to_bits() & b.to_bits())),
                     ReduceOp::Bor => zip_with(acc, other, |a, b| <$t>::from_bits(a.to_bits() | b.to_bits())),
                     ReduceOp::Bxor => zip_with(acc, other, |a, b| <$t>::from_bits(a.to_bits() ^ b.to_bits())),
@@ -210,8 +211,8 @@ impl Kernels for bf16 {
         match op {
             ReduceOp::Sum => bf16_fused(acc, other, |a, b| a + b),
             ReduceOp::Prod => bf16_fused(acc, other, |a, b| a * b),
-            ReduceOp::Min => bf16_fused(acc, other, |a, b| if b < a { b } else { a }),
-            ReduceOp::Max => bf16_fused(acc, other, |a, b| if b > a { b } else { a }),
+            ReduceOp::Min => bf16_fused(acc, other, |a, b| if b < a || b.is_nan() { b } else { a }),
+            ReduceOp::Max => bf16_fused(acc, other, |a, b| if b > a || b.is_nan() { b } else { a }),
             _ => bits16(op, acc, other, bf16::to_bits, bf16::from_bits),
         }
     }
@@ -311,6 +312,19 @@ mod tests {
         let mut h = [bf16::ONE; 3];
         bf16::reduce(ReduceOp::Sum, &mut h, &[bf16::ONE]);
         assert_eq!(h, [bf16::from_f32(2.0), bf16::ONE, bf16::ONE]);
+    }
+
+    #[test]
+    fn float_min_and_max_are_commutative_with_nan() {
+        for op in [ReduceOp::Min, ReduceOp::Max] {
+            let (mut a, mut b) = ([f32::NAN, 1.0], [1.0f32, f32::NAN]);
+            f32::reduce(op, &mut a, &[1.0, f32::NAN]);
+            f32::reduce(op, &mut b, &[f32::NAN, 1.0]);
+            assert!(a.iter().chain(&b).all(|x| x.is_nan()), "{op}");
+            let mut h = [bf16::ONE];
+            bf16::reduce(op, &mut h, &[bf16::NAN]);
+            assert!(h[0].is_nan(), "{op}");
+        }
     }
 
     #[test]

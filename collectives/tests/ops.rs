@@ -207,6 +207,41 @@ async fn every_algorithm_runs_when_forced() {
     }
 }
 
+/// A rank with nothing to send or receive in an all-to-all-v (and a scatter-v block of
+/// none) takes part without a message, and nobody waits for one from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_with_empty_parts_neither_send_nor_are_waited_for() {
+    let (_mesh, comms) = group(3).await;
+    // Ranks 0 and 1 swap 2 elements each way; rank 2 sends and receives nothing.
+    let counts = |r: usize| -> Vec<usize> {
+        if r == 2 {
+            vec![0, 0, 0]
+        } else {
+            vec![2, 2, 0]
+        }
+    };
+    let got = all(&comms, |r, c| {
+        let buf = vec![r as u8; counts(r).iter().sum()];
+        async move { c.alltoall_v(buf, counts(r), counts(r)).await.expect("alltoall_v") }
+    })
+    .await;
+    assert_eq!(got, vec![vec![0, 0, 1, 1], vec![0, 0, 1, 1], vec![]]);
+    let got = all(&comms, |r, c| {
+        let buf = if r == 0 { vec![7u16, 8] } else { Vec::new() };
+        async move { c.scatter_v(buf, vec![1, 0, 1], 0).await.expect("scatter_v") }
+    })
+    .await;
+    assert_eq!(got, vec![vec![7], vec![], vec![8]]);
+    // Nothing stray is left to match a later call.
+    let sums =
+        all(
+            &comms,
+            |r, c| async move { c.allreduce(vec![r as u8; 3], ReduceOp::Sum).await.expect("allreduce") },
+        )
+        .await;
+    assert!(sums.iter().all(|s| *s == vec![3; 3]));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_collectives_do_not_cross() {
     let (_mesh, comms) = group(4).await;

@@ -143,7 +143,7 @@ pub fn rabenseifner(n: usize, r: usize, count: usize) -> Schedule {
 /// Dissemination barrier: in step k every rank signals rank `r + 2^k` and waits for
 /// rank `r - 2^k` (empty messages): ceil(log2 n) steps, for any n.
 pub fn barrier(n: usize, r: usize) -> Schedule {
-    let mut s = Schedule::default();
+    let mut s = Schedule { sync: true, ..Schedule::default() };
     let mut d = 1;
     let mut k = 0;
     while d < n {
@@ -161,7 +161,7 @@ pub fn barrier(n: usize, r: usize) -> Schedule {
 /// messages in flight together cost little more than one. `radix` below 2 is taken as 2.
 pub fn knomial_barrier(n: usize, r: usize, radix: usize) -> Schedule {
     let k = radix.max(2);
-    let mut s = Schedule::default();
+    let mut s = Schedule { sync: true, ..Schedule::default() };
     let (mut m, mut round) = (1usize, 0usize);
     while m < n {
         for i in 1..k {

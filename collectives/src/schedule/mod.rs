@@ -135,6 +135,9 @@ pub struct Schedule {
     pub steps: Vec<Step>,
     /// Elements of scratch the schedule uses.
     pub scratch: usize,
+    /// Its empty messages synchronise (a barrier): they are sent. Elsewhere an empty
+    /// transfer moves nothing and is left out on both sides.
+    pub sync: bool,
 }
 
 impl Schedule {
