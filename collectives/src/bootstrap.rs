@@ -1,4 +1,5 @@
-//! Forming a group: every rank publishes its worker's address in a [`Store`], reads
+//! Forming a group: every rank publishes its worker's address and its host
+//! ([`crate::hosts::this_host`]) in a [`Store`], reads
 //! everyone else's, connects an endpoint to each, and the group holds a barrier before
 //! it is handed out, so every rank leaves [`Communicator::bootstrap`] only once all
 //! are connected. The whole of it has a deadline, and a rank that never came is named.
@@ -118,7 +119,9 @@ impl Communicator {
             .namespace(COLLECTIVES)
             .map_err(|e| boot(format!("claiming the collectives namespace: {e}")))?;
         let me = worker.address().map_err(|e| boot(format!("reading the worker address: {e}")))?;
+        // size, host key, address.
         let mut value = (size as u64).to_le_bytes().to_vec();
+        value.extend_from_slice(&crate::hosts::this_host().to_le_bytes());
         value.extend_from_slice(me.as_bytes());
         store.set(&addr_key(rank), &value).await?;
         let keys: Vec<String> = (0..size).map(addr_key).collect();
@@ -127,12 +130,20 @@ impl Communicator {
             Err(_) => return Err(absent(store, size, deadline).await),
         };
         let mut addrs = Vec::with_capacity(size);
+        let mut hosts = Vec::with_capacity(size);
         for (r, v) in values.iter().enumerate() {
-            let (n, a) = v.split_at(v.len().min(8));
-            let n = u64::from_le_bytes(n.try_into().unwrap_or_default());
+            if v.len() < 16 {
+                return Err(boot(format!(
+                    "rank {r} published {} bytes, not a group member's record",
+                    v.len()
+                )));
+            }
+            let (head, a) = v.split_at(16);
+            let n = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
             if n != size as u64 {
                 return Err(boot(format!("rank {r} forms a group of {n}, this rank ({rank}) one of {size}")));
             }
+            hosts.push(u64::from_le_bytes(head[8..].try_into().unwrap_or_default()));
             addrs.push(
                 WorkerAddress::from_bytes(a).map_err(|e| boot(format!("rank {r}'s worker address: {e}")))?,
             );
@@ -156,6 +167,7 @@ impl Communicator {
             .into_iter()
             .collect::<Result<Vec<_>>>()?;
         let comm = Communicator::from_endpoints(&ns, 0, rank, eps)?;
+        comm.set_hosts(&hosts)?;
         match tokio::time::timeout(left(), comm.barrier()).await {
             Ok(Ok(())) => Ok(comm),
             Ok(Err(e)) => Err(boot(format!("the group's first barrier failed: {e}"))),

@@ -12,6 +12,7 @@ use ucxkit_transport::{Endpoint, Namespace, SharedBuf};
 
 use crate::abort::{AbortCell, Registry};
 use crate::error::{Error, Result};
+use crate::hosts::Hosts;
 use crate::plan::{self, Algorithm, Costs, Op, Plan};
 use crate::schedule::Schedule;
 use crate::tag::{MAX_COMMS, MAX_RANKS};
@@ -49,11 +50,11 @@ const PLAN_CACHE: usize = 512;
 /// What a plan is cached by: operation, elements, element size, root, forced algorithm.
 type PlanKey = (Op, usize, usize, usize, Option<Algorithm>);
 
-/// Plans made so far, and the last one used.
-#[derive(Default)]
+/// Plans made so far, and the last one used, for the host layout they were made for.
 struct PlanCache {
     map: HashMap<PlanKey, Arc<Planned>>,
     last: Option<(PlanKey, Arc<Planned>)>,
+    hosts: Arc<Hosts>,
 }
 
 /// A plan, and this rank's schedule for it.
@@ -180,6 +181,7 @@ impl Communicator {
             })?,
             Err(_) => DEFAULT_SEGMENT,
         };
+        let size = eps.len();
         let registry = Registry::of(ns)?;
         let abort = Arc::new(AbortCell::default());
         if !registry.claim(id, &abort) {
@@ -192,7 +194,11 @@ impl Communicator {
                 rank,
                 id,
                 seq: AtomicU16::new(0),
-                plans: Mutex::new(PlanCache::default()),
+                plans: Mutex::new(PlanCache {
+                    map: HashMap::new(),
+                    last: None,
+                    hosts: Arc::new(Hosts::flat(size)),
+                }),
                 scratch: Mutex::new(None),
                 forced_env,
                 costs,
@@ -234,6 +240,8 @@ impl Communicator {
         let rank = members.iter().position(|(_, r)| *r == self.rank()).unwrap_or_default();
         let eps = members.iter().map(|(_, r)| self.inner.eps[*r].clone()).collect();
         let c = Communicator::new(&self.inner.ns, id, rank, eps)?;
+        let ranks: Vec<usize> = members.iter().map(|(_, r)| *r).collect();
+        c.put_hosts(self.hosts().restrict(&ranks));
         Ok(Some(c.with_options((*self.opts).clone())))
     }
 
@@ -273,6 +281,41 @@ impl Communicator {
     /// The endpoint to rank `r` (None for this rank).
     pub fn endpoint(&self, r: usize) -> Option<&Endpoint> {
         self.inner.eps.get(r).and_then(Option::as_ref)
+    }
+
+    /// Which ranks share a host: by default, as the group's bootstrap found out (all on
+    /// one host for a communicator made of endpoints, until [`Communicator::set_hosts`]).
+    pub fn hosts(&self) -> Arc<Hosts> {
+        self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner).hosts.clone()
+    }
+
+    /// Says which ranks share a host: `keys[r]` is rank r's host (any value, equal for
+    /// ranks on one host), for example [`crate::hosts::this_host`] gathered from every
+    /// rank. Every rank must pass the same keys before its next collective (the planner
+    /// picks algorithms by them, and all ranks must pick alike).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless there is one key per rank.
+    pub fn set_hosts<K: Eq + std::hash::Hash>(&self, keys: &[K]) -> Result<()> {
+        if keys.len() != self.size() {
+            return Err(Error::InvalidArgument(format!(
+                "{} host keys for a group of {} ranks",
+                keys.len(),
+                self.size()
+            )));
+        }
+        self.put_hosts(Hosts::from_keys(keys));
+        Ok(())
+    }
+
+    /// Sets the host layout and forgets the plans made for another.
+    pub(crate) fn put_hosts(&self, hosts: Hosts) {
+        let mut cache = self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
+        if *cache.hosts != hosts {
+            cache.hosts = Arc::new(hosts);
+            cache.map.clear();
+            cache.last = None;
+        }
     }
 
     /// Takes the next call's sequence number.
@@ -315,13 +358,31 @@ impl Communicator {
         if cache.map.len() >= PLAN_CACHE {
             cache.map.clear();
         }
+        let costs = self.opts.costs.unwrap_or(self.inner.costs);
+        let hosts = cache.hosts.clone();
         let plan = match forced {
-            Some(algorithm) => Plan { op, bytes: count * elem, algorithm, forced: true, priced: Vec::new() },
-            None => {
-                plan::choose(op, self.size(), root, count, elem, &self.opts.costs.unwrap_or(self.inner.costs))
-            }
+            Some(algorithm) => Plan {
+                op,
+                bytes: count * elem,
+                algorithm,
+                forced: true,
+                priced: Vec::new(),
+                phases: (algorithm == Algorithm::TwoLevel)
+                    .then(|| plan::Phases::choose(op, &hosts, root, count, elem, &costs)),
+            },
+            None => plan::choose(op, &hosts, root, count, elem, &costs),
         };
-        let sched = plan::schedule(op, plan.algorithm, self.size(), self.rank(), root, count, elem);
+        let sched = plan::schedule(
+            op,
+            plan.algorithm,
+            &hosts,
+            self.rank(),
+            root,
+            count,
+            elem,
+            plan.phases.as_ref(),
+            &costs,
+        );
         let p = Arc::new(Planned { plan, sched });
         cache.map.insert(key, p.clone());
         cache.last = Some((key, p.clone()));

@@ -50,6 +50,15 @@
 //! `UCXKIT_COLL_ALGO=allreduce=ring,broadcast=knomial:4` forces algorithms
 //! ([`plan::ENV`]); `UCXKIT_COLL_COSTS=FILE` loads the model's constants measured by
 //! `ucxkit-coll tune` ([`plan::COSTS_ENV`]).
+//!
+//! # Several hosts
+//!
+//! A group formed through a store learns which ranks share a host ([`hosts::this_host`]:
+//! host name, boot id and network namespace); [`Communicator::set_hosts`] says it for a
+//! group made of endpoints. The model then prices messages between hosts with the
+//! network's constants and shared ones per host, and where that wins it picks two-level
+//! allreduce, broadcast and allgather ([`schedule::hier`]): one leader per host crosses the
+//! network.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -61,6 +70,7 @@ pub mod dtype;
 pub mod error;
 mod exec;
 mod failure;
+pub mod hosts;
 mod ops;
 pub mod plan;
 pub mod reduce;
@@ -72,5 +82,6 @@ pub use bootstrap::InitOptions;
 pub use comm::{Communicator, Options, DEFAULT_SEGMENT, SEGMENT_ENV};
 pub use dtype::{bf16, f16, DataType, Element};
 pub use error::{Error, Failed, Result};
+pub use hosts::Hosts;
 pub use plan::{Algorithm, Op, Plan};
 pub use reduce::ReduceOp;

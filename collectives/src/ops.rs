@@ -198,6 +198,14 @@ impl Communicator {
             let blocks = blocks_of(&counts);
             let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
             data[blocks[r].clone()].copy_from_slice(&buf);
+            // Equal blocks go by the plan; others by the ring.
+            if counts.iter().all(|&c| c == counts[0]) {
+                let planned = comm.planned(Op::Allgather, counts[0], std::mem::size_of::<T>(), 0);
+                let scratch = comm.take_scratch(planned.sched.scratch);
+                return comm
+                    .finish(seq, &planned.sched, Bufs::new(data, buf, scratch), ReduceOp::Sum, false)
+                    .await;
+            }
             let sched = ring::allgather(n, r, &blocks);
             comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
         })
@@ -205,7 +213,7 @@ impl Communicator {
 
     /// [`Communicator::allgather`] in place: `buf` holds `size()` blocks of equal length,
     /// this rank's (block `rank`) filled in; every block is filled on return. No buffer
-    /// is allocated.
+    /// is allocated but the two-level form's room to pack hosts' blocks in.
     pub fn allgather_in_place<T: Element>(
         &self,
         buf: Vec<T>,
@@ -221,7 +229,8 @@ impl Communicator {
             }
             let elem = std::mem::size_of::<T>();
             let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
-            comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), None), ReduceOp::Sum, true).await
+            let scratch = comm.take_scratch(planned.sched.scratch);
+            comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), scratch), ReduceOp::Sum, true).await
         })
     }
 

@@ -207,6 +207,33 @@ async fn every_algorithm_runs_when_forced() {
     }
 }
 
+/// Ranks told they sit on several hosts run the two-level forms, forced and as the
+/// model picks them, on contiguous, interleaved and uneven layouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_level_forms_match_the_reference_on_every_layout() {
+    let layouts: [&[u8]; 5] =
+        [&[0, 0, 1, 1], &[0, 1, 0, 1], &[0, 0, 0, 1, 1], &[0, 1, 1], &[0, 1, 2, 0, 1, 2]];
+    for keys in layouts {
+        let (_mesh, comms) = group(keys.len()).await;
+        for c in &comms {
+            c.set_hosts(keys).expect("hosts");
+            assert!(c.hosts().two_level());
+        }
+        let ops = [Op::Allreduce, Op::Broadcast, Op::Allgather];
+        let algorithm: Vec<_> = ops.iter().map(|&op| (op, ucxkit_collectives::Algorithm::TwoLevel)).collect();
+        let opts = Options { algorithm, ..Default::default() };
+        let forced: Vec<Communicator> = comms.iter().map(|c| c.with_options(opts.clone())).collect();
+        for count in [0, 1, 7, 40_000] {
+            check_reductions::<i32>(&forced, count, ReduceOp::Sum).await;
+            check_movement(&forced, count).await;
+        }
+        check_reductions::<f64>(&comms, 3001, ReduceOp::Max).await;
+        check_movement(&comms, 3001).await;
+    }
+    let (_mesh, comms) = group(2).await;
+    assert!(comms[0].set_hosts(&[1, 2, 3]).is_err(), "one key per rank");
+}
+
 /// A rank with nothing to send or receive in an all-to-all-v (and a scatter-v block of
 /// none) takes part without a message, and nobody waits for one from it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

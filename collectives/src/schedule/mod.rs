@@ -18,6 +18,7 @@
 use std::ops::Range;
 
 pub mod doubling;
+pub mod hier;
 pub mod linear;
 pub mod ring;
 pub mod tree;
