@@ -115,7 +115,7 @@ fn value<T: Element>(rank: usize, i: usize) -> T {
 }
 
 /// One call of `op`; returns the buffer to pass to the next (the result, cut or grown
-/// back to the input's length).
+/// back to the input's length; all-to-all's input, its result kept in `spare`).
 async fn once<T: Element>(
     c: &Communicator,
     op: &str,
@@ -133,10 +133,12 @@ async fn once<T: Element>(
         // The whole result buffer, this rank's block in place, from call to call.
         "allgather" => c.allgather_in_place(buf).await.map_err(err)?,
         "reduce_scatter" => c.reduce_scatter_in_place(buf, redop).await.map_err(err)?,
+        // The same send and receive buffers every call, as nccl-tests and MPI
+        // benchmarks keep them (a sender's buffer is not the one just received into).
         "alltoall" => {
             let (out, input) = c.alltoall_into(buf, std::mem::take(spare)).await.map_err(err)?;
-            *spare = input;
-            out
+            *spare = out;
+            input
         }
         _ => result(c, op, buf, count, redop, root).await?,
     };
