@@ -402,9 +402,12 @@ impl Communicator {
         }
     }
 
-    /// Keeps `scratch` for the next call, if no transfer still holds it.
+    /// Keeps `scratch` for the next call, even while a transfer still holds a part of it
+    /// (the transport lets go of a finished transfer's buffer at the worker's next
+    /// progress call, usually before the next call starts): [`Communicator::take_scratch`]
+    /// checks again and makes a new one only if it is still held.
     pub(crate) fn give_scratch<T: Element>(&self, scratch: Option<SharedBuf<T>>) {
-        if let Some(b) = scratch.filter(|b| !b.in_use()) {
+        if let Some(b) = scratch {
             *self.inner.scratch.lock().unwrap_or_else(PoisonError::into_inner) = Some(Box::new(b));
         }
     }

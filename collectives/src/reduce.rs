@@ -1,6 +1,7 @@
 //! Reduction operations ([`ReduceOp`]) and their kernels: one loop per type and
 //! operation, chosen once per call (never per element), written so that the compiler
-//! vectorises them; `f16` is widened to `f32` in blocks (by the processor's F16C
+//! vectorises them, for the widest instruction set the processor has (chosen at run
+//! time); `f16` is widened to `f32` in blocks (by the processor's F16C
 //! instructions where it has them), `bf16` element by element in one pass; both are
 //! rounded back to nearest even.
 
@@ -88,11 +89,31 @@ pub trait Kernels: Sized + Copy {
     fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]);
 }
 
-/// The loop every kernel is: one pass, one operation, no branch on the operation inside.
+/// The loop every kernel is: one pass, one operation, no branch on the operation inside,
+/// compiled for AVX2 and for the baseline and run with AVX2 where the processor has it
+/// (pulp's detection, once per call). Sum over 16 KiB of f32 in cache: 42 -> 75 GiB/s,
+/// of bf16: 4.9 -> 10.9 GiB/s (`cargo bench -p ucxkit-benches --bench reduce`).
 #[inline(always)]
-fn zip_with<T: Copy>(acc: &mut [T], other: &[T], f: impl Fn(T, T) -> T) {
-    for (a, b) in acc.iter_mut().zip(other) {
-        *a = f(*a, *b);
+fn zip_with<T: Copy, F: Fn(T, T) -> T>(acc: &mut [T], other: &[T], f: F) {
+    pulp::Arch::new().dispatch(Zip { acc, other, f });
+}
+
+/// [`zip_with`]'s loop, as pulp runs it: inlined into a function compiled for each
+/// instruction set, where the compiler vectorises it with that set's registers.
+struct Zip<'a, T, F> {
+    acc: &'a mut [T],
+    other: &'a [T],
+    f: F,
+}
+
+impl<T: Copy, F: Fn(T, T) -> T> pulp::WithSimd for Zip<'_, T, F> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        for (a, b) in self.acc.iter_mut().zip(self.other) {
+            *a = (self.f)(*a, *b);
+        }
     }
 }
 
