@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use std::any::Any;
 
-use ucxkit_transport::{Endpoint, Namespace, SharedBuf};
+use ucxkit_transport::{Endpoint, Namespace};
 
 use crate::abort::{AbortCell, Registry};
 use crate::error::{Error, Result};
+use crate::exec::{Bufs, Kept};
 use crate::hosts::Hosts;
 use crate::plan::{self, Algorithm, Costs, Op, Plan};
 use crate::schedule::Schedule;
@@ -71,8 +72,8 @@ pub(crate) struct Inner {
     /// The next call's sequence number.
     seq: AtomicU16,
     plans: Mutex<PlanCache>,
-    /// The scratch buffer the last call left (a `SharedBuf<T>` of its type).
-    scratch: Mutex<Option<Box<dyn Any + Send>>>,
+    /// The buffers the last call left (a `Kept<T>` of its element type).
+    kept: Mutex<Option<Box<dyn Any + Send>>>,
     forced_env: Vec<(Op, Algorithm)>,
     /// The cost model's constants: the defaults, or [`plan::COSTS_ENV`]'s.
     costs: Costs,
@@ -199,7 +200,7 @@ impl Communicator {
                     last: None,
                     hosts: Arc::new(Hosts::flat(size)),
                 }),
-                scratch: Mutex::new(None),
+                kept: Mutex::new(None),
                 forced_env,
                 costs,
                 segment,
@@ -389,26 +390,24 @@ impl Communicator {
         p
     }
 
-    /// A scratch buffer of at least `len` elements: the one the last call left, when it
-    /// is of type `T`, long enough and free, else a new one.
-    pub(crate) fn take_scratch<T: Element>(&self, len: usize) -> Option<SharedBuf<T>> {
-        if len == 0 {
-            return None;
-        }
-        let kept = self.inner.scratch.lock().unwrap_or_else(PoisonError::into_inner).take();
-        match kept.map(|b| b.downcast::<SharedBuf<T>>()) {
-            Some(Ok(b)) if b.len() >= len && !b.in_use() => Some(*b),
-            _ => Some(SharedBuf::new(vec![T::zeroed(); len])),
-        }
+    /// Buffers for a call (see [`Bufs::new`]), in those the last call of this element
+    /// type left.
+    pub(crate) fn bufs<T: Element>(&self, data: Vec<T>, input: Vec<T>, scratch: usize) -> Bufs<T> {
+        let kept = {
+            let mut slot = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            slot.as_mut().and_then(|b| b.downcast_mut::<Kept<T>>()).map(std::mem::take).unwrap_or_default()
+        };
+        Bufs::new(kept, data, input, scratch)
     }
 
-    /// Keeps `scratch` for the next call, even while a transfer still holds a part of it
-    /// (the transport lets go of a finished transfer's buffer at the worker's next
-    /// progress call, usually before the next call starts): [`Communicator::take_scratch`]
-    /// checks again and makes a new one only if it is still held.
-    pub(crate) fn give_scratch<T: Element>(&self, scratch: Option<SharedBuf<T>>) {
-        if let Some(b) = scratch {
-            *self.inner.scratch.lock().unwrap_or_else(PoisonError::into_inner) = Some(Box::new(b));
+    /// Keeps a finished call's buffers for the next (its data and input taken out).
+    /// Buffers a transfer still holds stay unused until it lets go.
+    pub(crate) fn keep<T: Element>(&self, bufs: Bufs<T>) {
+        let kept = bufs.into_kept();
+        let mut slot = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        match slot.as_mut().and_then(|b| b.downcast_mut::<Kept<T>>()) {
+            Some(k) => *k = kept,
+            None => *slot = Some(Box::new(kept)),
         }
     }
 

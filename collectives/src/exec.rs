@@ -63,12 +63,49 @@ fn view_of<T: Element>(b: Option<&mut SharedBuf<T>>) -> Result<&mut [T]> {
     }
 }
 
+/// The buffers a communicator keeps from one call to the next (of one element type),
+/// so that a call allocates none of its own: the shells the caller's vectors are put in
+/// and taken out of ([`SharedBuf::replace`]), and the scratch.
+pub(crate) struct Kept<T: Element> {
+    data: Option<SharedBuf<T>>,
+    input: Option<SharedBuf<T>>,
+    scratch: Option<SharedBuf<T>>,
+}
+
+impl<T: Element> Default for Kept<T> {
+    fn default() -> Self {
+        Kept { data: None, input: None, scratch: None }
+    }
+}
+
+/// `values` in `shell`'s place when it has one free, else in a new buffer.
+fn put<T: Element>(shell: Option<SharedBuf<T>>, values: Vec<T>) -> SharedBuf<T> {
+    match shell {
+        Some(mut b) => match b.replace(values) {
+            Ok(_) => b,
+            Err(values) => SharedBuf::new(values),
+        },
+        None => SharedBuf::new(values),
+    }
+}
+
 impl<T: Element> Bufs<T> {
     /// Buffers for a call: `data`, the caller's `input` where the operation has one (an
-    /// empty one counts as none), and `scratch`.
-    pub(crate) fn new(data: Vec<T>, input: Vec<T>, scratch: Option<SharedBuf<T>>) -> Bufs<T> {
-        let input = (input.capacity() > 0).then(|| input.into());
-        Bufs { data: data.into(), input, scratch }
+    /// empty one counts as none), and `scratch` elements of room, in what `kept` holds
+    /// where it can (scratch that is long enough and free).
+    pub(crate) fn new(kept: Kept<T>, data: Vec<T>, input: Vec<T>, scratch: usize) -> Bufs<T> {
+        let input = if input.capacity() > 0 { Some(put(kept.input, input)) } else { kept.input };
+        let scratch = match kept.scratch {
+            Some(b) if b.len() >= scratch && !b.in_use() => Some(b),
+            _ if scratch == 0 => None,
+            _ => Some(SharedBuf::new(vec![T::zeroed(); scratch])),
+        };
+        Bufs { data: put(kept.data, data), input, scratch }
+    }
+
+    /// What to keep for the next call, once the data and input are taken out.
+    pub(crate) fn into_kept(self) -> Kept<T> {
+        Kept { data: Some(self.data), input: self.input, scratch: self.scratch }
     }
 
     fn slice(&self, r: &Region) -> Result<SharedSlice<T>> {
@@ -83,6 +120,13 @@ impl<T: Element> Bufs<T> {
             None if r.is_empty() => self.data.slice(0..0).map_err(|_| outside(r)),
             None => Err(outside(r)),
         }
+    }
+
+    /// The bytes of region `r`, when no transfer holds a part of its buffer.
+    fn bytes(&mut self, r: &Region) -> Result<&[u8]> {
+        let v = self.view(r.buf)?;
+        let values = v.get(r.range.clone()).ok_or_else(|| outside(r))?;
+        Ok(bytemuck::cast_slice(values))
     }
 
     fn view(&mut self, b: Buf) -> Result<&mut [T]> {
@@ -145,21 +189,17 @@ impl<T: Element> Bufs<T> {
         self.data.is_empty() && self.input.as_ref().map_or(true, |i| i.is_empty())
     }
 
-    /// Gives the data buffer back, if the transport let go of it, and the scratch.
-    pub(crate) fn into_data(self) -> (Option<Vec<T>>, Option<SharedBuf<T>>) {
-        (self.data.try_into_vec().ok(), self.scratch)
+    /// Takes the data buffer out, if the transport let go of it.
+    pub(crate) fn take_data(&mut self) -> Option<Vec<T>> {
+        self.data.replace(Vec::new()).ok()
     }
 
-    /// Gives the input buffer back, if the transport let go of it (an empty one when
+    /// Takes the input buffer out, if the transport let go of it (an empty one when
     /// there was none).
     pub(crate) fn take_input(&mut self) -> Option<Vec<T>> {
-        match self.input.take().map(SharedBuf::try_into_vec) {
+        match &mut self.input {
             None => Some(Vec::new()),
-            Some(Ok(v)) => Some(v),
-            Some(Err(b)) => {
-                self.input = Some(b);
-                None
-            }
+            Some(b) => b.replace(Vec::new()).ok(),
         }
     }
 }
@@ -212,6 +252,9 @@ fn segments(r: &Region, seg: usize) -> impl Iterator<Item = Region> + '_ {
     (0..n).map(move |i| Region { buf: r.buf, range: at(i)..at(i + 1) })
 }
 
+/// Transfers shorter than this many bytes are short: their step posts its sends first.
+const SHORT: usize = 1024;
+
 /// One transfer of a step in flight.
 enum InFlight<T: Element> {
     Send { peer: usize, op: TagSend<SharedSlice<T>> },
@@ -223,51 +266,75 @@ enum InFlight<T: Element> {
 /// a schedule that synchronises (`sync`: a barrier), where they are the point.
 /// Posts one step's transfers and waits for all of them, polling them in place (no
 /// allocation for the few transfers a step has). Receives are bound to their peer's
-/// endpoint, so a peer's failure ends them. The first failure is returned once every
-/// transfer has ended, so no buffer is left held by a transfer still in flight.
+/// endpoint, so a peer's failure ends them. The first failure is returned at once.
 async fn exchange<T: Element>(
     w: &Wire<'_>,
     seq: u16,
     step: u16,
     xfers: &[Xfer],
     sync: bool,
-    bufs: &Bufs<T>,
+    bufs: &mut Bufs<T>,
     mut timer: Option<&mut (Duration, Pin<Box<tokio::time::Sleep>>)>,
 ) -> Result<()> {
     let mut flight: SmallVec<[InFlight<T>; 2]> = SmallVec::with_capacity(xfers.len());
     let elem = std::mem::size_of::<T>().max(1);
     let seg = (w.segment / elem).max(1);
-    // Receives first: a message that finds its receive posted lands in place, where one
-    // that arrives first is copied aside by UCX and again when the receive comes.
-    for x in xfers {
-        if let Xfer::Recv { peer, into } = x {
-            if into.is_empty() && !sync {
-                continue;
-            }
-            for part in segments(into, seg) {
-                flight.push(InFlight::Recv {
-                    peer: *peer,
-                    want: part.len() * elem,
-                    op: w.ns.tag_recv_from(
-                        w.ep(*peer)?,
-                        tag(w.comm, seq, step, *peer),
-                        EXACT,
-                        bufs.slice(&part)?,
-                    ),
-                });
-            }
-        }
-    }
-    for x in xfers {
-        if let Xfer::Send { peer, from } = x {
-            if from.is_empty() && !sync {
-                continue;
-            }
-            for part in segments(from, seg) {
-                flight.push(InFlight::Send {
-                    peer: *peer,
-                    op: w.ns.tag_send(w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(&part)?),
-                });
+    // Large messages: receives first, so that the data lands in place where it would
+    // otherwise wait for its receive in UCX's buffers and be copied again. Short ones
+    // (all under SHORT bytes): sends first, as their receivers wait for them and an early
+    // short message costs UCX one small copy.
+    let short = xfers.iter().all(|x| match x {
+        Xfer::Send { from: r, .. } | Xfer::Recv { into: r, .. } => r.len() * elem < SHORT,
+    });
+    let mut immediate = short;
+    for sends in [short, !short] {
+        for x in xfers {
+            match x {
+                Xfer::Recv { peer, into } if !sends => {
+                    if into.is_empty() && !sync {
+                        continue;
+                    }
+                    for part in segments(into, seg) {
+                        flight.push(InFlight::Recv {
+                            peer: *peer,
+                            want: part.len() * elem,
+                            op: w.ns.tag_recv_from(
+                                w.ep(*peer)?,
+                                tag(w.comm, seq, step, *peer),
+                                EXACT,
+                                bufs.slice(&part)?,
+                            ),
+                        });
+                    }
+                }
+                Xfer::Send { peer, from } if sends => {
+                    if from.is_empty() && !sync {
+                        continue;
+                    }
+                    // A short message goes out from the buffer itself when UCX can send
+                    // it during the call (no slice, future or request). Sends come before
+                    // any receive holds a slice, so the buffer can be viewed until a send
+                    // UCX could not finish at once holds one. (One piece only: the
+                    // receiver expects the transfer in pieces of `seg`.)
+                    if immediate && from.len() <= seg {
+                        let t = tag(w.comm, seq, step, w.rank);
+                        if let Ok(bytes) = bufs.bytes(from) {
+                            let sent = w.ns.try_tag_send(w.ep(*peer)?, t, bytes);
+                            if sent.map_err(|source| Error::Transport { rank: *peer, source })? {
+                                continue;
+                            }
+                        }
+                        immediate = false;
+                    }
+                    for part in segments(from, seg) {
+                        let t = tag(w.comm, seq, step, w.rank);
+                        flight.push(InFlight::Send {
+                            peer: *peer,
+                            op: w.ns.tag_send(w.ep(*peer)?, t, bufs.slice(&part)?),
+                        });
+                    }
+                }
+                _ => {}
             }
         }
     }
@@ -306,7 +373,11 @@ async fn exchange<T: Element>(
                 first.get_or_insert(e);
             }
         }
-        if !pending {
+        // Done, or failed: the transfers still pending may never end (a receive whose
+        // sender sent something else), so the failure is returned at once and the call's
+        // abort ends the peers' waits. Dropping the pending transfers leaves their
+        // buffers with the transport until UCX lets go.
+        if !pending || first.is_some() {
             return Poll::Ready(());
         }
         let wake = aborted.get_or_insert_with(|| {

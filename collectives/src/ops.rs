@@ -28,16 +28,17 @@ impl Communicator {
     /// aborts the communicator; see [`crate::failure`]).
     fn call<R, F>(
         &self,
-        body: impl FnOnce(Communicator, u16) -> F,
+        body: impl FnOnce(Communicator, u16) -> F + Send + 'static,
     ) -> impl Future<Output = R> + Send + 'static
     where
         R: Outcome + Send + 'static,
         F: Future<Output = R> + Send + 'static,
     {
+        // The sequence number is taken now; the body's future is made where it is
+        // awaited, in place, not moved there.
         let call = self.begin();
-        let run = body(call.comm.clone(), call.seq);
         async move {
-            let r = run.await;
+            let r = body(call.comm.clone(), call.seq).await;
             call.done(r)
         }
     }
@@ -66,8 +67,8 @@ impl Communicator {
         let elem = std::mem::size_of::<T>();
         let count = buf.len();
         let planned = self.planned(op, count, elem, root);
-        let scratch = self.take_scratch(planned.sched.scratch);
-        self.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), scratch), reduce, true).await
+        let bufs = self.bufs(buf, Vec::new(), planned.sched.scratch);
+        self.finish(seq, &planned.sched, bufs, reduce, true).await
     }
 
     /// Runs `sched` and gives back the data buffer (on failure: the data buffer when
@@ -88,20 +89,15 @@ impl Communicator {
         } else {
             self.execute(seq, sched, &mut bufs, reduce).await
         };
-        match run {
-            Ok(()) => {
-                let (data, scratch) = bufs.into_data();
-                self.give_scratch(scratch);
-                data.ok_or_else(|| {
-                    Failed::new(Error::Internal("the result buffer is still in use".into()), None)
-                })
-            }
-            Err(e) if data_is_callers => Err(Failed::new(e, bufs.into_data().0)),
-            Err(e) => {
-                let input = bufs.take_input();
-                Err(Failed::new(e, input))
-            }
-        }
+        let r = match run {
+            Ok(()) => bufs.take_data().ok_or_else(|| {
+                Failed::new(Error::Internal("the result buffer is still in use".into()), None)
+            }),
+            Err(e) if data_is_callers => Err(Failed::new(e, bufs.take_data())),
+            Err(e) => Err(Failed::new(e, bufs.take_input())),
+        };
+        self.keep(bufs);
+        r
     }
 
     fn check_reduce<T: Element>(&self, op: ReduceOp) -> Option<String> {
@@ -201,13 +197,11 @@ impl Communicator {
             // Equal blocks go by the plan; others by the ring.
             if counts.iter().all(|&c| c == counts[0]) {
                 let planned = comm.planned(Op::Allgather, counts[0], std::mem::size_of::<T>(), 0);
-                let scratch = comm.take_scratch(planned.sched.scratch);
-                return comm
-                    .finish(seq, &planned.sched, Bufs::new(data, buf, scratch), ReduceOp::Sum, false)
-                    .await;
+                let bufs = comm.bufs(data, buf, planned.sched.scratch);
+                return comm.finish(seq, &planned.sched, bufs, ReduceOp::Sum, false).await;
             }
             let sched = ring::allgather(n, r, &blocks);
-            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+            comm.finish(seq, &sched, comm.bufs(data, buf, 0), ReduceOp::Sum, false).await
         })
     }
 
@@ -229,8 +223,8 @@ impl Communicator {
             }
             let elem = std::mem::size_of::<T>();
             let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
-            let scratch = comm.take_scratch(planned.sched.scratch);
-            comm.finish(seq, &planned.sched, Bufs::new(buf, Vec::new(), scratch), ReduceOp::Sum, true).await
+            let bufs = comm.bufs(buf, Vec::new(), planned.sched.scratch);
+            comm.finish(seq, &planned.sched, bufs, ReduceOp::Sum, true).await
         })
     }
 
@@ -279,9 +273,8 @@ impl Communicator {
                 plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
                 _ => ring::reduce_scatter(n, r, &blocks),
             };
-            let mut out = comm
-                .finish(seq, &sched, Bufs::new(buf, Vec::new(), comm.take_scratch(sched.scratch)), op, true)
-                .await?;
+            let mut out =
+                comm.finish(seq, &sched, comm.bufs(buf, Vec::new(), sched.scratch), op, true).await?;
             // This rank's block to the front, the rest cut off.
             out.copy_within(blocks[r].clone(), 0);
             out.truncate(blocks[r].len());
@@ -312,8 +305,8 @@ impl Communicator {
                 sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
                 &sched_owned
             };
-            let scratch = comm.take_scratch(sched.scratch);
-            comm.finish(seq, sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+            let bufs = comm.bufs(buf, Vec::new(), sched.scratch);
+            comm.finish(seq, sched, bufs, op, true).await
         })
     }
 
@@ -347,16 +340,18 @@ impl Communicator {
             let blocks = blocks_of(&counts);
             let sched = linear::gather(n, r, root, &blocks);
             if r != root {
-                let mut bufs = Bufs::new(Vec::new(), buf, None);
-                return match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
+                let mut bufs = comm.bufs(Vec::new(), buf, 0);
+                let r = match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
                     Ok(()) => bufs.take_input().ok_or_else(|| {
                         Failed::new(Error::Internal("the input is still in use".into()), None)
                     }),
                     Err(e) => Err(Failed::new(e, bufs.take_input())),
                 };
+                comm.keep(bufs);
+                return r;
             }
             let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+            comm.finish(seq, &sched, comm.bufs(data, buf, 0), ReduceOp::Sum, false).await
         })
     }
 
@@ -399,7 +394,7 @@ impl Communicator {
                 b.resize(counts[r], T::zeroed());
                 (b, Vec::new())
             };
-            comm.finish(seq, &sched, Bufs::new(data, input, None), ReduceOp::Sum, r != root).await
+            comm.finish(seq, &sched, comm.bufs(data, input, 0), ReduceOp::Sum, r != root).await
         })
     }
 
@@ -438,7 +433,7 @@ impl Communicator {
             let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
             let sched = linear::pairwise_alltoall(n, r, &send, &recv);
             let data = vec![T::zeroed(); recv_counts.iter().sum()];
-            comm.finish(seq, &sched, Bufs::new(data, buf, None), ReduceOp::Sum, false).await
+            comm.finish(seq, &sched, comm.bufs(data, buf, 0), ReduceOp::Sum, false).await
         })
     }
 
@@ -458,15 +453,14 @@ impl Communicator {
             }
             out.resize(buf.len(), T::zeroed());
             let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
-            let mut bufs = Bufs::new(out, buf, comm.take_scratch(planned.sched.scratch));
+            let mut bufs = comm.bufs(out, buf, planned.sched.scratch);
             let r = if bufs.is_empty() {
                 comm.aborted().map_or(Ok(()), |a| Err(Error::Aborted(a)))
             } else {
                 comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await
             };
-            let input = bufs.take_input();
-            let (output, scratch) = bufs.into_data();
-            comm.give_scratch(scratch);
+            let (input, output) = (bufs.take_input(), bufs.take_data());
+            comm.keep(bufs);
             match (r, output, input) {
                 (Ok(()), Some(o), Some(i)) => Ok((o, i)),
                 (Ok(()), output, input) => Err(Failed {
@@ -485,8 +479,10 @@ impl Communicator {
             // Planned like the others (cached, and forced by options or the variable).
             let planned = comm.planned(Op::Barrier, 0, 1, 0);
             let sched = &planned.sched;
-            let mut bufs: Bufs<u8> = Bufs::new(Vec::new(), Vec::new(), None);
-            comm.execute(seq, sched, &mut bufs, ReduceOp::Sum).await
+            let mut bufs: Bufs<u8> = comm.bufs(Vec::new(), Vec::new(), 0);
+            let r = comm.execute(seq, sched, &mut bufs, ReduceOp::Sum).await;
+            comm.keep(bufs);
+            r
         })
     }
 
@@ -520,8 +516,8 @@ impl Communicator {
                 return Err(invalid(buf, m));
             }
             let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
-            let scratch = comm.take_scratch(sched.scratch);
-            comm.finish(seq, &sched, Bufs::new(buf, Vec::new(), scratch), op, true).await
+            let bufs = comm.bufs(buf, Vec::new(), sched.scratch);
+            comm.finish(seq, &sched, bufs, op, true).await
         })
     }
 

@@ -207,6 +207,21 @@ async fn every_algorithm_runs_when_forced() {
     }
 }
 
+/// Transfers cut into pieces (a piece of 12 bytes: three f32 or i32) land whole, short
+/// ones included, for every algorithm the planner picks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_in_pieces_match_the_reference() {
+    for n in [2, 3] {
+        let (_mesh, comms) = group(n).await;
+        let opts = Options { segment: Some(12), ..Default::default() };
+        let pieces: Vec<Communicator> = comms.iter().map(|c| c.with_options(opts.clone())).collect();
+        for count in [1, 7, 100] {
+            check_reductions::<i32>(&pieces, count, ReduceOp::Sum).await;
+            check_movement(&pieces, count).await;
+        }
+    }
+}
+
 /// Ranks told they sit on several hosts run the two-level forms, forced and as the
 /// model picks them, on contiguous, interleaved and uneven layouts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -100,6 +100,21 @@ impl<T: Pod + Send + Sync> SharedBuf<T> {
         Some(unsafe { std::slice::from_raw_parts_mut(s.ptr.as_ptr(), s.len) })
     }
 
+    /// Puts `values` in the buffer's place and gives back the values it held, when no
+    /// slice is alive (`Err(values)` otherwise): a buffer reused for the next values
+    /// costs no allocation of its own.
+    pub fn replace(&mut self, values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        let Some(s) = Arc::get_mut(&mut self.storage) else { return Err(values) };
+        let mut values = std::mem::ManuallyDrop::new(values);
+        let (len, cap) = (values.len(), values.capacity());
+        let ptr = NonNull::new(values.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        let old = std::mem::replace(s, Storage { ptr, len, cap });
+        let old = std::mem::ManuallyDrop::new(old);
+        // SAFETY: the parts of a Vec taken apart in `new` or here; `old` is never
+        // dropped, so that Vec is rebuilt once.
+        Ok(unsafe { Vec::from_raw_parts(old.ptr.as_ptr(), old.len, old.cap) })
+    }
+
     /// The `Vec` back, when no slice is alive; the buffer itself otherwise.
     pub fn try_into_vec(self) -> std::result::Result<Vec<T>, SharedBuf<T>> {
         match Arc::try_unwrap(self.storage) {
@@ -226,5 +241,17 @@ mod tests {
         assert_eq!(b.try_into_vec().expect("unique").len(), 3);
         let empty: SharedBuf<u8> = Vec::new().into();
         assert!(empty.is_empty() && empty.try_into_vec().expect("unique").is_empty());
+    }
+
+    #[test]
+    fn replace_swaps_values_only_when_no_slice_is_alive() {
+        let mut b = SharedBuf::new(vec![1u16, 2]);
+        assert_eq!(b.replace(vec![7; 5]), Ok(vec![1, 2]));
+        assert_eq!((b.len(), b.view().expect("unique")[4]), (5, 7));
+        let s = b.slice(0..1).expect("in range");
+        assert_eq!(b.replace(Vec::new()), Err(Vec::new()));
+        drop(s);
+        assert_eq!(b.replace(Vec::new()), Ok(vec![7; 5]));
+        assert!(b.is_empty() && b.try_into_vec().expect("unique").is_empty());
     }
 }

@@ -1,0 +1,90 @@
+//! What the collectives add to the transport for small messages: an allreduce of 8 bytes
+//! between 2 ranks in one process (two workers over shared memory, one thread), against
+//! the same exchange written directly on the transport (each rank posts a receive from
+//! the other and a send to it, then adds what came). The difference is the collective
+//! call's own work: planning, buffers, tags, the executor and failure bookkeeping.
+//!
+//! `cargo bench -p ucxkit-benches --bench coll`; instructions per call (steady from run
+//! to run where timings are not): `scripts/overhead-instructions coll`.
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use ucxkit_collectives::{Communicator, ReduceOp};
+use ucxkit_testkit::workers::{mesh_with, Mesh};
+use ucxkit_transport::namespace::COLLECTIVES;
+use ucxkit_transport::{tag::EXACT, Namespace, ProgressMode};
+
+struct Pair {
+    rt: tokio::runtime::Runtime,
+    _mesh: Mesh,
+    comms: Vec<Communicator>,
+    ns: Vec<Namespace>,
+}
+
+fn setup() -> Pair {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let (mesh, comms, ns) = rt.block_on(async {
+        let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
+        let ns: Vec<Namespace> = mesh.workers.iter().map(|w| w.namespace(COLLECTIVES).expect("ns")).collect();
+        let comms = (0..2)
+            .map(|r| Communicator::from_endpoints(&ns[r], 0, r, mesh.eps[r].clone()).expect("communicator"))
+            .collect();
+        (mesh, comms, ns)
+    });
+    Pair { rt, _mesh: mesh, comms, ns }
+}
+
+/// One rank's half of the hand-written exchange (tags outside the communicator's).
+async fn by_hand(ns: &Namespace, ep: &ucxkit_transport::Endpoint, mine: Vec<u8>, spare: Vec<u8>) -> Vec<u8> {
+    let recv = ns.tag_recv_from(ep, 1 << 50, EXACT, spare);
+    let send = ns.tag_send(ep, 1 << 50, mine);
+    let ((r, theirs), (s, mut mine)) = tokio::join!(recv, send);
+    r.expect("recv");
+    s.expect("send");
+    for (a, b) in mine.chunks_exact_mut(4).zip(theirs.chunks_exact(4)) {
+        let sum = f32::from_le_bytes([a[0], a[1], a[2], a[3]]) + f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        a.copy_from_slice(&sum.to_le_bytes());
+    }
+    mine
+}
+
+fn allreduce_8b(c: &mut Criterion) {
+    let p = setup();
+    let mut g = c.benchmark_group("allreduce_2ranks_8B_event");
+    g.bench_function("collectives", |b| {
+        b.iter_custom(|iters| {
+            p.rt.block_on(async {
+                let t = std::time::Instant::now();
+                let (mut x, mut y) = (vec![1.0f32; 2], vec![2.0f32; 2]);
+                for _ in 0..iters {
+                    let (a, b) = tokio::join!(
+                        p.comms[0].allreduce(x, ReduceOp::Sum),
+                        p.comms[1].allreduce(y, ReduceOp::Sum)
+                    );
+                    (x, y) = (a.expect("allreduce"), b.expect("allreduce"));
+                }
+                t.elapsed()
+            })
+        })
+    });
+    g.bench_function("transport", |b| {
+        b.iter_custom(|iters| {
+            p.rt.block_on(async {
+                let eps = (
+                    p.comms[0].endpoint(1).expect("ep").clone(),
+                    p.comms[1].endpoint(0).expect("ep").clone(),
+                );
+                let t = std::time::Instant::now();
+                let (mut x, mut y) = (vec![0u8; 8], vec![0u8; 8]);
+                for _ in 0..iters {
+                    let (sx, sy) = (vec![0u8; 8], vec![0u8; 8]);
+                    (x, y) = tokio::join!(by_hand(&p.ns[0], &eps.0, x, sx), by_hand(&p.ns[1], &eps.1, y, sy));
+                }
+                t.elapsed()
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, allreduce_8b);
+criterion_main!(benches);
