@@ -150,6 +150,67 @@ async fn once<T: Element>(
     Ok(out)
 }
 
+/// `iters` calls of `op` back to back, as [`once`] makes them, each operation's loop
+/// awaiting the library's future directly (no dispatch on the name per call, which costs
+/// as much as a small collective).
+#[allow(clippy::too_many_arguments)]
+async fn repeat<T: Element>(
+    c: &Communicator,
+    op: &str,
+    mut buf: Vec<T>,
+    spare: &mut Vec<T>,
+    iters: u64,
+    count: usize,
+    redop: ReduceOp,
+    root: usize,
+) -> Res<Vec<T>> {
+    let err = |f: ucxkit::collectives::Failed<T>| f.error.to_string();
+    match op {
+        "allreduce" => {
+            for _ in 0..iters {
+                buf = c.allreduce(buf, redop).await.map_err(err)?;
+            }
+        }
+        "broadcast" => {
+            for _ in 0..iters {
+                buf = c.broadcast(buf, root).await.map_err(err)?;
+            }
+        }
+        "reduce" => {
+            for _ in 0..iters {
+                buf = c.reduce(buf, redop, root).await.map_err(err)?;
+            }
+        }
+        "allgather" => {
+            for _ in 0..iters {
+                buf = c.allgather_in_place(buf).await.map_err(err)?;
+            }
+        }
+        "reduce_scatter" => {
+            for _ in 0..iters {
+                buf = c.reduce_scatter_in_place(buf, redop).await.map_err(err)?;
+            }
+        }
+        "alltoall" => {
+            for _ in 0..iters {
+                let (out, input) = c.alltoall_into(buf, std::mem::take(spare)).await.map_err(err)?;
+                (*spare, buf) = (out, input);
+            }
+        }
+        "barrier" => {
+            for _ in 0..iters {
+                c.barrier().await.map_err(|e| e.to_string())?;
+            }
+        }
+        _ => {
+            for _ in 0..iters {
+                buf = once(c, op, buf, spare, count, redop, root).await?;
+            }
+        }
+    }
+    Ok(buf)
+}
+
 /// One call of `op`: its result as the operation gives it.
 async fn result<T: Element>(
     c: &Communicator,
@@ -240,9 +301,7 @@ async fn cell<T: Element>(
     }
     let mut spare = Vec::new();
     let t = Instant::now();
-    for _ in 0..args.warmup {
-        buf = once(c, op, buf, &mut spare, count, redop, root).await?;
-    }
+    buf = repeat(c, op, buf, &mut spare, args.warmup, count, redop, root).await?;
     // As many iterations as fit the cell's budget, judged from the warm-up and agreed on
     // (every rank must make the same calls).
     let per_call = t.elapsed().as_secs_f64() / args.warmup.max(1) as f64;
@@ -254,10 +313,13 @@ async fn cell<T: Element>(
     c.barrier().await.map_err(|e| e.to_string())?;
     let skew = Duration::from_micros(args.skew_us * r as u64);
     let mut spent = Duration::ZERO;
-    let t = Instant::now();
-    for _ in 0..iters {
-        // Every rank takes the same path (rank 0's own skew is zero).
-        if args.skew_us > 0 {
+    if args.skew_us == 0 {
+        let t = Instant::now();
+        drop(repeat(c, op, buf, &mut spare, iters, count, redop, root).await?);
+        spent = t.elapsed();
+    } else {
+        for _ in 0..iters {
+            // Every rank takes the same path (rank 0's own skew is zero).
             c.barrier().await.map_err(|e| e.to_string())?;
             let s = Instant::now();
             while s.elapsed() < skew {
@@ -265,12 +327,7 @@ async fn cell<T: Element>(
             }
             buf = once(c, op, buf, &mut spare, count, redop, root).await?;
             spent += s.elapsed();
-        } else {
-            buf = once(c, op, buf, &mut spare, count, redop, root).await?;
         }
-    }
-    if args.skew_us == 0 {
-        spent = t.elapsed();
     }
     let mine = spent.as_secs_f64() / iters as f64;
     let slowest = c.allreduce(vec![mine], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
