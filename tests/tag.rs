@@ -44,6 +44,35 @@ async fn shared_memory_all_sizes_multi_thread_runtime() {
     exchange_sizes(&client, &accepted).await;
 }
 
+/// Eager sends (UCX asked to complete them soon) deliver every size, in order with plain
+/// sends on the same tag, over shared memory and TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_sends_deliver_every_size_in_order() {
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        let (server, _client, _accepted, ep) = pair(tls).await;
+        let sends: Vec<_> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let data = payload(i as u64, len);
+                if i % 2 == 0 {
+                    ep.tag_send_eager(0x300, data)
+                } else {
+                    ep.tag_send(0x300, data)
+                }
+            })
+            .collect();
+        for (i, &len) in SIZES.iter().enumerate() {
+            let (info, buf) = server.tag_recv(0x300, tag::EXACT, Vec::with_capacity(len)).await;
+            assert_eq!(info.unwrap_or_else(|e| panic!("{tls} recv {len}: {e}")).len, len);
+            assert!(buf == payload(i as u64, len), "{tls}: message {i} ({len} bytes) differs");
+        }
+        for (s, &len) in futures_join(sends).await.into_iter().zip(SIZES) {
+            s.0.unwrap_or_else(|e| panic!("{tls} send {len}: {e}"));
+        }
+    }
+}
+
 #[tokio::test]
 async fn busy_poll_mode() {
     let (server, _client, _a, ep) = pair_with("tcp,self", ErrorMode::Auto, ProgressMode::BusyPoll).await;

@@ -154,7 +154,18 @@ impl Namespace {
         if let Some(e) = self.foreign(ep) {
             return SendOp::failed(ep, "tag_send", e, buf);
         }
-        ep.tag_send_in(self.inner.space, tag, buf)
+        ep.tag_send_in(self.inner.space, tag, buf, false)
+    }
+
+    /// [`Endpoint::tag_send_eager`] in this namespace.
+    ///
+    /// # Errors
+    /// As for [`Namespace::tag_send`].
+    pub fn tag_send_eager<B: IoBuf>(&self, ep: &Endpoint, tag: Tag, buf: B) -> TagSend<B> {
+        if let Some(e) = self.foreign(ep) {
+            return SendOp::failed(ep, "tag_send", e, buf);
+        }
+        ep.tag_send_in(self.inner.space, tag, buf, true)
     }
 
     /// [`Endpoint::try_tag_send`] in this namespace.

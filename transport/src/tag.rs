@@ -156,12 +156,24 @@ impl Endpoint {
     /// delivered.
     #[inline]
     pub fn tag_send<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
-        self.tag_send_in(Space::app(self.worker_inner()), tag, buf)
+        self.tag_send_in(Space::app(self.worker_inner()), tag, buf, false)
     }
 
-    /// [`Endpoint::tag_send`] with `tag` in `space`.
+    /// [`Endpoint::tag_send`] asking UCX to complete the send soon
+    /// (`UCP_OP_ATTR_FLAG_FAST_CMPL`): with `UCX_RNDV_THRESH` left at `auto`, UCX then
+    /// copies messages shorter than `UCX_RNDV_SEND_NBR_THRESH` (256 KiB by default)
+    /// through its own buffers (eager) where it would otherwise use its rendezvous
+    /// protocol (the receiver fetching the sender's memory), as MPI's blocking sends do.
+    /// Over shared memory that is faster for data the sender has just written (a
+    /// rendezvous reads it from the other core's cache), and slower for data it has not.
+    pub fn tag_send_eager<B: IoBuf>(&self, tag: Tag, buf: B) -> TagSend<B> {
+        self.tag_send_in(Space::app(self.worker_inner()), tag, buf, true)
+    }
+
+    /// [`Endpoint::tag_send`] with `tag` in `space`, as [`Endpoint::tag_send_eager`]
+    /// when `eager`.
     #[inline(always)]
-    pub(crate) fn tag_send_in<B: IoBuf>(&self, space: Space, tag: Tag, buf: B) -> TagSend<B> {
+    pub(crate) fn tag_send_in<B: IoBuf>(&self, space: Space, tag: Tag, buf: B, eager: bool) -> TagSend<B> {
         let Some(tag) = space.wire(tag) else {
             return SendOp::failed(self, "tag_send", Box::new(space.bad_tag(tag)), buf);
         };
@@ -171,6 +183,9 @@ impl Endpoint {
             buf,
             || None,
             |_, h, ptr, len, param| {
+                if eager {
+                    param.op_attr_mask |= sys::UCP_OP_ATTR_FLAG_FAST_CMPL.0 as u32;
+                }
                 // SAFETY: h is live under the lock; the buffer's memory stays valid and
                 // unmoved until the request completes (IoBuf contract; parked on drop).
                 unsafe { sys::ucp_tag_send_nbx(h, ptr.cast(), len, tag, param) }
