@@ -350,7 +350,8 @@ async fn exchange<T: Element>(
                     // here instead (up to UCX_RNDV_SEND_NBR_THRESH, 256 KiB). 2-rank
                     // allreduce of 256 KiB: 154 -> 101 us; sends of the caller's own
                     // values stay rendezvous (eager made those 2-4x slower).
-                    let eager = bufs.written.iter().any(|r| r.buf == from.buf && overlap(&r.range, &from.range));
+                    let eager =
+                        bufs.written.iter().any(|r| r.buf == from.buf && overlap(&r.range, &from.range));
                     for part in segments(from, seg) {
                         let (ep, t, b) = (w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(&part)?);
                         let op = if eager { w.ns.tag_send_eager(ep, t, b) } else { w.ns.tag_send(ep, t, b) };

@@ -151,10 +151,7 @@ impl Namespace {
     /// (in the future's result) [`Error::ApiMisuse`] for a tag over [`TAG_BITS`] bits or
     /// an endpoint of another worker; otherwise as for `tag_send`.
     pub fn tag_send<B: IoBuf>(&self, ep: &Endpoint, tag: Tag, buf: B) -> TagSend<B> {
-        if let Some(e) = self.foreign(ep) {
-            return SendOp::failed(ep, "tag_send", e, buf);
-        }
-        ep.tag_send_in(self.inner.space, tag, buf, false)
+        self.tag_send_with(ep, tag, buf, false)
     }
 
     /// [`Endpoint::tag_send_eager`] in this namespace.
@@ -162,10 +159,15 @@ impl Namespace {
     /// # Errors
     /// As for [`Namespace::tag_send`].
     pub fn tag_send_eager<B: IoBuf>(&self, ep: &Endpoint, tag: Tag, buf: B) -> TagSend<B> {
+        self.tag_send_with(ep, tag, buf, true)
+    }
+
+    #[inline(always)]
+    fn tag_send_with<B: IoBuf>(&self, ep: &Endpoint, tag: Tag, buf: B, eager: bool) -> TagSend<B> {
         if let Some(e) = self.foreign(ep) {
             return SendOp::failed(ep, "tag_send", e, buf);
         }
-        ep.tag_send_in(self.inner.space, tag, buf, true)
+        ep.tag_send_in(self.inner.space, tag, buf, eager)
     }
 
     /// [`Endpoint::try_tag_send`] in this namespace.
