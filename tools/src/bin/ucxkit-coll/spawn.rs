@@ -151,12 +151,18 @@ fn plot_rows(r: &CollRow) -> [ucxkit_tools::report::Row; 2] {
     ]
 }
 
-/// `tune`: measures the per-step latency (a barrier's time over its steps), the link
-/// bandwidth (a ring allgather of 16 MiB), a rendezvous step's latency (a ring
-/// allgather of blocks at the rendezvous threshold, less their bytes' time) and the
-/// reduction rate (f32 sums in memory);
-/// rank 0 writes them where the communicator reads them (`UCXKIT_COLL_COSTS`).
-pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), String> {
+/// What [`links`] measures of one group of ranks: per-step latency, rendezvous step
+/// latency, bandwidth.
+struct Links {
+    latency: f64,
+    rndv_latency: f64,
+    bandwidth: f64,
+}
+
+/// Measures the links of `c`'s ranks: the per-step latency (a barrier's time over its
+/// steps), the bandwidth (a ring allgather of 16 MiB) and a rendezvous step's latency (a
+/// ring allgather of blocks at the rendezvous threshold, less their bytes' time).
+async fn links(c: &Communicator) -> Result<Links, String> {
     let n = c.size();
     let e = |e: ucxkit::collectives::Error| e.to_string();
     let steps = (n as f64).log2().ceil().max(1.0);
@@ -175,11 +181,12 @@ pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), 
     for _ in 0..reps {
         buf = c.allgather_in_place(buf).await.map_err(|f| f.error.to_string())?;
     }
+    drop(buf);
     let ring = t.elapsed().as_secs_f64() / reps as f64;
     let moved = (n.saturating_sub(1) * per * 4) as f64;
     let bandwidth = if n > 1 { moved / (ring - (n - 1) as f64 * latency).max(1e-9) } else { 1e10 };
-    // A rendezvous step: an allgather of 32 KiB blocks, less what its bytes take.
-    let rndv = Costs::default().rndv_threshold * 4 / 4;
+    // A rendezvous step: an allgather of blocks at the threshold, less what its bytes take.
+    let rndv = Costs::default().rndv_threshold / 4;
     let mut small = vec![1f32; rndv * n];
     small = c.allgather_in_place(small).await.map_err(|f| f.error.to_string())?;
     let t = Instant::now();
@@ -187,27 +194,58 @@ pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), 
     for _ in 0..reps {
         small = c.allgather_in_place(small).await.map_err(|f| f.error.to_string())?;
     }
+    drop(small);
     let per_step = t.elapsed().as_secs_f64() / reps as f64 / n.saturating_sub(1).max(1) as f64;
     let rndv_latency = (per_step - (rndv * 4) as f64 / bandwidth).max(latency);
-    drop(small);
+    Ok(Links { latency, rndv_latency, bandwidth })
+}
+
+/// `tune`: measures the cost model's constants and has rank 0 write them where
+/// communicators read them (`UCXKIT_COLL_COSTS`). Inside a host: [`links`] over the
+/// ranks of each host that has several (all of them when the group is on one host);
+/// between hosts, when it spans several: [`links`] over one rank per host (the network's
+/// latency and bandwidth). The reduction rate: f32 sums in memory. Constants nobody
+/// could measure (no host with two ranks, or one host) keep their defaults.
+pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), String> {
+    let e = |e: ucxkit::collectives::Error| e.to_string();
+    let hosts = c.hosts();
+    let (h, rank) = (hosts.of(c.rank()), c.rank());
+    let local = c.split(Some(h as u32), rank as i64).await.map_err(e)?.ok_or("no host group")?;
+    let leader = hosts.members(h)[0] == rank;
+    let leaders = c.split(leader.then_some(0), rank as i64).await.map_err(e)?;
+    // What this rank measured; neutral values (0 for the maxima, infinity for the minima)
+    // where it measured nothing.
+    let mut slow = [0.0f64; 3];
+    let mut fast = [f64::INFINITY; 3];
+    if local.size() > 1 {
+        let l = links(&local).await?;
+        (slow[0], slow[1], fast[0]) = (l.latency, l.rndv_latency, l.bandwidth);
+    }
+    if let Some(net) = leaders.filter(|l| l.size() > 1) {
+        let l = links(&net).await?;
+        (slow[2], fast[2]) = (l.latency, l.bandwidth);
+    }
     let mut a = vec![1f32; 4 << 20];
     let b = vec![2f32; 4 << 20];
     let t = Instant::now();
     for _ in 0..5 {
         f32::reduce(ReduceOp::Sum, &mut a, &b);
     }
-    let reduce_rate = (5 * a.len() * 4) as f64 / t.elapsed().as_secs_f64();
-    // Every rank's view, made one: the slowest latency, the lowest rates.
-    let lat =
-        c.allreduce(vec![latency, rndv_latency], ReduceOp::Max).await.map_err(|f| f.error.to_string())?;
-    let rates =
-        c.allreduce(vec![bandwidth, reduce_rate], ReduceOp::Min).await.map_err(|f| f.error.to_string())?;
+    fast[1] = (5 * a.len() * 4) as f64 / t.elapsed().as_secs_f64();
+    // Every rank's view, made one: the slowest latencies, the lowest rates.
+    let slow = c.allreduce(slow.to_vec(), ReduceOp::Max).await.map_err(|f| f.error.to_string())?;
+    let fast = c.allreduce(fast.to_vec(), ReduceOp::Min).await.map_err(|f| f.error.to_string())?;
+    let d = Costs::default();
+    let time = |v: f64, or: Duration| if v > 0.0 && v.is_finite() { Duration::from_secs_f64(v) } else { or };
+    let rate = |v: f64, or: f64| if v > 0.0 && v.is_finite() { v } else { or };
     let costs = Costs {
-        latency: Duration::from_secs_f64(lat[0]),
-        rndv_latency: Duration::from_secs_f64(lat[1]),
-        bandwidth: rates[0],
-        reduce_rate: rates[1],
-        ..Costs::default()
+        latency: time(slow[0], d.latency),
+        rndv_latency: time(slow[1], d.rndv_latency),
+        bandwidth: rate(fast[0], d.bandwidth),
+        reduce_rate: rate(fast[1], d.reduce_rate),
+        net_latency: time(slow[2], d.net_latency),
+        net_bandwidth: rate(fast[2], d.net_bandwidth),
+        ..d
     };
     if c.rank() == 0 {
         std::fs::write(out, costs.to_text()).map_err(|e| format!("writing {}: {e}", out.display()))?;
