@@ -207,17 +207,21 @@ async fn every_algorithm_runs_when_forced() {
     }
 }
 
-/// Transfers cut into pieces (a piece of 12 bytes: three f32 or i32) land whole, short
-/// ones included, for every algorithm the planner picks.
+/// Transfers cut into pieces land whole, short ones included (pieces of 12 bytes: three
+/// i32), and long ones reduced piece by piece as they land (pieces of 4 KiB) give what
+/// reducing them whole gives, for every algorithm the planner picks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfers_in_pieces_match_the_reference() {
     for n in [2, 3] {
         let (_mesh, comms) = group(n).await;
-        let opts = Options { segment: Some(12), ..Default::default() };
-        let pieces: Vec<Communicator> = comms.iter().map(|c| c.with_options(opts.clone())).collect();
-        for count in [1, 7, 100] {
-            check_reductions::<i32>(&pieces, count, ReduceOp::Sum).await;
-            check_movement(&pieces, count).await;
+        for (segment, counts) in [(12, &[1, 7, 100][..]), (4096, &[5000, 30_001][..])] {
+            let opts = Options { segment: Some(segment), ..Default::default() };
+            let pieces: Vec<Communicator> = comms.iter().map(|c| c.with_options(opts.clone())).collect();
+            for &count in counts {
+                check_reductions::<i32>(&pieces, count, ReduceOp::Sum).await;
+                check_reductions::<f32>(&pieces, count, ReduceOp::Max).await;
+                check_movement(&pieces, count).await;
+            }
         }
     }
 }

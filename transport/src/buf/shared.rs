@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 
@@ -18,6 +18,36 @@ struct Storage<T> {
     ptr: NonNull<T>,
     len: usize,
     cap: usize,
+    /// For a tracked buffer ([`SharedBuf::tracked`]), the ranges of the live slices (one
+    /// entry per slice), for [`SharedBuf::view_range`].
+    live: Option<Mutex<Vec<Range<usize>>>>,
+}
+
+impl<T> Storage<T> {
+    #[inline]
+    fn of(values: Vec<T>, tracked: bool) -> Storage<T> {
+        let mut values = std::mem::ManuallyDrop::new(values);
+        let (len, cap) = (values.len(), values.capacity());
+        let ptr = NonNull::new(values.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        Storage { ptr, len, cap, live: tracked.then(|| Mutex::new(Vec::new())) }
+    }
+
+    /// The values as the `Vec` they came from.
+    #[inline]
+    fn into_vec(self) -> Vec<T> {
+        let mut s = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `s` is never dropped, so its live list is dropped here once and the
+        // parts of the Vec taken apart in `of` are rebuilt once.
+        unsafe {
+            std::ptr::drop_in_place(&mut s.live);
+            Vec::from_raw_parts(s.ptr.as_ptr(), s.len, s.cap)
+        }
+    }
+
+    #[inline]
+    fn live(&self) -> Option<std::sync::MutexGuard<'_, Vec<Range<usize>>>> {
+        self.live.as_ref().map(|m| m.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
 }
 
 // SAFETY: the storage is a Vec<T> of plain values (Pod: no references, any bit pattern
@@ -29,7 +59,7 @@ unsafe impl<T: Pod + Sync> Sync for Storage<T> {}
 
 impl<T> Drop for Storage<T> {
     fn drop(&mut self) {
-        // SAFETY: the parts of a Vec<T> taken apart in `SharedBuf::new`, rebuilt once.
+        // SAFETY: the parts of a Vec<T> taken apart in `Storage::of`, rebuilt once.
         drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, self.cap) });
     }
 }
@@ -51,10 +81,20 @@ pub struct SharedBuf<T: Pod + Send + Sync> {
 impl<T: Pod + Send + Sync> SharedBuf<T> {
     /// Takes over `values`, without copying.
     pub fn new(values: Vec<T>) -> SharedBuf<T> {
-        let mut values = std::mem::ManuallyDrop::new(values);
-        let (len, cap) = (values.len(), values.capacity());
-        let ptr = NonNull::new(values.as_mut_ptr()).unwrap_or(NonNull::dangling());
-        SharedBuf { storage: Arc::new(Storage { ptr, len, cap }) }
+        SharedBuf { storage: Arc::new(Storage::of(values, false)) }
+    }
+
+    /// Takes over `values` as a buffer whose owner can work on parts no operation holds
+    /// while others do ([`SharedBuf::view_range`]); each slice costs a lock to make and
+    /// to drop (its range is kept).
+    pub fn tracked(values: Vec<T>) -> SharedBuf<T> {
+        SharedBuf { storage: Arc::new(Storage::of(values, true)) }
+    }
+
+    /// Whether it was made by [`SharedBuf::tracked`].
+    #[inline]
+    pub fn is_tracked(&self) -> bool {
+        self.storage.live.is_some()
     }
 
     /// The number of values.
@@ -72,6 +112,7 @@ impl<T: Pod + Send + Sync> SharedBuf<T> {
     ///
     /// # Errors
     /// [`Error::ApiMisuse`] when `range` is not within `0..len()`.
+    #[inline]
     pub fn slice(&self, range: Range<usize>) -> Result<SharedSlice<T>> {
         if range.start > range.end || range.end > self.len() {
             return Err(Error::ApiMisuse(format!(
@@ -79,12 +120,12 @@ impl<T: Pod + Send + Sync> SharedBuf<T> {
                 self.len()
             )));
         }
-        Ok(SharedSlice { storage: self.storage.clone(), range })
+        Ok(SharedSlice::new(&self.storage, range))
     }
 
     /// All values as one operation's buffer.
     pub fn whole(&self) -> SharedSlice<T> {
-        SharedSlice { storage: self.storage.clone(), range: 0..self.len() }
+        SharedSlice::new(&self.storage, 0..self.len())
     }
 
     /// Whether a slice is still alive (an operation, finished or not, still holds it).
@@ -100,30 +141,43 @@ impl<T: Pod + Send + Sync> SharedBuf<T> {
         Some(unsafe { std::slice::from_raw_parts_mut(s.ptr.as_ptr(), s.len) })
     }
 
+    /// Values `range`, to read and write in place, when no live slice shares a value
+    /// with them: the owner works on one part while operations use others. `None`
+    /// otherwise, when `range` is not within `0..len()`, and, for a buffer not made by
+    /// [`SharedBuf::tracked`], while any slice is alive.
+    pub fn view_range(&mut self, range: Range<usize>) -> Option<&mut [T]> {
+        if range.start > range.end || range.end > self.len() {
+            return None;
+        }
+        if Arc::get_mut(&mut self.storage).is_none() {
+            let live = self.storage.live()?;
+            if live.iter().any(|r| r.start < range.end && range.start < r.end) {
+                return None;
+            }
+        }
+        // SAFETY: `range` lies within the `len` initialized values of a live allocation;
+        // no live slice covers any of its values, and no new slice can be made while
+        // `&mut self` is borrowed, so transports write none of them and this is the only
+        // reference to them while it lives.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(self.storage.ptr.as_ptr().add(range.start), range.len())
+        })
+    }
+
     /// Puts `values` in the buffer's place and gives back the values it held, when no
     /// slice is alive (`Err(values)` otherwise): a buffer reused for the next values
-    /// costs no allocation of its own.
+    /// costs no allocation of its own. A tracked buffer stays tracked.
+    #[inline]
     pub fn replace(&mut self, values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        let tracked = self.is_tracked();
         let Some(s) = Arc::get_mut(&mut self.storage) else { return Err(values) };
-        let mut values = std::mem::ManuallyDrop::new(values);
-        let (len, cap) = (values.len(), values.capacity());
-        let ptr = NonNull::new(values.as_mut_ptr()).unwrap_or(NonNull::dangling());
-        let old = std::mem::replace(s, Storage { ptr, len, cap });
-        let old = std::mem::ManuallyDrop::new(old);
-        // SAFETY: the parts of a Vec taken apart in `new` or here; `old` is never
-        // dropped, so that Vec is rebuilt once.
-        Ok(unsafe { Vec::from_raw_parts(old.ptr.as_ptr(), old.len, old.cap) })
+        Ok(std::mem::replace(s, Storage::of(values, tracked)).into_vec())
     }
 
     /// The `Vec` back, when no slice is alive; the buffer itself otherwise.
     pub fn try_into_vec(self) -> std::result::Result<Vec<T>, SharedBuf<T>> {
         match Arc::try_unwrap(self.storage) {
-            Ok(s) => {
-                let s = std::mem::ManuallyDrop::new(s);
-                // SAFETY: the parts of the Vec taken apart in `new`; `s` is never dropped,
-                // so the Vec is rebuilt once.
-                Ok(unsafe { Vec::from_raw_parts(s.ptr.as_ptr(), s.len, s.cap) })
-            }
+            Ok(s) => Ok(s.into_vec()),
             Err(storage) => Err(SharedBuf { storage }),
         }
     }
@@ -150,6 +204,14 @@ pub struct SharedSlice<T: Pod + Send + Sync> {
 }
 
 impl<T: Pod + Send + Sync> SharedSlice<T> {
+    #[inline]
+    fn new(storage: &Arc<Storage<T>>, range: Range<usize>) -> SharedSlice<T> {
+        if let Some(mut live) = storage.live() {
+            live.push(range.clone());
+        }
+        SharedSlice { storage: storage.clone(), range }
+    }
+
     /// The values of the buffer this slice covers.
     pub fn range(&self) -> Range<usize> {
         self.range.clone()
@@ -176,6 +238,17 @@ impl<T: Pod + Send + Sync> SharedSlice<T> {
     }
 }
 
+impl<T: Pod + Send + Sync> Drop for SharedSlice<T> {
+    #[inline]
+    fn drop(&mut self) {
+        if let Some(mut live) = self.storage.live() {
+            if let Some(i) = live.iter().position(|r| *r == self.range) {
+                live.swap_remove(i);
+            }
+        }
+    }
+}
+
 impl<T: Pod + Send + Sync> std::fmt::Debug for SharedSlice<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SharedSlice").field("range", &self.range).finish()
@@ -193,9 +266,9 @@ unsafe impl<T: Pod + Send + Sync> IoBuf for SharedSlice<T> {
     }
 }
 
-// SAFETY: as above; writes are allowed because no Rust reference to the values exists
-// while any slice is alive (`SharedBuf::view` needs every slice gone), and any bit
-// pattern is a valid `T` (Pod).
+// SAFETY: as above; writes are allowed because no Rust reference to the slice's values
+// exists while it is alive (`SharedBuf::view` needs every slice gone, `view_range` every
+// slice sharing a value gone), and any bit pattern is a valid `T` (Pod).
 unsafe impl<T: Pod + Send + Sync> IoBufMut for SharedSlice<T> {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
         self.start().cast()
@@ -253,5 +326,29 @@ mod tests {
         drop(s);
         assert_eq!(b.replace(Vec::new()), Ok(vec![7; 5]));
         assert!(b.is_empty() && b.try_into_vec().expect("unique").is_empty());
+    }
+
+    #[test]
+    fn view_range_opens_the_parts_no_slice_holds() {
+        let mut plain = SharedBuf::new(vec![0u8; 4]);
+        let s = plain.slice(0..1).expect("in range");
+        assert!(!plain.is_tracked() && plain.view_range(2..4).is_none(), "untracked: only when unique");
+        drop(s);
+        assert!(plain.view_range(2..4).is_some());
+        let mut b = SharedBuf::tracked((0u32..10).collect());
+        let s = b.slice(2..5).expect("in range");
+        let t = b.slice(4..6).expect("in range");
+        assert!(b.view().is_none());
+        b.view_range(6..10).expect("free part")[0] = 60;
+        assert!(b.view_range(0..3).is_none() && b.view_range(5..7).is_none());
+        assert!(b.view_range(0..11).is_none(), "outside the buffer");
+        drop(t);
+        b.view_range(5..7).expect("freed")[1] = 66;
+        assert_eq!(b.view_range(0..2).expect("free part"), &[0, 1]);
+        assert!(b.view_range(4..5).is_none(), "still under the first slice");
+        drop(s);
+        assert_eq!(b.view().expect("unique")[5..7], [5, 66]);
+        assert_eq!(b.replace(Vec::new()).expect("unique")[6], 66);
+        assert!(b.is_tracked(), "replace keeps the mode");
     }
 }

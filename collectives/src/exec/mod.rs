@@ -15,9 +15,11 @@ use ucxkit_transport::{tag::EXACT, Endpoint, Namespace, SharedBuf, SharedSlice, 
 
 use crate::abort::AbortCell;
 use crate::error::{Error, Result};
-use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
+use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::{tag, MAX_STEPS};
 use crate::{Element, ReduceOp};
+
+mod pieces;
 
 /// What the executor needs of a communicator.
 pub(crate) struct Wire<'a> {
@@ -46,8 +48,9 @@ pub(crate) struct Bufs<T: Element> {
     pub(crate) scratch: Option<SharedBuf<T>>,
     /// The regions the call has written so far (received, copied or reduced into): their
     /// values sit in this core's cache, which decides how they are best sent (see
-    /// `exchange`).
-    written: SmallVec<[Region; 4]>,
+    /// `exchange`). Kept for calls of [`TRACK_FROM`] bytes or more only (all of a smaller
+    /// call's messages are short).
+    written: Option<SmallVec<[Region; 4]>>,
 }
 
 #[cold]
@@ -83,29 +86,38 @@ impl<T: Element> Default for Kept<T> {
     }
 }
 
-/// `values` in `shell`'s place when it has one free, else in a new buffer.
-fn put<T: Element>(shell: Option<SharedBuf<T>>, values: Vec<T>) -> SharedBuf<T> {
+/// A buffer of `values`, tracked (see [`SharedBuf::tracked`]) when `track`: `shell` when
+/// it is free and of that kind, else a new one.
+fn put<T: Element>(shell: Option<SharedBuf<T>>, values: Vec<T>, track: bool) -> SharedBuf<T> {
+    let fresh = |values| if track { SharedBuf::tracked(values) } else { SharedBuf::new(values) };
     match shell {
-        Some(mut b) => match b.replace(values) {
+        Some(mut b) if b.is_tracked() == track => match b.replace(values) {
             Ok(_) => b,
-            Err(values) => SharedBuf::new(values),
+            Err(values) => fresh(values),
         },
-        None => SharedBuf::new(values),
+        _ => fresh(values),
     }
 }
+
+/// Calls whose data and scratch hold this many bytes or more get tracked buffers, whose
+/// combines can run piece by piece (`pieces`); smaller ones save the cost per slice.
+const TRACK_FROM: usize = 16 << 10;
 
 impl<T: Element> Bufs<T> {
     /// Buffers for a call: `data`, the caller's `input` where the operation has one (an
     /// empty one counts as none), and `scratch` elements of room, in what `kept` holds
     /// where it can (scratch that is long enough and free).
     pub(crate) fn new(kept: Kept<T>, data: Vec<T>, input: Vec<T>, scratch: usize) -> Bufs<T> {
-        let input = if input.capacity() > 0 { Some(put(kept.input, input)) } else { kept.input };
+        let track = (data.len() + input.len() + scratch) * std::mem::size_of::<T>() >= TRACK_FROM;
+        let input = if input.capacity() > 0 { Some(put(kept.input, input, track)) } else { kept.input };
         let scratch = match kept.scratch {
-            Some(b) if b.len() >= scratch && !b.in_use() => Some(b),
-            _ if scratch == 0 => None,
-            _ => Some(SharedBuf::new(vec![T::zeroed(); scratch])),
+            // Unused by this call: kept as it is for the next.
+            b if scratch == 0 => b,
+            Some(b) if b.len() >= scratch && !b.in_use() && b.is_tracked() == track => Some(b),
+            _ => Some(put(None, vec![T::zeroed(); scratch], track)),
         };
-        Bufs { data: put(kept.data, data), input, scratch, written: SmallVec::new() }
+        let written = track.then(SmallVec::new);
+        Bufs { data: put(kept.data, data, track), input, scratch, written }
     }
 
     /// What to keep for the next call, once the data and input are taken out.
@@ -189,6 +201,41 @@ impl<T: Element> Bufs<T> {
         Ok(())
     }
 
+    /// `into = from` (or `into op= from`) when both regions' values are free of the
+    /// transfers in flight (`Ok(false)`, nothing done, otherwise); the regions lie in
+    /// different buffers.
+    fn try_apply_part(&mut self, from: &Region, into: &Region, op: Option<ReduceOp>) -> Result<bool> {
+        if from.len() != into.len() || from.buf == into.buf {
+            return Ok(false);
+        }
+        let Bufs { data, input, scratch, .. } = self;
+        // The input is never written.
+        let (src, dst) = match (from.buf, into.buf) {
+            (Buf::Scratch, Buf::Data) => (scratch.as_mut(), Some(data)),
+            (Buf::Data, Buf::Scratch) => (Some(data), scratch.as_mut()),
+            (Buf::Input, Buf::Data) => (input.as_mut(), Some(data)),
+            (Buf::Input, Buf::Scratch) => (input.as_mut(), scratch.as_mut()),
+            _ => return Ok(false),
+        };
+        let (Some(src), Some(dst)) = (src, dst) else { return Err(outside(from)) };
+        let Some(a) = src.view_range(from.range.clone()) else { return Ok(false) };
+        let Some(b) = dst.view_range(into.range.clone()) else { return Ok(false) };
+        match op {
+            None => b.copy_from_slice(a),
+            Some(op) => T::reduce(op, b, a),
+        }
+        Ok(true)
+    }
+
+    /// Notes that the call wrote `r` (where it keeps such notes).
+    fn wrote(&mut self, r: &Region) {
+        if let Some(w) = &mut self.written {
+            if !r.is_empty() {
+                w.push(r.clone());
+            }
+        }
+    }
+
     /// Whether the call has no element to move: no data and no input.
     pub(crate) fn is_empty(&self) -> bool {
         self.data.is_empty() && self.input.as_ref().map_or(true, |i| i.is_empty())
@@ -230,26 +277,46 @@ pub(crate) async fn run<T: Element>(
             sched.steps.len()
         )));
     }
-    bufs.written.clear();
+    if let Some(w) = &mut bufs.written {
+        w.clear();
+    }
     for (s, step) in sched.steps.iter().enumerate() {
         for (from, into) in &step.copies {
             bufs.apply(from, into, None)?;
-            bufs.written.push(into.clone());
+            bufs.wrote(into);
         }
+        let mut left = None;
         if !step.xfers.is_empty() {
-            exchange(w, seq, s as u16, &step.xfers, sched.sync, bufs, timer.as_mut()).await?;
-            bufs.written.extend(step.xfers.iter().filter_map(|x| match x {
-                Xfer::Recv { into, .. } if !into.is_empty() => Some(into.clone()),
-                _ => None,
-            }));
+            let at = At { seq, step: s as u16, sync: sched.sync, op };
+            left = exchange(w, at, step, bufs, timer.as_mut()).await?;
+            for x in &step.xfers {
+                if let Xfer::Recv { into, .. } = x {
+                    bufs.wrote(into);
+                }
+            }
+        }
+        let op_of = |c: &Combine| match c {
+            Combine::Copy { .. } => None,
+            Combine::Reduce { .. } => Some(op),
+        };
+        match left {
+            // Applied piece by piece during the transfers: the pieces that could not be.
+            Some(parts) => {
+                for (c, part) in parts {
+                    let (from, into) = pieces::restrict(&step.combines[c], &part);
+                    bufs.apply(&from, &into, op_of(&step.combines[c]))?;
+                }
+            }
+            None => {
+                for c in &step.combines {
+                    let (Combine::Copy { from, into } | Combine::Reduce { from, into }) = c;
+                    bufs.apply(from, into, op_of(c))?;
+                }
+            }
         }
         for c in &step.combines {
-            match c {
-                Combine::Copy { from, into } => bufs.apply(from, into, None)?,
-                Combine::Reduce { from, into } => bufs.apply(from, into, Some(op))?,
-            }
             let (Combine::Copy { into, .. } | Combine::Reduce { into, .. }) = c;
-            bufs.written.push(into.clone());
+            bufs.wrote(into);
         }
     }
     Ok(())
@@ -275,8 +342,17 @@ const SHORT: usize = 1024;
 
 /// One transfer of a step in flight.
 enum InFlight<T: Element> {
-    Send { peer: usize, op: TagSend<SharedSlice<T>> },
-    Recv { peer: usize, want: usize, op: TagRecv<SharedSlice<T>> },
+    Send {
+        peer: usize,
+        op: TagSend<SharedSlice<T>>,
+    },
+    /// `then`: the combine to apply to this piece's elements once it has landed.
+    Recv {
+        peer: usize,
+        want: usize,
+        then: Option<u16>,
+        op: TagRecv<SharedSlice<T>>,
+    },
     Done,
 }
 
@@ -287,13 +363,13 @@ enum InFlight<T: Element> {
 /// endpoint, so a peer's failure ends them. The first failure is returned at once.
 async fn exchange<T: Element>(
     w: &Wire<'_>,
-    seq: u16,
-    step: u16,
-    xfers: &[Xfer],
-    sync: bool,
+    at: At,
+    st: &Step,
     bufs: &mut Bufs<T>,
     mut timer: Option<&mut (Duration, Pin<Box<tokio::time::Sleep>>)>,
-) -> Result<()> {
+) -> Result<Parts> {
+    let At { seq, step, sync, op: reduce } = at;
+    let xfers = &st.xfers[..];
     let mut flight: SmallVec<[InFlight<T>; 2]> = SmallVec::with_capacity(xfers.len());
     let elem = std::mem::size_of::<T>().max(1);
     let seg = (w.segment / elem).max(1);
@@ -305,17 +381,24 @@ async fn exchange<T: Element>(
         Xfer::Send { from: r, .. } | Xfer::Recv { into: r, .. } => r.len() * elem < SHORT,
     });
     let mut immediate = short;
+    // Combines that run piece by piece as their receives' pieces land (see `pieces`; not
+    // worth it for short messages), and the pieces of them that could not run early.
+    let piecewise = if short { None } else { pieces::plan(st) };
+    let mut left: Vec<(usize, Range<usize>)> = Vec::new();
     for sends in [short, !short] {
-        for x in xfers {
+        for (i, x) in xfers.iter().enumerate() {
             match x {
                 Xfer::Recv { peer, into } if !sends => {
                     if into.is_empty() && !sync {
                         continue;
                     }
+                    let combine = piecewise.as_ref().and_then(|m| m.iter().position(|&x| x == i));
+                    let combine = combine.and_then(|c| u16::try_from(c).ok());
                     for part in segments(into, seg) {
                         flight.push(InFlight::Recv {
                             peer: *peer,
                             want: part.len() * elem,
+                            then: combine,
                             op: w.ns.tag_recv_from(
                                 w.ep(*peer)?,
                                 tag(w.comm, seq, step, *peer),
@@ -350,8 +433,9 @@ async fn exchange<T: Element>(
                     // here instead (up to UCX_RNDV_SEND_NBR_THRESH, 256 KiB). 2-rank
                     // allreduce of 256 KiB: 154 -> 101 us; sends of the caller's own
                     // values stay rendezvous (eager made those 2-4x slower).
-                    let eager =
-                        bufs.written.iter().any(|r| r.buf == from.buf && overlap(&r.range, &from.range));
+                    let eager = bufs.written.as_ref().is_some_and(|w| {
+                        w.iter().any(|r| r.buf == from.buf && overlap(&r.range, &from.range))
+                    });
                     for part in segments(from, seg) {
                         let (ep, t, b) = (w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(&part)?);
                         let op = if eager { w.ns.tag_send_eager(ep, t, b) } else { w.ns.tag_send(ep, t, b) };
@@ -376,13 +460,35 @@ async fn exchange<T: Element>(
                     }
                     Poll::Ready((r, _)) => r.map_err(|source| Error::Transport { rank: *peer, source }),
                 },
-                InFlight::Recv { peer, want, op } => match Pin::new(op).poll(cx) {
+                InFlight::Recv { peer, want, then, op } => match Pin::new(op).poll(cx) {
                     Poll::Pending => {
                         pending = true;
                         continue;
                     }
-                    Poll::Ready((r, _)) => match r {
-                        Ok(info) if info.len == *want => Ok(()),
+                    Poll::Ready((r, piece)) => match r {
+                        Ok(info) if info.len == *want => {
+                            let at = piece.range();
+                            // The piece's buffer let go first: its values are free.
+                            drop(piece);
+                            match then.take() {
+                                Some(c) => {
+                                    let (c, combine) = (usize::from(c), &st.combines[usize::from(c)]);
+                                    let (Combine::Copy { from, .. } | Combine::Reduce { from, .. }) = combine;
+                                    let part = at.start - from.range.start..at.end - from.range.start;
+                                    let (from, into) = pieces::restrict(combine, &part);
+                                    let r = matches!(combine, Combine::Reduce { .. }).then_some(reduce);
+                                    match bufs.try_apply_part(&from, &into, r) {
+                                        Ok(true) => Ok(()),
+                                        Ok(false) => {
+                                            left.push((c, part));
+                                            Ok(())
+                                        }
+                                        Err(e) => Err(e),
+                                    }
+                                }
+                                None => Ok(()),
+                            }
+                        }
                         Ok(info) => Err(Error::Mismatch { rank: *peer, got: Some(info.len), want: *want }),
                         Err(ucxkit_transport::Error::Truncated { .. }) => {
                             Err(Error::Mismatch { rank: *peer, got: None, want: *want })
@@ -426,9 +532,23 @@ async fn exchange<T: Element>(
     .await;
     match first {
         Some(e) => Err(e),
-        None => Ok(()),
+        None => Ok(piecewise.map(|_| left)),
     }
 }
+
+/// Where a step stands: its call, its number, whether its empty messages count (a
+/// barrier's) and the call's reduction.
+#[derive(Clone, Copy)]
+struct At {
+    seq: u16,
+    step: u16,
+    sync: bool,
+    op: ReduceOp,
+}
+
+/// For a step whose combines ran piece by piece, the pieces (combine, elements) left to
+/// apply after its transfers; None for a step whose combines all wait for them.
+type Parts = Option<Vec<(usize, Range<usize>)>>;
 
 #[cfg(test)]
 mod tests {
