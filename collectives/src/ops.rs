@@ -67,7 +67,10 @@ impl Communicator {
         let elem = std::mem::size_of::<T>();
         let count = buf.len();
         let planned = self.planned(op, count, elem, root);
-        let bufs = self.bufs(buf, Vec::new(), planned.sched.scratch);
+        let mut bufs = self.bufs(buf, Vec::new(), planned.sched.scratch);
+        if op == Op::Allreduce {
+            bufs.data_just_written();
+        }
         self.finish(seq, &planned.sched, bufs, reduce, true).await
     }
 

@@ -227,6 +227,14 @@ impl<T: Element> Bufs<T> {
         Ok(true)
     }
 
+    /// Counts the data buffer's values as written by this call (see `written`): an
+    /// allreduce's buffer holds what this core just computed, in practice (gradients,
+    /// the previous call's result).
+    pub(crate) fn data_just_written(&mut self) {
+        let all = Region::data(0..self.data.len());
+        self.wrote(&all);
+    }
+
     /// Notes that the call wrote `r` (where it keeps such notes).
     fn wrote(&mut self, r: &Region) {
         if let Some(w) = &mut self.written {
@@ -276,9 +284,6 @@ pub(crate) async fn run<T: Element>(
             "the schedule has {} steps, more than the tag layout's {MAX_STEPS}",
             sched.steps.len()
         )));
-    }
-    if let Some(w) = &mut bufs.written {
-        w.clear();
     }
     for (s, step) in sched.steps.iter().enumerate() {
         for (from, into) in &step.copies {
