@@ -72,8 +72,8 @@ pub(crate) struct Inner {
     /// The next call's sequence number.
     seq: AtomicU16,
     plans: Mutex<PlanCache>,
-    /// The buffers the last call left (a `Kept<T>` of its element type).
-    kept: Mutex<Option<Box<dyn Any + Send>>>,
+    /// The buffers the last call of each element type left (a `Kept<T>` each).
+    kept: Mutex<Vec<Box<dyn Any + Send>>>,
     forced_env: Vec<(Op, Algorithm)>,
     /// The cost model's constants: the defaults, or [`plan::COSTS_ENV`]'s.
     costs: Costs,
@@ -200,7 +200,7 @@ impl Communicator {
                     last: None,
                     hosts: Arc::new(Hosts::flat(size)),
                 }),
-                kept: Mutex::new(None),
+                kept: Mutex::new(Vec::new()),
                 forced_env,
                 costs,
                 segment,
@@ -394,20 +394,21 @@ impl Communicator {
     /// type left.
     pub(crate) fn bufs<T: Element>(&self, data: Vec<T>, input: Vec<T>, scratch: usize) -> Bufs<T> {
         let kept = {
-            let mut slot = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
-            slot.as_mut().and_then(|b| b.downcast_mut::<Kept<T>>()).map(std::mem::take).unwrap_or_default()
+            let mut slots = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            slots.iter_mut().find_map(|b| b.downcast_mut::<Kept<T>>()).map(std::mem::take).unwrap_or_default()
         };
         Bufs::new(kept, data, input, scratch)
     }
 
-    /// Keeps a finished call's buffers for the next (its data and input taken out).
-    /// Buffers a transfer still holds stay unused until it lets go.
+    /// Keeps a finished call's buffers for the next call of its element type (each type
+    /// has its own, so a barrier between allreduces costs them nothing). Buffers a
+    /// transfer still holds stay unused until it lets go.
     pub(crate) fn keep<T: Element>(&self, bufs: Bufs<T>) {
         let kept = bufs.into_kept();
-        let mut slot = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        match slot.as_mut().and_then(|b| b.downcast_mut::<Kept<T>>()) {
+        let mut slots = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        match slots.iter_mut().find_map(|b| b.downcast_mut::<Kept<T>>()) {
             Some(k) => *k = kept,
-            None => *slot = Some(Box::new(kept)),
+            None => slots.push(Box::new(kept)),
         }
     }
 

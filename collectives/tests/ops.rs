@@ -226,6 +226,33 @@ async fn transfers_in_pieces_match_the_reference() {
     }
 }
 
+/// A communicator keeps a call's buffers for the next call emptied: a later call with no
+/// input of its own never gets an earlier call's values back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_buffers_never_hand_back_earlier_values() {
+    let (_mesh, comms) = group(2).await;
+    // Rank 0 roots a gather (the communicator keeps its input's buffer)...
+    let got =
+        all(
+            &comms,
+            |r, c| async move { c.gather_v(vec![r as u32 + 7; 3], vec![3, 3], 0).await.expect("gather") },
+        )
+        .await;
+    assert_eq!(got[0], vec![7, 7, 7, 8, 8, 8]);
+    // ...then sends nothing to another root, and gets back the nothing it passed.
+    let got = all(&comms, |r, c| async move {
+        let mine = if r == 0 { Vec::new() } else { vec![9u32; 2] };
+        c.gather_v(mine, vec![0, 2], 1).await.expect("gather")
+    })
+    .await;
+    assert_eq!(got, vec![vec![], vec![9, 9]]);
+    // An all-to-all of nothing gives nothing back either.
+    let got =
+        all(&comms, |_, c| async move { c.alltoall_into(Vec::<u32>::new(), Vec::new()).await.expect("a2a") })
+            .await;
+    assert!(got.iter().all(|(out, input)| out.is_empty() && input.is_empty()), "{got:?}");
+}
+
 /// Ranks told they sit on several hosts run the two-level forms, forced and as the
 /// model picks them, on contiguous, interleaved and uneven layouts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -51,6 +51,8 @@ pub(crate) struct Bufs<T: Element> {
     /// `exchange`). Kept for calls of [`TRACK_FROM`] bytes or more only (all of a smaller
     /// call's messages are short).
     written: Option<SmallVec<[Region; 4]>>,
+    /// An empty input shell kept for a later call (this one has no input).
+    spare: Option<SharedBuf<T>>,
 }
 
 #[cold]
@@ -99,6 +101,10 @@ fn put<T: Element>(shell: Option<SharedBuf<T>>, values: Vec<T>, track: bool) -> 
     }
 }
 
+/// The most regions a call notes as written (later ones go as not written: a cost in
+/// speed only, see `Bufs::written`).
+const WRITTEN_NOTES: usize = 64;
+
 /// Calls whose data and scratch hold this many bytes or more get tracked buffers, whose
 /// combines can run piece by piece (`pieces`); smaller ones save the cost per slice.
 const TRACK_FROM: usize = 16 << 10;
@@ -109,7 +115,12 @@ impl<T: Element> Bufs<T> {
     /// where it can (scratch that is long enough and free).
     pub(crate) fn new(kept: Kept<T>, data: Vec<T>, input: Vec<T>, scratch: usize) -> Bufs<T> {
         let track = (data.len() + input.len() + scratch) * std::mem::size_of::<T>() >= TRACK_FROM;
-        let input = if input.capacity() > 0 { Some(put(kept.input, input, track)) } else { kept.input };
+        // With no input, the kept shell waits aside for a later call that has one.
+        let (input, spare) = if input.capacity() > 0 {
+            (Some(put(kept.input, input, track)), None)
+        } else {
+            (None, kept.input)
+        };
         let scratch = match kept.scratch {
             // Unused by this call: kept as it is for the next.
             b if scratch == 0 => b,
@@ -117,12 +128,19 @@ impl<T: Element> Bufs<T> {
             _ => Some(put(None, vec![T::zeroed(); scratch], track)),
         };
         let written = track.then(SmallVec::new);
-        Bufs { data: put(kept.data, data, track), input, scratch, written }
+        Bufs { data: put(kept.data, data, track), input, scratch, spare, written }
     }
 
-    /// What to keep for the next call, once the data and input are taken out.
+    /// What to keep for the next call: the shells emptied (values not taken out are
+    /// dropped here, never handed to a later call; a shell a transfer still holds is let
+    /// go), and the scratch.
     pub(crate) fn into_kept(self) -> Kept<T> {
-        Kept { data: Some(self.data), input: self.input, scratch: self.scratch }
+        let empty = |mut b: SharedBuf<T>| b.replace(Vec::new()).ok().map(|_| b);
+        Kept {
+            data: empty(self.data),
+            input: self.input.and_then(empty).or(self.spare),
+            scratch: self.scratch,
+        }
     }
 
     fn slice(&self, r: &Region) -> Result<SharedSlice<T>> {
@@ -235,10 +253,11 @@ impl<T: Element> Bufs<T> {
         self.wrote(&all);
     }
 
-    /// Notes that the call wrote `r` (where it keeps such notes).
+    /// Notes that the call wrote `r` (where it keeps such notes, and up to
+    /// [`WRITTEN_NOTES`] of them: each send not made at once looks through them).
     fn wrote(&mut self, r: &Region) {
         if let Some(w) = &mut self.written {
-            if !r.is_empty() {
+            if !r.is_empty() && w.len() < WRITTEN_NOTES {
                 w.push(r.clone());
             }
         }

@@ -12,13 +12,15 @@ use crate::schedule::{Combine, Region, Step, Xfer};
 
 /// For each combine of `st`, the index (in `st.xfers`) of the receive whose whole region
 /// is its operand, when the step's combines may run piece by piece; None when they may
-/// not. They may when every combine reads exactly a receive's region and writes a region
+/// not. They may when every combine reads exactly a receive's region (its own: no two
+/// read the same receive) and writes a region
 /// of another buffer that no receive of the step writes and no other combine reads or
 /// writes: then applying a piece early gives what applying it after the step gives.
 /// (Sends of the step that read a combine's region keep it closed until they finish:
 /// the executor applies a piece only where no transfer holds its values.)
 pub(crate) fn plan(st: &Step) -> Option<SmallVec<[usize; 2]>> {
-    if st.combines.is_empty() {
+    // (Combines are named by a u16 in flight.)
+    if st.combines.is_empty() || st.combines.len() > usize::from(u16::MAX) {
         return None;
     }
     let overlaps =
@@ -35,7 +37,8 @@ pub(crate) fn plan(st: &Step) -> Option<SmallVec<[usize; 2]>> {
             let (Combine::Copy { from: f, into: t } | Combine::Reduce { from: f, into: t }) = d;
             overlaps(t, into) || overlaps(f, into) || overlaps(t, from)
         });
-        if landed_on || shared {
+        // One combine per receive: a piece runs one combine early.
+        if landed_on || shared || map.contains(&recv) {
             return None;
         }
         map.push(recv);
@@ -86,7 +89,12 @@ mod tests {
             combines: vec![reduce(R::scratch(0..4), R::data(0..4)), reduce(R::scratch(4..8), R::data(2..6))],
             copies: vec![],
         };
-        for s in [none, part, landed, same, twice] {
+        let shared_recv = Step {
+            xfers: vec![recv(R::scratch(0..4))],
+            combines: vec![reduce(R::scratch(0..4), R::data(0..4)), reduce(R::scratch(0..4), R::data(8..12))],
+            copies: vec![],
+        };
+        for s in [none, part, landed, same, twice, shared_recv] {
             assert_eq!(plan(&s), None, "{s:?}");
         }
         let (f, t) = restrict(&ring.combines[0], &(1..3));
