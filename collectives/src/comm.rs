@@ -48,8 +48,12 @@ pub const SEGMENT_ENV: &str = "UCXKIT_COLL_SEGMENT";
 /// Plans kept per communicator before the cache starts over.
 const PLAN_CACHE: usize = 512;
 
-/// What a plan is cached by: operation, elements, element size, root, forced algorithm.
-type PlanKey = (Op, usize, usize, usize, Option<Algorithm>);
+/// What a plan is cached by: operation, elements, element size, root, forced algorithm,
+/// and the handle's own cost constants (0: the communicator's).
+type PlanKey = (Op, usize, usize, usize, Option<Algorithm>, u64);
+
+/// Numbers the handles made with cost constants of their own, for the plan cache.
+static COSTS_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Plans made so far, and the last one used, for the host layout they were made for.
 struct PlanCache {
@@ -101,6 +105,8 @@ impl Drop for Inner {
 pub struct Communicator {
     pub(crate) inner: Arc<Inner>,
     pub(crate) opts: Arc<Options>,
+    /// Which cost constants the handle's plans are made with (0: the communicator's).
+    costs_id: u64,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -208,6 +214,7 @@ impl Communicator {
                 abort,
             }),
             opts: Arc::new(Options::default()),
+            costs_id: 0,
         })
     }
 
@@ -261,7 +268,8 @@ impl Communicator {
     /// This communicator with `opts` for the calls made through the returned handle
     /// (the group and its call order are shared).
     pub fn with_options(&self, opts: Options) -> Communicator {
-        Communicator { inner: self.inner.clone(), opts: Arc::new(opts) }
+        let costs_id = if opts.costs.is_some() { COSTS_IDS.fetch_add(1, Ordering::Relaxed) } else { 0 };
+        Communicator { inner: self.inner.clone(), opts: Arc::new(opts), costs_id }
     }
 
     /// This process's rank.
@@ -344,7 +352,7 @@ impl Communicator {
             .chain(&self.inner.forced_env)
             .find(|(o, a)| *o == op && op.candidates().contains(a))
             .map(|(_, a)| *a);
-        let key = (op, count, elem, root, forced);
+        let key = (op, count, elem, root, forced, self.costs_id);
         let mut cache = self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
         // The last plan first: a loop of one collective hashes nothing.
         if let Some((k, p)) = &cache.last {

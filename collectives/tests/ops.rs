@@ -226,6 +226,24 @@ async fn transfers_in_pieces_match_the_reference() {
     }
 }
 
+/// Handles with cost constants of their own plan with them, whatever the other handles
+/// of the communicator planned before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handles_with_their_own_costs_plan_with_them() {
+    let (_mesh, comms) = group(4).await;
+    let slow = ucxkit_collectives::plan::Costs {
+        latency: Duration::from_secs(1),
+        rndv_latency: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let own = comms[0].with_options(Options { costs: Some(slow), ..Default::default() });
+    let bytes = 4 << 20;
+    let shared = comms[0].plan(Op::Allreduce, bytes, 4, 0);
+    let fewest_steps = own.plan(Op::Allreduce, bytes, 4, 0);
+    assert_ne!(shared.algorithm, fewest_steps.algorithm, "{shared} / {fewest_steps}");
+    assert_eq!(comms[0].plan(Op::Allreduce, bytes, 4, 0).algorithm, shared.algorithm);
+}
+
 /// A communicator keeps a call's buffers for the next call emptied: a later call with no
 /// input of its own never gets an earlier call's values back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
