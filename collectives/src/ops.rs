@@ -4,6 +4,8 @@
 //! however their futures are polled.
 
 use std::future::Future;
+use std::task::Poll;
+use std::time::Duration;
 
 use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{SharedBuf, SharedSlice};
@@ -16,6 +18,10 @@ use crate::plan::{self, Op};
 use crate::schedule::{blocks_of, even_blocks, linear, ring, Schedule};
 use crate::tag::{tag, P2P_STEP};
 use crate::{Element, ReduceOp};
+
+/// How long a point-to-point call that failed waits for the transport to let go of its
+/// buffer, to give it back.
+const RELEASE_WAIT: Duration = Duration::from_millis(100);
 
 /// An error for a malformed call, with the buffer given back.
 fn invalid<T>(buf: Vec<T>, msg: String) -> Failed<T> {
@@ -526,6 +532,10 @@ impl Communicator {
 
     /// Sends `buf` to rank `peer` with `tag` (point to point, matched by
     /// [`Communicator::recv`] on `peer` with this rank and the same tag, in order).
+    /// Not a collective: a failure does not abort the communicator, but an aborted
+    /// communicator fails it ([`Error::Aborted`]), and so does the handle's deadline
+    /// ([`Error::DeadlineExceeded`]); the buffer comes back unless the transport still
+    /// holds it after that (a send UCX has not finished).
     pub fn send<T: Element>(
         &self,
         buf: Vec<T>,
@@ -539,7 +549,9 @@ impl Communicator {
         }
     }
 
-    /// Receives into `buf` (exactly its length) what rank `peer` sends with `tag`.
+    /// Receives into `buf` (exactly its length) what rank `peer` sends with `tag`. Ends
+    /// on an abort of the communicator and at the handle's deadline as
+    /// [`Communicator::send`] does (a receive given up is canceled).
     pub fn recv<T: Element>(
         &self,
         buf: Vec<T>,
@@ -575,16 +587,54 @@ impl Communicator {
             let m = format!("no rank {peer} to {what} (this is rank {})", self.rank());
             return Err(invalid(buf, m));
         };
+        let abort = &self.inner.abort;
+        if let Some(a) = abort.get() {
+            return Err(Failed::new(Error::Aborted(a), Some(buf)));
+        }
         let b = SharedBuf::new(buf);
-        let (r, slice) = post(&self.inner.ns, ep, b.whole()).await;
-        drop(slice);
+        let r = {
+            let mut transfer = std::pin::pin!(post(&self.inner.ns, ep, b.whole()));
+            // Registered before the check, so an abort between the two wakes it.
+            let mut aborted = std::pin::pin!(abort.notify.notified());
+            aborted.as_mut().enable();
+            let mut timer = self.opts.deadline.map(|d| (d, Box::pin(tokio::time::sleep(d))));
+            std::future::poll_fn(|cx| {
+                if let Poll::Ready((r, slice)) = transfer.as_mut().poll(cx) {
+                    drop(slice);
+                    return Poll::Ready(Ok(r));
+                }
+                if abort.is_set() || aborted.as_mut().poll(cx).is_ready() {
+                    if let Some(a) = abort.get() {
+                        return Poll::Ready(Err(Error::Aborted(a)));
+                    }
+                }
+                if let Some((d, sleep)) = timer.as_mut() {
+                    if sleep.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Err(Error::DeadlineExceeded(*d)));
+                    }
+                }
+                Poll::Pending
+            })
+            .await
+        };
         let r = match r {
-            Ok(o) => check(o),
-            Err(ucxkit_transport::Error::Truncated { .. }) => {
+            Ok(Ok(o)) => check(o),
+            Ok(Err(ucxkit_transport::Error::Truncated { .. })) => {
                 Err(Error::Mismatch { rank: peer, got: None, want: b.len() * std::mem::size_of::<T>() })
             }
-            Err(source) => Err(Error::Transport { rank: peer, source }),
+            Ok(Err(source)) => Err(Error::Transport { rank: peer, source }),
+            Err(e) => Err(e),
         };
+        // A transfer given up (dropped above) lets go of the buffer once UCX has
+        // canceled or finished it, normally at the worker's next progress call.
+        if r.is_err() && b.in_use() {
+            let _ = tokio::time::timeout(RELEASE_WAIT, async {
+                while b.in_use() {
+                    tokio::time::sleep(Duration::from_micros(100)).await;
+                }
+            })
+            .await;
+        }
         match (r, b.try_into_vec().ok()) {
             (Ok(()), Some(v)) => Ok(v),
             (Ok(()), None) => Err(Failed::new(Error::Internal("the buffer is still in use".into()), None)),

@@ -244,6 +244,31 @@ async fn handles_with_their_own_costs_plan_with_them() {
     assert_eq!(comms[0].plan(Op::Allreduce, bytes, 4, 0).algorithm, shared.algorithm);
 }
 
+/// A receive from a silent peer ends at the handle's deadline with its buffer back, and
+/// a pending receive ends when another rank aborts the communicator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn point_to_point_calls_end_at_the_deadline_and_on_abort() {
+    let (_mesh, comms) = group(2).await;
+    let limit =
+        comms[0].with_options(Options { deadline: Some(Duration::from_millis(200)), ..Default::default() });
+    let t = std::time::Instant::now();
+    let recv = tokio::time::timeout(Duration::from_secs(10), limit.recv(vec![0u32; 4], 1, 5));
+    let f = recv.await.expect("ended by the deadline").expect_err("nobody sends");
+    assert!(matches!(f.error, Error::DeadlineExceeded(_)), "{}", f.error);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(f.buf, Some(vec![0; 4]), "the buffer comes back");
+    // The communicator goes on: a matched pair still works.
+    let (s, r) = tokio::join!(comms[1].send(vec![3u32; 4], 0, 6), comms[0].recv(vec![0u32; 4], 1, 6));
+    assert_eq!((s.expect("send").len(), r.expect("recv")), (4, vec![3; 4]));
+    let pending = comms[0].recv(vec![0u8; 8], 1, 7);
+    let waiter = tokio::spawn(pending);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    comms[1].abort("the test gives up");
+    let f = tokio::time::timeout(Duration::from_secs(10), waiter).await.expect("ended").expect("task");
+    let f = f.expect_err("aborted");
+    assert!(matches!(f.error, Error::Aborted(_)), "{}", f.error);
+}
+
 /// A communicator keeps a call's buffers for the next call emptied: a later call with no
 /// input of its own never gets an earlier call's values back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
