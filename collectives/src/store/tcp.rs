@@ -158,9 +158,11 @@ async fn serve(mut conn: TcpStream, shared: &Shared) {
     }
 }
 
-/// A client of a [`TcpStoreServer`].
+/// A client of a [`TcpStoreServer`]. A call that fails or runs out of time drops its
+/// connection (an answer arriving late must not be read as the next call's) and the next
+/// call connects again.
 pub struct TcpStore {
-    conn: tokio::sync::Mutex<TcpStream>,
+    conn: tokio::sync::Mutex<Option<TcpStream>>,
     addr: String,
 }
 
@@ -176,12 +178,18 @@ impl TcpStore {
     /// # Errors
     /// [`Error::Bootstrap`] when no connection was made in time.
     pub async fn connect(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        let conn = Self::open(addr, timeout).await?;
+        Ok(TcpStore { conn: tokio::sync::Mutex::new(Some(conn)), addr: addr.to_string() })
+    }
+
+    /// A connection to `addr`, tried again until `timeout` passes.
+    async fn open(addr: &str, timeout: Duration) -> Result<TcpStream> {
         let end = Instant::now() + timeout;
         loop {
             match tokio::time::timeout_at(end.into(), TcpStream::connect(addr)).await {
                 Ok(Ok(conn)) => {
                     let _ = conn.set_nodelay(true);
-                    return Ok(TcpStore { conn: tokio::sync::Mutex::new(conn), addr: addr.to_string() });
+                    return Ok(conn);
                 }
                 Ok(Err(e)) if Instant::now() + Duration::from_millis(50) >= end => {
                     return Err(Error::Bootstrap(format!(
@@ -199,12 +207,22 @@ impl TcpStore {
     }
 
     async fn call(&self, req: Msg, limit: Duration) -> Result<Msg> {
-        let mut conn = self.conn.lock().await;
-        let io = async {
-            wire::send(&mut *conn, &req).await?;
-            wire::recv(&mut *conn).await
+        let mut slot = self.conn.lock().await;
+        // Taken out for the call and put back only after a whole answer: a call that
+        // fails, times out or is dropped leaves no connection with a stray answer in it.
+        let mut conn = match slot.take() {
+            Some(c) => c,
+            None => Self::open(&self.addr, limit).await?,
         };
-        match tokio::time::timeout(limit, io).await {
+        let io = async {
+            wire::send(&mut conn, &req).await?;
+            wire::recv(&mut conn).await
+        };
+        let r = tokio::time::timeout(limit, io).await;
+        if matches!(r, Ok(Ok(_))) {
+            *slot = Some(conn);
+        }
+        match r {
             Ok(Ok(Msg::Refused(why))) => {
                 Err(Error::Bootstrap(format!("the store at {} refused: {why}", self.addr)))
             }
@@ -290,6 +308,41 @@ mod tests {
             a.wait(&["x".into(), "never".into()], Duration::from_millis(100)).await.expect_err("missing");
         assert!(err.to_string().contains("never") && !err.to_string().contains("x,"), "{err}");
         assert!(a.set("", b"").await.is_err());
+    }
+
+    /// A call that ran out of time does not read its late answer as the next call's: the
+    /// client connects again. The server here answers the first request after the
+    /// client gave up, the next ones at once.
+    #[tokio::test]
+    async fn a_late_answer_is_not_taken_for_the_next_one() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        tokio::spawn(async move {
+            let mut first = true;
+            loop {
+                let Ok((mut c, _)) = listener.accept().await else { return };
+                let slow = std::mem::take(&mut first);
+                tokio::spawn(async move {
+                    while let Ok(m) = wire::recv(&mut c).await {
+                        if slow {
+                            tokio::time::sleep(Duration::from_millis(300)).await;
+                        }
+                        let key = match m {
+                            Msg::Get(k) => k,
+                            _ => return,
+                        };
+                        if wire::send(&mut c, &Msg::Value(Some(key.into_bytes()))).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let store = TcpStore::connect(&addr, Duration::from_secs(5)).await.expect("connect");
+        let late = store.call(Msg::Get("first".into()), Duration::from_millis(100)).await;
+        assert!(late.expect_err("too slow").to_string().contains("did not answer"));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(store.get("second").await.expect("get"), Some(b"second".to_vec()));
     }
 
     #[tokio::test]
