@@ -127,7 +127,7 @@ impl Communicator {
         let keys: Vec<String> = (0..size).map(addr_key).collect();
         let values = match store.wait(&keys, left()).await {
             Ok(v) => v,
-            Err(_) => return Err(absent(store, size, deadline).await),
+            Err(e) => return Err(absent(store, size, deadline, e).await),
         };
         let mut addrs = Vec::with_capacity(size);
         let mut hosts = Vec::with_capacity(size);
@@ -176,13 +176,20 @@ impl Communicator {
     }
 }
 
-/// The error naming the ranks whose address is missing.
-async fn absent(store: &dyn Store, size: usize, deadline: Duration) -> Error {
+/// When waiting for every rank's address failed with `failure`: the error naming the
+/// ranks whose address is missing, or `failure` itself when the store cannot say (it
+/// fails to answer) or every address is there after all.
+async fn absent(store: &dyn Store, size: usize, deadline: Duration, failure: Error) -> Error {
     let mut missing = Vec::new();
     for r in 0..size {
-        if !matches!(store.get(&addr_key(r)).await, Ok(Some(_))) {
-            missing.push(r.to_string());
+        match store.get(&addr_key(r)).await {
+            Ok(Some(_)) => {}
+            Ok(None) => missing.push(r.to_string()),
+            Err(_) => return failure,
         }
+    }
+    if missing.is_empty() {
+        return failure;
     }
     boot(format!("ranks {} never came within {deadline:?}", missing.join(", ")))
 }

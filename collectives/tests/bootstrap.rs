@@ -113,6 +113,36 @@ async fn a_rank_that_never_comes_is_named() {
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
+/// A store that takes writes and then stops answering.
+struct Broken;
+
+impl Store for Broken {
+    fn set<'a>(&'a self, _: &'a str, _: &'a [u8]) -> ucxkit_collectives::store::StoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    fn get<'a>(&'a self, _: &'a str) -> ucxkit_collectives::store::StoreFuture<'a, Option<Vec<u8>>> {
+        Box::pin(async { Err(Error::Bootstrap("the store's connection broke".into())) })
+    }
+    fn wait<'a>(
+        &'a self,
+        _: &'a [String],
+        _: Duration,
+    ) -> ucxkit_collectives::store::StoreFuture<'a, Vec<Vec<u8>>> {
+        Box::pin(async { Err(Error::Bootstrap("the store's connection broke".into())) })
+    }
+    fn add<'a>(&'a self, _: &'a str, _: i64) -> ucxkit_collectives::store::StoreFuture<'a, i64> {
+        Box::pin(async { Err(Error::Bootstrap("the store's connection broke".into())) })
+    }
+}
+
+/// A store that fails is reported as such, not as ranks that never came.
+#[tokio::test]
+async fn a_failing_store_is_not_taken_for_missing_ranks() {
+    let got = form(2, &[0], |_| Broken, Duration::from_millis(200)).await;
+    let e = got.into_iter().next().expect("one rank").expect_err("the store fails");
+    assert!(e.to_string().contains("connection broke") && !e.to_string().contains("never came"), "{e}");
+}
+
 /// A free TCP port on the loopback (bound, then let go).
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
