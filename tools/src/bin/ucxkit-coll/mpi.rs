@@ -70,6 +70,7 @@ pub(crate) async fn run(args: &Args, np: usize, ours: &[CollRow]) -> Result<Vec<
         c.arg(&exe)
             .args([op, &sizes.join(","), &args.dtype, &args.iters.to_string(), &args.warmup.to_string()])
             .arg(args.root.min(np - 1).to_string())
+            .arg(&args.redop)
             .kill_on_drop(true);
         let out = c.output().await.map_err(|e| format!("mpirun: {e} (apt-get install openmpi-bin)"))?;
         if !out.status.success() {

@@ -2,8 +2,9 @@
  * iteration counts, timed the same way (a barrier, then `iters` calls, the slowest
  * rank's mean), printed by rank 0 as one JSON object per line.
  *
- *   mpi_bench OPS SIZES DTYPE ITERS WARMUP ROOT
- *   (OPS and SIZES comma-separated; sizes in bytes, as ucxkit-coll counts them) */
+ *   mpi_bench OPS SIZES DTYPE ITERS WARMUP ROOT REDOP
+ *   (OPS and SIZES comma-separated; sizes in bytes, as ucxkit-coll counts them; REDOP
+ *   one of sum, prod, min, max, band, bor, bxor) */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -21,20 +22,33 @@ static MPI_Datatype dtype_of(const char *d, size_t *elem) {
     return MPI_DATATYPE_NULL;
 }
 
+static MPI_Op op_of(const char *r) {
+    struct { const char *n; MPI_Op o; } m[] = {
+        {"sum", MPI_SUM}, {"prod", MPI_PROD}, {"min", MPI_MIN}, {"max", MPI_MAX},
+        {"band", MPI_BAND}, {"bor", MPI_BOR}, {"bxor", MPI_BXOR},
+    };
+    for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
+        if (!strcmp(m[i].n, r)) return m[i].o;
+    return MPI_OP_NULL;
+}
+
+/* The reduction of the run (REDOP). */
+static MPI_Op redop = MPI_OP_NULL;
+
 /* One call of `op` on `count` elements (the operation's larger buffer, as
  * ucxkit-coll sizes it). */
 static int run(const char *op, char *a, char *b, size_t count, size_t elem, MPI_Datatype t, int np, int root) {
     int per = (int)(count / np);
-    if (!strcmp(op, "allreduce")) return MPI_Allreduce(a, b, (int)count, t, MPI_SUM, MPI_COMM_WORLD);
+    if (!strcmp(op, "allreduce")) return MPI_Allreduce(a, b, (int)count, t, redop, MPI_COMM_WORLD);
     if (!strcmp(op, "broadcast")) return MPI_Bcast(a, (int)count, t, root, MPI_COMM_WORLD);
-    if (!strcmp(op, "reduce")) return MPI_Reduce(a, b, (int)count, t, MPI_SUM, root, MPI_COMM_WORLD);
+    if (!strcmp(op, "reduce")) return MPI_Reduce(a, b, (int)count, t, redop, root, MPI_COMM_WORLD);
     if (!strcmp(op, "allgather")) return MPI_Allgather(a, per, t, b, per, t, MPI_COMM_WORLD);
-    if (!strcmp(op, "reduce_scatter")) return MPI_Reduce_scatter_block(a, b, per, t, MPI_SUM, MPI_COMM_WORLD);
+    if (!strcmp(op, "reduce_scatter")) return MPI_Reduce_scatter_block(a, b, per, t, redop, MPI_COMM_WORLD);
     if (!strcmp(op, "alltoall")) return MPI_Alltoall(a, per, t, b, per, t, MPI_COMM_WORLD);
     if (!strcmp(op, "gather")) return MPI_Gather(a, per, t, b, per, t, root, MPI_COMM_WORLD);
     if (!strcmp(op, "scatter")) return MPI_Scatter(a, per, t, b, per, t, root, MPI_COMM_WORLD);
     if (!strcmp(op, "barrier")) return MPI_Barrier(MPI_COMM_WORLD);
-    if (!strcmp(op, "scan")) return MPI_Scan(a, b, (int)count, t, MPI_SUM, MPI_COMM_WORLD);
+    if (!strcmp(op, "scan")) return MPI_Scan(a, b, (int)count, t, redop, MPI_COMM_WORLD);
     (void)elem;
     return -1;
 }
@@ -44,8 +58,13 @@ int main(int argc, char **argv) {
     int rank, np;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &np);
-    if (argc != 7) {
-        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS SIZES DTYPE ITERS WARMUP ROOT\n");
+    if (argc != 8) {
+        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS SIZES DTYPE ITERS WARMUP ROOT REDOP\n");
+        MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    redop = op_of(argv[7]);
+    if (redop == MPI_OP_NULL) {
+        if (rank == 0) fprintf(stderr, "mpi_bench: no MPI reduction %s\n", argv[7]);
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     size_t elem;
