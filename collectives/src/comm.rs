@@ -95,6 +95,48 @@ impl Drop for Inner {
     }
 }
 
+/// What a communicator reads from the environment when it is made from endpoints, and
+/// what the communicators split from it inherit.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    forced_env: Vec<(Op, Algorithm)>,
+    costs: Costs,
+    segment: usize,
+}
+
+impl Settings {
+    /// [`plan::ENV`], [`plan::COSTS_ENV`] and [`SEGMENT_ENV`], as they are now.
+    fn from_env() -> Result<Settings> {
+        let forced_env = match std::env::var(plan::ENV) {
+            Ok(spec) => plan::parse_forced(&spec)
+                .map_err(|e| Error::InvalidArgument(format!("{}: {e}", plan::ENV)))?,
+            Err(_) => Vec::new(),
+        };
+        let costs = match std::env::var_os(plan::COSTS_ENV) {
+            Some(path) => {
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    Error::InvalidArgument(format!("{}={}: {e}", plan::COSTS_ENV, path.to_string_lossy()))
+                })?;
+                Costs::from_text(&text)
+                    .map_err(|e| Error::InvalidArgument(format!("{}: {e}", plan::COSTS_ENV)))?
+            }
+            None => Costs::default(),
+        };
+        let segment = match std::env::var(SEGMENT_ENV) {
+            Ok(v) => v.trim().parse::<usize>().ok().filter(|&s| s > 0).ok_or_else(|| {
+                Error::InvalidArgument(format!("{SEGMENT_ENV}={v:?} is not a positive number of bytes"))
+            })?,
+            Err(_) => DEFAULT_SEGMENT,
+        };
+        Ok(Settings { forced_env, costs, segment })
+    }
+
+    /// A communicator's own, for one split from it.
+    pub(crate) fn of(c: &Communicator) -> Settings {
+        Settings { forced_env: c.inner.forced_env.clone(), costs: c.inner.costs, segment: c.inner.segment }
+    }
+}
+
 /// A group of `size()` ranks that run collectives together; this process is rank
 /// `rank()`. Cheap to clone (clones share the group).
 ///
@@ -157,37 +199,19 @@ impl Communicator {
                 _ => {}
             }
         }
-        Communicator::new(ns, id, rank, eps)
+        Communicator::new(ns, id, rank, eps, Settings::from_env()?)
     }
 
-    /// A communicator with id `id` on `ns`'s worker, whose endpoints were checked.
+    /// A communicator with id `id` on `ns`'s worker, whose endpoints were checked, with
+    /// the settings `set` (read from the environment, or a parent's).
     pub(crate) fn new(
         ns: &Namespace,
         id: u16,
         rank: usize,
         eps: Vec<Option<Endpoint>>,
+        set: Settings,
     ) -> Result<Communicator> {
-        let forced_env = match std::env::var(plan::ENV) {
-            Ok(spec) => plan::parse_forced(&spec)
-                .map_err(|e| Error::InvalidArgument(format!("{}: {e}", plan::ENV)))?,
-            Err(_) => Vec::new(),
-        };
-        let costs = match std::env::var_os(plan::COSTS_ENV) {
-            Some(path) => {
-                let text = std::fs::read_to_string(&path).map_err(|e| {
-                    Error::InvalidArgument(format!("{}={}: {e}", plan::COSTS_ENV, path.to_string_lossy()))
-                })?;
-                Costs::from_text(&text)
-                    .map_err(|e| Error::InvalidArgument(format!("{}: {e}", plan::COSTS_ENV)))?
-            }
-            None => Costs::default(),
-        };
-        let segment = match std::env::var(SEGMENT_ENV) {
-            Ok(v) => v.trim().parse::<usize>().ok().filter(|&s| s > 0).ok_or_else(|| {
-                Error::InvalidArgument(format!("{SEGMENT_ENV}={v:?} is not a positive number of bytes"))
-            })?,
-            Err(_) => DEFAULT_SEGMENT,
-        };
+        let Settings { forced_env, costs, segment } = set;
         let size = eps.len();
         let registry = Registry::of(ns)?;
         let abort = Arc::new(AbortCell::default());
@@ -247,7 +271,7 @@ impl Communicator {
         members.sort_unstable();
         let rank = members.iter().position(|(_, r)| *r == self.rank()).unwrap_or_default();
         let eps = members.iter().map(|(_, r)| self.inner.eps[*r].clone()).collect();
-        let c = Communicator::new(&self.inner.ns, id, rank, eps)?;
+        let c = Communicator::new(&self.inner.ns, id, rank, eps, Settings::of(self))?;
         let ranks: Vec<usize> = members.iter().map(|(_, r)| *r).collect();
         c.put_hosts(self.hosts().restrict(&ranks));
         Ok(Some(c.with_options((*self.opts).clone())))

@@ -186,7 +186,8 @@ impl Communicator {
             .position(|&p| p == me)
             .ok_or_else(|| Error::Bootstrap("this rank was counted as failed".into()))?;
         let eps = members.iter().map(|&p| self.inner.eps[p].clone()).collect();
-        let c = Communicator::new(&self.inner.ns, id, rank, eps)?.with_options((*self.opts).clone());
+        let set = crate::comm::Settings::of(self);
+        let c = Communicator::new(&self.inner.ns, id, rank, eps, set)?.with_options((*self.opts).clone());
         match tokio::time::timeout_at(end.into(), c.barrier()).await {
             Ok(Ok(())) => Ok(c),
             Ok(Err(e)) => Err(e),
