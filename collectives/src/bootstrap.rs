@@ -176,18 +176,26 @@ impl Communicator {
     }
 }
 
+/// How long [`absent`] looks for the addresses that did not come.
+const ABSENT_LOOK: Duration = Duration::from_secs(2);
+
 /// When waiting for every rank's address failed with `failure`: the error naming the
 /// ranks whose address is missing, or `failure` itself when the store cannot say (it
 /// fails to answer) or every address is there after all.
 async fn absent(store: &dyn Store, size: usize, deadline: Duration, failure: Error) -> Error {
-    let mut missing = Vec::new();
-    for r in 0..size {
-        match store.get(&addr_key(r)).await {
-            Ok(Some(_)) => {}
-            Ok(None) => missing.push(r.to_string()),
-            Err(_) => return failure,
+    let look = async {
+        let mut missing = Vec::new();
+        for r in 0..size {
+            match store.get(&addr_key(r)).await {
+                Ok(Some(_)) => {}
+                Ok(None) => missing.push(r.to_string()),
+                Err(_) => return None,
+            }
         }
-    }
+        Some(missing)
+    };
+    // A store that stopped answering may take its own long limit to say so.
+    let Ok(Some(missing)) = tokio::time::timeout(ABSENT_LOOK, look).await else { return failure };
     if missing.is_empty() {
         return failure;
     }

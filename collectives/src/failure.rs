@@ -188,6 +188,7 @@ impl Communicator {
         let eps = members.iter().map(|&p| self.inner.eps[p].clone()).collect();
         let set = crate::comm::Settings::of(self);
         let c = Communicator::new(&self.inner.ns, id, rank, eps, set)?.with_options((*self.opts).clone());
+        c.put_hosts(self.hosts().restrict(&members));
         match tokio::time::timeout_at(end.into(), c.barrier()).await {
             Ok(Ok(())) => Ok(c),
             Ok(Err(e)) => Err(e),

@@ -535,7 +535,8 @@ impl Communicator {
     /// Not a collective: a failure does not abort the communicator, but an aborted
     /// communicator fails it ([`Error::Aborted`]), and so does the handle's deadline
     /// ([`Error::DeadlineExceeded`]); the buffer comes back unless the transport still
-    /// holds it after that (a send UCX has not finished).
+    /// holds it after that (a send UCX has not finished). A send given up that way is
+    /// not canceled and may still arrive: a retry can deliver the message twice.
     pub fn send<T: Element>(
         &self,
         buf: Vec<T>,

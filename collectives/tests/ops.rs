@@ -269,6 +269,21 @@ async fn point_to_point_calls_end_at_the_deadline_and_on_abort() {
     assert!(matches!(f.error, Error::Aborted(_)), "{}", f.error);
 }
 
+/// A communicator shrunk to its live ranks keeps their host layout (here: all alive).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrink_keeps_the_host_layout() {
+    let (_mesh, comms) = group(4).await;
+    for c in &comms {
+        c.set_hosts(&[0u8, 0, 1, 1]).expect("hosts");
+    }
+    let shrunk =
+        all(&comms, |_, c| async move { c.shrink(Duration::from_secs(10)).await.expect("shrink") }).await;
+    for c in &shrunk {
+        assert_eq!((c.size(), c.hosts().count()), (4, 2));
+        assert!(c.hosts().same(0, 1) && !c.hosts().same(1, 2));
+    }
+}
+
 /// A communicator keeps a call's buffers for the next call emptied: a later call with no
 /// input of its own never gets an earlier call's values back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -210,6 +210,8 @@ impl TcpStore {
         let mut slot = self.conn.lock().await;
         // Taken out for the call and put back only after a whole answer: a call that
         // fails, times out or is dropped leaves no connection with a stray answer in it.
+        // One limit for the whole call, reconnecting included.
+        let end = Instant::now() + limit;
         let mut conn = match slot.take() {
             Some(c) => c,
             None => Self::open(&self.addr, limit).await?,
@@ -218,7 +220,7 @@ impl TcpStore {
             wire::send(&mut conn, &req).await?;
             wire::recv(&mut conn).await
         };
-        let r = tokio::time::timeout(limit, io).await;
+        let r = tokio::time::timeout_at(end.into(), io).await;
         if matches!(r, Ok(Ok(_))) {
             *slot = Some(conn);
         }
