@@ -73,6 +73,9 @@ fn view_of<T: Element>(b: Option<&mut SharedBuf<T>>) -> Result<&mut [T]> {
     }
 }
 
+/// Two of a call's buffers (None for one it does not have).
+type Pair<'a, T> = (Option<&'a mut SharedBuf<T>>, Option<&'a mut SharedBuf<T>>);
+
 /// The buffers a communicator keeps from one call to the next (of one element type),
 /// so that a call allocates none of its own: the shells the caller's vectors are put in
 /// and taken out of ([`SharedBuf::replace`]), and the scratch.
@@ -173,19 +176,25 @@ impl<T: Element> Bufs<T> {
         view_of(buf)
     }
 
-    /// Views of two different buffers: `(from, into)`.
-    fn two(&mut self, a: Buf, b: Buf) -> Result<(&mut [T], &mut [T])> {
+    /// Two different buffers, `(a, b)`, each None where the call has none.
+    fn pair(&mut self, a: Buf, b: Buf) -> Result<Pair<'_, T>> {
         let Bufs { data, input, scratch, .. } = self;
         let (data, input, scratch) = (Some(data), input.as_mut(), scratch.as_mut());
         Ok(match (a, b) {
-            (Buf::Data, Buf::Input) => (view_of(data)?, view_of(input)?),
-            (Buf::Data, Buf::Scratch) => (view_of(data)?, view_of(scratch)?),
-            (Buf::Input, Buf::Data) => (view_of(input)?, view_of(data)?),
-            (Buf::Input, Buf::Scratch) => (view_of(input)?, view_of(scratch)?),
-            (Buf::Scratch, Buf::Data) => (view_of(scratch)?, view_of(data)?),
-            (Buf::Scratch, Buf::Input) => (view_of(scratch)?, view_of(input)?),
+            (Buf::Data, Buf::Input) => (data, input),
+            (Buf::Data, Buf::Scratch) => (data, scratch),
+            (Buf::Input, Buf::Data) => (input, data),
+            (Buf::Input, Buf::Scratch) => (input, scratch),
+            (Buf::Scratch, Buf::Data) => (scratch, data),
+            (Buf::Scratch, Buf::Input) => (scratch, input),
             _ => return Err(Error::Internal("two views of one buffer".into())),
         })
+    }
+
+    /// Views of two different buffers: `(from, into)`.
+    fn two(&mut self, a: Buf, b: Buf) -> Result<(&mut [T], &mut [T])> {
+        let (a, b) = self.pair(a, b)?;
+        Ok((view_of(a)?, view_of(b)?))
     }
 
     /// `into = from`, or `into = into op from` when `op` is given.
@@ -223,19 +232,11 @@ impl<T: Element> Bufs<T> {
     /// transfers in flight (`Ok(false)`, nothing done, otherwise); the regions lie in
     /// different buffers.
     fn try_apply_part(&mut self, from: &Region, into: &Region, op: Option<ReduceOp>) -> Result<bool> {
-        if from.len() != into.len() || from.buf == into.buf {
+        // The input is never written.
+        if from.len() != into.len() || from.buf == into.buf || into.buf == Buf::Input {
             return Ok(false);
         }
-        let Bufs { data, input, scratch, .. } = self;
-        // The input is never written.
-        let (src, dst) = match (from.buf, into.buf) {
-            (Buf::Scratch, Buf::Data) => (scratch.as_mut(), Some(data)),
-            (Buf::Data, Buf::Scratch) => (Some(data), scratch.as_mut()),
-            (Buf::Input, Buf::Data) => (input.as_mut(), Some(data)),
-            (Buf::Input, Buf::Scratch) => (input.as_mut(), scratch.as_mut()),
-            _ => return Ok(false),
-        };
-        let (Some(src), Some(dst)) = (src, dst) else { return Err(outside(from)) };
+        let (Some(src), Some(dst)) = self.pair(from.buf, into.buf)? else { return Err(outside(from)) };
         let Some(a) = src.view_range(from.range.clone()) else { return Ok(false) };
         let Some(b) = dst.view_range(into.range.clone()) else { return Ok(false) };
         match op {
@@ -356,11 +357,6 @@ fn segments(r: &Region, seg: usize) -> impl Iterator<Item = Region> + '_ {
     (0..n).map(move |i| Region { buf: r.buf, range: at(i)..at(i + 1) })
 }
 
-/// Whether two ranges share an element.
-fn overlap(a: &Range<usize>, b: &Range<usize>) -> bool {
-    a.start < b.end && b.start < a.end
-}
-
 /// Transfers shorter than this many bytes are short: their step posts its sends first.
 const SHORT: usize = 1024;
 
@@ -457,9 +453,7 @@ async fn exchange<T: Element>(
                     // here instead (up to UCX_RNDV_SEND_NBR_THRESH, 256 KiB). 2-rank
                     // allreduce of 256 KiB: 154 -> 101 us; sends of the caller's own
                     // values stay rendezvous (eager made those 2-4x slower).
-                    let eager = bufs.written.as_ref().is_some_and(|w| {
-                        w.iter().any(|r| r.buf == from.buf && overlap(&r.range, &from.range))
-                    });
+                    let eager = bufs.written.as_ref().is_some_and(|w| w.iter().any(|r| r.overlaps(from)));
                     for part in segments(from, seg) {
                         let (ep, t, b) = (w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(&part)?);
                         let op = if eager { w.ns.tag_send_eager(ep, t, b) } else { w.ns.tag_send(ep, t, b) };

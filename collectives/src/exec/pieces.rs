@@ -23,8 +23,6 @@ pub(crate) fn plan(st: &Step) -> Option<SmallVec<[usize; 2]>> {
     if st.combines.is_empty() || st.combines.len() > usize::from(u16::MAX) {
         return None;
     }
-    let overlaps =
-        |a: &Region, b: &Region| a.buf == b.buf && a.range.start < b.range.end && b.range.start < a.range.end;
     let mut map = SmallVec::new();
     for (i, c) in st.combines.iter().enumerate() {
         let (Combine::Copy { from, into } | Combine::Reduce { from, into }) = c;
@@ -32,10 +30,10 @@ pub(crate) fn plan(st: &Step) -> Option<SmallVec<[usize; 2]>> {
             return None;
         }
         let recv = st.xfers.iter().position(|x| matches!(x, Xfer::Recv { into: r, .. } if r == from))?;
-        let landed_on = st.xfers.iter().any(|x| matches!(x, Xfer::Recv { into: r, .. } if overlaps(r, into)));
+        let landed_on = st.xfers.iter().any(|x| matches!(x, Xfer::Recv { into: r, .. } if r.overlaps(into)));
         let shared = st.combines.iter().enumerate().filter(|(j, _)| *j != i).any(|(_, d)| {
             let (Combine::Copy { from: f, into: t } | Combine::Reduce { from: f, into: t }) = d;
-            overlaps(t, into) || overlaps(f, into) || overlaps(t, from)
+            t.overlaps(into) || f.overlaps(into) || t.overlaps(from)
         });
         // One combine per receive: a piece runs one combine early.
         if landed_on || shared || map.contains(&recv) {

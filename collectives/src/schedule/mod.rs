@@ -71,6 +71,11 @@ impl Region {
     pub fn is_empty(&self) -> bool {
         self.range.is_empty()
     }
+
+    /// Whether it shares an element with `other` (same buffer, overlapping ranges).
+    pub fn overlaps(&self, other: &Region) -> bool {
+        self.buf == other.buf && self.range.start < other.range.end && other.range.start < self.range.end
+    }
 }
 
 /// A message to or from another rank.
