@@ -595,26 +595,13 @@ impl Communicator {
         let b = SharedBuf::new(buf);
         let r = {
             let mut transfer = std::pin::pin!(post(&self.inner.ns, ep, b.whole()));
-            // Registered before the check, so an abort between the two wakes it.
-            let mut aborted = std::pin::pin!(abort.notify.notified());
-            aborted.as_mut().enable();
-            let mut timer = self.opts.deadline.map(|d| (d, Box::pin(tokio::time::sleep(d))));
+            let mut watch = exec::Watch::new(abort, self.opts.deadline);
             std::future::poll_fn(|cx| {
                 if let Poll::Ready((r, slice)) = transfer.as_mut().poll(cx) {
                     drop(slice);
                     return Poll::Ready(Ok(r));
                 }
-                if abort.is_set() || aborted.as_mut().poll(cx).is_ready() {
-                    if let Some(a) = abort.get() {
-                        return Poll::Ready(Err(Error::Aborted(a)));
-                    }
-                }
-                if let Some((d, sleep)) = timer.as_mut() {
-                    if sleep.as_mut().poll(cx).is_ready() {
-                        return Poll::Ready(Err(Error::DeadlineExceeded(*d)));
-                    }
-                }
-                Poll::Pending
+                watch.poll_end(cx).map(Err)
             })
             .await
         };

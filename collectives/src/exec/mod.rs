@@ -298,7 +298,7 @@ pub(crate) async fn run<T: Element>(
     if let Some(a) = w.abort.get() {
         return Err(Error::Aborted(a));
     }
-    let mut timer = limit.map(|d| (d, Box::pin(tokio::time::sleep(d))));
+    let mut watch = Watch::new(w.abort, limit);
     if sched.steps.len() > MAX_STEPS {
         return Err(Error::InvalidArgument(format!(
             "the schedule has {} steps, more than the tag layout's {MAX_STEPS}",
@@ -313,7 +313,7 @@ pub(crate) async fn run<T: Element>(
         let mut left = None;
         if !step.xfers.is_empty() {
             let at = At { seq, step: s as u16, sync: sched.sync, op };
-            left = exchange(w, at, step, bufs, timer.as_mut()).await?;
+            left = exchange(w, at, step, bufs, &mut watch).await?;
             for x in &step.xfers {
                 if let Xfer::Recv { into, .. } = x {
                     bufs.wrote(into);
@@ -357,6 +357,45 @@ fn segments(r: &Region, seg: usize) -> impl Iterator<Item = Region> + '_ {
     (0..n).map(move |i| Region { buf: r.buf, range: at(i)..at(i + 1) })
 }
 
+/// What ends a call's wait besides its transfers: an abort of the communicator and the
+/// call's deadline (the timer made only when there is one, the abort's wake-up only once
+/// the call has to wait).
+pub(crate) struct Watch<'a> {
+    abort: &'a AbortCell,
+    aborted: Option<Pin<Box<tokio::sync::futures::Notified<'a>>>>,
+    timer: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+}
+
+impl<'a> Watch<'a> {
+    /// Watches `abort`, and a deadline `limit` from now.
+    pub(crate) fn new(abort: &'a AbortCell, limit: Option<Duration>) -> Watch<'a> {
+        Watch { abort, aborted: None, timer: limit.map(|d| (d, Box::pin(tokio::time::sleep(d)))) }
+    }
+
+    /// The error that ends the wait, if the communicator was aborted or the deadline
+    /// passed; otherwise pending, with the task woken when either happens.
+    pub(crate) fn poll_end(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Error> {
+        let abort = self.abort;
+        // Registered before the check, so an abort between the two wakes the task.
+        let wake = self.aborted.get_or_insert_with(|| {
+            let mut n = Box::pin(abort.notify.notified());
+            n.as_mut().enable();
+            n
+        });
+        if abort.is_set() || wake.as_mut().poll(cx).is_ready() {
+            if let Some(a) = abort.get() {
+                return Poll::Ready(Error::Aborted(a));
+            }
+        }
+        if let Some((d, sleep)) = self.timer.as_mut() {
+            if sleep.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Error::DeadlineExceeded(*d));
+            }
+        }
+        Poll::Pending
+    }
+}
+
 /// Transfers shorter than this many bytes are short: their step posts its sends first.
 const SHORT: usize = 1024;
 
@@ -386,7 +425,7 @@ async fn exchange<T: Element>(
     at: At,
     st: &Step,
     bufs: &mut Bufs<T>,
-    mut timer: Option<&mut (Duration, Pin<Box<tokio::time::Sleep>>)>,
+    watch: &mut Watch<'_>,
 ) -> Result<Parts> {
     let At { seq, step, sync, op: reduce } = at;
     let xfers = &st.xfers[..];
@@ -465,8 +504,6 @@ async fn exchange<T: Element>(
         }
     }
     let mut first: Option<Error> = None;
-    // Made only once the step has to wait: a wake-up when the communicator is aborted.
-    let mut aborted: Option<Pin<Box<tokio::sync::futures::Notified<'_>>>> = None;
     std::future::poll_fn(|cx| {
         let mut pending = false;
         for f in flight.iter_mut() {
@@ -528,24 +565,9 @@ async fn exchange<T: Element>(
         if !pending || first.is_some() {
             return Poll::Ready(());
         }
-        let wake = aborted.get_or_insert_with(|| {
-            let mut n = Box::pin(w.abort.notify.notified());
-            n.as_mut().enable();
-            n
-        });
-        if w.abort.is_set() || wake.as_mut().poll(cx).is_ready() {
-            if let Some(a) = w.abort.get() {
-                first.get_or_insert(Error::Aborted(a));
-            }
-            return Poll::Ready(());
-        }
-        if let Some((d, sleep)) = timer.as_mut() {
-            if sleep.as_mut().poll(cx).is_ready() {
-                first.get_or_insert(Error::DeadlineExceeded(*d));
-                return Poll::Ready(());
-            }
-        }
-        Poll::Pending
+        watch.poll_end(cx).map(|e| {
+            first.get_or_insert(e);
+        })
     })
     .await;
     match first {
