@@ -114,34 +114,18 @@ fn value<T: Element>(rank: usize, i: usize) -> T {
     T::from_small(((rank * 7 + i * 3) % 5) as u8 + 1)
 }
 
-/// One call of `op`; returns the buffer to pass to the next (the result, cut or grown
-/// back to the input's length; all-to-all's input, its result kept in `spare`).
+/// One call of an operation [`repeat`] has no loop of its own; returns the buffer to
+/// pass to the next (the result, cut or grown back to the input's length).
 async fn once<T: Element>(
     c: &Communicator,
     op: &str,
     buf: Vec<T>,
-    spare: &mut Vec<T>,
     count: usize,
     redop: ReduceOp,
     root: usize,
 ) -> Res<Vec<T>> {
     let n = c.size();
-    let err = |f: ucxkit::collectives::Failed<T>| f.error.to_string();
-    // The forms that allocate nothing per call where there are some, as nccl-tests keep
-    // their buffers from call to call.
-    let mut out = match op {
-        // The whole result buffer, this rank's block in place, from call to call.
-        "allgather" => c.allgather_in_place(buf).await.map_err(err)?,
-        "reduce_scatter" => c.reduce_scatter_in_place(buf, redop).await.map_err(err)?,
-        // The same send and receive buffers every call, as nccl-tests and MPI
-        // benchmarks keep them (a sender's buffer is not the one just received into).
-        "alltoall" => {
-            let (out, input) = c.alltoall_into(buf, std::mem::take(spare)).await.map_err(err)?;
-            *spare = out;
-            input
-        }
-        _ => result(c, op, buf, count, redop, root).await?,
-    };
+    let mut out = result(c, op, buf, count, redop, root).await?;
     match op {
         "gather" => out.truncate(count / n),
         "scatter" if c.rank() == root => out.resize(count, T::zeroed()),
@@ -150,9 +134,13 @@ async fn once<T: Element>(
     Ok(out)
 }
 
-/// `iters` calls of `op` back to back, as [`once`] makes them, each operation's loop
-/// awaiting the library's future directly (no dispatch on the name per call, which costs
-/// as much as a small collective).
+/// `iters` calls of `op` back to back, each operation's loop awaiting the library's
+/// future directly (no dispatch on the name per call, which costs as much as a small
+/// collective), in the forms that allocate nothing per call where there are some, as
+/// nccl-tests keep their buffers from call to call: allgather and reduce-scatter on the
+/// whole result buffer in place, all-to-all between the same send and receive buffers
+/// (a sender's buffer is not the one just received into; the result kept in `spare`).
+/// Returns the buffer for the next call.
 #[allow(clippy::too_many_arguments)]
 async fn repeat<T: Element>(
     c: &Communicator,
@@ -204,7 +192,7 @@ async fn repeat<T: Element>(
         }
         _ => {
             for _ in 0..iters {
-                buf = once(c, op, buf, spare, count, redop, root).await?;
+                buf = once(c, op, buf, count, redop, root).await?;
             }
         }
     }
@@ -325,7 +313,7 @@ async fn cell<T: Element>(
             while s.elapsed() < skew {
                 std::hint::spin_loop();
             }
-            buf = once(c, op, buf, &mut spare, count, redop, root).await?;
+            buf = repeat(c, op, buf, &mut spare, 1, count, redop, root).await?;
             spent += s.elapsed();
         }
     }
