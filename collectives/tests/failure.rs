@@ -45,6 +45,28 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
     assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
 }
 
+/// A collective whose future is dropped while its transfers are in flight leaves their
+/// buffers with the transport: the peer still reads what rank 0 had posted to send and
+/// sends into what it had posted to receive, and that memory stays allocated until UCX
+/// lets go (the test command runs this under valgrind, which reports any access to freed
+/// memory). The peer ends with the abort the drop sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
+    let (_mesh, comms) = group(2).await;
+    // 1 MiB of f32: rendezvous transfers into tracked buffers, piecewise combines.
+    let n = 1 << 18;
+    let mut first = Box::pin(comms[0].allreduce(vec![1f32; n], ReduceOp::Sum));
+    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
+    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
+    drop(first);
+    let late = tokio::time::timeout(BOUND, comms[1].allreduce(vec![2f32; n], ReduceOp::Sum));
+    let e = late.await.expect("ended within the bound").expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
+    // Both workers go on progressing what was left in flight.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(comms[0].aborted().is_some());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_on_one_rank_aborts_the_others() {
     let (_mesh, comms) = group(2).await;
