@@ -91,12 +91,22 @@ pub trait Kernels: Sized + Copy {
 
 /// The loop every kernel is: one pass, one operation, no branch on the operation inside,
 /// compiled for AVX2 and for the baseline and run with AVX2 where the processor has it
-/// (pulp's detection, once per call). Sum over 16 KiB of f32 in cache: 42 -> 75 GiB/s,
-/// of bf16: 4.9 -> 10.9 GiB/s (`cargo bench -p ucxkit-benches --bench reduce`).
+/// (pulp's detection, once per call; not for a few elements, where it would cost more
+/// than the loop). Sum over 16 KiB of f32 in cache: 42 -> 75 GiB/s, of bf16: 4.9 -> 10.9
+/// GiB/s (`cargo bench -p ucxkit-benches --bench reduce`).
 #[inline(always)]
 fn zip_with<T: Copy, F: Fn(T, T) -> T>(acc: &mut [T], other: &[T], f: F) {
+    if acc.len() < FEW {
+        for (a, b) in acc.iter_mut().zip(other) {
+            *a = f(*a, *b);
+        }
+        return;
+    }
     pulp::Arch::new().dispatch(Zip { acc, other, f });
 }
+
+/// Fewer elements than this are reduced without looking for vector instructions.
+const FEW: usize = 16;
 
 /// [`zip_with`]'s loop, as pulp runs it: inlined into a function compiled for each
 /// instruction set, where the compiler vectorises it with that set's registers.
@@ -244,11 +254,10 @@ mod tests {
     use super::*;
     use crate::Element;
 
-    /// Each kernel against a one-element-at-a-time reference, over a length that is not
-    /// a multiple of the half-precision block.
+    /// Each kernel against a one-element-at-a-time reference, over a few elements and
+    /// over a length that is not a multiple of the half-precision block.
     fn check<T: Element>(reference: impl Fn(ReduceOp, T, T) -> T) {
-        let n = BLOCK * 2 + 7;
-        for op in ReduceOp::ALL {
+        for (n, op) in [FEW - 1, BLOCK * 2 + 7].into_iter().flat_map(|n| ReduceOp::ALL.map(|op| (n, op))) {
             if !op.applies_to(T::DTYPE) {
                 continue;
             }
@@ -257,7 +266,7 @@ mod tests {
             let mut got = a.clone();
             T::reduce(op, &mut got, &b);
             let want: Vec<T> = a.iter().zip(&b).map(|(x, y)| reference(op, *x, *y)).collect();
-            assert_eq!(got, want, "{} {op}", T::DTYPE);
+            assert_eq!(got, want, "{} {op} over {n}", T::DTYPE);
         }
     }
 
