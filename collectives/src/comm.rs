@@ -12,6 +12,7 @@ use ucxkit_transport::{Endpoint, Namespace};
 
 use crate::abort::{AbortCell, Registry};
 use crate::error::{Error, Result};
+use crate::exec::small::SmallKept;
 use crate::exec::{Bufs, Kept};
 use crate::hosts::Hosts;
 use crate::plan::{self, Algorithm, Costs, Op, Plan};
@@ -78,6 +79,8 @@ pub(crate) struct Inner {
     plans: Mutex<PlanCache>,
     /// The buffers the last call of each element type left (a `Kept<T>` each).
     kept: Mutex<Vec<Box<dyn Any + Send>>>,
+    /// What small calls keep (see `exec::small`).
+    small: Mutex<SmallKept>,
     forced_env: Vec<(Op, Algorithm)>,
     /// The cost model's constants: the defaults, or [`plan::COSTS_ENV`]'s.
     costs: Costs,
@@ -133,7 +136,11 @@ impl Settings {
 
     /// A communicator's own, for one split from it.
     pub(crate) fn of(c: &Communicator) -> Settings {
-        Settings { forced_env: c.inner.forced_env.clone(), costs: c.inner.costs, segment: c.inner.segment }
+        Settings {
+            forced_env: c.h.inner.forced_env.clone(),
+            costs: c.h.inner.costs,
+            segment: c.h.inner.segment,
+        }
     }
 }
 
@@ -145,8 +152,14 @@ impl Settings {
 /// awaits: each call takes its sequence number when it is made).
 #[derive(Clone)]
 pub struct Communicator {
+    pub(crate) h: Arc<Handle>,
+}
+
+/// A handle on a group: the group, and the options of the calls made through it (one
+/// allocation, so that a clone costs one reference count).
+pub(crate) struct Handle {
     pub(crate) inner: Arc<Inner>,
-    pub(crate) opts: Arc<Options>,
+    pub(crate) opts: Options,
     /// Which cost constants the handle's plans are made with (0: the communicator's).
     costs_id: u64,
 }
@@ -156,7 +169,7 @@ impl std::fmt::Debug for Communicator {
         f.debug_struct("Communicator")
             .field("rank", &self.rank())
             .field("size", &self.size())
-            .field("id", &self.inner.id)
+            .field("id", &self.h.inner.id)
             .finish()
     }
 }
@@ -218,28 +231,26 @@ impl Communicator {
         if !registry.claim(id, &abort) {
             return Err(Error::InvalidArgument(format!("communicator id {id} is taken on this worker")));
         }
-        Ok(Communicator {
-            inner: Arc::new(Inner {
-                ns: ns.clone(),
-                eps,
-                rank,
-                id,
-                seq: AtomicU16::new(0),
-                plans: Mutex::new(PlanCache {
-                    map: HashMap::new(),
-                    last: None,
-                    hosts: Arc::new(Hosts::flat(size)),
-                }),
-                kept: Mutex::new(Vec::new()),
-                forced_env,
-                costs,
-                segment,
-                registry,
-                abort,
+        let inner = Arc::new(Inner {
+            ns: ns.clone(),
+            eps,
+            rank,
+            id,
+            seq: AtomicU16::new(0),
+            plans: Mutex::new(PlanCache {
+                map: HashMap::new(),
+                last: None,
+                hosts: Arc::new(Hosts::flat(size)),
             }),
-            opts: Arc::new(Options::default()),
-            costs_id: 0,
-        })
+            kept: Mutex::new(Vec::new()),
+            small: Mutex::new(SmallKept::default()),
+            forced_env,
+            costs,
+            segment,
+            registry,
+            abort,
+        });
+        Ok(Communicator { h: Arc::new(Handle { inner, opts: Options::default(), costs_id: 0 }) })
     }
 
     /// Splits the group: the ranks that pass the same `color` form a new communicator,
@@ -255,7 +266,7 @@ impl Communicator {
     /// What the two collectives report, or [`Error::InvalidArgument`] when every
     /// communicator id is taken.
     pub async fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        let free = self.inner.registry.free_map();
+        let free = self.h.inner.registry.free_map();
         let mine = vec![color.map_or(u64::MAX, u64::from), key as u64];
         let everyone = self.allgather(mine).await?;
         let free = self.allreduce(free, crate::ReduceOp::Band).await?;
@@ -270,11 +281,11 @@ impl Communicator {
             .collect();
         members.sort_unstable();
         let rank = members.iter().position(|(_, r)| *r == self.rank()).unwrap_or_default();
-        let eps = members.iter().map(|(_, r)| self.inner.eps[*r].clone()).collect();
-        let c = Communicator::new(&self.inner.ns, id, rank, eps, Settings::of(self))?;
+        let eps = members.iter().map(|(_, r)| self.h.inner.eps[*r].clone()).collect();
+        let c = Communicator::new(&self.h.inner.ns, id, rank, eps, Settings::of(self))?;
         let ranks: Vec<usize> = members.iter().map(|(_, r)| *r).collect();
         c.put_hosts(self.hosts().restrict(&ranks));
-        Ok(Some(c.with_options((*self.opts).clone())))
+        Ok(Some(c.with_options(self.h.opts.clone())))
     }
 
     /// A second communicator over the same ranks, in the same order, whose collectives
@@ -293,33 +304,33 @@ impl Communicator {
     /// (the group and its call order are shared).
     pub fn with_options(&self, opts: Options) -> Communicator {
         let costs_id = if opts.costs.is_some() { COSTS_IDS.fetch_add(1, Ordering::Relaxed) } else { 0 };
-        Communicator { inner: self.inner.clone(), opts: Arc::new(opts), costs_id }
+        Communicator { h: Arc::new(Handle { inner: self.h.inner.clone(), opts, costs_id }) }
     }
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        self.inner.rank
+        self.h.inner.rank
     }
 
     /// The number of ranks.
     pub fn size(&self) -> usize {
-        self.inner.eps.len()
+        self.h.inner.eps.len()
     }
 
     /// The communicator's id (the tag field that keeps its messages apart).
     pub fn id(&self) -> u16 {
-        self.inner.id
+        self.h.inner.id
     }
 
     /// The endpoint to rank `r` (None for this rank).
     pub fn endpoint(&self, r: usize) -> Option<&Endpoint> {
-        self.inner.eps.get(r).and_then(Option::as_ref)
+        self.h.inner.eps.get(r).and_then(Option::as_ref)
     }
 
     /// Which ranks share a host: by default, as the group's bootstrap found out (all on
     /// one host for a communicator made of endpoints, until [`Communicator::set_hosts`]).
     pub fn hosts(&self) -> Arc<Hosts> {
-        self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner).hosts.clone()
+        self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner).hosts.clone()
     }
 
     /// Says which ranks share a host: `keys[r]` is rank r's host (any value, equal for
@@ -343,7 +354,7 @@ impl Communicator {
 
     /// Sets the host layout and forgets the plans made for another.
     pub(crate) fn put_hosts(&self, hosts: Hosts) {
-        let mut cache = self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cache = self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
         if *cache.hosts != hosts {
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
@@ -354,7 +365,7 @@ impl Communicator {
     /// Takes the next call's sequence number.
     pub(crate) fn next_seq(&self) -> u16 {
         // Wraps at 2^16, as the tag's field does.
-        self.inner.seq.fetch_add(1, Ordering::Relaxed)
+        self.h.inner.seq.fetch_add(1, Ordering::Relaxed)
     }
 
     /// What runs `op` on `bytes` bytes per rank of `elem`-byte elements with `root` (0
@@ -370,14 +381,15 @@ impl Communicator {
         // A forced algorithm counts only where it can run the operation (the variable's
         // are checked when read; options' here).
         let forced = self
+            .h
             .opts
             .algorithm
             .iter()
-            .chain(&self.inner.forced_env)
+            .chain(&self.h.inner.forced_env)
             .find(|(o, a)| *o == op && op.candidates().contains(a))
             .map(|(_, a)| *a);
-        let key = (op, count, elem, root, forced, self.costs_id);
-        let mut cache = self.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = (op, count, elem, root, forced, self.h.costs_id);
+        let mut cache = self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
         // The last plan first: a loop of one collective hashes nothing.
         if let Some((k, p)) = &cache.last {
             if *k == key {
@@ -391,7 +403,7 @@ impl Communicator {
         if cache.map.len() >= PLAN_CACHE {
             cache.map.clear();
         }
-        let costs = self.opts.costs.unwrap_or(self.inner.costs);
+        let costs = self.h.opts.costs.unwrap_or(self.h.inner.costs);
         let hosts = cache.hosts.clone();
         let plan = match forced {
             Some(algorithm) => Plan {
@@ -426,7 +438,7 @@ impl Communicator {
     /// type left.
     pub(crate) fn bufs<T: Element>(&self, data: Vec<T>, input: Vec<T>, scratch: usize) -> Bufs<T> {
         let kept = {
-            let mut slots = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut slots = self.h.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
             slots.iter_mut().find_map(|b| b.downcast_mut::<Kept<T>>()).map(std::mem::take).unwrap_or_default()
         };
         Bufs::new(kept, data, input, scratch)
@@ -437,21 +449,31 @@ impl Communicator {
     /// transfer still holds stay unused until it lets go.
     pub(crate) fn keep<T: Element>(&self, bufs: Bufs<T>) {
         let kept = bufs.into_kept();
-        let mut slots = self.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut slots = self.h.inner.kept.lock().unwrap_or_else(PoisonError::into_inner);
         match slots.iter_mut().find_map(|b| b.downcast_mut::<Kept<T>>()) {
             Some(k) => *k = kept,
             None => slots.push(Box::new(kept)),
         }
     }
 
+    /// What the last small call left (empty while another small call has it).
+    pub(crate) fn take_small(&self) -> SmallKept {
+        std::mem::take(&mut *self.h.inner.small.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Keeps a small call's scratch and landing vectors for the next.
+    pub(crate) fn keep_small(&self, kept: SmallKept) {
+        *self.h.inner.small.lock().unwrap_or_else(PoisonError::into_inner) = kept;
+    }
+
     pub(crate) fn wire(&self) -> crate::exec::Wire<'_> {
         crate::exec::Wire {
-            ns: &self.inner.ns,
-            segment: self.opts.segment.unwrap_or(self.inner.segment).max(1),
-            abort: &self.inner.abort,
-            eps: &self.inner.eps,
-            rank: self.inner.rank,
-            comm: self.inner.id,
+            ns: &self.h.inner.ns,
+            segment: self.h.opts.segment.unwrap_or(self.h.inner.segment).max(1),
+            abort: &self.h.inner.abort,
+            eps: &self.h.inner.eps,
+            rank: self.h.inner.rank,
+            comm: self.h.inner.id,
         }
     }
 }

@@ -76,9 +76,9 @@ impl Communicator {
 
     /// Marks the communicator aborted and, the first time, tells every other rank.
     pub(crate) fn abort_with(&self, a: Abort) {
-        if self.inner.abort.set(a.clone()) {
+        if self.h.inner.abort.set(a.clone()) {
             tracing::warn!(comm = self.id(), rank = self.rank(), "collectives aborted: {}", a.reason);
-            abort::tell(&self.inner.ns, &self.inner.eps, self.id(), &a);
+            abort::tell(&self.h.inner.ns, &self.h.inner.eps, self.id(), &a);
         }
     }
 
@@ -90,7 +90,7 @@ impl Communicator {
 
     /// Why the communicator was aborted, if it was.
     pub fn aborted(&self) -> Option<Abort> {
-        self.inner.abort.get()
+        self.h.inner.abort.get()
     }
 
     /// A communicator of the ranks still alive, in their old order, after this one was
@@ -114,7 +114,7 @@ impl Communicator {
         if let Some(f) = self.aborted().and_then(|a| a.failed).filter(|&f| f < n) {
             failed[f] = true;
         }
-        let mut free = self.inner.registry.free_map();
+        let mut free = self.h.inner.registry.free_map();
         let mut agreed = false;
         for round in 0..n.max(2) as u16 {
             let mut msg: Vec<u64> = free.clone();
@@ -125,7 +125,7 @@ impl Communicator {
                 if let Some(ep) = self.endpoint(p) {
                     let t = tag(self.id(), round, CONTROL_STEP, p);
                     let mut into = SharedBuf::new(vec![0u64; msg.len()]);
-                    let f = self.inner.ns.tag_recv_from(ep, t, EXACT, into.whole());
+                    let f = self.h.inner.ns.tag_recv_from(ep, t, EXACT, into.whole());
                     recvs.push((p, async move {
                         let (r, slice) = f.await;
                         drop(slice);
@@ -135,7 +135,7 @@ impl Communicator {
             }
             for &p in &peers {
                 if let Some(ep) = self.endpoint(p) {
-                    let send = self.inner.ns.tag_send(
+                    let send = self.h.inner.ns.tag_send(
                         ep,
                         tag(self.id(), round, CONTROL_STEP, me),
                         SharedBuf::new(msg.clone()).whole(),
@@ -185,9 +185,9 @@ impl Communicator {
             .iter()
             .position(|&p| p == me)
             .ok_or_else(|| Error::Bootstrap("this rank was counted as failed".into()))?;
-        let eps = members.iter().map(|&p| self.inner.eps[p].clone()).collect();
+        let eps = members.iter().map(|&p| self.h.inner.eps[p].clone()).collect();
         let set = crate::comm::Settings::of(self);
-        let c = Communicator::new(&self.inner.ns, id, rank, eps, set)?.with_options((*self.opts).clone());
+        let c = Communicator::new(&self.h.inner.ns, id, rank, eps, set)?.with_options(self.h.opts.clone());
         c.put_hosts(self.hosts().restrict(&members));
         match tokio::time::timeout_at(end.into(), c.barrier()).await {
             Ok(Ok(())) => Ok(c),

@@ -12,8 +12,7 @@ use ucxkit_transport::{SharedBuf, SharedSlice};
 
 use crate::comm::Communicator;
 use crate::error::{Error, Failed, Result};
-use crate::exec::{self, Bufs};
-use crate::failure::Outcome;
+use crate::exec;
 use crate::plan::{self, Op};
 use crate::schedule::{blocks_of, even_blocks, linear, ring, Schedule};
 use crate::tag::{tag, P2P_STEP};
@@ -28,85 +27,83 @@ fn invalid<T>(buf: Vec<T>, msg: String) -> Failed<T> {
     Failed::new(Error::InvalidArgument(msg), Some(buf))
 }
 
-impl Communicator {
-    /// A collective call: takes its sequence number now, runs `body` with this
-    /// communicator and that number, and ends the call with the result (a failure
-    /// aborts the communicator; see [`crate::failure`]).
-    fn call<R, F>(
-        &self,
-        body: impl FnOnce(Communicator, u16) -> F + Send + 'static,
-    ) -> impl Future<Output = R> + Send + 'static
-    where
-        R: Outcome + Send + 'static,
-        F: Future<Output = R> + Send + 'static,
-    {
-        // The sequence number is taken now; the body's future is made where it is
-        // awaited, in place, not moved there.
-        let call = self.begin();
+/// A call's buffers after its schedule ran: how it went, and the data and input
+/// buffers where the transport let go of them.
+struct Ran<T> {
+    result: Result<()>,
+    data: Option<Vec<T>>,
+    input: Option<Vec<T>>,
+}
+
+impl<T> Ran<T> {
+    /// The data buffer, or the error with the caller's buffer (the data buffer when
+    /// `data_is_callers`, else the input). (The calls' own result type, large error
+    /// included.)
+    #[allow(clippy::result_large_err)]
+    fn data_back(self, data_is_callers: bool) -> Result<Vec<T>, Failed<T>> {
+        match (self.result, self.data) {
+            (Ok(()), Some(d)) => Ok(d),
+            (Ok(()), None) => {
+                Err(Failed::new(Error::Internal("the result buffer is still in use".into()), None))
+            }
+            (Err(e), d) if data_is_callers => Err(Failed::new(e, d)),
+            (Err(e), _) => Err(Failed::new(e, self.input)),
+        }
+    }
+}
+
+/// A collective call's future: takes the call's sequence number now, then runs `$body`
+/// with `$comm` (the communicator) and `$seq` (that number) and ends the call with the
+/// body's result (a failure aborts the communicator; see [`crate::failure`]). The body
+/// leaves early with `break $label value`, never with `return` or `?`, which would skip
+/// the ending (and abort the communicator as a dropped call). One future, not a body
+/// future nested in a call's: a small call costs about as much as moving futures.
+macro_rules! collective {
+    ($this:expr, $label:lifetime, |$comm:ident, $seq:ident| { $($body:tt)* }) => {{
+        let call = $this.begin();
         async move {
-            let r = body(call.comm.clone(), call.seq).await;
+            let ($comm, $seq) = (&call.comm, call.seq);
+            #[allow(unused_labels)]
+            let r = $label: { $($body)* };
             call.done(r)
         }
-    }
+    }};
+}
 
-    /// Runs `sched` on `bufs` under the communicator's deadline.
-    async fn execute<T: Element>(
+impl Communicator {
+    /// Runs `sched` for call `seq` on `data` (written) and `input` (read) under the
+    /// communicator's deadline, and gives back both where the transport let go of them.
+    /// `fresh`: the data buffer holds values this core just wrote (see
+    /// `Bufs::data_just_written`). A small call runs on the vectors themselves
+    /// (`exec::small`); others on shared buffers, kept from call to call.
+    async fn run<T: Element>(
         &self,
         seq: u16,
         sched: &Schedule,
-        bufs: &mut Bufs<T>,
+        mut data: Vec<T>,
+        input: Vec<T>,
         op: ReduceOp,
-    ) -> Result<()> {
+        fresh: bool,
+    ) -> Ran<T> {
         let wire = self.wire();
-        exec::run(&wire, seq, sched, bufs, op, self.opts.deadline).await
-    }
-
-    /// Runs the planned algorithm of `op` in place on `buf` (no input buffer).
-    async fn in_place<T: Element>(
-        &self,
-        seq: u16,
-        op: Op,
-        root: usize,
-        buf: Vec<T>,
-        reduce: ReduceOp,
-    ) -> Result<Vec<T>, Failed<T>> {
-        let elem = std::mem::size_of::<T>();
-        let count = buf.len();
-        let planned = self.planned(op, count, elem, root);
-        let mut bufs = self.bufs(buf, Vec::new(), planned.sched.scratch);
-        if op == Op::Allreduce {
+        let limit = self.h.opts.deadline;
+        let elems = data.len() + input.len() + sched.scratch;
+        if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
+            let mut kept = self.take_small();
+            let result = exec::small::run(&wire, seq, sched, &mut data, &input, &mut kept, op, limit).await;
+            self.keep_small(kept);
+            return Ran { result, data: Some(data), input: Some(input) };
+        }
+        let mut bufs = self.bufs(data, input, sched.scratch);
+        if fresh {
             bufs.data_just_written();
         }
-        self.finish(seq, &planned.sched, bufs, reduce, true).await
-    }
-
-    /// Runs `sched` and gives back the data buffer (on failure: the data buffer when
-    /// `data_is_callers`, else the input).
-    async fn finish<T: Element>(
-        &self,
-        seq: u16,
-        sched: &Schedule,
-        mut bufs: Bufs<T>,
-        reduce: ReduceOp,
-        data_is_callers: bool,
-    ) -> Result<Vec<T>, Failed<T>> {
-        // A call on no elements at all moves nothing (every rank knows the sizes): it
-        // returns at once, as MPI's do, without a message.
-        let nothing = bufs.is_empty();
-        let run = if nothing {
-            self.aborted().map_or(Ok(()), |a| Err(Error::Aborted(a)))
-        } else {
-            self.execute(seq, sched, &mut bufs, reduce).await
-        };
-        let r = match run {
-            Ok(()) => bufs.take_data().ok_or_else(|| {
-                Failed::new(Error::Internal("the result buffer is still in use".into()), None)
-            }),
-            Err(e) if data_is_callers => Err(Failed::new(e, bufs.take_data())),
-            Err(e) => Err(Failed::new(e, bufs.take_input())),
-        };
+        // Boxed: a large call's future is large, and every call's future would otherwise
+        // carry (and move) its room.
+        let result = Box::pin(exec::run(&wire, seq, sched, &mut bufs, op, limit)).await;
+        let (data, input) = (bufs.take_data(), bufs.take_input());
         self.keep(bufs);
-        r
+        Ran { result, data, input }
     }
 
     fn check_reduce<T: Element>(&self, op: ReduceOp) -> Option<String> {
@@ -135,11 +132,13 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
-            comm.in_place(seq, Op::Allreduce, 0, buf, op).await
+            let planned = comm.planned(Op::Allreduce, buf.len(), std::mem::size_of::<T>(), 0);
+            // The buffer holds what this core just computed, in practice.
+            comm.run(seq, &planned.sched, buf, Vec::new(), op, true).await.data_back(true)
         })
     }
 
@@ -150,11 +149,12 @@ impl Communicator {
         buf: Vec<T>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_root(root) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
-            comm.in_place(seq, Op::Broadcast, root, buf, ReduceOp::Sum).await
+            let planned = comm.planned(Op::Broadcast, buf.len(), std::mem::size_of::<T>(), root);
+            comm.run(seq, &planned.sched, buf, Vec::new(), ReduceOp::Sum, false).await.data_back(true)
         })
     }
 
@@ -166,11 +166,12 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
-            comm.in_place(seq, Op::Reduce, root, buf, op).await
+            let planned = comm.planned(Op::Reduce, buf.len(), std::mem::size_of::<T>(), root);
+            comm.run(seq, &planned.sched, buf, Vec::new(), op, false).await.data_back(true)
         })
     }
 
@@ -191,14 +192,14 @@ impl Communicator {
         buf: Vec<T>,
         counts: Vec<usize>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_counts(&counts) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             if buf.len() != counts[r] {
                 let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let blocks = blocks_of(&counts);
             let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
@@ -206,11 +207,10 @@ impl Communicator {
             // Equal blocks go by the plan; others by the ring.
             if counts.iter().all(|&c| c == counts[0]) {
                 let planned = comm.planned(Op::Allgather, counts[0], std::mem::size_of::<T>(), 0);
-                let bufs = comm.bufs(data, buf, planned.sched.scratch);
-                return comm.finish(seq, &planned.sched, bufs, ReduceOp::Sum, false).await;
+                break 'call comm.run(seq, &planned.sched, data, buf, ReduceOp::Sum, false).await.data_back(false);
             }
             let sched = ring::allgather(n, r, &blocks);
-            comm.finish(seq, &sched, comm.bufs(data, buf, 0), ReduceOp::Sum, false).await
+            comm.run(seq, &sched, data, buf, ReduceOp::Sum, false).await.data_back(false)
         })
     }
 
@@ -221,19 +221,18 @@ impl Communicator {
         &self,
         buf: Vec<T>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             let n = comm.size();
             if buf.len() % n != 0 {
                 let m = format!(
                     "an in-place allgather's buffer holds a multiple of {n} elements, not {}",
                     buf.len()
                 );
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let elem = std::mem::size_of::<T>();
             let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
-            let bufs = comm.bufs(buf, Vec::new(), planned.sched.scratch);
-            comm.finish(seq, &planned.sched, bufs, ReduceOp::Sum, true).await
+            comm.run(seq, &planned.sched, buf, Vec::new(), ReduceOp::Sum, false).await.data_back(true)
         })
     }
 
@@ -257,10 +256,10 @@ impl Communicator {
         counts: Vec<usize>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             if counts.iter().sum::<usize>() != buf.len() {
                 let m = format!(
@@ -268,7 +267,7 @@ impl Communicator {
                     counts.iter().sum::<usize>(),
                     buf.len()
                 );
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let blocks = blocks_of(&counts);
             let elem = std::mem::size_of::<T>();
@@ -282,12 +281,12 @@ impl Communicator {
                 plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
                 _ => ring::reduce_scatter(n, r, &blocks),
             };
-            let mut out =
-                comm.finish(seq, &sched, comm.bufs(buf, Vec::new(), sched.scratch), op, true).await?;
-            // This rank's block to the front, the rest cut off.
-            out.copy_within(blocks[r].clone(), 0);
-            out.truncate(blocks[r].len());
-            Ok(out)
+            comm.run(seq, &sched, buf, Vec::new(), op, false).await.data_back(true).map(|mut out| {
+                // This rank's block to the front, the rest cut off.
+                out.copy_within(blocks[r].clone(), 0);
+                out.truncate(blocks[r].len());
+                out
+            })
         })
     }
 
@@ -299,9 +298,9 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let (n, r) = (comm.size(), comm.rank());
             let elem = std::mem::size_of::<T>();
@@ -314,8 +313,7 @@ impl Communicator {
                 sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
                 &sched_owned
             };
-            let bufs = comm.bufs(buf, Vec::new(), sched.scratch);
-            comm.finish(seq, sched, bufs, op, true).await
+            comm.run(seq, sched, buf, Vec::new(), op, false).await.data_back(true)
         })
     }
 
@@ -337,30 +335,27 @@ impl Communicator {
         counts: Vec<usize>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             if buf.len() != counts[r] {
                 let m = format!("this rank's count is {} but it passes {}", counts[r], buf.len());
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let blocks = blocks_of(&counts);
             let sched = linear::gather(n, r, root, &blocks);
             if r != root {
-                let mut bufs = comm.bufs(Vec::new(), buf, 0);
-                let r = match comm.execute(seq, &sched, &mut bufs, ReduceOp::Sum).await {
-                    Ok(()) => bufs.take_input().ok_or_else(|| {
-                        Failed::new(Error::Internal("the input is still in use".into()), None)
-                    }),
-                    Err(e) => Err(Failed::new(e, bufs.take_input())),
+                let ran = comm.run(seq, &sched, Vec::new(), buf, ReduceOp::Sum, false).await;
+                break 'call match (ran.result, ran.input) {
+                    (Ok(()), Some(i)) => Ok(i),
+                    (Ok(()), None) => Err(Failed::new(Error::Internal("the input is still in use".into()), None)),
+                    (Err(e), i) => Err(Failed::new(e, i)),
                 };
-                comm.keep(bufs);
-                return r;
             }
             let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-            comm.finish(seq, &sched, comm.bufs(data, buf, 0), ReduceOp::Sum, false).await
+            comm.run(seq, &sched, data, buf, ReduceOp::Sum, false).await.data_back(false)
         })
     }
 
@@ -383,15 +378,15 @@ impl Communicator {
         counts: Vec<usize>,
         root: usize,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let total: usize = counts.iter().sum();
             if r == root && buf.len() != total {
                 let m = format!("the root's buffer holds {}, the counts add up to {total}", buf.len());
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let blocks = blocks_of(&counts);
             let sched = linear::scatter(n, r, root, &blocks);
@@ -403,7 +398,7 @@ impl Communicator {
                 b.resize(counts[r], T::zeroed());
                 (b, Vec::new())
             };
-            comm.finish(seq, &sched, comm.bufs(data, input, 0), ReduceOp::Sum, r != root).await
+            comm.run(seq, &sched, data, input, ReduceOp::Sum, false).await.data_back(r != root)
         })
     }
 
@@ -428,21 +423,21 @@ impl Communicator {
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_counts(&send_counts).or_else(|| comm.check_counts(&recv_counts)) {
-                return Err(invalid(
+                break 'call Err(invalid(
                     buf,
                     format!("{m} (an all-to-all buffer's length must be a multiple of the group's size)"),
                 ));
             }
             if send_counts.iter().sum::<usize>() != buf.len() {
-                return Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
+                break 'call Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
             }
             let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
             let sched = linear::pairwise_alltoall(n, r, &send, &recv);
             let data = vec![T::zeroed(); recv_counts.iter().sum()];
-            comm.finish(seq, &sched, comm.bufs(data, buf, 0), ReduceOp::Sum, false).await
+            comm.run(seq, &sched, data, buf, ReduceOp::Sum, false).await.data_back(false)
         })
     }
 
@@ -454,23 +449,16 @@ impl Communicator {
         buf: Vec<T>,
         mut out: Vec<T>,
     ) -> impl Future<Output = Result<(Vec<T>, Vec<T>), Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             let n = comm.size();
             if buf.len() % n != 0 {
                 let m = format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
-                return Err(Failed { output: Some(out), ..invalid(buf, m) });
+                break 'call Err(Failed { output: Some(out), ..invalid(buf, m) });
             }
             out.resize(buf.len(), T::zeroed());
             let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
-            let mut bufs = comm.bufs(out, buf, planned.sched.scratch);
-            let r = if bufs.is_empty() {
-                comm.aborted().map_or(Ok(()), |a| Err(Error::Aborted(a)))
-            } else {
-                comm.execute(seq, &planned.sched, &mut bufs, ReduceOp::Sum).await
-            };
-            let (input, output) = (bufs.take_input(), bufs.take_data());
-            comm.keep(bufs);
-            match (r, output, input) {
+            let ran = comm.run(seq, &planned.sched, out, buf, ReduceOp::Sum, false).await;
+            match (ran.result, ran.data, ran.input) {
                 (Ok(()), Some(o), Some(i)) => Ok((o, i)),
                 (Ok(()), output, input) => Err(Failed {
                     error: Error::Internal("a buffer is still in use".into()),
@@ -484,14 +472,10 @@ impl Communicator {
 
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> impl Future<Output = Result<()>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             // Planned like the others (cached, and forced by options or the variable).
             let planned = comm.planned(Op::Barrier, 0, 1, 0);
-            let sched = &planned.sched;
-            let mut bufs: Bufs<u8> = comm.bufs(Vec::new(), Vec::new(), 0);
-            let r = comm.execute(seq, sched, &mut bufs, ReduceOp::Sum).await;
-            comm.keep(bufs);
-            r
+            comm.run::<u8>(seq, &planned.sched, Vec::new(), Vec::new(), ReduceOp::Sum, false).await.result
         })
     }
 
@@ -520,13 +504,12 @@ impl Communicator {
         op: ReduceOp,
         exclusive: bool,
     ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
-        self.call(move |comm, seq| async move {
+        collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op) {
-                return Err(invalid(buf, m));
+                break 'call Err(invalid(buf, m));
             }
             let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
-            let bufs = comm.bufs(buf, Vec::new(), sched.scratch);
-            comm.finish(seq, &sched, bufs, op, true).await
+            comm.run(seq, &sched, buf, Vec::new(), op, false).await.data_back(true)
         })
     }
 
@@ -588,14 +571,14 @@ impl Communicator {
             let m = format!("no rank {peer} to {what} (this is rank {})", self.rank());
             return Err(invalid(buf, m));
         };
-        let abort = &self.inner.abort;
+        let abort = &self.h.inner.abort;
         if let Some(a) = abort.get() {
             return Err(Failed::new(Error::Aborted(a), Some(buf)));
         }
         let b = SharedBuf::new(buf);
         let r = {
-            let mut transfer = std::pin::pin!(post(&self.inner.ns, ep, b.whole()));
-            let mut watch = exec::Watch::new(abort, self.opts.deadline);
+            let mut transfer = std::pin::pin!(post(&self.h.inner.ns, ep, b.whole()));
+            let mut watch = exec::Watch::new(abort, self.h.opts.deadline);
             std::future::poll_fn(|cx| {
                 if let Poll::Ready((r, slice)) = transfer.as_mut().poll(cx) {
                     drop(slice);

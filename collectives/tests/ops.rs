@@ -394,6 +394,29 @@ async fn concurrent_collectives_do_not_cross() {
     assert!(got.iter().all(|g| *g == got[0]));
 }
 
+/// Many small calls in flight at once against a rank that starts late: the early rank
+/// sends more than the endpoint takes during a call, so later sends queue (from copies
+/// of their values); every call still ends with its own values, on both ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_small_calls_queues_behind_a_late_rank() {
+    let (_mesh, comms) = group(2).await;
+    let calls = 2000u64;
+    let got = all(&comms, |r, c| async move {
+        if r == 1 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let futs: Vec<_> =
+            (0..calls).map(|k| c.broadcast(vec![if r == 0 { k } else { u64::MAX }; 4], 0)).collect();
+        join_all(futs).await.into_iter().map(|b| b.expect("broadcast")).collect::<Vec<_>>()
+    })
+    .await;
+    for g in &got {
+        for (k, b) in g.iter().enumerate() {
+            assert_eq!(*b, vec![k as u64; 4], "call {k}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn point_to_point_messages_match_by_peer_and_tag() {
     let (_mesh, comms) = group(3).await;

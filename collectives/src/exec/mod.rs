@@ -20,6 +20,7 @@ use crate::tag::{tag, MAX_STEPS};
 use crate::{Element, ReduceOp};
 
 mod pieces;
+pub(crate) mod small;
 
 /// What the executor needs of a communicator.
 pub(crate) struct Wire<'a> {
@@ -33,6 +34,7 @@ pub(crate) struct Wire<'a> {
 }
 
 impl Wire<'_> {
+    #[inline]
     fn ep(&self, peer: usize) -> Result<&Endpoint> {
         self.eps
             .get(peer)
@@ -264,11 +266,6 @@ impl<T: Element> Bufs<T> {
         }
     }
 
-    /// Whether the call has no element to move: no data and no input.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.data.is_empty() && self.input.as_ref().map_or(true, |i| i.is_empty())
-    }
-
     /// Takes the data buffer out, if the transport let go of it.
     pub(crate) fn take_data(&mut self) -> Option<Vec<T>> {
         self.data.replace(Vec::new()).ok()
@@ -370,6 +367,11 @@ impl<'a> Watch<'a> {
     /// Watches `abort`, and a deadline `limit` from now.
     pub(crate) fn new(abort: &'a AbortCell, limit: Option<Duration>) -> Watch<'a> {
         Watch { abort, aborted: None, timer: limit.map(|d| (d, Box::pin(tokio::time::sleep(d)))) }
+    }
+
+    /// Watches `abort`, and a deadline `end`: (the limit it reports, when it passes).
+    pub(crate) fn ending(abort: &'a AbortCell, end: Option<(Duration, tokio::time::Instant)>) -> Watch<'a> {
+        Watch { abort, aborted: None, timer: end.map(|(d, at)| (d, Box::pin(tokio::time::sleep_until(at)))) }
     }
 
     /// The error that ends the wait, if the communicator was aborted or the deadline

@@ -1,0 +1,370 @@
+//! The executor for small calls (every buffer of the call together under [`SMALL`]
+//! bytes): the values stay in the caller's vectors, each send goes out from them during
+//! the call where UCX can (`try_tag_send`), and each receive lands in a small vector the
+//! communicator keeps and is copied into place. Such a call makes no shared buffer, slice
+//! or timer, which is most of what a call of a few bytes costs above its messages.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+use ucxkit_transport::{tag::EXACT, TagRecv, TagSend};
+
+use super::{Watch, Wire};
+use crate::error::{Error, Result};
+use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
+use crate::tag::{tag, MAX_STEPS};
+use crate::{Element, ReduceOp};
+
+/// Calls whose data, input and scratch hold fewer bytes than this together run here.
+pub(crate) const SMALL: usize = 1024;
+
+/// What small calls keep from one to the next: the scratch (as 8-byte words, which any
+/// element type can be viewed as) and the vectors receives land in.
+#[derive(Default)]
+pub(crate) struct SmallKept {
+    scratch: Vec<u64>,
+    landing: Vec<Vec<u8>>,
+}
+
+/// Whether a call of `elems` elements of `elem` bytes in all (data, input and scratch)
+/// runs here, when transfers longer than `segment` bytes are cut in pieces (a small call
+/// sends none of those).
+pub(crate) fn fits(elems: usize, elem: usize, segment: usize) -> bool {
+    let bytes = elems.saturating_mul(elem);
+    bytes < SMALL && bytes <= segment
+}
+
+/// A small call's buffers, as the schedule names them.
+pub(super) struct Views<'a, T> {
+    pub(super) data: &'a mut [T],
+    pub(super) input: &'a [T],
+    pub(super) scratch: &'a mut [T],
+}
+
+#[cold]
+fn outside(r: &Region) -> Error {
+    Error::Internal(format!("schedule region {r:?} is outside its buffer"))
+}
+
+impl<T: Element> Views<'_, T> {
+    fn get(&self, r: &Region) -> Result<&[T]> {
+        let b: &[T] = match r.buf {
+            Buf::Data => self.data,
+            Buf::Input => self.input,
+            Buf::Scratch => self.scratch,
+        };
+        b.get(r.range.clone()).ok_or_else(|| outside(r))
+    }
+
+    fn get_mut(&mut self, r: &Region) -> Result<&mut [T]> {
+        let b: &mut [T] = match r.buf {
+            Buf::Data => self.data,
+            Buf::Scratch => self.scratch,
+            // The input is never written.
+            Buf::Input => return Err(outside(r)),
+        };
+        b.get_mut(r.range.clone()).ok_or_else(|| outside(r))
+    }
+
+    /// `into = from`, or `into = into op from` when `op` is given.
+    fn apply(&mut self, from: &Region, into: &Region, op: Option<ReduceOp>) -> Result<()> {
+        if from.len() != into.len() {
+            return Err(Error::Internal(format!("combining regions of two lengths: {from:?} {into:?}")));
+        }
+        let Views { data, input, scratch } = self;
+        let (src, dst): (&[T], &mut [T]) = match (from.buf, into.buf) {
+            (Buf::Data, Buf::Scratch) => (data, scratch),
+            (Buf::Input, Buf::Scratch) => (input, scratch),
+            (Buf::Scratch, Buf::Data) => (scratch, data),
+            (Buf::Input, Buf::Data) => (input, data),
+            (_, Buf::Input) => return Err(outside(into)),
+            // One buffer: disjoint parts of it (schedules never combine overlapping
+            // regions); the operand is copied out first, as it is small.
+            (_, b) => {
+                let v: &mut [T] = if b == Buf::Data { data } else { scratch };
+                if from.range.end > v.len() || into.range.end > v.len() {
+                    return Err(outside(into));
+                }
+                match op {
+                    None => v.copy_within(from.range.clone(), into.range.start),
+                    Some(op) => {
+                        let operand: SmallVec<[T; 64]> = SmallVec::from_slice(&v[from.range.clone()]);
+                        T::reduce(op, &mut v[into.range.clone()], &operand);
+                    }
+                }
+                return Ok(());
+            }
+        };
+        let src = src.get(from.range.clone()).ok_or_else(|| outside(from))?;
+        let dst = dst.get_mut(into.range.clone()).ok_or_else(|| outside(into))?;
+        match op {
+            None => dst.copy_from_slice(src),
+            Some(op) => T::reduce(op, dst, src),
+        }
+        Ok(())
+    }
+}
+
+/// Runs `sched` for call `seq` on `data` (written) and `input` (read), with the scratch
+/// and landing vectors of `kept`, reducing with `op`; fails with
+/// [`Error::DeadlineExceeded`] once `limit` has passed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run<T: Element>(
+    w: &Wire<'_>,
+    seq: u16,
+    sched: &Schedule,
+    data: &mut [T],
+    input: &[T],
+    kept: &mut SmallKept,
+    op: ReduceOp,
+    limit: Option<Duration>,
+) -> Result<()> {
+    if let Some(a) = w.abort.get() {
+        return Err(Error::Aborted(a));
+    }
+    if sched.steps.len() > MAX_STEPS {
+        return Err(Error::InvalidArgument(format!(
+            "the schedule has {} steps, more than the tag layout's {MAX_STEPS}",
+            sched.steps.len()
+        )));
+    }
+    // The deadline counts from here; its timer is made only if the call has to wait.
+    let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
+    let words = (sched.scratch * std::mem::size_of::<T>()).div_ceil(8);
+    if kept.scratch.len() < words {
+        kept.scratch.resize(words, 0);
+    }
+    let scratch: &mut [T] = bytemuck::cast_slice_mut(&mut kept.scratch[..]);
+    let scratch = scratch.get_mut(..sched.scratch).ok_or_else(|| Error::Internal("scratch".into()))?;
+    let mut v = Views { data, input, scratch };
+    let mut watch = None;
+    for (s, step) in sched.steps.iter().enumerate() {
+        for (from, into) in &step.copies {
+            v.apply(from, into, None)?;
+        }
+        if !step.xfers.is_empty() {
+            let mut posted = post(w, (seq, s as u16, sched.sync), step, &v, &mut kept.landing, true)?;
+            std::future::poll_fn(|cx| match posted.poll(cx, &mut v, &mut kept.landing) {
+                Poll::Pending => {
+                    watch.get_or_insert_with(|| Watch::ending(w.abort, end)).poll_end(cx).map(Err)
+                }
+                done => done,
+            })
+            .await?;
+        }
+        for c in &step.combines {
+            match c {
+                Combine::Copy { from, into } => v.apply(from, into, None)?,
+                Combine::Reduce { from, into } => v.apply(from, into, Some(op))?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A receive in flight: the peer, the region it fills and its length in bytes.
+struct Landing<'s> {
+    peer: usize,
+    into: &'s Region,
+    want: usize,
+    op: Option<TagRecv<Vec<u8>>>,
+}
+
+/// One step's transfers in flight (a plain value, polled in place by the call's own
+/// future: no future of its own to make and move).
+struct Posted<'s> {
+    /// Sends UCX could not take during the call (rare: the vector allocates then only).
+    sends: Vec<(usize, Option<TagSend<Vec<u8>>>)>,
+    recvs: SmallVec<[Landing<'s>; 2]>,
+}
+
+/// Sends step `st`'s messages (from the buffers themselves where UCX takes them during
+/// the call, else from a copy) and posts its receives into landing vectors from `pool`.
+/// `immediate`: try the first send during the call (the calls' way; false queues them
+/// all, as when the endpoint is busy).
+fn post<'s, T: Element>(
+    w: &Wire<'_>,
+    (seq, step, sync): (u16, u16, bool),
+    st: &'s Step,
+    v: &Views<'_, T>,
+    pool: &mut Vec<Vec<u8>>,
+    mut immediate: bool,
+) -> Result<Posted<'s>> {
+    let mut sends = Vec::new();
+    for x in &st.xfers {
+        let Xfer::Send { peer, from } = x else { continue };
+        if from.is_empty() && !sync {
+            continue;
+        }
+        let (ep, t) = (w.ep(*peer)?, tag(w.comm, seq, step, w.rank));
+        let bytes: &[u8] = bytemuck::cast_slice(v.get(from)?);
+        if immediate {
+            let sent = w.ns.try_tag_send(ep, t, bytes);
+            if sent.map_err(|source| Error::Transport { rank: *peer, source })? {
+                continue;
+            }
+            // The endpoint is busy: the later sends queue behind this one.
+            immediate = false;
+        }
+        sends.push((*peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
+    }
+    let mut recvs = SmallVec::new();
+    for x in &st.xfers {
+        let Xfer::Recv { peer, into } = x else { continue };
+        if into.is_empty() && !sync {
+            continue;
+        }
+        let want = into.len() * std::mem::size_of::<T>();
+        let mut buf = pool.pop().unwrap_or_default();
+        buf.clear();
+        buf.reserve(want);
+        let op = w.ns.tag_recv_from(w.ep(*peer)?, tag(w.comm, seq, step, *peer), EXACT, buf);
+        recvs.push(Landing { peer: *peer, into, want, op: Some(op) });
+    }
+    Ok(Posted { sends, recvs })
+}
+
+impl Posted<'_> {
+    /// Ready once every transfer ended, copying each receive into place as it lands
+    /// (its vector back to `pool`); ready with the first failure at once (the transfers
+    /// still pending are dropped with `self`: their vectors stay with the transport
+    /// until UCX lets go).
+    fn poll<T: Element>(
+        &mut self,
+        cx: &mut Context<'_>,
+        v: &mut Views<'_, T>,
+        pool: &mut Vec<Vec<u8>>,
+    ) -> Poll<Result<()>> {
+        let mut pending = false;
+        for (peer, send) in self.sends.iter_mut() {
+            let Some(op) = send.as_mut() else { continue };
+            match Pin::new(op).poll(cx) {
+                Poll::Pending => pending = true,
+                Poll::Ready((r, _)) => {
+                    *send = None;
+                    if let Err(source) = r {
+                        return Poll::Ready(Err(Error::Transport { rank: *peer, source }));
+                    }
+                }
+            }
+        }
+        for r in self.recvs.iter_mut() {
+            let Some(op) = r.op.as_mut() else { continue };
+            let (res, buf) = match Pin::new(op).poll(cx) {
+                Poll::Pending => {
+                    pending = true;
+                    continue;
+                }
+                Poll::Ready(done) => done,
+            };
+            r.op = None;
+            let landed = match res {
+                Ok(info) if info.len == r.want && buf.len() == r.want => {
+                    v.get_mut(r.into).map(|dst| bytemuck::cast_slice_mut::<T, u8>(dst).copy_from_slice(&buf))
+                }
+                Ok(info) => Err(Error::Mismatch { rank: r.peer, got: Some(info.len), want: r.want }),
+                Err(ucxkit_transport::Error::Truncated { .. }) => {
+                    Err(Error::Mismatch { rank: r.peer, got: None, want: r.want })
+                }
+                Err(source) => Err(Error::Transport { rank: r.peer, source }),
+            };
+            pool.push(buf);
+            landed?;
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(Ok(()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_calls_are_those_under_the_limit_and_one_piece_each() {
+        let table = [
+            // (elements, element size, segment, fits)
+            (0, 4, usize::MAX, true),
+            (2, 4, usize::MAX, true),
+            (255, 4, usize::MAX, true),
+            (256, 4, usize::MAX, false),
+            (usize::MAX, 8, usize::MAX, false),
+            (16, 8, 64, false),
+            (16, 8, 128, true),
+        ];
+        for (elems, elem, seg, want) in table {
+            assert_eq!(fits(elems, elem, seg), want, "{elems} x {elem} B, segment {seg}");
+        }
+    }
+
+    #[test]
+    fn views_combine_across_and_within_buffers() {
+        let mut data = [1u32, 2, 3, 4];
+        let input = [10u32, 20, 30, 40];
+        let mut scratch = [0u32; 2];
+        let mut v = Views { data: &mut data, input: &input, scratch: &mut scratch };
+        v.apply(&Region::input(2..4), &Region::scratch(0..2), None).unwrap();
+        v.apply(&Region::scratch(0..2), &Region::data(0..2), Some(ReduceOp::Sum)).unwrap();
+        v.apply(&Region::data(0..2), &Region::data(2..4), Some(ReduceOp::Max)).unwrap();
+        assert!(v.apply(&Region::data(0..2), &Region::input(0..2), None).is_err());
+        assert!(v.apply(&Region::data(0..2), &Region::data(3..5), None).is_err());
+        assert!(v.apply(&Region::data(0..1), &Region::scratch(0..2), None).is_err());
+        assert_eq!(data, [31, 42, 31, 42]);
+        assert_eq!(scratch, [30, 40]);
+    }
+
+    /// One step between two ranks, each sending its data and receiving the other's into
+    /// scratch: with rank 0's send queued (a copy, as when the endpoint is busy) and rank
+    /// 1's made during the call, both land whole, and a landing vector goes back to the
+    /// pool.
+    #[tokio::test]
+    async fn queued_and_immediate_sends_land_in_place() {
+        use ucxkit_transport::namespace::COLLECTIVES;
+        use ucxkit_transport::ProgressMode;
+
+        let mesh = ucxkit_testkit::workers::mesh_with("posix,self", 2, ProgressMode::Event).await;
+        let ns: Vec<_> = mesh.workers.iter().map(|w| w.namespace(COLLECTIVES).expect("namespace")).collect();
+        let abort = crate::abort::AbortCell::default();
+        let wire = |r: usize| Wire {
+            ns: &ns[r],
+            segment: usize::MAX,
+            abort: &abort,
+            eps: &mesh.eps[r],
+            rank: r,
+            comm: 3,
+        };
+        let (w0, w1) = (wire(0), wire(1));
+        let step = |peer| Step {
+            xfers: vec![
+                Xfer::Send { peer, from: Region::data(0..3) },
+                Xfer::Recv { peer, into: Region::scratch(1..4) },
+            ],
+            ..Step::default()
+        };
+        let (s0, s1) = (step(1), step(0));
+        let (mut d0, mut d1) = ([1u32, 2, 3], [10u32, 20, 30]);
+        let (mut x0, mut x1) = ([0u32; 4], [0u32; 4]);
+        let mut v0 = Views { data: &mut d0, input: &[], scratch: &mut x0 };
+        let mut v1 = Views { data: &mut d1, input: &[], scratch: &mut x1 };
+        let (mut pool0, mut pool1) = (Vec::new(), Vec::new());
+        let mut p0 = post(&w0, (9, 2, false), &s0, &v0, &mut pool0, false).expect("post");
+        let mut p1 = post(&w1, (9, 2, false), &s1, &v1, &mut pool1, true).expect("post");
+        assert_eq!(p0.sends.len(), 1, "rank 0's send is queued");
+        let both = std::future::poll_fn(|cx| {
+            match (p0.poll(cx, &mut v0, &mut pool0), p1.poll(cx, &mut v1, &mut pool1)) {
+                (Poll::Ready(a), Poll::Ready(b)) => Poll::Ready(a.and(b)),
+                (Poll::Ready(Err(e)), _) | (_, Poll::Ready(Err(e))) => Poll::Ready(Err(e)),
+                _ => Poll::Pending,
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(10), both).await.expect("in time").expect("step");
+        assert_eq!((x0, x1), ([0, 10, 20, 30], [0, 1, 2, 3]));
+        assert_eq!((pool0.len(), pool1.len()), (1, 1));
+    }
+}
