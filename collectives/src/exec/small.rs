@@ -6,7 +6,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
 use smallvec::SmallVec;
@@ -146,14 +146,8 @@ pub(crate) async fn run<T: Element>(
             v.apply(from, into, None)?;
         }
         if !step.xfers.is_empty() {
-            let mut posted = post(w, (seq, s as u16, sched.sync), step, &v, &mut kept.landing, true)?;
-            std::future::poll_fn(|cx| match posted.poll(cx, &mut v, &mut kept.landing) {
-                Poll::Pending => {
-                    watch.get_or_insert_with(|| Watch::ending(w.abort, end)).poll_end(cx).map(Err)
-                }
-                done => done,
-            })
-            .await?;
+            let at = (seq, s as u16, sched.sync);
+            exchange(w, at, step, &mut v, &mut kept.landing, &mut watch, end, true).await?;
         }
         for c in &step.combines {
             match c {
@@ -173,27 +167,26 @@ struct Landing<'s> {
     op: Option<TagRecv<Vec<u8>>>,
 }
 
-/// One step's transfers in flight (a plain value, polled in place by the call's own
-/// future: no future of its own to make and move).
-struct Posted<'s> {
-    /// Sends UCX could not take during the call (rare: the vector allocates then only).
-    sends: Vec<(usize, Option<TagSend<Vec<u8>>>)>,
-    recvs: SmallVec<[Landing<'s>; 2]>,
-}
-
-/// Sends step `st`'s messages (from the buffers themselves where UCX takes them during
-/// the call, else from a copy) and posts its receives into landing vectors from `pool`.
-/// `immediate`: try the first send during the call (the calls' way; false queues them
-/// all, as when the endpoint is busy).
-fn post<'s, T: Element>(
-    w: &Wire<'_>,
+/// Sends one step's messages (from the buffers themselves where UCX takes them during
+/// the call, else from a copy), posts its receives into landing vectors from `pool`,
+/// and waits for all of them, copying each into place as it lands (its vector back to
+/// `pool`). The first failure is returned at once (the transfers still pending are
+/// dropped: their vectors stay with the transport until UCX lets go). `immediate`: try
+/// the first send during the call (the calls' way; false queues them all, as when the
+/// endpoint is busy).
+#[allow(clippy::too_many_arguments)]
+async fn exchange<'w, T: Element>(
+    w: &Wire<'w>,
     (seq, step, sync): (u16, u16, bool),
-    st: &'s Step,
-    v: &Views<'_, T>,
+    st: &Step,
+    v: &mut Views<'_, T>,
     pool: &mut Vec<Vec<u8>>,
+    watch: &mut Option<Watch<'w>>,
+    end: Option<(Duration, tokio::time::Instant)>,
     mut immediate: bool,
-) -> Result<Posted<'s>> {
-    let mut sends = Vec::new();
+) -> Result<()> {
+    // Sends UCX could not take during the call (rare: the vector allocates then only).
+    let mut sends: Vec<(usize, Option<TagSend<Vec<u8>>>)> = Vec::new();
     for x in &st.xfers {
         let Xfer::Send { peer, from } = x else { continue };
         if from.is_empty() && !sync {
@@ -211,7 +204,7 @@ fn post<'s, T: Element>(
         }
         sends.push((*peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
     }
-    let mut recvs = SmallVec::new();
+    let mut recvs: SmallVec<[Landing<'_>; 2]> = SmallVec::new();
     for x in &st.xfers {
         let Xfer::Recv { peer, into } = x else { continue };
         if into.is_empty() && !sync {
@@ -224,34 +217,22 @@ fn post<'s, T: Element>(
         let op = w.ns.tag_recv_from(w.ep(*peer)?, tag(w.comm, seq, step, *peer), EXACT, buf);
         recvs.push(Landing { peer: *peer, into, want, op: Some(op) });
     }
-    Ok(Posted { sends, recvs })
-}
-
-impl Posted<'_> {
-    /// Ready once every transfer ended, copying each receive into place as it lands
-    /// (its vector back to `pool`); ready with the first failure at once (the transfers
-    /// still pending are dropped with `self`: their vectors stay with the transport
-    /// until UCX lets go).
-    fn poll<T: Element>(
-        &mut self,
-        cx: &mut Context<'_>,
-        v: &mut Views<'_, T>,
-        pool: &mut Vec<Vec<u8>>,
-    ) -> Poll<Result<()>> {
+    let mut first: Option<Error> = None;
+    std::future::poll_fn(|cx| {
         let mut pending = false;
-        for (peer, send) in self.sends.iter_mut() {
+        for (peer, send) in sends.iter_mut() {
             let Some(op) = send.as_mut() else { continue };
             match Pin::new(op).poll(cx) {
                 Poll::Pending => pending = true,
                 Poll::Ready((r, _)) => {
                     *send = None;
                     if let Err(source) = r {
-                        return Poll::Ready(Err(Error::Transport { rank: *peer, source }));
+                        first.get_or_insert(Error::Transport { rank: *peer, source });
                     }
                 }
             }
         }
-        for r in self.recvs.iter_mut() {
+        for r in recvs.iter_mut() {
             let Some(op) = r.op.as_mut() else { continue };
             let (res, buf) = match Pin::new(op).poll(cx) {
                 Poll::Pending => {
@@ -272,14 +253,20 @@ impl Posted<'_> {
                 Err(source) => Err(Error::Transport { rank: r.peer, source }),
             };
             pool.push(buf);
-            landed?;
+            if let Err(e) = landed {
+                first.get_or_insert(e);
+            }
         }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(Ok(()))
+        if !pending || first.is_some() {
+            return Poll::Ready(());
         }
-    }
+        let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
+        watch.poll_end(cx).map(|e| {
+            first.get_or_insert(e);
+        })
+    })
+    .await;
+    first.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]
@@ -321,8 +308,8 @@ mod tests {
 
     /// One step between two ranks, each sending its data and receiving the other's into
     /// scratch: with rank 0's send queued (a copy, as when the endpoint is busy) and rank
-    /// 1's made during the call, both land whole, and a landing vector goes back to the
-    /// pool.
+    /// 1's made during the call, both land whole, and each landing vector goes back to
+    /// its pool.
     #[tokio::test]
     async fn queued_and_immediate_sends_land_in_place() {
         use ucxkit_transport::namespace::COLLECTIVES;
@@ -353,17 +340,12 @@ mod tests {
         let mut v0 = Views { data: &mut d0, input: &[], scratch: &mut x0 };
         let mut v1 = Views { data: &mut d1, input: &[], scratch: &mut x1 };
         let (mut pool0, mut pool1) = (Vec::new(), Vec::new());
-        let mut p0 = post(&w0, (9, 2, false), &s0, &v0, &mut pool0, false).expect("post");
-        let mut p1 = post(&w1, (9, 2, false), &s1, &v1, &mut pool1, true).expect("post");
-        assert_eq!(p0.sends.len(), 1, "rank 0's send is queued");
-        let both = std::future::poll_fn(|cx| {
-            match (p0.poll(cx, &mut v0, &mut pool0), p1.poll(cx, &mut v1, &mut pool1)) {
-                (Poll::Ready(a), Poll::Ready(b)) => Poll::Ready(a.and(b)),
-                (Poll::Ready(Err(e)), _) | (_, Poll::Ready(Err(e))) => Poll::Ready(Err(e)),
-                _ => Poll::Pending,
-            }
-        });
-        tokio::time::timeout(Duration::from_secs(10), both).await.expect("in time").expect("step");
+        let (mut watch0, mut watch1) = (None, None);
+        let queued = exchange(&w0, (9, 2, false), &s0, &mut v0, &mut pool0, &mut watch0, None, false);
+        let immediate = exchange(&w1, (9, 2, false), &s1, &mut v1, &mut pool1, &mut watch1, None, true);
+        let both = async { tokio::join!(queued, immediate) };
+        let (a, b) = tokio::time::timeout(Duration::from_secs(10), both).await.expect("in time");
+        a.and(b).expect("step");
         assert_eq!((x0, x1), ([0, 10, 20, 30], [0, 1, 2, 3]));
         assert_eq!((pool0.len(), pool1.len()), (1, 1));
     }
