@@ -79,6 +79,19 @@ async fn busy_poll_mode() {
     exchange_sizes(&server, &ep).await;
 }
 
+/// A busy-poll worker yielding after every progress call (the least spin it takes)
+/// still moves every size; the spin reads back as set, and never below one call.
+#[tokio::test]
+async fn busy_poll_mode_with_the_least_spin() {
+    let (server, _client, _a, ep) = pair_with("tcp,self", ErrorMode::Auto, ProgressMode::BusyPoll).await;
+    assert_eq!(server.busy_spin(), ucxkit::transport::DEFAULT_BUSY_SPIN);
+    for w in [&server, ep.worker()] {
+        w.set_busy_spin(0);
+        assert_eq!(w.busy_spin(), 1);
+    }
+    exchange_sizes(&server, &ep).await;
+}
+
 #[tokio::test]
 async fn peer_error_mode_over_tcp() {
     let (server, _client, accepted, ep) = pair_with("tcp,self", ErrorMode::Peer, ProgressMode::Event).await;

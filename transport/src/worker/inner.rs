@@ -21,6 +21,8 @@ pub(crate) struct WorkerInner {
     /// Layers may claim namespaces on the worker, which keeps tag bits and
     /// active-message ids from the application's calls (see [`crate::namespace`]).
     pub(crate) namespaces: bool,
+    /// Busy-poll mode: progress calls a waiting future makes before it yields.
+    pub(crate) busy_spin: std::sync::atomic::AtomicU32,
 }
 
 // SAFETY: `state` is only accessed while `lock` is held (see `locked`), and the UCX
@@ -30,9 +32,7 @@ unsafe impl Send for WorkerInner {}
 // SAFETY: as above.
 unsafe impl Sync for WorkerInner {}
 
-/// How many times a busy-poll future progresses the worker before yielding to tokio.
-const SPIN: u32 = 512;
-/// Progress calls per lock acquisition while spinning.
+/// Progress calls per lock acquisition while a busy-poll future spins.
 const SPIN_ROUND: u32 = 32;
 
 impl WorkerInner {
@@ -222,12 +222,14 @@ impl WorkerInner {
                 // Spin in rounds: each round holds the lock for up to SPIN_ROUND progress
                 // calls (so arrival is noticed within one progress call), then releases it
                 // so other threads can post.
-                for _ in 0..SPIN / SPIN_ROUND {
+                let spin = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
+                let per_round = spin.min(SPIN_ROUND);
+                for _ in 0..spin.div_ceil(per_round) {
                     let r = self.locked(|st| {
                         if let Some(t) = check(st) {
                             return Some(t);
                         }
-                        for _ in 0..SPIN_ROUND {
+                        for _ in 0..per_round {
                             if self.progress_locked(st) != 0 {
                                 if let Some(t) = check(st) {
                                     return Some(t);

@@ -46,7 +46,9 @@ use handshake_dispatch::*;
 pub(crate) use inner::*;
 pub use options::{EndpointOptions, ErrorMode, MAX_CONNECT_PAYLOAD};
 pub(crate) use parting::*;
-pub use progress::{ProgressMode, BUSY_IDLE, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET};
+pub use progress::{
+    ProgressMode, BUSY_IDLE, DEFAULT_BUSY_SPIN, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET,
+};
 pub(crate) use state::*;
 
 impl Context {
@@ -70,6 +72,7 @@ pub struct WorkerBuilder {
     no_imm: bool,
     linger: Duration,
     namespaces: bool,
+    busy_spin: u32,
 }
 
 impl WorkerBuilder {
@@ -81,7 +84,18 @@ impl WorkerBuilder {
             no_imm: false,
             linger: progress::DEFAULT_LINGER,
             namespaces: true,
+            busy_spin: DEFAULT_BUSY_SPIN,
         }
+    }
+
+    /// Busy-poll mode: how many times a waiting future progresses the worker without
+    /// result before it yields the processor (`sched_yield`) and lets tokio run other
+    /// tasks (default [`DEFAULT_BUSY_SPIN`]; at least 1). Lower it where more
+    /// busy-polling processes than processors share the machine, so that the one a
+    /// message waits for gets to run sooner; see also [`Worker::set_busy_spin`].
+    pub fn busy_spin(mut self, progress_calls: u32) -> Self {
+        self.busy_spin = progress_calls.max(1);
+        self
     }
 
     /// Event mode: how long the driver keeps progressing the worker after the last event
@@ -178,6 +192,7 @@ impl WorkerBuilder {
             no_imm: self.no_imm,
             signal: Arc::default(),
             namespaces: self.namespaces,
+            busy_spin: std::sync::atomic::AtomicU32::new(self.busy_spin),
         });
         let state_ptr = inner.state.get().cast::<c_void>();
         let am = sys::ucp_am_handler_param_t {
@@ -409,6 +424,17 @@ impl Worker {
     /// The progress mode.
     pub fn progress_mode(&self) -> ProgressMode {
         self.shared.inner.mode
+    }
+
+    /// Sets [`WorkerBuilder::busy_spin`] from now on (for futures that start waiting
+    /// afterwards, and the next round of those waiting).
+    pub fn set_busy_spin(&self, progress_calls: u32) {
+        self.shared.inner.busy_spin.store(progress_calls.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The current [`WorkerBuilder::busy_spin`].
+    pub fn busy_spin(&self) -> u32 {
+        self.shared.inner.busy_spin.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Progresses the worker once (`ucp_worker_progress`) and returns the number of events

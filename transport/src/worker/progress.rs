@@ -112,6 +112,10 @@ pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
 /// event fd.
 pub const BUSY_IDLE: Duration = Duration::from_millis(5);
 
+/// Default [`crate::WorkerBuilder::busy_spin`]: a waiting future's progress calls
+/// before it yields (some 10 us of polling here, many round trips over shared memory).
+pub const DEFAULT_BUSY_SPIN: u32 = 512;
+
 /// Default event-mode linger ([`crate::WorkerBuilder::event_linger`]): longer than a
 /// round trip over TCP loopback, so that request-reply traffic keeps the driver polling.
 pub const DEFAULT_LINGER: Duration = Duration::from_micros(50);
