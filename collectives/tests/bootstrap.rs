@@ -7,9 +7,10 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use ucxkit_collectives::store::env::detect_from;
 use ucxkit_collectives::store::{FileStore, Store, TcpStore, TcpStoreServer};
-use ucxkit_collectives::{Communicator, Error, InitOptions, ReduceOp};
+use ucxkit_collectives::{Communicator, Error, InitOptions, ReduceOp, CROWDED_SPIN};
 use ucxkit_testkit as common;
 use ucxkit_testkit::procs::{role, Group};
+use ucxkit_transport::{ProgressMode, DEFAULT_BUSY_SPIN};
 
 const TLS: &str = "posix,cma,self";
 /// Transports of ranks in processes of their own.
@@ -144,6 +145,31 @@ async fn a_failing_store_is_not_taken_for_missing_ranks() {
 }
 
 /// A free TCP port on the loopback (bound, then let go).
+/// Busy-polling ranks formed by `init_with` yield the processor sooner when their host
+/// runs more of them than it has processors: three ranks here, crowded on a host of two
+/// processors (as this one and CI's), not on one of three or more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_ranks_crowding_their_host_yield_sooner() {
+    let store = format!("127.0.0.1:{}", free_port());
+    let opts =
+        InitOptions { progress: ProgressMode::BusyPoll, transports: Some(TLS.into()), ..Default::default() };
+    let comms: Vec<Communicator> =
+        join_all((0..3).map(|r| Communicator::init_with(r, 3, &store, opts.clone())))
+            .await
+            .into_iter()
+            .map(|c| c.expect("formed"))
+            .collect();
+    let cpus = (0..)
+        .take_while(|i| std::path::Path::new(&format!("/sys/devices/system/cpu/cpu{i}")).exists())
+        .count();
+    let want = if cpus < 3 { CROWDED_SPIN } else { DEFAULT_BUSY_SPIN };
+    for c in &comms {
+        let peer = (c.rank() + 1) % 3;
+        assert_eq!(c.endpoint(peer).expect("endpoint").worker().busy_spin(), want, "{cpus} processors");
+    }
+    assert_eq!(sums_to(&comms).await, vec![vec![6; 5]; 3]);
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
