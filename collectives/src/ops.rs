@@ -435,7 +435,8 @@ impl Communicator {
                 break 'call Err(invalid(buf, "the send counts do not add up to the buffer's length".into()));
             }
             let (send, recv) = (blocks_of(&send_counts), blocks_of(&recv_counts));
-            let sched = linear::pairwise_alltoall(n, r, &send, &recv);
+            // Every block at once (see `linear::direct_alltoall`).
+            let sched = linear::direct_alltoall(n, r, &send, &recv);
             let data = vec![T::zeroed(); recv_counts.iter().sum()];
             comm.run(seq, &sched, data, buf, ReduceOp::Sum, false).await.data_back(false)
         })

@@ -88,7 +88,7 @@ impl Op {
             Op::Allgather => &[Ring, TwoLevel],
             Op::ReduceScatter => &[Ring, RingBidir],
             Op::Gather | Op::Scatter => &[Direct],
-            Op::Alltoall => &[Pairwise, Bruck],
+            Op::Alltoall => &[Direct, Pairwise, Bruck],
             Op::Barrier => &[Dissemination, Knomial(4)],
             Op::Scan => &[RecursiveDoubling],
         }
@@ -121,7 +121,8 @@ pub enum Algorithm {
     Rabenseifner,
     /// A k-nomial tree of the given radix (broadcast, reduce).
     Knomial(u8),
-    /// The root talks to every rank at once (broadcast, reduce, gather, scatter).
+    /// The root talks to every rank at once (broadcast, reduce, gather, scatter); every
+    /// rank to every other at once (all-to-all).
     Direct,
     /// Pipelined chain (broadcast).
     Chain,

@@ -160,6 +160,10 @@ fn flat(op: Op, alg: Algorithm, n: usize, r: usize, root: usize, count: usize, e
         (Op::Gather, _) => linear::gather(n, r, root, &even_blocks(count * n, n)),
         (Op::Scatter, _) => linear::scatter(n, r, root, &even_blocks(count * n, n)),
         (Op::Alltoall, Algorithm::Bruck) => linear::bruck_alltoall(n, r, count),
+        (Op::Alltoall, Algorithm::Direct) => {
+            let b = even_blocks(count * n, n);
+            linear::direct_alltoall(n, r, &b, &b)
+        }
         (Op::Alltoall, _) => {
             let b = even_blocks(count * n, n);
             linear::pairwise_alltoall(n, r, &b, &b)
