@@ -349,26 +349,26 @@ fn plan_op(op: &str) -> Option<plan::Op> {
         "broadcast" => Some(plan::Op::Broadcast),
         "reduce" => Some(plan::Op::Reduce),
         "reduce_scatter" => Some(plan::Op::ReduceScatter),
+        "allgather" => Some(plan::Op::Allgather),
+        "alltoall" => Some(plan::Op::Alltoall),
+        "barrier" => Some(plan::Op::Barrier),
         _ => None,
     }
 }
 
-/// The bytes per rank the planner is asked about.
+/// The elements per rank (per block, for the operations that cut the buffer into a
+/// block per rank) the planner is asked about.
 fn plan_bytes(op: &str, count: usize, n: usize) -> usize {
-    if op == "reduce_scatter" {
-        count / n
-    } else {
-        count
+    match op {
+        "reduce_scatter" | "allgather" | "alltoall" => count / n,
+        _ => count,
     }
 }
 
 /// The algorithm of the operations the planner does not choose for.
 fn fixed_algo(op: &str) -> &'static str {
     match op {
-        "allgather" => "ring",
-        "alltoall" => "pairwise",
         "gather" | "scatter" => "direct",
-        "barrier" => "dissemination",
         _ => "doubling",
     }
 }
