@@ -85,7 +85,7 @@ impl Op {
             Op::Allreduce => &[RecursiveDoubling, Rabenseifner, Ring, DoubleTree, TwoLevel],
             Op::Broadcast => &[Knomial(2), Knomial(4), Direct, Chain, ScatterAllgather, DoubleTree, TwoLevel],
             Op::Reduce => &[Knomial(2), Knomial(4), Direct, DoubleTree],
-            Op::Allgather => &[Ring, TwoLevel],
+            Op::Allgather => &[Ring, Direct, TwoLevel],
             Op::ReduceScatter => &[Ring, RingBidir],
             Op::Gather | Op::Scatter => &[Direct],
             Op::Alltoall => &[Direct, Pairwise, Bruck],
@@ -122,7 +122,7 @@ pub enum Algorithm {
     /// A k-nomial tree of the given radix (broadcast, reduce).
     Knomial(u8),
     /// The root talks to every rank at once (broadcast, reduce, gather, scatter); every
-    /// rank to every other at once (all-to-all).
+    /// rank to every other at once (allgather, all-to-all).
     Direct,
     /// Pipelined chain (broadcast).
     Chain,

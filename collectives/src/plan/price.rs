@@ -152,6 +152,7 @@ fn flat(op: Op, alg: Algorithm, n: usize, r: usize, root: usize, count: usize, e
         (Op::Reduce, Algorithm::Knomial(k)) => tree::knomial_reduce(n, r, root, count, k.into()),
         (Op::Reduce, Algorithm::DoubleTree) => tree::dbtree_reduce(n, r, root, count),
         (Op::Reduce, _) => tree::knomial_reduce(n, r, root, count, n.max(2)),
+        (Op::Allgather, Algorithm::Direct) => linear::direct_allgather(n, r, &even_blocks(count * n, n)),
         (Op::Allgather, _) => ring::allgather(n, r, &even_blocks(count * n, n)),
         (Op::ReduceScatter, Algorithm::RingBidir) => {
             ring::reduce_scatter_bidir(n, r, &even_blocks(count * n, n))

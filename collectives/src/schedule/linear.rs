@@ -67,6 +67,20 @@ pub fn direct_alltoall(n: usize, r: usize, send: &[Range<usize>], recv: &[Range<
     s
 }
 
+/// Direct allgather, in place: rank `r`'s block (`blocks[r]` of its data) to every rank
+/// and every other block from its rank at once, in one step (the same order as
+/// [`direct_alltoall`]). The ring moves the same bytes in n - 1 steps, each waiting for a
+/// neighbour: 4 ranks on 2 cores, 16 B, 6.6-8.0 -> 4.7-5.4 us.
+pub fn direct_allgather(n: usize, r: usize, blocks: &[Range<usize>]) -> Schedule {
+    let mut s = Schedule::default();
+    for k in 1..n {
+        let (to, from) = (add_mod(r, k, n), sub_mod(r, k, n));
+        s.send(0, to, Region::data(blocks[r].clone()));
+        s.recv(0, from, Region::data(blocks[from].clone()));
+    }
+    s
+}
+
 /// Bruck's all-to-all for blocks of `b` elements: ceil(log2 n) steps instead of n - 1,
 /// each sending the blocks whose index has bit k set to rank `r + 2^k`, packed into one
 /// message: fewer, larger messages, for small blocks where latency dominates. Blocks
@@ -160,6 +174,29 @@ mod tests {
                 }
                 let rounds = (n as f64).log2().ceil() as usize;
                 assert_eq!(scheds[0].steps.iter().filter(|s| !s.xfers.is_empty()).count(), rounds);
+            }
+        }
+    }
+
+    #[test]
+    fn direct_allgather_fills_every_block_in_one_step() {
+        for n in SIZES {
+            for per in [0, 1, 3] {
+                let blocks = even_blocks(n * per, n);
+                let data: Vec<Vec<u32>> = (0..n)
+                    .map(|r| {
+                        (0..n * per)
+                            .map(|i| if blocks[r].contains(&i) { (r * 1000 + i) as u32 } else { 0 })
+                            .collect()
+                    })
+                    .collect();
+                let want: Vec<u32> = (0..n * per)
+                    .map(|i| (blocks.iter().position(|b| b.contains(&i)).unwrap_or(0) * 1000 + i) as u32)
+                    .collect();
+                let scheds: Vec<_> = (0..n).map(|r| direct_allgather(n, r, &blocks)).collect();
+                assert!(scheds.iter().all(|s| s.steps.len() <= 1), "n {n}");
+                let got = run(&scheds, data, vec![vec![]; n], ReduceOp::Sum);
+                assert!(got.iter().all(|g| *g == want), "n {n} per {per}");
             }
         }
     }
