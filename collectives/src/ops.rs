@@ -279,6 +279,7 @@ impl Communicator {
             };
             let sched = match alg {
                 plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
+                plan::Algorithm::Direct => linear::direct_reduce_scatter(n, r, &blocks),
                 _ => ring::reduce_scatter(n, r, &blocks),
             };
             comm.run(seq, &sched, buf, Vec::new(), op, false).await.data_back(true).map(|mut out| {

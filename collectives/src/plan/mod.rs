@@ -86,7 +86,7 @@ impl Op {
             Op::Broadcast => &[Knomial(2), Knomial(4), Direct, Chain, ScatterAllgather, DoubleTree, TwoLevel],
             Op::Reduce => &[Knomial(2), Knomial(4), Direct, DoubleTree],
             Op::Allgather => &[Ring, Direct, TwoLevel],
-            Op::ReduceScatter => &[Ring, RingBidir],
+            Op::ReduceScatter => &[Ring, RingBidir, Direct],
             Op::Gather | Op::Scatter => &[Direct],
             Op::Alltoall => &[Direct, Pairwise, Bruck],
             Op::Barrier => &[Dissemination, Knomial(4)],
@@ -122,7 +122,7 @@ pub enum Algorithm {
     /// A k-nomial tree of the given radix (broadcast, reduce).
     Knomial(u8),
     /// The root talks to every rank at once (broadcast, reduce, gather, scatter); every
-    /// rank to every other at once (allgather, all-to-all).
+    /// rank to every other at once (allgather, reduce-scatter, all-to-all).
     Direct,
     /// Pipelined chain (broadcast).
     Chain,

@@ -81,6 +81,21 @@ pub fn direct_allgather(n: usize, r: usize, blocks: &[Range<usize>]) -> Schedule
     s
 }
 
+/// Direct reduce-scatter: rank `r` sends block i of its data to rank i and receives
+/// block r from every rank at once, into scratch (n - 1 blocks of its own length), each
+/// reduced into its block as it lands; `blocks[r]` of its data ends reduced. The ring
+/// moves the same bytes in n - 1 steps, each waiting for a neighbour.
+pub fn direct_reduce_scatter(n: usize, r: usize, blocks: &[Range<usize>]) -> Schedule {
+    let mut s = Schedule::default();
+    let len = blocks[r].len();
+    for k in 1..n {
+        let (to, from) = (add_mod(r, k, n), sub_mod(r, k, n));
+        s.send(0, to, Region::data(blocks[to].clone()));
+        s.recv_reduce(0, from, (k - 1) * len..k * len, Region::data(blocks[r].clone()));
+    }
+    s
+}
+
 /// Bruck's all-to-all for blocks of `b` elements: ceil(log2 n) steps instead of n - 1,
 /// each sending the blocks whose index has bit k set to rank `r + 2^k`, packed into one
 /// message: fewer, larger messages, for small blocks where latency dominates. Blocks
@@ -197,6 +212,26 @@ mod tests {
                 assert!(scheds.iter().all(|s| s.steps.len() <= 1), "n {n}");
                 let got = run(&scheds, data, vec![vec![]; n], ReduceOp::Sum);
                 assert!(got.iter().all(|g| *g == want), "n {n} per {per}");
+            }
+        }
+    }
+
+    #[test]
+    fn direct_reduce_scatter_reduces_each_block_on_its_rank() {
+        for n in SIZES {
+            for count in [0, 1, n, 3 * n + 1] {
+                let blocks = even_blocks(count, n);
+                let data: Vec<Vec<u32>> = (0..n).map(|r| contribution(r, count)).collect();
+                let scheds: Vec<_> = (0..n).map(|r| direct_reduce_scatter(n, r, &blocks)).collect();
+                assert!(scheds.iter().all(|s| s.steps.len() <= 1), "n {n}");
+                let got = run(&scheds, data.clone(), vec![vec![]; n], ReduceOp::Sum);
+                for r in 0..n {
+                    let want: Vec<u32> = blocks[r]
+                        .clone()
+                        .map(|i| data.iter().map(|d| d[i]).fold(0, u32::wrapping_add))
+                        .collect();
+                    assert_eq!(got[r][blocks[r].clone()], want, "n {n} count {count} rank {r}");
+                }
             }
         }
     }
