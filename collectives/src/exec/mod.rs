@@ -63,8 +63,55 @@ fn in_use() -> Error {
 }
 
 #[cold]
-fn outside(r: &Region) -> Error {
+pub(super) fn outside(r: &Region) -> Error {
     Error::Internal(format!("schedule region {r:?} is outside its buffer"))
+}
+
+/// An error unless `from` and `into` have the same length.
+pub(super) fn same_length(from: &Region, into: &Region) -> Result<()> {
+    if from.len() == into.len() {
+        return Ok(());
+    }
+    Err(Error::Internal(format!("combining regions of two lengths: {from:?} {into:?}")))
+}
+
+/// `dst[into] = src[from]`, or `dst[into] op= src[from]`: regions of two buffers, given
+/// as their values.
+pub(super) fn combine<T: Element>(
+    src: &[T],
+    from: &Region,
+    dst: &mut [T],
+    into: &Region,
+    op: Option<ReduceOp>,
+) -> Result<()> {
+    let src = src.get(from.range.clone()).ok_or_else(|| outside(from))?;
+    let dst = dst.get_mut(into.range.clone()).ok_or_else(|| outside(into))?;
+    match op {
+        None => dst.copy_from_slice(src),
+        Some(op) => T::reduce(op, dst, src),
+    }
+    Ok(())
+}
+
+/// [`combine`] between two disjoint regions of one buffer's values `v` (schedules never
+/// combine overlapping ones); a reduction's operand is copied out first.
+pub(super) fn combine_within<T: Element>(
+    v: &mut [T],
+    from: &Region,
+    into: &Region,
+    op: Option<ReduceOp>,
+) -> Result<()> {
+    if from.range.end > v.len() || into.range.end > v.len() {
+        return Err(outside(into));
+    }
+    match op {
+        None => v.copy_within(from.range.clone(), into.range.start),
+        Some(op) => {
+            let operand: SmallVec<[T; 64]> = SmallVec::from_slice(&v[from.range.clone()]);
+            T::reduce(op, &mut v[into.range.clone()], &operand);
+        }
+    }
+    Ok(())
 }
 
 /// The values of a buffer the call may not have (none: no values).
@@ -201,33 +248,12 @@ impl<T: Element> Bufs<T> {
 
     /// `into = from`, or `into = into op from` when `op` is given.
     fn apply(&mut self, from: &Region, into: &Region, op: Option<ReduceOp>) -> Result<()> {
-        if from.len() != into.len() {
-            return Err(Error::Internal(format!("combining regions of two lengths: {from:?} {into:?}")));
-        }
+        same_length(from, into)?;
         if from.buf == into.buf {
-            let v = self.view(from.buf)?;
-            if from.range.end > v.len() || into.range.end > v.len() {
-                return Err(outside(into));
-            }
-            match op {
-                None => v.copy_within(from.range.clone(), into.range.start),
-                Some(op) => {
-                    // Disjoint parts of one buffer (schedules never reduce a region into
-                    // an overlapping one).
-                    let operand = v[from.range.clone()].to_vec();
-                    T::reduce(op, &mut v[into.range.clone()], &operand);
-                }
-            }
-            return Ok(());
+            return combine_within(self.view(from.buf)?, from, into, op);
         }
         let (src, dst) = self.two(from.buf, into.buf)?;
-        let src = src.get(from.range.clone()).ok_or_else(|| outside(from))?;
-        let dst = dst.get_mut(into.range.clone()).ok_or_else(|| outside(into))?;
-        match op {
-            None => dst.copy_from_slice(src),
-            Some(op) => T::reduce(op, dst, src),
-        }
-        Ok(())
+        combine(src, from, dst, into, op)
     }
 
     /// `into = from` (or `into op= from`) when both regions' values are free of the

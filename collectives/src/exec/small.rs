@@ -12,7 +12,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 use ucxkit_transport::{tag::EXACT, TagRecv, TagSend};
 
-use super::{Watch, Wire};
+use super::{combine, combine_within, outside, same_length, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::{tag, MAX_STEPS};
@@ -44,11 +44,6 @@ pub(super) struct Views<'a, T> {
     pub(super) scratch: &'a mut [T],
 }
 
-#[cold]
-fn outside(r: &Region) -> Error {
-    Error::Internal(format!("schedule region {r:?} is outside its buffer"))
-}
-
 impl<T: Element> Views<'_, T> {
     fn get(&self, r: &Region) -> Result<&[T]> {
         let b: &[T] = match r.buf {
@@ -71,9 +66,7 @@ impl<T: Element> Views<'_, T> {
 
     /// `into = from`, or `into = into op from` when `op` is given.
     fn apply(&mut self, from: &Region, into: &Region, op: Option<ReduceOp>) -> Result<()> {
-        if from.len() != into.len() {
-            return Err(Error::Internal(format!("combining regions of two lengths: {from:?} {into:?}")));
-        }
+        same_length(from, into)?;
         let Views { data, input, scratch } = self;
         let (src, dst): (&[T], &mut [T]) = match (from.buf, into.buf) {
             (Buf::Data, Buf::Scratch) => (data, scratch),
@@ -81,30 +74,10 @@ impl<T: Element> Views<'_, T> {
             (Buf::Scratch, Buf::Data) => (scratch, data),
             (Buf::Input, Buf::Data) => (input, data),
             (_, Buf::Input) => return Err(outside(into)),
-            // One buffer: disjoint parts of it (schedules never combine overlapping
-            // regions); the operand is copied out first, as it is small.
-            (_, b) => {
-                let v: &mut [T] = if b == Buf::Data { data } else { scratch };
-                if from.range.end > v.len() || into.range.end > v.len() {
-                    return Err(outside(into));
-                }
-                match op {
-                    None => v.copy_within(from.range.clone(), into.range.start),
-                    Some(op) => {
-                        let operand: SmallVec<[T; 64]> = SmallVec::from_slice(&v[from.range.clone()]);
-                        T::reduce(op, &mut v[into.range.clone()], &operand);
-                    }
-                }
-                return Ok(());
-            }
+            (_, Buf::Data) => return combine_within(data, from, into, op),
+            (_, Buf::Scratch) => return combine_within(scratch, from, into, op),
         };
-        let src = src.get(from.range.clone()).ok_or_else(|| outside(from))?;
-        let dst = dst.get_mut(into.range.clone()).ok_or_else(|| outside(into))?;
-        match op {
-            None => dst.copy_from_slice(src),
-            Some(op) => T::reduce(op, dst, src),
-        }
-        Ok(())
+        combine(src, from, dst, into, op)
     }
 }
 
