@@ -20,7 +20,7 @@ pub struct InitOptions {
     /// Forming the group fails past this.
     pub deadline: Duration,
     /// The progress mode of the worker it makes. In busy-poll mode, where this host runs
-    /// more of the group's ranks than this process has processors, the worker's waiting
+    /// more of the group's ranks than the host has processors online, the worker's waiting
     /// calls yield the processor after [`CROWDED_SPIN`] fruitless progress calls instead
     /// of the transport's default ([`Worker::set_busy_spin`]).
     pub progress: ProgressMode,

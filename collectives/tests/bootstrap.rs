@@ -144,7 +144,6 @@ async fn a_failing_store_is_not_taken_for_missing_ranks() {
     assert!(e.to_string().contains("connection broke") && !e.to_string().contains("never came"), "{e}");
 }
 
-/// A free TCP port on the loopback (bound, then let go).
 /// Busy-polling ranks formed by `init_with` yield the processor sooner when their host
 /// runs more of them than it has processors: three ranks here, crowded on a host of two
 /// processors (as this one and CI's), not on one of three or more.
@@ -170,6 +169,7 @@ async fn busy_ranks_crowding_their_host_yield_sooner() {
     assert_eq!(sums_to(&comms).await, vec![vec![6; 5]; 3]);
 }
 
+/// A free TCP port on the loopback (bound, then let go).
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }

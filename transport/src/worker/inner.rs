@@ -222,14 +222,15 @@ impl WorkerInner {
                 // Spin in rounds: each round holds the lock for up to SPIN_ROUND progress
                 // calls (so arrival is noticed within one progress call), then releases it
                 // so other threads can post.
-                let spin = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
-                let per_round = spin.min(SPIN_ROUND);
-                for _ in 0..spin.div_ceil(per_round) {
+                let mut left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
+                while left > 0 {
+                    let round = left.min(SPIN_ROUND);
+                    left -= round;
                     let r = self.locked(|st| {
                         if let Some(t) = check(st) {
                             return Some(t);
                         }
-                        for _ in 0..per_round {
+                        for _ in 0..round {
                             if self.progress_locked(st) != 0 {
                                 if let Some(t) = check(st) {
                                     return Some(t);
