@@ -54,6 +54,10 @@ pub(crate) async fn run(args: &Args, np: usize, ours: &[CollRow]) -> Result<Vec<
     let mut rows = Vec::new();
     for op in ops {
         let sizes: Vec<String> = ours.iter().filter(|r| r.op == op).map(|r| r.bytes.to_string()).collect();
+        // Each cell as many timed calls as ucxkit's made (it cuts large cells to half a
+        // second).
+        let iters: Vec<String> =
+            ours.iter().filter(|r| r.op == op).map(|r| r.iters.max(1).to_string()).collect();
         let mut c = tokio::process::Command::new("mpirun");
         c.args(["-np", &np.to_string(), "--allow-run-as-root", "--oversubscribe"])
             .args(["--mca", "pml", "ucx", "--mca", "pml_ucx_tls", "any", "--mca", "pml_ucx_devices", "any"])
@@ -68,7 +72,7 @@ pub(crate) async fn run(args: &Args, np: usize, ours: &[CollRow]) -> Result<Vec<
             eprintln!("ucxkit-coll: Open MPI always polls; its figures are busy-mode figures");
         }
         c.arg(&exe)
-            .args([op, &sizes.join(","), &args.dtype, &args.iters.to_string(), &args.warmup.to_string()])
+            .args([op, &sizes.join(","), &args.dtype, &iters.join(","), &args.warmup.to_string()])
             .arg(args.root.min(np - 1).to_string())
             .arg(&args.redop)
             .kill_on_drop(true);

@@ -3,8 +3,9 @@
  * rank's mean), printed by rank 0 as one JSON object per line.
  *
  *   mpi_bench OPS SIZES DTYPE ITERS WARMUP ROOT REDOP
- *   (OPS and SIZES comma-separated; sizes in bytes, as ucxkit-coll counts them; REDOP
- *   one of sum, prod, min, max, band, bor, bxor) */
+ *   (OPS and SIZES comma-separated; sizes in bytes, as ucxkit-coll counts them; ITERS one
+ *   count, or a comma-separated count per size (the last repeated for sizes beyond it);
+ *   REDOP one of sum, prod, min, max, band, bor, bxor) */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -73,12 +74,20 @@ int main(int argc, char **argv) {
         if (rank == 0) fprintf(stderr, "mpi_bench: no MPI type for %s\n", argv[3]);
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
-    long iters = atol(argv[4]), warmup = atol(argv[5]);
+    long warmup = atol(argv[5]);
     int root = atoi(argv[6]);
     char *ops = strdup(argv[1]);
     for (char *op = strtok(ops, ","); op; op = strtok(NULL, ",")) {
         char *sizes = strdup(argv[2]), *save = NULL;
+        const char *next_iters = argv[4];
+        long iters = 1;
         for (char *s = strtok_r(sizes, ",", &save); s; s = strtok_r(NULL, ",", &save)) {
+            if (*next_iters) {
+                char *end;
+                iters = strtol(next_iters, &end, 10);
+                next_iters = *end == ',' ? end + 1 : end;
+            }
+            if (iters < 1) iters = 1;
             size_t bytes = strtoull(s, NULL, 10), count = bytes / elem;
             char *a = malloc((count ? count : 1) * elem), *b = malloc((count ? count : 1) * elem);
             /* Written, as ucxkit-coll's buffers are: untouched calloc memory maps every
@@ -93,8 +102,8 @@ int main(int argc, char **argv) {
             double mine = (MPI_Wtime() - t0) / (double)iters, slowest;
             MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
             if (rank == 0)
-                printf("{\"op\":\"%s\",\"bytes\":%zu,\"np\":%d,\"dtype\":\"%s\",\"time_us\":%.4f}\n", op, bytes, np,
-                       argv[3], slowest * 1e6);
+                printf("{\"op\":\"%s\",\"bytes\":%zu,\"np\":%d,\"dtype\":\"%s\",\"time_us\":%.4f,\"iters\":%ld}\n", op,
+                       bytes, np, argv[3], slowest * 1e6, iters);
             fflush(stdout);
             free(a);
             free(b);

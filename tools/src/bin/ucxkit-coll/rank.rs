@@ -338,6 +338,7 @@ async fn cell<T: Element>(
         algo: planned.map_or_else(|| fixed_algo(op).into(), |p| p.algorithm.to_string()),
         time_us: slowest * 1e6,
         wrong,
+        iters,
         source: "ucxkit".into(),
     })
 }

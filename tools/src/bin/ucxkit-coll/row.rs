@@ -17,6 +17,8 @@ pub(crate) struct CollRow {
     pub(crate) algo: String,
     pub(crate) time_us: f64,
     pub(crate) wrong: Option<u64>,
+    /// The timed calls the time is the mean of.
+    pub(crate) iters: u64,
     /// `ucxkit` or `mpi`.
     pub(crate) source: String,
 }
@@ -50,7 +52,8 @@ impl CollRow {
         json!({
             "op": self.op, "bytes": self.bytes, "count": self.count, "np": self.np, "dtype": self.dtype,
             "redop": self.redop, "root": self.root, "algo": self.algo, "time_us": self.time_us,
-            "algbw_gbps": self.algbw(), "busbw_gbps": self.busbw(), "wrong": self.wrong, "source": self.source,
+            "algbw_gbps": self.algbw(), "busbw_gbps": self.busbw(), "wrong": self.wrong, "iters": self.iters,
+            "source": self.source,
         })
         .to_string()
     }
@@ -71,6 +74,7 @@ impl CollRow {
             algo: if source == "mpi" { "mpi".into() } else { s("algo") },
             time_us: v.get("time_us")?.as_f64()?,
             wrong: v.get("wrong").and_then(|x| x.as_u64()),
+            iters: v.get("iters").and_then(|x| x.as_u64()).unwrap_or(0),
             source: source.into(),
         })
     }
@@ -152,6 +156,7 @@ mod tests {
             algo: "ring".into(),
             time_us: 100.0,
             wrong: Some(0),
+            iters: 250,
             source: "ucxkit".into(),
         };
         assert_eq!(CollRow::from_json(&r.json(), "ucxkit"), Some(r.clone()));
