@@ -11,7 +11,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use smallvec::SmallVec;
-use ucxkit_transport::{tag::EXACT, Endpoint, Namespace, SharedBuf, SharedSlice, TagRecv, TagSend};
+use ucxkit_transport::{tag::EXACT, Endpoint, Namespace, SharedBuf, SharedSlice, TagInfo, TagRecv, TagSend};
 
 use crate::abort::AbortCell;
 use crate::error::{Error, Result};
@@ -318,16 +318,8 @@ pub(crate) async fn run<T: Element>(
     op: ReduceOp,
     limit: Option<Duration>,
 ) -> Result<()> {
-    if let Some(a) = w.abort.get() {
-        return Err(Error::Aborted(a));
-    }
+    can_start(w, sched)?;
     let mut watch = Watch::new(w.abort, limit);
-    if sched.steps.len() > MAX_STEPS {
-        return Err(Error::InvalidArgument(format!(
-            "the schedule has {} steps, more than the tag layout's {MAX_STEPS}",
-            sched.steps.len()
-        )));
-    }
     for (s, step) in sched.steps.iter().enumerate() {
         for (from, into) in &step.copies {
             bufs.apply(from, into, None)?;
@@ -368,6 +360,33 @@ pub(crate) async fn run<T: Element>(
         }
     }
     Ok(())
+}
+
+/// Whether a call may start `sched`: not on an aborted communicator, and not with more
+/// steps than the tag layout numbers.
+pub(super) fn can_start(w: &Wire<'_>, sched: &Schedule) -> Result<()> {
+    if let Some(a) = w.abort.get() {
+        return Err(Error::Aborted(a));
+    }
+    if sched.steps.len() > MAX_STEPS {
+        return Err(Error::InvalidArgument(format!(
+            "the schedule has {} steps, more than the tag layout's {MAX_STEPS}",
+            sched.steps.len()
+        )));
+    }
+    Ok(())
+}
+
+/// What a receive of `want` bytes from rank `peer` ended with, as the call's error.
+pub(super) fn received(peer: usize, want: usize, r: ucxkit_transport::Result<TagInfo>) -> Result<()> {
+    match r {
+        Ok(info) if info.len == want => Ok(()),
+        Ok(info) => Err(Error::Mismatch { rank: peer, got: Some(info.len), want }),
+        Err(ucxkit_transport::Error::Truncated { .. }) => {
+            Err(Error::Mismatch { rank: peer, got: None, want })
+        }
+        Err(source) => Err(Error::Transport { rank: peer, source }),
+    }
 }
 
 /// `r` cut into pieces of at most `seg` elements (one piece when it is shorter, or
@@ -548,8 +567,8 @@ async fn exchange<T: Element>(
                         pending = true;
                         continue;
                     }
-                    Poll::Ready((r, piece)) => match r {
-                        Ok(info) if info.len == *want => {
+                    Poll::Ready((r, piece)) => match received(*peer, *want, r) {
+                        Ok(()) => {
                             let at = piece.range();
                             // The piece's buffer let go first: its values are free.
                             drop(piece);
@@ -572,11 +591,7 @@ async fn exchange<T: Element>(
                                 None => Ok(()),
                             }
                         }
-                        Ok(info) => Err(Error::Mismatch { rank: *peer, got: Some(info.len), want: *want }),
-                        Err(ucxkit_transport::Error::Truncated { .. }) => {
-                            Err(Error::Mismatch { rank: *peer, got: None, want: *want })
-                        }
-                        Err(source) => Err(Error::Transport { rank: *peer, source }),
+                        Err(e) => Err(e),
                     },
                 },
                 InFlight::Done => continue,

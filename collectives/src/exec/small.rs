@@ -12,10 +12,10 @@ use std::time::Duration;
 use smallvec::SmallVec;
 use ucxkit_transport::{tag::EXACT, TagRecv, TagSend};
 
-use super::{combine, combine_within, outside, same_length, Watch, Wire};
+use super::{can_start, combine, combine_within, outside, received, same_length, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
-use crate::tag::{tag, MAX_STEPS};
+use crate::tag::tag;
 use crate::{Element, ReduceOp};
 
 /// Calls whose data, input and scratch hold fewer bytes than this together run here.
@@ -95,15 +95,7 @@ pub(crate) async fn run<T: Element>(
     op: ReduceOp,
     limit: Option<Duration>,
 ) -> Result<()> {
-    if let Some(a) = w.abort.get() {
-        return Err(Error::Aborted(a));
-    }
-    if sched.steps.len() > MAX_STEPS {
-        return Err(Error::InvalidArgument(format!(
-            "the schedule has {} steps, more than the tag layout's {MAX_STEPS}",
-            sched.steps.len()
-        )));
-    }
+    can_start(w, sched)?;
     // The deadline counts from here; its timer is made only if the call has to wait.
     let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
     let words = (sched.scratch * std::mem::size_of::<T>()).div_ceil(8);
@@ -215,16 +207,13 @@ async fn exchange<'w, T: Element>(
                 Poll::Ready(done) => done,
             };
             r.op = None;
-            let landed = match res {
-                Ok(info) if info.len == r.want && buf.len() == r.want => {
-                    v.get_mut(r.into).map(|dst| bytemuck::cast_slice_mut::<T, u8>(dst).copy_from_slice(&buf))
-                }
-                Ok(info) => Err(Error::Mismatch { rank: r.peer, got: Some(info.len), want: r.want }),
-                Err(ucxkit_transport::Error::Truncated { .. }) => {
-                    Err(Error::Mismatch { rank: r.peer, got: None, want: r.want })
-                }
-                Err(source) => Err(Error::Transport { rank: r.peer, source }),
-            };
+            let landed = received(r.peer, r.want, res).and_then(|()| {
+                let dst = bytemuck::cast_slice_mut::<T, u8>(v.get_mut(r.into)?);
+                let got = buf.get(..r.want).filter(|_| buf.len() == r.want);
+                let got = got.ok_or(Error::Mismatch { rank: r.peer, got: Some(buf.len()), want: r.want })?;
+                dst.copy_from_slice(got);
+                Ok(())
+            });
             pool.push(buf);
             if let Err(e) = landed {
                 first.get_or_insert(e);
