@@ -49,7 +49,8 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
 /// buffers with the transport: the peer still reads what rank 0 had posted to send and
 /// sends into what it had posted to receive, and that memory stays allocated until UCX
 /// lets go (the test command runs this under valgrind, which reports any access to freed
-/// memory). The peer ends with the abort the drop sent.
+/// memory). The peer ends with the abort the drop sent. Then the same with a small call
+/// (8 bytes, whose receive waits in a landing vector of its own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (_mesh, comms) = group(2).await;
@@ -65,6 +66,24 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     // Both workers go on progressing what was left in flight.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(comms[0].aborted().is_some());
+
+    // 8 bytes: a small call (its receive posted into a landing vector of its own, its send
+    // made during the call), dropped while the receive waits. Rank 1 hears of the abort
+    // before it calls, so its call fails at once; the dropped receive is canceled by the
+    // transport, which keeps the vector until UCX lets go.
+    let (_mesh, comms) = group(2).await;
+    let mut first = Box::pin(comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum));
+    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
+    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
+    drop(first);
+    let t = Instant::now();
+    while comms[1].aborted().is_none() {
+        assert!(t.elapsed() < BOUND, "rank 1 never heard of the abort");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let e = comms[1].allreduce(vec![2f32; 2], ReduceOp::Sum).await.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
