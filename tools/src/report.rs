@@ -31,28 +31,6 @@ pub struct Row {
 }
 
 impl Row {
-    /// Seconds one iteration took: a round trip (two messages) in a latency test, one
-    /// operation in a bandwidth test.
-    pub fn secs_per_iter(&self, latency: bool) -> f64 {
-        let per_msg = 1.0 / self.msg_rate.max(1e-12);
-        if latency {
-            2.0 * per_msg
-        } else {
-            per_msg
-        }
-    }
-
-    /// The median iteration's seconds (from `lat_p50_us`: one-way latency, or time per
-    /// operation), NaN when not measured.
-    pub fn typical_secs_per_iter(&self, latency: bool) -> f64 {
-        let p50 = self.lat_p50_us * 1e-6;
-        if latency {
-            2.0 * p50
-        } else {
-            p50
-        }
-    }
-
     /// The row as one JSON object (NaN, not measured, as null).
     pub fn json(&self) -> String {
         json!({
@@ -194,18 +172,6 @@ mod tests {
         r.lat_p99_us = f64::NAN;
         let v: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
         assert!(v["lat_p99_us"].is_null(), "not measured is null");
-    }
-
-    #[test]
-    fn time_per_iteration() {
-        let mut r = row();
-        r.msg_rate = 250_000.0;
-        assert!((r.secs_per_iter(false) - 4e-6).abs() < 1e-12);
-        // A latency iteration is a round trip: two messages.
-        assert!((r.secs_per_iter(true) - 8e-6).abs() < 1e-12);
-        r.lat_p50_us = 3.0;
-        assert!((r.typical_secs_per_iter(false) - 3e-6).abs() < 1e-12);
-        assert!((r.typical_secs_per_iter(true) - 6e-6).abs() < 1e-12);
     }
 
     #[test]

@@ -219,8 +219,47 @@ pub(crate) async fn unless_failed<T>(
     }
 }
 
-/// Runs one (test, size) from the client side and returns its row.
-#[allow(clippy::too_many_arguments)]
+/// What one run measured: its timed iterations, how long they took, and each interval
+/// (one round trip, or one operation's share of a batch) in nanoseconds.
+pub(crate) struct Measured {
+    /// Timed iterations.
+    pub(crate) iters: u64,
+    /// The timed part's length.
+    pub(crate) elapsed: Duration,
+    /// The intervals, in nanoseconds.
+    pub(crate) hist: Histogram<u64>,
+}
+
+impl Measured {
+    /// Adds `other`'s iterations, time and intervals to these (runs measured in parts).
+    pub(crate) fn add(&mut self, other: &Measured) -> AnyResult<()> {
+        self.iters += other.iters;
+        self.elapsed += other.elapsed;
+        self.hist.add(&other.hist)?;
+        Ok(())
+    }
+
+    /// Seconds per iteration (a round trip, or an operation), from the wall clock.
+    pub(crate) fn secs_per_iter(&self) -> f64 {
+        self.elapsed.as_secs_f64() / self.iters.max(1) as f64
+    }
+
+    /// The median interval's seconds (NaN when nothing was timed).
+    pub(crate) fn typical_secs_per_iter(&self) -> f64 {
+        if self.hist.is_empty() {
+            return f64::NAN;
+        }
+        self.hist.value_at_quantile(0.5) as f64 * 1e-9
+    }
+
+    /// The report row of `test` at `size` over `transport`.
+    pub(crate) fn row(&self, test: Test, size: usize, transport: &str) -> Row {
+        row(test, size, self.iters, self.elapsed, &self.hist, transport)
+    }
+}
+
+/// Runs one (test, size) from the client side: `warmup` untimed iterations, then `iters`
+/// timed ones.
 pub(crate) async fn run_client(
     test: Test,
     size: usize,
@@ -229,8 +268,7 @@ pub(crate) async fn run_client(
     window: usize,
     recv_window: usize,
     side: &mut Side<'_>,
-    transport: &str,
-) -> AnyResult<Row> {
+) -> AnyResult<Measured> {
     let (w, ep) = (side.w, side.ep);
     let total = iters + warmup;
     // put_lat: the server puts into a region of ours.
@@ -378,7 +416,7 @@ pub(crate) async fn run_client(
     if done != "done" {
         return Err(format!("server answered {done:?}").into());
     }
-    Ok(row(test, size, iters, elapsed, clock.histogram()?, transport))
+    Ok(Measured { iters, elapsed, hist: clock.histogram()?.clone() })
 }
 
 /// Messages of the two-sided bandwidth tests from this size on are sent from a region
@@ -802,4 +840,36 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
     }
     send_ctrl(ep, "done".into()).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measured(iters: u64, micros: u64, interval_ns: u64) -> Measured {
+        let mut hist = Histogram::new(3).expect("histogram");
+        hist.record_n(interval_ns, iters).expect("record");
+        Measured { iters, elapsed: Duration::from_micros(micros), hist }
+    }
+
+    /// Runs measured in parts add up: iterations, time and intervals; the time per
+    /// iteration is the whole's, the typical one the median interval.
+    #[test]
+    fn measured_parts_add_up() {
+        let mut m = measured(1000, 1000, 900);
+        assert!((m.secs_per_iter() - 1e-6).abs() < 1e-12);
+        m.add(&measured(3000, 9000, 2900)).expect("add");
+        assert_eq!(m.iters, 4000);
+        assert_eq!(m.elapsed, Duration::from_micros(10_000));
+        assert!((m.secs_per_iter() - 2.5e-6).abs() < 1e-12);
+        assert_eq!(m.hist.len(), 4000);
+        assert!((m.typical_secs_per_iter() - 2.9e-6).abs() < 1e-8);
+        let row = m.row(Test::TagLat, 8, "posix");
+        assert_eq!(row.iters, 4000);
+        // One-way latency: half of the round trip.
+        assert!((row.lat_us - 1.25).abs() < 1e-9);
+        let empty =
+            Measured { iters: 0, elapsed: Duration::ZERO, hist: Histogram::new(3).expect("histogram") };
+        assert!(empty.typical_secs_per_iter().is_nan());
+    }
 }

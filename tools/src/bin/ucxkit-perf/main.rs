@@ -22,6 +22,7 @@
 mod bench;
 mod clock;
 mod perftest;
+mod timed;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
@@ -344,15 +345,20 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         if progress {
             eprint!("\r\x1b[K[{}/{}] {} {} ...", k + 1, runs.len(), test.name(), size::format_size(size));
         }
-        let (iters, warmup) = match args.duration {
-            Some(d) => calibrate(test, size, d, args, &mut side).await?,
+        let shape = timed::Shape { window: args.window, recv_window: recv_window(args) };
+        // --duration: ucx_perftest (with --compare) runs the count estimated for the
+        // duration; ucxkit's own run goes on in segments until it has lasted the duration.
+        let (iters, warmup, per) = match args.duration {
+            Some(d) => {
+                let per = timed::per_iter(test, size, d, &shape, &mut side).await?;
+                let n = timed::iters_in(d, per);
+                (n, args.warmup.unwrap_or((n / 10).max(10)), Some((d, per)))
+            }
             None => {
                 let n = args.iters.unwrap_or_else(|| bench::default_iters(test, size));
-                (n, args.warmup.unwrap_or((n / 10).max(10)))
+                (n, args.warmup.unwrap_or((n / 10).max(10)), None)
             }
         };
-        let window = args.window;
-        let recv_window = recv_window(args);
         let ep = side.ep;
         let perftest = || -> AnyResult<Row> {
             if progress {
@@ -368,8 +374,15 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         };
         let perftest_first = args.compare && ((k % 2 == 1) != args.perftest_first);
         let before = if perftest_first { Some(perftest()?) } else { None };
-        let run = bench::run_client(test, size, iters, warmup, window, recv_window, &mut side, &transport);
-        let row = bench::unless_failed(ep, run).await?;
+        let measured = match per {
+            Some((d, per)) => timed::run_for(test, size, d, per, warmup, &shape, &mut side).await?,
+            None => {
+                let run =
+                    bench::run_client(test, size, iters, warmup, shape.window, shape.recv_window, &mut side);
+                bench::unless_failed(ep, run).await?
+            }
+        };
+        let row = measured.row(test, size, &transport);
         let theirs = match before {
             Some(r) => Some(r),
             None if args.compare => Some(perftest()?),
@@ -424,45 +437,6 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
 /// environment).
 fn effective_tls(args: &Args) -> Option<String> {
     args.tls.clone().or_else(|| args.transport.tls())
-}
-
-/// Picks an iteration count that runs for about `d`. Trial runs, each longer than the last,
-/// go on until one spends at least a twentieth of `d` (and 2 ms) in its timed part; the
-/// count follows from that run's measured time per iteration. A run's set-up (posting
-/// receives, exchanging keys, allocating buffers) is not timed, so a short trial timed by
-/// the wall clock would overstate the time per iteration several times. Each trial warms
-/// up as long as it measures, and one whose mean is far above its median (a stall: a
-/// preempted CPU, first-touch page faults) is run again rather than trusted.
-async fn calibrate(
-    test: Test,
-    size: usize,
-    d: Duration,
-    args: &Args,
-    side: &mut Side<'_>,
-) -> AnyResult<(u64, u64)> {
-    const MAX: u64 = 50_000_000;
-    /// Stalled trials run again, at most this many times in all.
-    const RETRIES: u32 = 4;
-    let target = (d.as_secs_f64() / 20.0).max(2e-3);
-    let mut trial = 20u64.max(args.window as u64);
-    let mut retries = 0;
-    let per = loop {
-        let ep = side.ep;
-        let run = bench::run_client(test, size, trial, trial, args.window, recv_window(args), side, "");
-        let row = bench::unless_failed(ep, run).await?;
-        let per = row.secs_per_iter(test.is_latency()).max(1e-9);
-        let typical = row.typical_secs_per_iter(test.is_latency());
-        if typical.is_finite() && typical > 0.0 && per > 3.0 * typical && retries < RETRIES {
-            retries += 1;
-            continue;
-        }
-        if per * trial as f64 >= target || trial >= MAX {
-            break per;
-        }
-        trial = ((target / per * 1.5) as u64).clamp(trial * 2, trial * 100).min(MAX);
-    };
-    let n = ((d.as_secs_f64() / per) as u64).clamp(10, MAX);
-    Ok((n, args.warmup.unwrap_or((n / 10).max(10))))
 }
 
 /// The receives a bandwidth server keeps posted (see `Args::recv_window`).
