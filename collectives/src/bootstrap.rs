@@ -11,6 +11,7 @@ use ucxkit_transport::{namespace::COLLECTIVES, Context, ProgressMode, Worker, Wo
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::hosts::Hosts;
 use crate::store::env::{self, StoreAddr};
 use crate::store::{FileStore, Store, TcpStore, TcpStoreServer};
 
@@ -42,23 +43,12 @@ impl Default for InitOptions {
 /// oversubscribed). 4 ranks on 2 processors, 8 B allreduce: 9.4 -> 5.0 us (Open MPI 5.1).
 pub const CROWDED_SPIN: u32 = 32;
 
-/// The processors this host has online (`/sys/devices/system/cpu/online`, as `0-3,6`),
-/// or, where that cannot be read, those this process may run on. Not this process's
-/// affinity first: a launcher that binds each rank to one core does not crowd them.
-fn host_cpus() -> usize {
-    let online =
-        std::fs::read_to_string("/sys/devices/system/cpu/online").ok().and_then(|s| cpu_list_len(&s));
-    online.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
-}
+/// A rank's record in the store starts with three little-endian words: the group's size,
+/// its host key and its host's processors online; its worker address follows.
+const RECORD_HEAD: usize = 24;
 
-/// The number of processors in a kernel CPU list (`0-3,6`), None if malformed.
-fn cpu_list_len(list: &str) -> Option<usize> {
-    list.trim().split(',').try_fold(0usize, |n, part| {
-        let (a, b) = part.split_once('-').unwrap_or((part, part));
-        let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
-        n.checked_add(b.checked_sub(a)?.checked_add(1)?)
-    })
-}
+/// Processor counts above this are not believed.
+const MAX_CPUS: usize = 1 << 20;
 
 fn boot(what: impl std::fmt::Display) -> Error {
     Error::Bootstrap(what.to_string())
@@ -100,8 +90,7 @@ impl Communicator {
         let (store, _server) = open(&addr, rank, opts.deadline).await?;
         let comm = Self::bootstrap(&worker, rank, size, &*store, opts.deadline).await?;
         let hosts = comm.hosts();
-        let here = hosts.members(hosts.of(rank)).len();
-        if here > host_cpus() {
+        if hosts.crowded(hosts.of(rank)) {
             worker.set_busy_spin(CROWDED_SPIN);
         }
         Ok(comm)
@@ -153,9 +142,10 @@ impl Communicator {
             .namespace(COLLECTIVES)
             .map_err(|e| boot(format!("claiming the collectives namespace: {e}")))?;
         let me = worker.address().map_err(|e| boot(format!("reading the worker address: {e}")))?;
-        // size, host key, address.
+        // size, host key, processors online, address.
         let mut value = (size as u64).to_le_bytes().to_vec();
         value.extend_from_slice(&crate::hosts::this_host().to_le_bytes());
+        value.extend_from_slice(&(crate::hosts::host_cpus() as u64).to_le_bytes());
         value.extend_from_slice(me.as_bytes());
         store.set(&addr_key(rank), &value).await?;
         let keys: Vec<String> = (0..size).map(addr_key).collect();
@@ -165,19 +155,23 @@ impl Communicator {
         };
         let mut addrs = Vec::with_capacity(size);
         let mut hosts = Vec::with_capacity(size);
+        let mut cpus = Vec::with_capacity(size);
         for (r, v) in values.iter().enumerate() {
-            if v.len() < 16 {
+            if v.len() < RECORD_HEAD {
                 return Err(boot(format!(
                     "rank {r} published {} bytes, not a group member's record",
                     v.len()
                 )));
             }
-            let (head, a) = v.split_at(16);
-            let n = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
+            let (head, a) = v.split_at(RECORD_HEAD);
+            let word = |i: usize| u64::from_le_bytes(head[8 * i..8 * i + 8].try_into().unwrap_or_default());
+            let n = word(0);
             if n != size as u64 {
                 return Err(boot(format!("rank {r} forms a group of {n}, this rank ({rank}) one of {size}")));
             }
-            hosts.push(u64::from_le_bytes(head[8..].try_into().unwrap_or_default()));
+            hosts.push(word(1));
+            // A count past any machine's is no count (0: not known).
+            cpus.push(usize::try_from(word(2)).ok().filter(|&c| c <= MAX_CPUS).unwrap_or(0));
             addrs.push(
                 WorkerAddress::from_bytes(a).map_err(|e| boot(format!("rank {r}'s worker address: {e}")))?,
             );
@@ -201,7 +195,7 @@ impl Communicator {
             .into_iter()
             .collect::<Result<Vec<_>>>()?;
         let comm = Communicator::from_endpoints(&ns, 0, rank, eps)?;
-        comm.set_hosts(&hosts)?;
+        comm.put_hosts(Hosts::from_keys(&hosts).with_cpus(&cpus));
         match tokio::time::timeout(left(), comm.barrier()).await {
             Ok(Ok(())) => Ok(comm),
             Ok(Err(e)) => Err(boot(format!("the group's first barrier failed: {e}"))),
@@ -248,27 +242,6 @@ async fn open(
             let server = if rank == 0 { Some(TcpStoreServer::bind(a.as_str()).await?) } else { None };
             let at = server.as_ref().map_or_else(|| a.clone(), |s| s.local_addr().to_string());
             Ok((Box::new(TcpStore::connect(&at, deadline).await?), server))
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cpu_lists_count_their_processors() {
-        let table = [
-            ("0", Some(1)),
-            ("0-1\n", Some(2)),
-            ("0-3,6,8-9", Some(7)),
-            ("", None),
-            ("3-1", None),
-            ("0-x", None),
-            ("0-18446744073709551615", None),
-        ];
-        for (list, want) in table {
-            assert_eq!(cpu_list_len(list), want, "{list:?}");
         }
     }
 }

@@ -336,7 +336,9 @@ impl Communicator {
     /// Says which ranks share a host: `keys[r]` is rank r's host (any value, equal for
     /// ranks on one host), for example [`crate::hosts::this_host`] gathered from every
     /// rank. Every rank must pass the same keys before its next collective (the planner
-    /// picks algorithms by them, and all ranks must pick alike).
+    /// picks algorithms by them, and all ranks must pick alike). The processors each
+    /// rank reported when the group formed stay with it (a communicator made of
+    /// endpoints knows none, and counts no host as crowded).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] unless there is one key per rank.
@@ -348,7 +350,9 @@ impl Communicator {
                 self.size()
             )));
         }
-        self.put_hosts(Hosts::from_keys(keys));
+        let hosts = self.hosts();
+        let cpus: Vec<usize> = (0..self.size()).map(|r| hosts.cpus_of(r)).collect();
+        self.put_hosts(Hosts::from_keys(keys).with_cpus(&cpus));
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! Which ranks share a host: [`Hosts`], the layout the planner prices links with (shared
 //! memory inside a host, the network between hosts) and the two-level algorithms are
-//! built on, and [`this_host`], the key by which ranks find out.
+//! built on, [`this_host`], the key by which ranks find out, and [`host_cpus`], the
+//! processors that say whether a host's ranks crowd it.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -12,6 +13,8 @@ use std::hash::{Hash, Hasher};
 pub struct Hosts {
     host: Vec<usize>,
     members: Vec<Vec<usize>>,
+    /// Processors online per host (0: not known).
+    cpus: Vec<usize>,
 }
 
 impl Hosts {
@@ -36,7 +39,35 @@ impl Hosts {
                 h
             })
             .collect();
-        Hosts { host, members }
+        let cpus = vec![0; members.len()];
+        Hosts { host, members, cpus }
+    }
+
+    /// This layout with the processors each rank reported for its host (`cpus[r]`; 0:
+    /// not known); a host counts the fewest any of its ranks reported.
+    pub fn with_cpus(mut self, cpus: &[usize]) -> Hosts {
+        for (h, members) in self.members.iter().enumerate() {
+            let known = members.iter().filter_map(|&r| cpus.get(r).copied()).filter(|&c| c > 0);
+            self.cpus[h] = known.min().unwrap_or(0);
+        }
+        self
+    }
+
+    /// Whether host `h` runs more of the ranks than it has processors (known), so that
+    /// the rank a message waits for is often not running.
+    pub fn crowded(&self, h: usize) -> bool {
+        let cpus = self.cpus.get(h).copied().unwrap_or(0);
+        cpus > 0 && self.members.get(h).is_some_and(|m| m.len() > cpus)
+    }
+
+    /// The processors of rank `r`'s host (0: not known).
+    pub fn cpus_of(&self, r: usize) -> usize {
+        self.host.get(r).and_then(|&h| self.cpus.get(h)).copied().unwrap_or(0)
+    }
+
+    /// Whether any host is [`Hosts::crowded`].
+    pub fn any_crowded(&self) -> bool {
+        (0..self.count()).any(|h| self.crowded(h))
     }
 
     /// The number of ranks.
@@ -73,7 +104,15 @@ impl Hosts {
     /// The layout of the ranks `ranks` (in that order) alone, as a sub-communicator of
     /// them sees it.
     pub fn restrict(&self, ranks: &[usize]) -> Hosts {
-        Hosts::from_keys(&ranks.iter().map(|&r| self.host[r]).collect::<Vec<_>>())
+        let cpus: Vec<usize> = ranks.iter().map(|&r| self.cpus_of(r)).collect();
+        Hosts::from_keys(&ranks.iter().map(|&r| self.host[r]).collect::<Vec<_>>()).with_cpus(&cpus)
+    }
+
+    /// The processors of the fewest-processor host holding `m` ranks (0: none known):
+    /// what a group of `m` ranks of such a host has.
+    pub fn cpus_of_size(&self, m: usize) -> usize {
+        let of_size = (0..self.count()).filter(|&h| self.members[h].len() == m);
+        of_size.map(|h| self.cpus[h]).filter(|&c| c > 0).min().unwrap_or(0)
     }
 }
 
@@ -88,6 +127,24 @@ pub fn this_host() -> u64 {
     }
     std::fs::read_link("/proc/self/ns/net").map(|p| p.into_os_string()).unwrap_or_default().hash(&mut h);
     h.finish()
+}
+
+/// The processors this host has online (`/sys/devices/system/cpu/online`, as `0-3,6`),
+/// or, where that cannot be read, those this process may run on. Not this process's
+/// affinity first: a launcher that binds each rank to one core does not crowd them.
+pub fn host_cpus() -> usize {
+    let online =
+        std::fs::read_to_string("/sys/devices/system/cpu/online").ok().and_then(|s| cpu_list_len(&s));
+    online.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
+}
+
+/// The number of processors in a kernel CPU list (`0-3,6`), None if malformed.
+pub(crate) fn cpu_list_len(list: &str) -> Option<usize> {
+    list.trim().split(',').try_fold(0usize, |n, part| {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        n.checked_add(b.checked_sub(a)?.checked_add(1)?)
+    })
 }
 
 #[cfg(test)]
@@ -105,5 +162,46 @@ mod tests {
         assert!(!Hosts::from_keys(&[1, 2, 3]).two_level());
         assert_eq!(h.restrict(&[4, 3, 1]), Hosts::from_keys(&[0, 1, 0]));
         assert_eq!(this_host(), this_host());
+    }
+
+    /// A host is crowded when it runs more ranks than the fewest processors any of its
+    /// ranks reported; unknown counts (0) never crowd; sub-layouts keep the counts.
+    #[test]
+    fn crowding_follows_reported_processors() {
+        let table: [(&[u8], &[usize], &[bool]); 5] = [
+            (&[0, 0, 0, 0], &[2, 2, 2, 2], &[true]),
+            (&[0, 0, 0, 0], &[4, 4, 4, 4], &[false]),
+            (&[0, 0, 0, 0], &[8, 2, 8, 8], &[true]),
+            (&[0, 1, 0, 1], &[1, 2, 1, 2], &[true, false]),
+            (&[0, 0, 0], &[0, 0, 0], &[false]),
+        ];
+        for (keys, cpus, want) in table {
+            let h = Hosts::from_keys(keys).with_cpus(cpus);
+            let got: Vec<bool> = (0..h.count()).map(|i| h.crowded(i)).collect();
+            assert_eq!(got, want, "{keys:?} with {cpus:?}");
+            assert_eq!(h.any_crowded(), want.contains(&true));
+        }
+        let h = Hosts::from_keys(&[0, 1, 0, 1, 0]).with_cpus(&[2, 4, 2, 4, 2]);
+        assert!(h.crowded(0) && !h.crowded(1));
+        assert!(!h.restrict(&[0, 2]).any_crowded());
+        assert!(h.restrict(&[0, 2, 4, 1]).crowded(0));
+        assert_eq!((h.cpus_of_size(3), h.cpus_of_size(2), h.cpus_of_size(5)), (2, 4, 0));
+        assert!(!Hosts::flat(64).any_crowded());
+    }
+
+    #[test]
+    fn cpu_lists_count_their_processors() {
+        let table = [
+            ("0", Some(1)),
+            ("0-1\n", Some(2)),
+            ("0-3,6,8-9", Some(7)),
+            ("", None),
+            ("3-1", None),
+            ("0-x", None),
+            ("0-18446744073709551615", None),
+        ];
+        for (list, want) in table {
+            assert_eq!(cpu_list_len(list), want, "{list:?}");
+        }
     }
 }

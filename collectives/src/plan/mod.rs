@@ -304,6 +304,35 @@ mod tests {
         assert!(t(&split) > t(&Hosts::flat(2)) * 10);
     }
 
+    /// Where a host runs more ranks than it has processors, a broadcast is offered only
+    /// by the k-nomial and direct trees; the same layout with enough processors (or
+    /// unknown counts) is offered every candidate.
+    #[test]
+    fn crowded_hosts_broadcast_by_trees() {
+        let c = Costs::default();
+        let offered = |h: &Hosts, count: usize| -> Vec<Algorithm> {
+            choose(Op::Broadcast, h, 0, count, 4, &c).priced.iter().map(|(a, _)| *a).collect()
+        };
+        let crowded = Hosts::flat(4).with_cpus(&[2; 4]);
+        let trees = [Algorithm::Knomial(2), Algorithm::Knomial(4), Algorithm::Direct];
+        for count in [2, 16 << 10, 256 << 10, 4 << 20] {
+            assert_eq!(offered(&crowded, count), trees, "{count} elements");
+            let all = Op::Broadcast.candidates().len() - 1;
+            assert_eq!(offered(&Hosts::flat(4), count).len(), all);
+            assert_eq!(offered(&Hosts::flat(4).with_cpus(&[4; 4]), count).len(), all);
+        }
+        // Allreduce keeps its candidates.
+        let ar = |h: &Hosts| choose(Op::Allreduce, h, 0, 4 << 20, 4, &c).priced.len();
+        assert_eq!(ar(&crowded), ar(&Hosts::flat(4)));
+        // Two hosts, one crowded: the crowded one's phase inside a host is no chain
+        // either.
+        let two = Hosts::from_keys(&[0, 0, 0, 1, 1, 1]).with_cpus(&[2, 2, 2, 2, 2, 2]);
+        let p = Phases::choose(Op::Broadcast, &two, 0, 4 << 20, 4, &c);
+        assert!(p.after.iter().all(|(_, a)| *a != Algorithm::Chain), "{p}");
+        let free = Phases::choose(Op::Broadcast, &Hosts::from_keys(&[0, 0, 0, 1, 1, 1]), 0, 4 << 20, 4, &c);
+        assert!(free.after.iter().any(|(_, a)| *a == Algorithm::Chain), "{free}");
+    }
+
     #[test]
     fn forced_algorithms_parse_and_are_checked() {
         assert_eq!(

@@ -14,6 +14,27 @@ use crate::schedule::{doubling, even_blocks, hier, linear, ring, tree, Combine, 
 /// 6.6 ms by two rings, 7.4-8.2 ms direct; at 1 MiB, 0.75 MiB of scratch, the same).
 pub(crate) const DIRECT_SCRATCH: usize = 1 << 20;
 
+/// Whether `alg` is offered for `op` on `hosts` with `count` elements of `elem` bytes:
+/// the direct reduce-scatter only while its n - 1 blocks of scratch stay within
+/// [`DIRECT_SCRATCH`]; where a host runs more ranks than it has processors, a broadcast
+/// only by the trees whose ranks wait on one parent each (k-nomial, direct). There the
+/// algorithms that need many ranks running at once, step after step, wait on ranks that
+/// are not running, which the model does not price: 4 ranks on 2 processors broadcast
+/// 1 MiB in 188-210 us by the trees, 251-297 by chain, double tree and scatter-allgather;
+/// 16 MiB in 5.5-7.6 ms against 6.8-9.5; 4 MiB by chain in 4.0-4.3 ms against 0.9.
+fn offered(op: Op, alg: Algorithm, hosts: &Hosts, count: usize, elem: usize) -> bool {
+    use Algorithm::{Chain, Direct, DoubleTree, ScatterAllgather, TwoLevel};
+    match (op, alg) {
+        (Op::ReduceScatter, Direct) => {
+            let n = hosts.ranks();
+            n.saturating_sub(1).saturating_mul(count).saturating_mul(elem) <= DIRECT_SCRATCH
+        }
+        (Op::Broadcast, Chain | ScatterAllgather | DoubleTree) => !hosts.any_crowded(),
+        (_, TwoLevel) => hosts.two_level(),
+        _ => true,
+    }
+}
+
 /// The pipelined chain's pieces for `bytes`: 64 KiB each, from 1 to 64.
 pub(crate) fn chain_segments(bytes: usize) -> usize {
     (bytes / (64 << 10)).clamp(1, 64)
@@ -39,8 +60,10 @@ impl Phases {
         let mut sizes: Vec<usize> = (0..hosts.count()).map(|h| hosts.members(h).len()).collect();
         sizes.sort_unstable();
         sizes.dedup();
+        // A host of m ranks alone, with the processors of the fewest-processor such host.
+        let alone = |m: usize| Hosts::flat(m).with_cpus(&vec![hosts.cpus_of_size(m); m]);
         let per_size = |op: Op, count: usize| -> Vec<(usize, Algorithm)> {
-            sizes.iter().map(|&m| (m, cheapest(op, &Hosts::flat(m), 0, count, elem, c))).collect()
+            sizes.iter().map(|&m| (m, cheapest(op, &alone(m), 0, count, elem, c))).collect()
         };
         let leaders = Hosts::flat(hosts.count());
         match op {
@@ -92,7 +115,7 @@ impl fmt::Display for Phases {
 fn cheapest(op: Op, hosts: &Hosts, root: usize, count: usize, elem: usize, c: &Costs) -> Algorithm {
     op.candidates()
         .iter()
-        .filter(|&&a| a != Algorithm::TwoLevel)
+        .filter(|&&a| a != Algorithm::TwoLevel && offered(op, a, hosts, count, elem))
         .map(|&a| (a, price_all(op, a, hosts, root, count, elem, c)))
         .min_by_key(|(_, t)| *t)
         .map_or(Algorithm::Direct, |(a, _)| a)
@@ -184,8 +207,7 @@ fn flat(op: Op, alg: Algorithm, n: usize, r: usize, root: usize, count: usize, e
     }
 }
 
-/// Every candidate of `op` that can run on `hosts` (the direct reduce-scatter only
-/// within [`DIRECT_SCRATCH`]), with its modelled time.
+/// Every candidate of `op` [`offered`] on `hosts`, with its modelled time.
 pub(crate) fn candidates(
     op: Op,
     hosts: &Hosts,
@@ -194,15 +216,9 @@ pub(crate) fn candidates(
     elem: usize,
     c: &Costs,
 ) -> Vec<(Algorithm, Duration)> {
-    let n = hosts.ranks();
     op.candidates()
         .iter()
-        .filter(|&&a| a != Algorithm::TwoLevel || hosts.two_level())
-        .filter(|&&a| {
-            // The direct reduce-scatter's scratch holds n - 1 blocks.
-            let scratch = n.saturating_sub(1).saturating_mul(count).saturating_mul(elem);
-            !(op == Op::ReduceScatter && a == Algorithm::Direct) || scratch <= DIRECT_SCRATCH
-        })
+        .filter(|&&a| offered(op, a, hosts, count, elem))
         .map(|&a| (a, price_all(op, a, hosts, root, count, elem, c)))
         .collect()
 }
