@@ -14,7 +14,7 @@
 //! aborting rank (u32), then the reason (UTF-8, at most [`MAX_REASON`] bytes), all
 //! little-endian. A malformed one is ignored.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
@@ -112,9 +112,17 @@ type Comms = Arc<Mutex<HashMap<u16, Weak<AbortCell>>>>;
 /// and so that no two live ones share an id).
 pub(crate) struct Registry {
     comms: Comms,
+    /// Ids given back, the most recent last (at most [`COOLING`]): new communicators take
+    /// others first, so that messages of a communicator that ended mid-call (left in
+    /// UCX's queue of unexpected messages, or still on their way) meet no communicator
+    /// of the same id until hundreds of others were made.
+    cooling: Mutex<VecDeque<u16>>,
     /// Kept so that abort messages are taken while any communicator lives.
     _handler: AmHandler,
 }
+
+/// Ids kept cooling after they are given back.
+const COOLING: usize = 768;
 
 /// The registries of this process's workers, by UCX worker handle.
 static REGISTRIES: Mutex<Vec<(usize, Weak<Registry>)>> = Mutex::new(Vec::new());
@@ -146,7 +154,7 @@ impl Registry {
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("taking the collectives' abort messages: {e}")))?;
-        let r = Arc::new(Registry { comms, _handler: handler });
+        let r = Arc::new(Registry { comms, cooling: Mutex::default(), _handler: handler });
         all.push((key, Arc::downgrade(&r)));
         Ok(r)
     }
@@ -166,22 +174,56 @@ impl Registry {
         let mut m = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
         if m.get(&id).is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(cell))) {
             m.remove(&id);
+            cool(&mut self.cooling.lock().unwrap_or_else(PoisonError::into_inner), id);
         }
     }
 
-    /// The ids free on this worker, as a bitmap (1: free).
+    /// The ids free on this worker, as two bitmaps (1: free) one after the other: all
+    /// free ids, then those of them not given back recently. Ranks AND their maps
+    /// together and pick with [`pick_id`].
     pub(crate) fn free_map(&self) -> Vec<u64> {
         let m = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut map = vec![u64::MAX; usize::from(MAX_COMMS / 64)];
-        // Id 0 is the one bootstraps use: never handed out by split.
-        map[0] &= !1;
-        for (id, w) in m.iter() {
-            if w.strong_count() > 0 {
-                map[usize::from(id / 64)] &= !(1 << (id % 64));
-            }
-        }
-        map
+        let live = m.iter().filter(|(_, w)| w.strong_count() > 0).map(|(id, _)| *id);
+        id_maps(live, &self.cooling.lock().unwrap_or_else(PoisonError::into_inner))
     }
+}
+
+/// Notes `id` as given back last.
+fn cool(cooling: &mut VecDeque<u16>, id: u16) {
+    cooling.retain(|&c| c != id);
+    if cooling.len() == COOLING {
+        cooling.pop_front();
+    }
+    cooling.push_back(id);
+}
+
+/// The two maps of [`Registry::free_map`] for the ids `live` in use and those `cooling`.
+/// Id 0 is the one bootstraps use: never handed out.
+fn id_maps(live: impl Iterator<Item = u16>, cooling: &VecDeque<u16>) -> Vec<u64> {
+    let words = usize::from(MAX_COMMS / 64);
+    let mut map = vec![u64::MAX; 2 * words];
+    let mut take = |id: u16, from: usize| map[from + usize::from(id / 64)] &= !(1 << (id % 64));
+    take(0, 0);
+    take(0, words);
+    for id in live.filter(|&id| id < MAX_COMMS) {
+        take(id, 0);
+        take(id, words);
+    }
+    for &id in cooling.iter().filter(|&&id| id < MAX_COMMS) {
+        take(id, words);
+    }
+    map
+}
+
+/// The id a new communicator takes, from maps as [`Registry::free_map`] gives them
+/// (ANDed over its ranks): the lowest free one not given back recently, else the lowest
+/// free one; None when every id is taken.
+pub(crate) fn pick_id(map: &[u64]) -> Option<u16> {
+    let (free, fresh) = map.split_at(map.len() / 2);
+    let lowest = |m: &[u64]| {
+        m.iter().enumerate().find(|(_, w)| **w != 0).map(|(i, w)| (i * 64) as u16 + w.trailing_zeros() as u16)
+    };
+    lowest(fresh).or_else(|| lowest(free)).filter(|&id| id < MAX_COMMS)
 }
 
 /// Tells every rank in `eps` (None for this rank) that communicator `comm` is aborted.
@@ -206,6 +248,38 @@ pub(crate) fn tell(ns: &Namespace, eps: &[Option<Endpoint>], comm: u16, abort: &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// New ids skip those given back recently while others are free, and fall back to
+    /// them when none is; live ids and id 0 are never picked; the cooling list keeps the
+    /// most recent ones.
+    #[test]
+    fn given_back_ids_cool_before_reuse() {
+        let mut cooling = VecDeque::new();
+        let pick = |live: &[u16], cooling: &VecDeque<u16>| pick_id(&id_maps(live.iter().copied(), cooling));
+        assert_eq!(pick(&[], &cooling), Some(1));
+        cool(&mut cooling, 1);
+        cool(&mut cooling, 2);
+        assert_eq!(pick(&[3], &cooling), Some(4));
+        // All others live: the cooling ones are used after all, lowest first.
+        let all_but: Vec<u16> = (1..MAX_COMMS).filter(|&i| i != 1 && i != 2).collect();
+        assert_eq!(pick(&all_but, &cooling), Some(1));
+        let all: Vec<u16> = (1..MAX_COMMS).collect();
+        assert_eq!(pick(&all, &cooling), None);
+        // Two ranks' maps ANDed: an id cooling on either is skipped.
+        let mut other = VecDeque::new();
+        cool(&mut other, 4);
+        let (a, b) = (id_maps([3].into_iter(), &cooling), id_maps(std::iter::empty(), &other));
+        let both: Vec<u64> = a.iter().zip(&b).map(|(x, y)| x & y).collect();
+        assert_eq!(pick_id(&both), Some(5));
+        // Giving an id back again moves it last; the list is bounded.
+        cool(&mut cooling, 1);
+        assert_eq!(cooling, [2, 1]);
+        for id in 0..2000u16 {
+            cool(&mut cooling, id % MAX_COMMS);
+        }
+        assert_eq!(cooling.len(), COOLING);
+        assert_eq!(cooling.back(), Some(&(1999 % MAX_COMMS)));
+    }
 
     #[test]
     fn abort_messages_round_trip_and_junk_is_ignored() {

@@ -271,7 +271,7 @@ impl Communicator {
         let everyone = self.allgather(mine).await?;
         let free = self.allreduce(free, crate::ReduceOp::Band).await?;
         let Some(color) = color else { return Ok(None) };
-        let id = crate::failure::lowest(&free)
+        let id = crate::abort::pick_id(&free)
             .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
         let mut members: Vec<(i64, usize)> = everyone
             .chunks_exact(2)

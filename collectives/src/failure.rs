@@ -10,7 +10,7 @@ use ucxkit_transport::{tag::EXACT, SharedBuf};
 use crate::abort::{self, Abort};
 use crate::comm::Communicator;
 use crate::error::{Error, Failed, Result};
-use crate::tag::{tag, CONTROL_STEP, MAX_COMMS};
+use crate::tag::{tag, CONTROL_STEP};
 
 /// A collective call in flight. Made when the call is (taking its sequence number);
 /// [`Call::done`] ends it with its result. Dropped before that, it aborts the
@@ -178,8 +178,7 @@ impl Communicator {
             return Err(Error::DeadlineExceeded(deadline));
         }
         let members: Vec<usize> = (0..n).filter(|&p| !failed[p]).collect();
-        let id = lowest(&free)
-            .filter(|&id| id < MAX_COMMS)
+        let id = crate::abort::pick_id(&free)
             .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
         let rank = members
             .iter()
@@ -195,9 +194,4 @@ impl Communicator {
             Err(_) => Err(Error::DeadlineExceeded(deadline)),
         }
     }
-}
-
-/// The lowest id set in `map`, a bitmap of free ids.
-pub(crate) fn lowest(map: &[u64]) -> Option<u16> {
-    map.iter().enumerate().find(|(_, w)| **w != 0).map(|(i, w)| (i * 64) as u16 + w.trailing_zeros() as u16)
 }

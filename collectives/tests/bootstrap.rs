@@ -87,6 +87,14 @@ async fn ranks_meet_through_a_tcp_store_and_split() {
         .zip(&comms)
         .all(|(d, c)| d.rank() == c.rank() && d.id() != c.id() && d.id() != halves[0].id()));
     assert!(sums_to(&dups).await.iter().all(|s| *s == vec![10; 5]));
+
+    // An id given back cools: the next communicators take other ids while there are.
+    let gone = dups[0].id();
+    drop(dups);
+    let again: Vec<Communicator> =
+        join_all(comms.iter().map(|c| c.dup())).await.into_iter().map(|c| c.expect("dup")).collect();
+    assert!(again.iter().all(|d| d.id() != gone), "id {gone} was taken again at once");
+    assert!(sums_to(&again).await.iter().all(|s| *s == vec![10; 5]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
