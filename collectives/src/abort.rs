@@ -111,6 +111,8 @@ type Comms = Arc<Mutex<HashMap<u16, Weak<AbortCell>>>>;
 /// What one worker's collectives share: the communicators by id (for abort messages,
 /// and so that no two live ones share an id).
 pub(crate) struct Registry {
+    /// The worker's key in [`REGISTRIES`] (and [`COOLED`]).
+    key: usize,
     comms: Comms,
     /// Ids given back, the most recent last (at most [`COOLING`]): new communicators take
     /// others first, so that messages of a communicator that ended mid-call (left in
@@ -126,6 +128,26 @@ const COOLING: usize = 768;
 
 /// The registries of this process's workers, by UCX worker handle.
 static REGISTRIES: Mutex<Vec<(usize, Weak<Registry>)>> = Mutex::new(Vec::new());
+
+/// The cooling ids of workers whose registry ended (their last communicator went), by
+/// worker handle, so that a group formed again on the worker still skips them; the
+/// last [`COOLED_WORKERS`] workers' only.
+static COOLED: Mutex<Vec<(usize, VecDeque<u16>)>> = Mutex::new(Vec::new());
+
+/// Workers whose cooling ids are kept after their registry ended.
+const COOLED_WORKERS: usize = 64;
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let cooling = std::mem::take(&mut *self.cooling.lock().unwrap_or_else(PoisonError::into_inner));
+        let mut cooled = COOLED.lock().unwrap_or_else(PoisonError::into_inner);
+        cooled.retain(|(k, _)| *k != self.key);
+        if cooled.len() == COOLED_WORKERS {
+            cooled.remove(0);
+        }
+        cooled.push((self.key, cooling));
+    }
+}
 
 impl Registry {
     /// The registry of `ns`'s worker, made (and its abort handler installed) on first
@@ -154,7 +176,12 @@ impl Registry {
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("taking the collectives' abort messages: {e}")))?;
-        let r = Arc::new(Registry { comms, cooling: Mutex::default(), _handler: handler });
+        let cooling = {
+            let mut cooled = COOLED.lock().unwrap_or_else(PoisonError::into_inner);
+            let at = cooled.iter().position(|(k, _)| *k == key);
+            at.map(|i| cooled.remove(i).1).unwrap_or_default()
+        };
+        let r = Arc::new(Registry { key, comms, cooling: Mutex::new(cooling), _handler: handler });
         all.push((key, Arc::downgrade(&r)));
         Ok(r)
     }
@@ -198,7 +225,7 @@ fn cool(cooling: &mut VecDeque<u16>, id: u16) {
 }
 
 /// The two maps of [`Registry::free_map`] for the ids `live` in use and those `cooling`.
-/// Id 0 is the one bootstraps use: never handed out.
+/// Id 0 is left to communicators made of endpoints with ids of their own.
 fn id_maps(live: impl Iterator<Item = u16>, cooling: &VecDeque<u16>) -> Vec<u64> {
     let words = usize::from(MAX_COMMS / 64);
     let mut map = vec![u64::MAX; 2 * words];

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use ucxkit_transport::{namespace::COLLECTIVES, Context, ProgressMode, Worker, WorkerAddress};
 
+use crate::abort::{pick_id, Registry};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::hosts::Hosts;
@@ -43,9 +44,13 @@ impl Default for InitOptions {
 /// oversubscribed). 4 ranks on 2 processors, 8 B allreduce: 9.4 -> 5.0 us (Open MPI 5.1).
 pub const CROWDED_SPIN: u32 = 32;
 
-/// A rank's record in the store starts with three little-endian words: the group's size,
-/// its host key and its host's processors online; its worker address follows.
-const RECORD_HEAD: usize = 24;
+/// A rank's record in the store starts with little-endian words: the group's size, its
+/// host key, its host's processors online, then the maps of the communicator ids free on
+/// its worker ([`ID_MAP_WORDS`] words); its worker address follows.
+const RECORD_HEAD: usize = 8 * (3 + ID_MAP_WORDS);
+
+/// The words of a worker's maps of free communicator ids (`Registry::free_map`).
+const ID_MAP_WORDS: usize = 2 * (crate::tag::MAX_COMMS as usize / 64);
 
 /// Processor counts above this are not believed.
 const MAX_CPUS: usize = 1 << 20;
@@ -142,10 +147,18 @@ impl Communicator {
             .namespace(COLLECTIVES)
             .map_err(|e| boot(format!("claiming the collectives namespace: {e}")))?;
         let me = worker.address().map_err(|e| boot(format!("reading the worker address: {e}")))?;
-        // size, host key, processors online, address.
+        // size, host key, processors online, free ids, address.
         let mut value = (size as u64).to_le_bytes().to_vec();
         value.extend_from_slice(&crate::hosts::this_host().to_le_bytes());
         value.extend_from_slice(&(crate::hosts::host_cpus() as u64).to_le_bytes());
+        let registry = Registry::of(&ns)?;
+        let free = registry.free_map();
+        if free.len() != ID_MAP_WORDS {
+            return Err(Error::Internal(format!("{} words of free ids, not {ID_MAP_WORDS}", free.len())));
+        }
+        for w in &free {
+            value.extend_from_slice(&w.to_le_bytes());
+        }
         value.extend_from_slice(me.as_bytes());
         store.set(&addr_key(rank), &value).await?;
         let keys: Vec<String> = (0..size).map(addr_key).collect();
@@ -156,6 +169,8 @@ impl Communicator {
         let mut addrs = Vec::with_capacity(size);
         let mut hosts = Vec::with_capacity(size);
         let mut cpus = Vec::with_capacity(size);
+        // The ids free on every rank's worker.
+        let mut free = vec![u64::MAX; ID_MAP_WORDS];
         for (r, v) in values.iter().enumerate() {
             if v.len() < RECORD_HEAD {
                 return Err(boot(format!(
@@ -172,6 +187,9 @@ impl Communicator {
             hosts.push(word(1));
             // A count past any machine's is no count (0: not known).
             cpus.push(usize::try_from(word(2)).ok().filter(|&c| c <= MAX_CPUS).unwrap_or(0));
+            for (i, f) in free.iter_mut().enumerate() {
+                *f &= word(3 + i);
+            }
             addrs.push(
                 WorkerAddress::from_bytes(a).map_err(|e| boot(format!("rank {r}'s worker address: {e}")))?,
             );
@@ -194,7 +212,12 @@ impl Communicator {
             .map_err(|_| boot(format!("connecting to every rank took over {deadline:?}")))?
             .into_iter()
             .collect::<Result<Vec<_>>>()?;
-        let comm = Communicator::from_endpoints(&ns, 0, rank, eps)?;
+        // Every rank picks the same id from the same maps; one given back recently on any
+        // of the workers only when no other is free (see `abort::pick_id`).
+        let id =
+            pick_id(&free).ok_or_else(|| boot("every communicator id is taken on some rank's worker"))?;
+        let comm = Communicator::from_endpoints(&ns, id, rank, eps)?;
+        drop(registry);
         comm.put_hosts(Hosts::from_keys(&hosts).with_cpus(&cpus));
         match tokio::time::timeout(left(), comm.barrier()).await {
             Ok(Ok(())) => Ok(comm),

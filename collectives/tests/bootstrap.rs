@@ -109,6 +109,37 @@ async fn ranks_meet_through_a_file_store() {
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
+/// Groups formed again on the same workers, after the last one ended, take ids the
+/// workers did not give back recently (messages the old group left behind match
+/// nothing of the new one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_formed_again_on_a_worker_take_fresh_ids() {
+    let base = std::env::temp_dir().join(format!("ucxkit-coll-again-{}", std::process::id()));
+    let ctx = common::ctx(TLS);
+    let workers: Vec<_> = (0..2).map(|_| ctx.worker().build().expect("worker")).collect();
+    let formed = |round: usize| {
+        let dir = base.join(round.to_string());
+        let workers = &workers;
+        async move {
+            let store = FileStore::new(&dir).expect("dir");
+            let comms = join_all(
+                workers.iter().enumerate().map(|(r, w)| Communicator::bootstrap(w, r, 2, &store, LIMIT)),
+            );
+            let comms: Vec<Communicator> = comms.await.into_iter().map(|c| c.expect("bootstrap")).collect();
+            assert_eq!(comms[0].id(), comms[1].id());
+            comms
+        }
+    };
+    let mut seen = Vec::new();
+    for round in 0..3 {
+        let comms = formed(round).await;
+        assert!(!seen.contains(&comms[0].id()), "id {} came back at once ({seen:?})", comms[0].id());
+        seen.push(comms[0].id());
+        assert!(sums_to(&comms).await.iter().all(|s| *s == vec![3; 5]));
+    }
+    std::fs::remove_dir_all(&base).expect("clean up");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_never_comes_is_named() {
     let dir = std::env::temp_dir().join(format!("ucxkit-coll-missing-{}", std::process::id()));
