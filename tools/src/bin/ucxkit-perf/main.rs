@@ -345,12 +345,12 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         if progress {
             eprint!("\r\x1b[K[{}/{}] {} {} ...", k + 1, runs.len(), test.name(), size::format_size(size));
         }
-        let shape = timed::Shape { window: args.window, recv_window: recv_window(args) };
+        let shape = timed::Shape { test, size, window: args.window, recv_window: recv_window(args) };
         // --duration: ucx_perftest (with --compare) runs the count estimated for the
         // duration; ucxkit's own run goes on in segments until it has lasted the duration.
         let (iters, warmup, per) = match args.duration {
             Some(d) => {
-                let per = timed::per_iter(test, size, d, &shape, &mut side).await?;
+                let per = timed::per_iter(&shape, d, &mut side).await?;
                 let n = timed::iters_in(d, per);
                 (n, args.warmup.unwrap_or((n / 10).max(10)), Some((d, per)))
             }
@@ -375,7 +375,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         let perftest_first = args.compare && ((k % 2 == 1) != args.perftest_first);
         let before = if perftest_first { Some(perftest()?) } else { None };
         let measured = match per {
-            Some((d, per)) => timed::run_for(test, size, d, per, warmup, &shape, &mut side).await?,
+            Some((d, per)) => timed::run_for(&shape, d, (per, warmup), &mut side).await?,
             None => {
                 let run =
                     bench::run_client(test, size, iters, warmup, shape.window, shape.recv_window, &mut side);

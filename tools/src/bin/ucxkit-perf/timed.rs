@@ -13,8 +13,11 @@ use std::time::Duration;
 use crate::bench::{self, Measured, Side, Test};
 use crate::AnyResult;
 
-/// The parts of a run's shape that the calibration and every segment share.
+/// What the calibration and every segment of a run share: the test, its message size
+/// and windows.
 pub(crate) struct Shape {
+    pub(crate) test: Test,
+    pub(crate) size: usize,
     /// Outstanding messages in bandwidth tests.
     pub(crate) window: usize,
     /// Receives the bandwidth server keeps posted.
@@ -42,20 +45,14 @@ pub(crate) fn iters_in(d: Duration, per: f64) -> u64 {
 /// time per iteration several times. Each trial warms up as long as it measures, and one
 /// whose mean is far above its median (a stall: a preempted CPU, first-touch page faults)
 /// is run again rather than trusted.
-pub(crate) async fn per_iter(
-    test: Test,
-    size: usize,
-    d: Duration,
-    shape: &Shape,
-    side: &mut Side<'_>,
-) -> AnyResult<f64> {
+pub(crate) async fn per_iter(shape: &Shape, d: Duration, side: &mut Side<'_>) -> AnyResult<f64> {
     /// Stalled trials run again, at most this many times in all.
     const RETRIES: u32 = 4;
     let target = (d.as_secs_f64() / 20.0).max(2e-3);
     let mut trial = 20u64.max(shape.window as u64);
     let mut retries = 0;
     loop {
-        let m = segment(test, size, trial, trial, shape, side).await?;
+        let m = segment(shape, trial, trial, side).await?;
         let per = m.secs_per_iter().max(1e-9);
         let typical = m.typical_secs_per_iter();
         if typical.is_finite() && typical > 0.0 && per > 3.0 * typical && retries < RETRIES {
@@ -69,19 +66,16 @@ pub(crate) async fn per_iter(
     }
 }
 
-/// Runs `test` at `size` until its timed parts add up to `d`, starting from an estimate
-/// of `per` seconds per iteration, with `warmup` untimed iterations first.
+/// Runs the test until its timed parts add up to `d`, starting from an estimate of
+/// `per` seconds per iteration, with `warmup` untimed iterations first.
 pub(crate) async fn run_for(
-    test: Test,
-    size: usize,
-    d: Duration,
-    per: f64,
-    warmup: u64,
     shape: &Shape,
+    d: Duration,
+    (per, warmup): (f64, u64),
     side: &mut Side<'_>,
 ) -> AnyResult<Measured> {
     let longest = d / SEGMENTS;
-    let mut total = segment(test, size, iters_in(d.min(longest), per), warmup, shape, side).await?;
+    let mut total = segment(shape, iters_in(d.min(longest), per), warmup, side).await?;
     let mut per = total.secs_per_iter();
     loop {
         // The last few percent are not worth a segment of their own.
@@ -89,23 +83,17 @@ pub(crate) async fn run_for(
         if left < d / 50 {
             return Ok(total);
         }
-        let m = segment(test, size, iters_in(left.min(longest), per), SEGMENT_WARMUP, shape, side).await?;
+        let m = segment(shape, iters_in(left.min(longest), per), SEGMENT_WARMUP, side).await?;
         per = m.secs_per_iter();
         total.add(&m)?;
     }
 }
 
 /// One run of `iters` timed iterations after `warmup` untimed ones.
-async fn segment(
-    test: Test,
-    size: usize,
-    iters: u64,
-    warmup: u64,
-    shape: &Shape,
-    side: &mut Side<'_>,
-) -> AnyResult<Measured> {
+async fn segment(shape: &Shape, iters: u64, warmup: u64, side: &mut Side<'_>) -> AnyResult<Measured> {
     let ep = side.ep;
-    let run = bench::run_client(test, size, iters, warmup, shape.window, shape.recv_window, side);
+    let Shape { test, size, window, recv_window } = *shape;
+    let run = bench::run_client(test, size, iters, warmup, window, recv_window, side);
     bench::unless_failed(ep, run).await
 }
 
