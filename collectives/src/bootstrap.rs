@@ -215,7 +215,7 @@ impl Communicator {
         // Every rank picks the same id from the same maps; one given back recently on any
         // of the workers only when no other is free (see `abort::pick_id`).
         let id =
-            pick_id(&free).ok_or_else(|| boot("every communicator id is taken on some rank's worker"))?;
+            pick_id(&free, 0).ok_or_else(|| boot("every communicator id is taken on some rank's worker"))?;
         let comm = Communicator::from_endpoints(&ns, id, rank, eps)?;
         drop(registry);
         comm.put_hosts(Hosts::from_keys(&hosts).with_cpus(&cpus));

@@ -46,6 +46,9 @@ pub const DEFAULT_SEGMENT: usize = usize::MAX;
 /// communicators made afterwards (their [`Options::segment`] overrides it).
 pub const SEGMENT_ENV: &str = "UCXKIT_COLL_SEGMENT";
 
+/// Tries [`Communicator::split`] makes at agreeing on a free id.
+const SPLIT_TRIES: u16 = 4;
+
 /// Plans kept per communicator before the cache starts over.
 const PLAN_CACHE: usize = 512;
 
@@ -255,37 +258,63 @@ impl Communicator {
 
     /// Splits the group: the ranks that pass the same `color` form a new communicator,
     /// ordered by `key` (ties by rank here); a rank passing None takes part but gets
-    /// none. Every rank of this communicator must call it (it is a collective: two of
-    /// them run on this communicator, for the colours and for a free id). Endpoints are
-    /// shared with this communicator: nothing new is connected.
+    /// none. Every rank of this communicator must call it (it is a collective: a few of
+    /// them run on this communicator, for the colours, a free id and the outcome).
+    /// Endpoints are shared with this communicator: nothing new is connected.
     ///
-    /// Two of them running at once on one worker may pick the same id; one then fails
-    /// with [`Error::InvalidArgument`] (and aborts its communicator).
+    /// Splits running at once on one worker may pick the same id; a rank that finds its
+    /// id taken tells the others, and they all pick again (four tries in all; splits of
+    /// different communicators look from different ids first).
     ///
     /// # Errors
-    /// What the two collectives report, or [`Error::InvalidArgument`] when every
-    /// communicator id is taken.
+    /// What the collectives report, or [`Error::InvalidArgument`] when every
+    /// communicator id is taken or the id stayed contended.
     pub async fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        let free = self.h.inner.registry.free_map();
         let mine = vec![color.map_or(u64::MAX, u64::from), key as u64];
         let everyone = self.allgather(mine).await?;
-        let free = self.allreduce(free, crate::ReduceOp::Band).await?;
-        let Some(color) = color else { return Ok(None) };
-        let id = crate::abort::pick_id(&free)
-            .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
-        let mut members: Vec<(i64, usize)> = everyone
-            .chunks_exact(2)
-            .enumerate()
-            .filter(|(_, c)| c[0] == u64::from(color))
-            .map(|(r, c)| (c[1] as i64, r))
-            .collect();
-        members.sort_unstable();
-        let rank = members.iter().position(|(_, r)| *r == self.rank()).unwrap_or_default();
-        let eps = members.iter().map(|(_, r)| self.h.inner.eps[*r].clone()).collect();
-        let c = Communicator::new(&self.h.inner.ns, id, rank, eps, Settings::of(self))?;
-        let ranks: Vec<usize> = members.iter().map(|(_, r)| *r).collect();
-        c.put_hosts(self.hosts().restrict(&ranks));
-        Ok(Some(c.with_options(self.h.opts.clone())))
+        let members: Option<Vec<usize>> = color.map(|color| {
+            let mut m: Vec<(i64, usize)> = everyone
+                .chunks_exact(2)
+                .enumerate()
+                .filter(|(_, c)| c[0] == u64::from(color))
+                .map(|(r, c)| (c[1] as i64, r))
+                .collect();
+            m.sort_unstable();
+            m.into_iter().map(|(_, r)| r).collect()
+        });
+        let mut taken = String::new();
+        for attempt in 0..SPLIT_TRIES {
+            let free = self.h.inner.registry.free_map();
+            let free = self.allreduce(free, crate::ReduceOp::Band).await?;
+            // Where to look first: the same on every rank, apart for other communicators.
+            let start = (u32::from(self.id()) * 131 + u32::from(attempt) * 257) % u32::from(MAX_COMMS);
+            let id = crate::abort::pick_id(&free, start as u16)
+                .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
+            let made = match &members {
+                Some(ranks) => {
+                    let rank = ranks.iter().position(|&r| r == self.rank()).unwrap_or_default();
+                    let eps = ranks.iter().map(|&r| self.h.inner.eps[r].clone()).collect();
+                    Some(Communicator::new(&self.h.inner.ns, id, rank, eps, Settings::of(self)))
+                }
+                None => None,
+            };
+            // Every rank learns whether every other could take the id.
+            let ok = u8::from(!matches!(made, Some(Err(_))));
+            let all = self.allreduce(vec![ok], crate::ReduceOp::Min).await?;
+            match (made, all.first()) {
+                (Some(Ok(c)), Some(1)) => {
+                    c.put_hosts(self.hosts().restrict(members.as_deref().unwrap_or_default()));
+                    return Ok(Some(c.with_options(self.h.opts.clone())));
+                }
+                (None, Some(1)) => return Ok(None),
+                // Someone's id was taken: this try's communicators go (their ids cool).
+                (Some(Err(e)), _) => taken = e.to_string(),
+                _ => taken = format!("id {id} was taken on another rank's worker"),
+            }
+        }
+        Err(Error::InvalidArgument(format!(
+            "no communicator id free on every rank after {SPLIT_TRIES} tries: {taken}"
+        )))
     }
 
     /// A second communicator over the same ranks, in the same order, whose collectives

@@ -109,6 +109,33 @@ async fn ranks_meet_through_a_file_store() {
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
+/// Splits of two communicators over the same workers, running at once, both succeed
+/// with ids of their own (they used to pick the same id, and the rank that lost the
+/// claim failed alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_splits_on_shared_workers_agree() {
+    let dir = std::env::temp_dir().join(format!("ucxkit-coll-splits-{}", std::process::id()));
+    let a: Vec<Communicator> = form(2, &[0, 1], |_| FileStore::new(&dir).expect("dir"), LIMIT)
+        .await
+        .into_iter()
+        .map(|c| c.expect("bootstrap"))
+        .collect();
+    let b: Vec<Communicator> =
+        join_all(a.iter().map(|c| c.dup())).await.into_iter().map(|c| c.expect("dup")).collect();
+    for _ in 0..5 {
+        let both = join_all(a.iter().zip(&b).map(|(x, y)| async move {
+            let (p, q) = tokio::join!(x.dup(), y.dup());
+            (p.expect("split of a"), q.expect("split of b"))
+        }))
+        .await;
+        let (pa, pb): (Vec<Communicator>, Vec<Communicator>) = both.into_iter().unzip();
+        assert!(pa[0].id() == pa[1].id() && pb[0].id() == pb[1].id() && pa[0].id() != pb[0].id());
+        let (x, y) = tokio::join!(sums_to(&pa), sums_to(&pb));
+        assert_eq!((x, y), (vec![vec![3; 5]; 2], vec![vec![3; 5]; 2]));
+    }
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
 /// Groups formed again on the same workers, after the last one ended, take ids the
 /// workers did not give back recently (messages the old group left behind match
 /// nothing of the new one).
