@@ -111,14 +111,9 @@ type Comms = Arc<Mutex<HashMap<u16, Weak<AbortCell>>>>;
 /// What one worker's collectives share: the communicators by id (for abort messages,
 /// and so that no two live ones share an id).
 pub(crate) struct Registry {
-    /// The worker's key in [`REGISTRIES`] (and [`COOLED`]).
+    /// The worker's key in [`REGISTRIES`] and [`COOLING_IDS`].
     key: usize,
     comms: Comms,
-    /// Ids given back, the most recent last (at most [`COOLING`]): new communicators take
-    /// others first, so that messages of a communicator that ended mid-call (left in
-    /// UCX's queue of unexpected messages, or still on their way) meet no communicator
-    /// of the same id until hundreds of others were made.
-    cooling: Mutex<VecDeque<u16>>,
     /// Kept so that abort messages are taken while any communicator lives.
     _handler: AmHandler,
 }
@@ -129,23 +124,32 @@ const COOLING: usize = 768;
 /// The registries of this process's workers, by UCX worker handle.
 static REGISTRIES: Mutex<Vec<(usize, Weak<Registry>)>> = Mutex::new(Vec::new());
 
-/// The cooling ids of workers whose registry ended (their last communicator went), by
-/// worker handle, so that a group formed again on the worker still skips them; the
-/// last [`COOLED_WORKERS`] workers' only.
-static COOLED: Mutex<Vec<(usize, VecDeque<u16>)>> = Mutex::new(Vec::new());
+/// Ids given back on each worker (by UCX worker handle), the most recent last (at most
+/// [`COOLING`]): new communicators take others first, so that messages of a
+/// communicator that ended mid-call (left in UCX's queue of unexpected messages, or
+/// still on their way) meet no communicator of the same id until hundreds of others were
+/// made. Kept apart from the registries, which end with a worker's last communicator,
+/// for the last [`COOLING_WORKERS`] workers that gave an id back.
+static COOLING_IDS: Mutex<Vec<(usize, VecDeque<u16>)>> = Mutex::new(Vec::new());
 
-/// Workers whose cooling ids are kept after their registry ended.
-const COOLED_WORKERS: usize = 64;
+/// Workers whose given-back ids are kept.
+const COOLING_WORKERS: usize = 64;
 
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let cooling = std::mem::take(&mut *self.cooling.lock().unwrap_or_else(PoisonError::into_inner));
-        let mut cooled = COOLED.lock().unwrap_or_else(PoisonError::into_inner);
-        cooled.retain(|(k, _)| *k != self.key);
-        if cooled.len() == COOLED_WORKERS {
-            cooled.remove(0);
+/// Runs `f` on the ids worker `key` gave back (made, and the list of workers bounded,
+/// when `add`; an empty list otherwise).
+fn cooling_of<R>(key: usize, add: bool, f: impl FnOnce(&mut VecDeque<u16>) -> R) -> R {
+    let mut all = COOLING_IDS.lock().unwrap_or_else(PoisonError::into_inner);
+    match all.iter().position(|(k, _)| *k == key) {
+        Some(i) => f(&mut all[i].1),
+        None if add => {
+            if all.len() == COOLING_WORKERS {
+                all.remove(0);
+            }
+            all.push((key, VecDeque::new()));
+            let last = all.len() - 1;
+            f(&mut all[last].1)
         }
-        cooled.push((self.key, cooling));
+        None => f(&mut VecDeque::new()),
     }
 }
 
@@ -176,12 +180,7 @@ impl Registry {
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("taking the collectives' abort messages: {e}")))?;
-        let cooling = {
-            let mut cooled = COOLED.lock().unwrap_or_else(PoisonError::into_inner);
-            let at = cooled.iter().position(|(k, _)| *k == key);
-            at.map(|i| cooled.remove(i).1).unwrap_or_default()
-        };
-        let r = Arc::new(Registry { key, comms, cooling: Mutex::new(cooling), _handler: handler });
+        let r = Arc::new(Registry { key, comms, _handler: handler });
         all.push((key, Arc::downgrade(&r)));
         Ok(r)
     }
@@ -201,7 +200,7 @@ impl Registry {
         let mut m = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
         if m.get(&id).is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(cell))) {
             m.remove(&id);
-            cool(&mut self.cooling.lock().unwrap_or_else(PoisonError::into_inner), id);
+            cooling_of(self.key, true, |c| cool(c, id));
         }
     }
 
@@ -211,7 +210,7 @@ impl Registry {
     pub(crate) fn free_map(&self) -> Vec<u64> {
         let m = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
         let live = m.iter().filter(|(_, w)| w.strong_count() > 0).map(|(id, _)| *id);
-        id_maps(live, &self.cooling.lock().unwrap_or_else(PoisonError::into_inner))
+        cooling_of(self.key, false, |c| id_maps(live, c))
     }
 }
 
@@ -240,6 +239,13 @@ fn id_maps(live: impl Iterator<Item = u16>, cooling: &VecDeque<u16>) -> Vec<u64>
         take(id, words);
     }
     map
+}
+
+/// Where a communicator made from communicator `parent` looks for a free id first, on
+/// its `attempt`: the same on every rank, apart for different parents, so that splits
+/// and shrinks of several communicators at once on one worker seldom pick alike.
+pub(crate) fn first_look(parent: u16, attempt: u16) -> u16 {
+    ((u32::from(parent) * 131 + u32::from(attempt) * 257) % u32::from(MAX_COMMS)) as u16
 }
 
 /// The id a new communicator takes, from maps as [`Registry::free_map`] gives them

@@ -286,9 +286,7 @@ impl Communicator {
         for attempt in 0..SPLIT_TRIES {
             let free = self.h.inner.registry.free_map();
             let free = self.allreduce(free, crate::ReduceOp::Band).await?;
-            // Where to look first: the same on every rank, apart for other communicators.
-            let start = (u32::from(self.id()) * 131 + u32::from(attempt) * 257) % u32::from(MAX_COMMS);
-            let id = crate::abort::pick_id(&free, start as u16)
+            let id = crate::abort::pick_id(&free, crate::abort::first_look(self.id(), attempt))
                 .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
             let made = match &members {
                 Some(ranks) => {

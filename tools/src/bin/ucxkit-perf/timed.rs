@@ -80,7 +80,7 @@ pub(crate) async fn run_for(
     loop {
         // The last few percent are not worth a segment of their own.
         let left = d.saturating_sub(total.elapsed);
-        if left < d / 50 {
+        if left.is_zero() || left < d / 50 {
             return Ok(total);
         }
         let m = segment(shape, iters_in(left.min(longest), per), SEGMENT_WARMUP, side).await?;
