@@ -89,6 +89,18 @@ impl Communicator {
         let limit = self.h.opts.deadline;
         let elems = data.len() + input.len() + sched.scratch;
         if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
+            if let Some(one) = exec::small::OneStep::of(sched) {
+                let ran = match exec::can_start(&wire, sched) {
+                    Ok(()) => exec::small::run_one(&wire, seq, &one, &mut data, &input, op, limit).await,
+                    Err(e) => Err(e),
+                };
+                match ran {
+                    Ok(true) => return Ran { result: Ok(()), data: Some(data), input: Some(input) },
+                    Err(e) => return Ran { result: Err(e), data: Some(data), input: Some(input) },
+                    // The send could not go out during the call: the usual way.
+                    Ok(false) => {}
+                }
+            }
             let mut kept = self.take_small();
             let result = exec::small::run(&wire, seq, sched, &mut data, &input, &mut kept, op, limit).await;
             self.keep_small(kept);

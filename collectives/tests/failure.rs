@@ -86,6 +86,31 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     tokio::time::sleep(Duration::from_millis(200)).await;
 }
 
+/// A 2-rank small call (one step, run without the step loop) that waits ends when the
+/// other rank aborts, woken by the abort alone, and at its own deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_two_rank_small_call_ends_on_abort_and_deadline() {
+    let (_mesh, comms) = group(2).await;
+    let waiting = tokio::spawn({
+        let c = comms[0].clone();
+        async move { c.allreduce(vec![7u32; 2], ReduceOp::Sum).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiting.is_finished(), "rank 0 cannot finish alone");
+    comms[1].abort("rank 1 gives up");
+    let e = tokio::time::timeout(BOUND, waiting).await.expect("woken within the bound").expect("task");
+    let e = e.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 1 && a.reason == "rank 1 gives up"), "{e}");
+
+    let (_mesh, comms) = group(2).await;
+    let timed =
+        comms[0].with_options(Options { deadline: Some(Duration::from_millis(200)), ..Default::default() });
+    let t = Instant::now();
+    let e = timed.broadcast(vec![1u8; 4], 1).await.expect_err("rank 1 never came").error;
+    assert!(matches!(e, Error::DeadlineExceeded(_)), "{e}");
+    assert!(t.elapsed() < BOUND, "{:?}", t.elapsed());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_on_one_rank_aborts_the_others() {
     let (_mesh, comms) = group(2).await;

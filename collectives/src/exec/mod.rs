@@ -364,7 +364,7 @@ pub(crate) async fn run<T: Element>(
 
 /// Whether a call may start `sched`: not on an aborted communicator, and not with more
 /// steps than the tag layout numbers.
-pub(super) fn can_start(w: &Wire<'_>, sched: &Schedule) -> Result<()> {
+pub(crate) fn can_start(w: &Wire<'_>, sched: &Schedule) -> Result<()> {
     if let Some(a) = w.abort.get() {
         return Err(Error::Aborted(a));
     }
