@@ -89,9 +89,9 @@ impl Communicator {
         let limit = self.h.opts.deadline;
         let elems = data.len() + input.len() + sched.scratch;
         if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
-            if let Some(one) = exec::small::OneStep::of(sched) {
+            if let Some(one) = exec::one::OneStep::of(sched) {
                 let ran = match exec::can_start(&wire, sched) {
-                    Ok(()) => exec::small::run_one(&wire, seq, &one, &mut data, &input, op, limit).await,
+                    Ok(()) => exec::one::run_one(&wire, seq, &one, &mut data, &input, op, limit).await,
                     Err(e) => Err(e),
                 };
                 match ran {

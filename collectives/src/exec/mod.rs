@@ -19,6 +19,7 @@ use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::{tag, MAX_STEPS};
 use crate::{Element, ReduceOp};
 
+pub(crate) mod one;
 mod pieces;
 pub(crate) mod small;
 
