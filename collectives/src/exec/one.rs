@@ -47,15 +47,20 @@ impl<'s> OneStep<'s> {
                 _ => return None,
             }
         }
-        // What arrives is combined as it is: every combine reads the received region
-        // whole, into the data.
+        // What arrives is used as it is: it lands in the data and nothing combines it, or
+        // it lands in scratch and every combine reads it whole, into the data (so no
+        // combine changes what a later one reads).
         let whole =
             |from: &Region, into: &Region| recv.is_some_and(|(_, r)| r == from) && into.buf == Buf::Data;
         let combines_ok = step.combines.iter().all(|c| match c {
             Combine::Copy { from, into } | Combine::Reduce { from, into } => whole(from, into),
         });
-        let lands_in_data = recv.map_or(true, |(_, r)| r.buf == Buf::Data || !step.combines.is_empty());
-        (combines_ok && lands_in_data).then_some(OneStep { step, send, recv })
+        let lands = match recv {
+            Some((_, r)) if r.buf == Buf::Data => step.combines.is_empty(),
+            Some((_, r)) => r.buf == Buf::Scratch && !step.combines.is_empty(),
+            None => step.combines.is_empty(),
+        };
+        (combines_ok && lands).then_some(OneStep { step, send, recv })
     }
 }
 
@@ -165,6 +170,16 @@ mod tests {
                 vec![Combine::Reduce { from: Region::scratch(0..1), into: Region::data(0..1) }],
             ),
             Schedule { sync: true, ..step(vec![send(Region::data(0..0))], vec![]) },
+            // A receive into the data that a combine then reads; combines with nothing
+            // received.
+            step(
+                vec![recv(Region::data(0..2))],
+                vec![Combine::Reduce { from: Region::data(0..2), into: Region::data(2..4) }],
+            ),
+            step(
+                vec![send(Region::data(0..2))],
+                vec![Combine::Copy { from: Region::data(0..2), into: Region::data(2..4) }],
+            ),
             step(vec![recv(Region::data(0..0))], vec![]),
         ];
         for s in &no {
