@@ -90,11 +90,7 @@ impl Communicator {
         let elems = data.len() + input.len() + sched.scratch;
         if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
             if let Some(one) = exec::one::OneStep::of(sched) {
-                let ran = match exec::can_start(&wire, sched) {
-                    Ok(()) => exec::one::run_one(&wire, seq, &one, &mut data, &input, op, limit).await,
-                    Err(e) => Err(e),
-                };
-                match ran {
+                match exec::one::run_one(&wire, seq, &one, &mut data, &input, op, limit).await {
                     Ok(true) => return Ran { result: Ok(()), data: Some(data), input: Some(input) },
                     Err(e) => return Ran { result: Err(e), data: Some(data), input: Some(input) },
                     // The send could not go out during the call: the usual way.

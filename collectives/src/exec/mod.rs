@@ -365,7 +365,7 @@ pub(crate) async fn run<T: Element>(
 
 /// Whether a call may start `sched`: not on an aborted communicator, and not with more
 /// steps than the tag layout numbers.
-pub(crate) fn can_start(w: &Wire<'_>, sched: &Schedule) -> Result<()> {
+pub(super) fn can_start(w: &Wire<'_>, sched: &Schedule) -> Result<()> {
     if let Some(a) = w.abort.get() {
         return Err(Error::Aborted(a));
     }
@@ -388,6 +388,22 @@ pub(super) fn received(peer: usize, want: usize, r: ucxkit_transport::Result<Tag
         }
         Err(source) => Err(Error::Transport { rank: peer, source }),
     }
+}
+
+/// The bytes a receive of `want` bytes from rank `peer` into a vector of its own
+/// brought (`buf`, given how the receive `r` ended), or the call's error.
+pub(super) fn landed_bytes(
+    peer: usize,
+    want: usize,
+    r: ucxkit_transport::Result<TagInfo>,
+    buf: &[u8],
+) -> Result<&[u8]> {
+    received(peer, want, r)?;
+    buf.get(..want).filter(|_| buf.len() == want).ok_or(Error::Mismatch {
+        rank: peer,
+        got: Some(buf.len()),
+        want,
+    })
 }
 
 /// `r` cut into pieces of at most `seg` elements (one piece when it is shorter, or

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ucxkit_transport::tag::EXACT;
 
-use super::{combine, outside, received, Watch, Wire};
+use super::{can_start, combine, landed_bytes, outside, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::tag;
@@ -21,6 +21,7 @@ use crate::{Element, ReduceOp};
 /// nested futures cost as much as such a call's messages (2-rank broadcast of 8 B,
 /// busy: 0.21-0.25 -> 0.17-0.19 us).
 pub(crate) struct OneStep<'s> {
+    sched: &'s Schedule,
     step: &'s Step,
     send: Option<(usize, &'s Region)>,
     recv: Option<(usize, &'s Region)>,
@@ -60,13 +61,13 @@ impl<'s> OneStep<'s> {
             Some((_, r)) => r.buf == Buf::Scratch && !step.combines.is_empty(),
             None => step.combines.is_empty(),
         };
-        (combines_ok && lands).then_some(OneStep { step, send, recv })
+        (combines_ok && lands).then_some(OneStep { sched, step, send, recv })
     }
 }
 
-/// Runs a one-step call (see [`OneStep`]) for call `seq`; `Ok(false)` when its send
-/// could not go out during the call, before anything was sent (the caller then runs the
-/// schedule the usual way).
+/// Runs a one-step call (see [`OneStep`]) for call `seq` (checked as the step loop
+/// checks a call at its start); `Ok(false)` when its send could not go out during the
+/// call, before anything was sent (the caller then runs the schedule the usual way).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_one<T: Element>(
     w: &Wire<'_>,
@@ -77,6 +78,7 @@ pub(crate) async fn run_one<T: Element>(
     op: ReduceOp,
     limit: Option<Duration>,
 ) -> Result<bool> {
+    can_start(w, one.sched)?;
     let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
     for (from, into) in &one.step.copies {
         combine(input, from, data, into, None)?;
@@ -99,10 +101,7 @@ pub(crate) async fn run_one<T: Element>(
         Poll::Pending => watch.get_or_insert_with(|| Watch::ending(w.abort, end)).poll_end(cx).map(Err),
     })
     .await?;
-    received(peer, want, r)?;
-    let landed = got.len();
-    let got = got.get(..want).filter(|_| landed == want);
-    let got = got.ok_or(Error::Mismatch { rank: peer, got: Some(landed), want })?;
+    let got = landed_bytes(peer, want, r, &got)?;
     // The received values, as elements (copied where the bytes are not aligned for them).
     let owned: Vec<T>;
     let values: &[T] = match bytemuck::try_cast_slice(got) {

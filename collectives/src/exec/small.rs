@@ -12,7 +12,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 use ucxkit_transport::{tag::EXACT, TagRecv, TagSend};
 
-use super::{can_start, combine, combine_within, outside, received, same_length, Watch, Wire};
+use super::{can_start, combine, combine_within, landed_bytes, outside, same_length, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::tag;
@@ -207,11 +207,8 @@ async fn exchange<'w, T: Element>(
                 Poll::Ready(done) => done,
             };
             r.op = None;
-            let landed = received(r.peer, r.want, res).and_then(|()| {
-                let dst = bytemuck::cast_slice_mut::<T, u8>(v.get_mut(r.into)?);
-                let got = buf.get(..r.want).filter(|_| buf.len() == r.want);
-                let got = got.ok_or(Error::Mismatch { rank: r.peer, got: Some(buf.len()), want: r.want })?;
-                dst.copy_from_slice(got);
+            let landed = landed_bytes(r.peer, r.want, res, &buf).and_then(|got| {
+                bytemuck::cast_slice_mut::<T, u8>(v.get_mut(r.into)?).copy_from_slice(got);
                 Ok(())
             });
             pool.push(buf);
