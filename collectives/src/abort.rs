@@ -250,12 +250,17 @@ pub(crate) fn first_look(parent: u16, attempt: u16) -> u16 {
 
 /// The id a new communicator takes, from maps as [`Registry::free_map`] gives them
 /// (ANDed over its ranks): the first free one from `start` on (wrapping) not given back
-/// recently, else the first free one; None when every id is taken.
-pub(crate) fn pick_id(map: &[u64], start: u16) -> Option<u16> {
+/// recently, else the first free one.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when every id is taken.
+pub(crate) fn pick_id(map: &[u64], start: u16) -> Result<u16> {
     let (free, fresh) = map.split_at(map.len() / 2);
     let set = |m: &[u64], id: u16| m.get(usize::from(id / 64)).is_some_and(|w| w & (1 << (id % 64)) != 0);
     let from = |m: &[u64]| (0..MAX_COMMS).map(|i| (start % MAX_COMMS + i) % MAX_COMMS).find(|&id| set(m, id));
-    from(fresh).or_else(|| from(free))
+    from(fresh)
+        .or_else(|| from(free))
+        .ok_or_else(|| Error::InvalidArgument("every communicator id is taken on some rank's worker".into()))
 }
 
 /// Tells every rank in `eps` (None for this rank) that communicator `comm` is aborted.
@@ -288,7 +293,7 @@ mod tests {
     fn given_back_ids_cool_before_reuse() {
         let mut cooling = VecDeque::new();
         let pick =
-            |live: &[u16], cooling: &VecDeque<u16>| pick_id(&id_maps(live.iter().copied(), cooling), 0);
+            |live: &[u16], cooling: &VecDeque<u16>| pick_id(&id_maps(live.iter().copied(), cooling), 0).ok();
         assert_eq!(pick(&[], &cooling), Some(1));
         cool(&mut cooling, 1);
         cool(&mut cooling, 2);
@@ -303,11 +308,11 @@ mod tests {
         cool(&mut other, 4);
         let (a, b) = (id_maps([3].into_iter(), &cooling), id_maps(std::iter::empty(), &other));
         let both: Vec<u64> = a.iter().zip(&b).map(|(x, y)| x & y).collect();
-        assert_eq!(pick_id(&both, 0), Some(5));
+        assert_eq!(pick_id(&both, 0).ok(), Some(5));
         // From a start, wrapping past the last id.
-        assert_eq!(pick_id(&both, 700), Some(700));
+        assert_eq!(pick_id(&both, 700).ok(), Some(700));
         let high: Vec<u16> = (600..MAX_COMMS).collect();
-        assert_eq!(pick_id(&id_maps(high.into_iter(), &VecDeque::new()), 700), Some(1));
+        assert_eq!(pick_id(&id_maps(high.into_iter(), &VecDeque::new()), 700).ok(), Some(1));
         // Giving an id back again moves it last; the list is bounded.
         cool(&mut cooling, 1);
         assert_eq!(cooling, [2, 1]);

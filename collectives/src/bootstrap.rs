@@ -151,6 +151,7 @@ impl Communicator {
         let mut value = (size as u64).to_le_bytes().to_vec();
         value.extend_from_slice(&crate::hosts::this_host().to_le_bytes());
         value.extend_from_slice(&(crate::hosts::host_cpus() as u64).to_le_bytes());
+        // Held until the communicator holds it too (its abort handler is installed once).
         let registry = Registry::of(&ns)?;
         let free = registry.free_map();
         if free.len() != ID_MAP_WORDS {
@@ -214,10 +215,8 @@ impl Communicator {
             .collect::<Result<Vec<_>>>()?;
         // Every rank picks the same id from the same maps; one given back recently on any
         // of the workers only when no other is free (see `abort::pick_id`).
-        let id =
-            pick_id(&free, 0).ok_or_else(|| boot("every communicator id is taken on some rank's worker"))?;
+        let id = pick_id(&free, 0).map_err(boot)?;
         let comm = Communicator::from_endpoints(&ns, id, rank, eps)?;
-        drop(registry);
         comm.put_hosts(Hosts::from_keys(&hosts).with_cpus(&cpus));
         match tokio::time::timeout(left(), comm.barrier()).await {
             Ok(Ok(())) => Ok(comm),

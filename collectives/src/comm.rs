@@ -286,8 +286,7 @@ impl Communicator {
         for attempt in 0..SPLIT_TRIES {
             let free = self.h.inner.registry.free_map();
             let free = self.allreduce(free, crate::ReduceOp::Band).await?;
-            let id = crate::abort::pick_id(&free, crate::abort::first_look(self.id(), attempt))
-                .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
+            let id = crate::abort::pick_id(&free, crate::abort::first_look(self.id(), attempt))?;
             let made = match &members {
                 Some(ranks) => {
                     let rank = ranks.iter().position(|&r| r == self.rank()).unwrap_or_default();

@@ -178,8 +178,7 @@ impl Communicator {
             return Err(Error::DeadlineExceeded(deadline));
         }
         let members: Vec<usize> = (0..n).filter(|&p| !failed[p]).collect();
-        let id = crate::abort::pick_id(&free, crate::abort::first_look(self.id(), 0))
-            .ok_or_else(|| Error::InvalidArgument("every communicator id is taken".into()))?;
+        let id = crate::abort::pick_id(&free, crate::abort::first_look(self.id(), 0))?;
         let rank = members
             .iter()
             .position(|&p| p == me)
