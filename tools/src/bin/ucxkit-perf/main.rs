@@ -359,7 +359,6 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
                 (n, args.warmup.unwrap_or((n / 10).max(10)), None)
             }
         };
-        let ep = side.ep;
         let perftest = || -> AnyResult<Row> {
             if progress {
                 eprint!(
@@ -376,11 +375,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         let before = if perftest_first { Some(perftest()?) } else { None };
         let measured = match per {
             Some((d, per)) => timed::run_for(&shape, d, (per, warmup), &mut side).await?,
-            None => {
-                let run =
-                    bench::run_client(test, size, iters, warmup, shape.window, shape.recv_window, &mut side);
-                bench::unless_failed(ep, run).await?
-            }
+            None => timed::segment(&shape, iters, warmup, &mut side).await?,
         };
         let row = measured.row(test, size, &transport);
         let theirs = match before {

@@ -75,7 +75,7 @@ pub(crate) async fn run_for(
     side: &mut Side<'_>,
 ) -> AnyResult<Measured> {
     let longest = d / SEGMENTS;
-    let mut total = segment(shape, iters_in(d.min(longest), per), warmup, side).await?;
+    let mut total = segment(shape, iters_in(longest, per), warmup, side).await?;
     let mut per = total.secs_per_iter();
     loop {
         // The last few percent are not worth a segment of their own.
@@ -89,8 +89,14 @@ pub(crate) async fn run_for(
     }
 }
 
-/// One run of `iters` timed iterations after `warmup` untimed ones.
-async fn segment(shape: &Shape, iters: u64, warmup: u64, side: &mut Side<'_>) -> AnyResult<Measured> {
+/// One run of `iters` timed iterations after `warmup` untimed ones (also a whole run
+/// of a fixed count).
+pub(crate) async fn segment(
+    shape: &Shape,
+    iters: u64,
+    warmup: u64,
+    side: &mut Side<'_>,
+) -> AnyResult<Measured> {
     let ep = side.ep;
     let Shape { test, size, window, recv_window } = *shape;
     let run = bench::run_client(test, size, iters, warmup, window, recv_window, side);
