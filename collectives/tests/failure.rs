@@ -49,8 +49,9 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
 /// buffers with the transport: the peer still reads what rank 0 had posted to send and
 /// sends into what it had posted to receive, and that memory stays allocated until UCX
 /// lets go (the test command runs this under valgrind, which reports any access to freed
-/// memory). The peer ends with the abort the drop sent. Then the same with a small call
-/// (8 bytes, whose receive waits in a landing vector of its own).
+/// memory). The peer ends with the abort the drop sent. Then the same with small calls
+/// (8 bytes, whose receives wait in landing vectors of their own): on two ranks (one
+/// step, run without the step loop) and on three (the step loop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (_mesh, comms) = group(2).await;
@@ -83,6 +84,26 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     }
     let e = comms[1].allreduce(vec![2f32; 2], ReduceOp::Sum).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // 8 bytes on three ranks: several steps, so the step loop's receive is what waits.
+    let (_mesh, comms) = group(3).await;
+    let mut first = Box::pin(comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum));
+    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
+    assert!(polled.is_err(), "rank 0 cannot finish before the others start");
+    drop(first);
+    for c in &comms[1..] {
+        let t = Instant::now();
+        while c.aborted().is_none() {
+            assert!(t.elapsed() < BOUND, "rank {} never heard of the abort", c.rank());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let late = join_all(comms[1..].iter().map(|c| c.allreduce(vec![2f32; 2], ReduceOp::Sum))).await;
+    for r in late {
+        let e = r.expect_err("aborted").error;
+        assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
+    }
     tokio::time::sleep(Duration::from_millis(200)).await;
 }
 
