@@ -80,6 +80,32 @@ async fn rma_with_slices_and_a_view() {
     assert_eq!(region.to_vec()[0], 42);
 }
 
+/// A region staged from a part of a shared buffer while a receive holds another part,
+/// read by a peer's get; ranges outside the buffer or the region copy nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_staged_from_a_shared_slice() {
+    let (_s, _c, sep, cep) = pair("posix,cma,self").await;
+    let region = sep.worker().context().alloc(64 << 10).unwrap();
+    let key = cep.unpack_key(&region.pack_key().unwrap()).unwrap();
+    let data = payload(5, 40_000);
+    let buf = SharedBuf::new(data.clone());
+    let busy = buf.slice(0..100).unwrap();
+    let part = buf.slice(1000..31_000).unwrap();
+    region.write_from(100, &part, 5..29_005).unwrap();
+    let (n, got) = cep.get(vec![0u8; 29_000], 29_000, &key, 100).await;
+    assert_eq!(n.unwrap(), 29_000);
+    assert!(got == data[1005..30_005]);
+    let before = region.to_vec();
+    for (at, range) in [(0, 0..30_001), (0, 30_000..29_000), ((64 << 10) - 10, 0..11), (usize::MAX, 0..1)] {
+        let e = region.write_from(at, &part, range.clone()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{at} {range:?}");
+    }
+    assert!(region.to_vec() == before, "a refused copy wrote nothing");
+    region.write_from(0, &region, 100..200).unwrap();
+    assert!(region.to_vec()[..100] == data[1005..1105], "a copy within the region");
+    drop((busy, part));
+}
+
 /// A view is refused while a clone, a slice, an operation or a key unpacked in this
 /// process holds the region, and a key cannot be unpacked here while a view is open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -408,6 +408,34 @@ impl MemRegion {
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.inner.ptr.add(offset), data.len()) }
     }
 
+    /// Copies bytes `range` of an operation's buffer `src` into the region at `offset`:
+    /// staging, for a peer to read, a buffer that has no byte slice to give (a
+    /// [`crate::SharedSlice`] while operations hold other parts of its buffer, say).
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] when `range` is outside `src`'s bytes or the bytes do not fit
+    /// the region at `offset`; nothing is copied then.
+    pub fn write_from<B: IoBuf>(&self, offset: usize, src: &B, range: Range<usize>) -> Result<()> {
+        let len = range.len();
+        if range.start > range.end || range.end > src.bytes_init() {
+            return Err(Error::ApiMisuse(format!(
+                "write_from: bytes {range:?} are outside a {} byte buffer",
+                src.bytes_init()
+            )));
+        }
+        if !offset.checked_add(len).is_some_and(|end| end <= self.inner.len) {
+            return Err(Error::ApiMisuse(format!(
+                "write_from: {len} bytes at offset {offset} do not fit a {} byte region",
+                self.inner.len
+            )));
+        }
+        // SAFETY: both ranges were checked: `src` has `bytes_init()` readable bytes at
+        // its stable pointer (IoBuf's contract), and the region is valid for its length
+        // while self lives. `src` may be this region itself: `copy` allows overlap.
+        unsafe { std::ptr::copy(src.stable_ptr().add(range.start), self.inner.ptr.add(offset), len) }
+        Ok(())
+    }
+
     /// A copy of the whole region.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len()];
