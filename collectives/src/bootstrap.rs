@@ -130,7 +130,7 @@ impl Communicator {
     ///
     /// # Errors
     /// [`Error::Bootstrap`] naming the ranks that never published their address, or what
-    /// failed; [`Error::InvalidArgument`] for a rank outside the group.
+    /// failed; [`Error::InvalidArgument`] for a rank outside the group or too many ranks.
     pub async fn bootstrap(
         worker: &Worker,
         rank: usize,
@@ -140,6 +140,12 @@ impl Communicator {
     ) -> Result<Communicator> {
         if rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is outside a group of {size}")));
+        }
+        if size > crate::tag::MAX_RANKS {
+            return Err(Error::InvalidArgument(format!(
+                "{size} ranks are more than the {} a communicator can have",
+                crate::tag::MAX_RANKS
+            )));
         }
         let end = Instant::now() + deadline;
         let left = || end.saturating_duration_since(Instant::now());

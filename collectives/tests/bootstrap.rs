@@ -180,6 +180,19 @@ async fn a_rank_that_never_comes_is_named() {
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
+/// A group larger than the tag layout numbers is refused at once, before the store is
+/// used (its ranks' messages would otherwise share tags).
+#[tokio::test]
+async fn a_group_too_large_for_the_tags_is_refused() {
+    let size = ucxkit_collectives::tag::MAX_RANKS + 1;
+    let t = std::time::Instant::now();
+    let got = form(size, &[0], |_| Broken, LIMIT).await;
+    let e = got.into_iter().next().expect("one rank").expect_err("too many ranks");
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("more than the"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
+
 /// A store that takes writes and then stops answering.
 struct Broken;
 
