@@ -43,6 +43,7 @@ use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Status};
 
 mod key;
+mod stream;
 mod view;
 
 pub use key::RemoteKey;
@@ -408,9 +409,12 @@ impl MemRegion {
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.inner.ptr.add(offset), data.len()) }
     }
 
-    /// Copies bytes `range` of an operation's buffer `src` into the region at `offset`:
-    /// staging, for a peer to read, a buffer that has no byte slice to give (a
+    /// Copies bytes `range` of an operation's buffer `src` into the region at `offset`,
+    /// for a peer to read: staging a buffer that has no byte slice to give (a
     /// [`crate::SharedSlice`] while operations hold other parts of its buffer, say).
+    /// Copies of 64 KiB and more bypass this core's cache (non-temporal stores on x86-64)
+    /// so that the peer's core reads them from memory: one core reading lines another
+    /// holds modified ran at 3 GB/s on a test machine, against 15-26 GB/s this way.
     ///
     /// # Errors
     /// [`Error::ApiMisuse`] when `range` is outside `src`'s bytes or the bytes do not fit
@@ -431,8 +435,8 @@ impl MemRegion {
         }
         // SAFETY: both ranges were checked: `src` has `bytes_init()` readable bytes at
         // its stable pointer (IoBuf's contract), and the region is valid for its length
-        // while self lives. `src` may be this region itself: `copy` allows overlap.
-        unsafe { std::ptr::copy(src.stable_ptr().add(range.start), self.inner.ptr.add(offset), len) }
+        // while self lives. `src` may be this region itself: the copy allows overlap.
+        unsafe { stream::copy_for_peer(src.stable_ptr().add(range.start), self.inner.ptr.add(offset), len) }
         Ok(())
     }
 

@@ -33,7 +33,7 @@ unsafe impl Send for WorkerInner {}
 unsafe impl Sync for WorkerInner {}
 
 /// Progress calls per lock acquisition while a busy-poll future spins.
-const SPIN_ROUND: u32 = 32;
+pub(crate) const SPIN_ROUND: u32 = 32;
 
 impl WorkerInner {
     /// Runs `f` under the worker lock, then wakes the wakers and drops the parked values
@@ -217,6 +217,17 @@ impl WorkerInner {
         mut check: impl FnMut(&mut State) -> Option<T>,
         register: impl FnOnce(&mut State, &Waker),
     ) -> Poll<T> {
+        if progress::in_joined() {
+            // Polled with others (`Worker::poll_joined`), which progresses the worker for
+            // all of them: look, and leave the waker for event mode's wake-up.
+            return self.locked(|st| match check(st) {
+                Some(t) => Poll::Ready(t),
+                None => {
+                    register(st, cx.waker());
+                    Poll::Pending
+                }
+            });
+        }
         match self.mode {
             ProgressMode::BusyPoll => {
                 // Spin in rounds: each round holds the lock for up to SPIN_ROUND progress

@@ -437,6 +437,57 @@ impl Worker {
         self.shared.inner.busy_spin.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Polls several pending operations of this worker together: `poll_all` polls each
+    /// (their futures look for their results without progressing the worker), and
+    /// whenever the worker, progressed here for all of them, handles an event, it polls
+    /// them again. For protocols whose operations wait on the task's own reaction to each
+    /// other's results (a credit that frees a slot for the next piece): a future polled
+    /// on its own spins for its own result only (in busy-poll mode a whole
+    /// [`WorkerBuilder::busy_spin`]), while the result it waits for may need the task to
+    /// act on another's first.
+    ///
+    /// Progress as the futures make it: busy-poll mode spins up to the busy spin, then
+    /// yields; event mode spins up to [`EVENT_SPIN`] and leaves the rest to the driver
+    /// (the futures' wakers are registered).
+    pub fn poll_joined<R>(
+        &self,
+        cx: &mut TaskContext<'_>,
+        mut poll_all: impl FnMut(&mut TaskContext<'_>) -> Poll<R>,
+    ) -> Poll<R> {
+        let inner = &self.shared.inner;
+        progress::as_joined(|| {
+            if let Poll::Ready(r) = poll_all(cx) {
+                return Poll::Ready(r);
+            }
+            let busy = inner.mode == ProgressMode::BusyPoll;
+            let mut left = if busy { inner.busy_spin.load(Ordering::Relaxed) } else { u32::MAX };
+            let end = Instant::now() + progress::EVENT_SPIN;
+            while left > 0 {
+                let round = left.min(SPIN_ROUND);
+                left -= round;
+                // Progress until an event, a round at a time (the lock is let go between
+                // rounds so that other threads can post).
+                let events = inner.locked(|st| (0..round).any(|_| inner.progress_locked(st) != 0));
+                if events {
+                    if let Poll::Ready(r) = poll_all(cx) {
+                        return Poll::Ready(r);
+                    }
+                }
+                if !busy && Instant::now() >= end {
+                    break;
+                }
+            }
+            // Event mode: later completions wake the task through the futures' wakers.
+            if busy {
+                // As a busy-poll future does after a spin that found nothing.
+                std::thread::yield_now();
+                inner.signal.future_yielded();
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        })
+    }
+
     /// Progresses the worker once (`ucp_worker_progress`) and returns the number of events
     /// handled. The driver does this on its own; calling it is only useful for latency
     /// experiments.

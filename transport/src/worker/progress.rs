@@ -43,6 +43,29 @@ pub enum ProgressMode {
     BusyPoll,
 }
 
+thread_local! {
+    /// Set while [`crate::Worker::poll_joined`] polls its operations on this thread.
+    static JOINED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the current poll runs inside [`crate::Worker::poll_joined`].
+#[inline]
+pub(crate) fn in_joined() -> bool {
+    JOINED.with(std::cell::Cell::get)
+}
+
+/// Runs `f` with [`in_joined`] set (and restores it afterwards, even on a panic).
+pub(crate) fn as_joined<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            JOINED.with(|j| j.set(self.0));
+        }
+    }
+    let _restore = Restore(JOINED.with(|j| j.replace(true)));
+    f()
+}
+
 /// Wakes the driver: to stop it, or to progress work that no fd event will announce.
 #[derive(Default)]
 pub(crate) struct Signal {
