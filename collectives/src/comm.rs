@@ -12,6 +12,7 @@ use ucxkit_transport::{Endpoint, Namespace};
 
 use crate::abort::{AbortCell, Registry};
 use crate::error::{Error, Result};
+use crate::exec::lane::{Lanes, LANES_ENV};
 use crate::exec::small::SmallKept;
 use crate::exec::{Bufs, Kept};
 use crate::hosts::Hosts;
@@ -89,6 +90,8 @@ pub(crate) struct Inner {
     costs: Costs,
     /// The piece size of large transfers: [`DEFAULT_SEGMENT`], or [`SEGMENT_ENV`]'s.
     segment: usize,
+    /// The shared-memory lanes to the ranks of this host.
+    lanes: Lanes,
     /// The worker's communicators, where this one's id is held.
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
@@ -108,10 +111,13 @@ pub(crate) struct Settings {
     forced_env: Vec<(Op, Algorithm)>,
     costs: Costs,
     segment: usize,
+    /// Whether this rank sends large transfers to ranks of its host by lane.
+    lanes: bool,
 }
 
 impl Settings {
-    /// [`plan::ENV`], [`plan::COSTS_ENV`] and [`SEGMENT_ENV`], as they are now.
+    /// [`plan::ENV`], [`plan::COSTS_ENV`], [`SEGMENT_ENV`] and [`LANES_ENV`], as they are
+    /// now.
     fn from_env() -> Result<Settings> {
         let forced_env = match std::env::var(plan::ENV) {
             Ok(spec) => plan::parse_forced(&spec)
@@ -134,7 +140,8 @@ impl Settings {
             })?,
             Err(_) => DEFAULT_SEGMENT,
         };
-        Ok(Settings { forced_env, costs, segment })
+        let lanes = Lanes::on_for(std::env::var(LANES_ENV).ok().as_deref());
+        Ok(Settings { forced_env, costs, segment, lanes })
     }
 
     /// A communicator's own, for one split from it.
@@ -143,6 +150,7 @@ impl Settings {
             forced_env: c.h.inner.forced_env.clone(),
             costs: c.h.inner.costs,
             segment: c.h.inner.segment,
+            lanes: c.h.inner.lanes.on(),
         }
     }
 }
@@ -227,7 +235,7 @@ impl Communicator {
         eps: Vec<Option<Endpoint>>,
         set: Settings,
     ) -> Result<Communicator> {
-        let Settings { forced_env, costs, segment } = set;
+        let Settings { forced_env, costs, segment, lanes } = set;
         let size = eps.len();
         let registry = Registry::of(ns)?;
         let abort = Arc::new(AbortCell::default());
@@ -250,9 +258,11 @@ impl Communicator {
             forced_env,
             costs,
             segment,
+            lanes: Lanes::new(size, lanes),
             registry,
             abort,
         });
+        inner.lanes.set_local((0..size).map(|r| r != rank));
         Ok(Communicator { h: Arc::new(Handle { inner, opts: Options::default(), costs_id: 0 }) })
     }
 
@@ -386,10 +396,19 @@ impl Communicator {
     pub(crate) fn put_hosts(&self, hosts: Hosts) {
         let mut cache = self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
         if *cache.hosts != hosts {
+            let rank = self.rank();
+            let local = (0..hosts.ranks()).map(|r| r != rank && hosts.of(r) == hosts.of(rank));
+            self.h.inner.lanes.set_local(local);
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
             cache.last = None;
         }
+    }
+
+    /// How this rank's large transfers to ranks of its host went so far: through
+    /// shared-memory lanes or as plain messages (see [`crate::LANES_ENV`]).
+    pub fn lane_counts(&self) -> crate::LaneCounts {
+        self.h.inner.lanes.counts()
     }
 
     /// Takes the next call's sequence number.
@@ -504,6 +523,7 @@ impl Communicator {
             eps: &self.h.inner.eps,
             rank: self.h.inner.rank,
             comm: self.h.inner.id,
+            lanes: &self.h.inner.lanes,
         }
     }
 }

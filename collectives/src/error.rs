@@ -34,6 +34,14 @@ pub enum Error {
         /// Bytes expected.
         want: usize,
     },
+    /// A peer's message broke the collectives' protocol (malformed, or out of order).
+    #[error("rank {rank} broke the protocol: {reason}")]
+    Protocol {
+        /// The sending rank.
+        rank: usize,
+        /// What was wrong.
+        reason: String,
+    },
     /// The communicator was aborted: a collective failed on some rank (see
     /// [`crate::abort`]). Every later call on it fails the same way; make a new one of
     /// the live ranks with [`crate::Communicator::shrink`].
@@ -63,7 +71,9 @@ impl Error {
     /// The rank this error is about, when it is about one.
     pub fn rank(&self) -> Option<usize> {
         match self {
-            Error::Transport { rank, .. } | Error::Mismatch { rank, .. } => Some(*rank),
+            Error::Transport { rank, .. } | Error::Mismatch { rank, .. } | Error::Protocol { rank, .. } => {
+                Some(*rank)
+            }
             Error::Aborted(a) => a.failed,
             _ => None,
         }

@@ -51,6 +51,14 @@
 //! ([`plan::ENV`]); `UCXKIT_COLL_COSTS=FILE` loads the model's constants measured by
 //! `ucxkit-coll tune` ([`plan::COSTS_ENV`]).
 //!
+//! # Large transfers on one host
+//!
+//! Transfers of 1 MiB or more between ranks of one host move through shared-memory
+//! lanes: staged by the sender in a region UCX allocated, read by the receiver with a
+//! plain copy, piece by piece (the module `exec::lane`; `docs/collectives.md` has the
+//! figures). [`LANES_ENV`] switches them off for a rank's sends;
+//! [`Communicator::lane_counts`] says how its transfers went.
+//!
 //! # Several hosts
 //!
 //! A group formed through a store learns which ranks share a host ([`hosts::this_host`]:
@@ -82,6 +90,7 @@ pub use bootstrap::{InitOptions, CROWDED_SPIN};
 pub use comm::{Communicator, Options, DEFAULT_SEGMENT, SEGMENT_ENV};
 pub use dtype::{bf16, f16, DataType, Element};
 pub use error::{Error, Failed, Result};
+pub use exec::lane::{LaneCounts, LANES_ENV};
 pub use hosts::Hosts;
 pub use plan::{Algorithm, Op, Plan};
 pub use reduce::ReduceOp;

@@ -7,7 +7,8 @@
 //! | 55-46 | communicator id | 10 |
 //! | 45-30 | sequence number of the call on its communicator (wraps) | 16 |
 //! | 29-16 | step of the schedule; [`CONTROL_STEP`] for `shrink`, [`P2P_STEP`] for point-to-point messages | 14 |
-//! | 15-0 | source rank | 16 |
+//! | 15-14 | what the message carries ([`Kind`]): data, or a shared-memory lane's note or credit | 2 |
+//! | 13-0 | source rank | 14 |
 //!
 //! A receive matches all 56 bits. Point-to-point messages carry the user's tag (16 bits)
 //! in place of the sequence number.
@@ -15,7 +16,7 @@
 /// Communicator ids: 0..MAX_COMMS.
 pub const MAX_COMMS: u16 = 1 << 10;
 /// Ranks per communicator: 0..MAX_RANKS.
-pub const MAX_RANKS: usize = 1 << 16;
+pub const MAX_RANKS: usize = 1 << 14;
 /// Steps per schedule: 0..MAX_STEPS (the two values above are [`CONTROL_STEP`] and
 /// [`P2P_STEP`]).
 pub const MAX_STEPS: usize = (1 << 14) - 2;
@@ -25,13 +26,33 @@ pub const CONTROL_STEP: u16 = (1 << 14) - 2;
 /// The step field of point-to-point messages.
 pub const P2P_STEP: u16 = (1 << 14) - 1;
 
+/// What a message carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// A transfer's bytes (every message but a lane's).
+    Data = 0,
+    /// A shared-memory lane's note to the receiver: where the next piece lies.
+    Note = 2,
+    /// A shared-memory lane's credit to the sender: a piece was taken.
+    Credit = 3,
+}
+
 /// The tag of the message of step `step` of call `seq` on communicator `comm` from rank
 /// `src`. Fields are masked to their widths (callers check the limits).
+#[inline]
 pub fn tag(comm: u16, seq: u16, step: u16, src: usize) -> u64 {
+    kind_tag(comm, seq, step, src, Kind::Data)
+}
+
+/// [`tag`] for a message of kind `kind`.
+#[inline]
+pub fn kind_tag(comm: u16, seq: u16, step: u16, src: usize, kind: Kind) -> u64 {
     (u64::from(comm) & 0x3ff) << 46
         | u64::from(seq) << 30
         | (u64::from(step) & 0x3fff) << 16
-        | (src as u64 & 0xffff)
+        | u64::from(kind as u8) << 14
+        | (src as u64 & 0x3fff)
 }
 
 #[cfg(test)]
@@ -40,8 +61,12 @@ mod tests {
 
     #[test]
     fn fields_stay_in_their_bits() {
-        let all = tag(MAX_COMMS - 1, u16::MAX, P2P_STEP, MAX_RANKS - 1);
+        let all = kind_tag(MAX_COMMS - 1, u16::MAX, P2P_STEP, MAX_RANKS - 1, Kind::Credit);
         assert_eq!(all, (1 << 56) - 1);
+        assert_eq!(tag(0, 0, 0, MAX_RANKS), 0, "the rank stays out of the kind");
+        let kinds = [Kind::Data, Kind::Note, Kind::Credit].map(|k| kind_tag(3, 7, 2, 5, k));
+        assert!(kinds[0] != kinds[1] && kinds[1] != kinds[2] && kinds[0] != kinds[2]);
+        assert_eq!(kinds[2] - kinds[0], 3 << 14);
         assert_eq!(tag(1, 0, 0, 0), 1 << 46);
         assert_eq!(tag(0, 1, 0, 0), 1 << 30);
         assert_eq!(tag(0, 0, 1, 0), 1 << 16);

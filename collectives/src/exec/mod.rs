@@ -19,6 +19,7 @@ use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::{tag, MAX_STEPS};
 use crate::{Element, ReduceOp};
 
+pub(crate) mod lane;
 pub(crate) mod one;
 mod pieces;
 pub(crate) mod small;
@@ -32,6 +33,8 @@ pub(crate) struct Wire<'a> {
     pub(crate) eps: &'a [Option<Endpoint>],
     pub(crate) rank: usize,
     pub(crate) comm: u16,
+    /// The shared-memory lanes to the ranks of this host.
+    pub(crate) lanes: &'a lane::Lanes,
 }
 
 impl Wire<'_> {
@@ -464,7 +467,7 @@ impl<'a> Watch<'a> {
 const SHORT: usize = 1024;
 
 /// One transfer of a step in flight.
-enum InFlight<T: Element> {
+enum InFlight<'w, T: Element> {
     Send {
         peer: usize,
         op: TagSend<SharedSlice<T>>,
@@ -476,6 +479,12 @@ enum InFlight<T: Element> {
         then: Option<u16>,
         op: TagRecv<SharedSlice<T>>,
     },
+    /// A transfer through a shared-memory lane (see `lane`); `then` as for `Recv`.
+    LaneSend(Box<lane::LaneSend<'w, T>>),
+    LaneRecv {
+        then: Option<u16>,
+        op: Box<lane::LaneRecv<T>>,
+    },
     Done,
 }
 
@@ -484,8 +493,8 @@ enum InFlight<T: Element> {
 /// Posts one step's transfers and waits for all of them, polling them in place (no
 /// allocation for the few transfers a step has). Receives are bound to their peer's
 /// endpoint, so a peer's failure ends them. The first failure is returned at once.
-async fn exchange<T: Element>(
-    w: &Wire<'_>,
+async fn exchange<'w, T: Element>(
+    w: &Wire<'w>,
     at: At,
     st: &Step,
     bufs: &mut Bufs<T>,
@@ -493,7 +502,7 @@ async fn exchange<T: Element>(
 ) -> Result<Parts> {
     let At { seq, step, sync, op: reduce } = at;
     let xfers = &st.xfers[..];
-    let mut flight: SmallVec<[InFlight<T>; 2]> = SmallVec::with_capacity(xfers.len());
+    let mut flight: SmallVec<[InFlight<'w, T>; 2]> = SmallVec::with_capacity(xfers.len());
     let elem = std::mem::size_of::<T>().max(1);
     let seg = (w.segment / elem).max(1);
     // Large messages: receives first, so that the data lands in place where it would
@@ -517,6 +526,12 @@ async fn exchange<T: Element>(
                     }
                     let combine = piecewise.as_ref().and_then(|m| m.iter().position(|&x| x == i));
                     let combine = combine.and_then(|c| u16::try_from(c).ok());
+                    if !sync && w.lanes.takes(*peer, into.len() * elem) {
+                        let at = lane::LaneAt { seq, step, peer: *peer };
+                        let op = Box::new(lane::LaneRecv::start(w, at, into.clone())?);
+                        flight.push(InFlight::LaneRecv { then: combine, op });
+                        continue;
+                    }
                     for part in segments(into, seg) {
                         flight.push(InFlight::Recv {
                             peer: *peer,
@@ -533,6 +548,11 @@ async fn exchange<T: Element>(
                 }
                 Xfer::Send { peer, from } if sends => {
                     if from.is_empty() && !sync {
+                        continue;
+                    }
+                    if !sync && w.lanes.takes(*peer, from.len() * elem) {
+                        let at = lane::LaneAt { seq, step, peer: *peer };
+                        flight.push(InFlight::LaneSend(Box::new(lane::LaneSend::start(w, at, from, bufs)?)));
                         continue;
                     }
                     // A short message goes out from the buffer itself when UCX can send
@@ -568,7 +588,11 @@ async fn exchange<T: Element>(
         }
     }
     let mut first: Option<Error> = None;
-    std::future::poll_fn(|cx| {
+    // A lane's pieces wait on this task's own handling of notes and credits, so the
+    // step's futures are polled together (`Worker::poll_joined`), not each spinning for
+    // its own result.
+    let joined = flight.iter().any(|f| matches!(f, InFlight::LaneSend(_) | InFlight::LaneRecv { .. }));
+    let mut poll_all = |cx: &mut std::task::Context<'_>| {
         let mut pending = false;
         for f in flight.iter_mut() {
             let r = match f {
@@ -584,33 +608,31 @@ async fn exchange<T: Element>(
                         pending = true;
                         continue;
                     }
-                    Poll::Ready((r, piece)) => match received(*peer, *want, r) {
-                        Ok(()) => {
-                            let at = piece.range();
-                            // The piece's buffer let go first: its values are free.
-                            drop(piece);
-                            match then.take() {
-                                Some(c) => {
-                                    let (c, combine) = (usize::from(c), &st.combines[usize::from(c)]);
-                                    let (Combine::Copy { from, .. } | Combine::Reduce { from, .. }) = combine;
-                                    let part = at.start - from.range.start..at.end - from.range.start;
-                                    let (from, into) = pieces::restrict(combine, &part);
-                                    let r = matches!(combine, Combine::Reduce { .. }).then_some(reduce);
-                                    match bufs.try_apply_part(&from, &into, r) {
-                                        Ok(true) => Ok(()),
-                                        Ok(false) => {
-                                            left.push((c, part));
-                                            Ok(())
-                                        }
-                                        Err(e) => Err(e),
-                                    }
-                                }
-                                None => Ok(()),
-                            }
-                        }
-                        Err(e) => Err(e),
-                    },
+                    Poll::Ready((r, piece)) => received(*peer, *want, r).and_then(|()| {
+                        let at = piece.range();
+                        // The piece's buffer let go first: its values are free.
+                        drop(piece);
+                        landed(bufs, st, then.take(), at, reduce, &mut left)
+                    }),
                 },
+                InFlight::LaneSend(op) => match op.poll(w, cx) {
+                    Poll::Pending => {
+                        pending = true;
+                        continue;
+                    }
+                    Poll::Ready(r) => r,
+                },
+                InFlight::LaneRecv { then, op } => {
+                    let then = *then;
+                    let mut on_piece = |b: &mut Bufs<T>, at| landed(b, st, then, at, reduce, &mut left);
+                    match op.poll(w, bufs, cx, &mut on_piece) {
+                        Poll::Pending => {
+                            pending = true;
+                            continue;
+                        }
+                        Poll::Ready(r) => r,
+                    }
+                }
                 InFlight::Done => continue,
             };
             *f = InFlight::Done;
@@ -628,12 +650,41 @@ async fn exchange<T: Element>(
         watch.poll_end(cx).map(|e| {
             first.get_or_insert(e);
         })
-    })
-    .await;
+    };
+    let worker = w.ns.worker();
+    std::future::poll_fn(|cx| if joined { worker.poll_joined(cx, &mut poll_all) } else { poll_all(cx) })
+        .await;
     match first {
         Some(e) => Err(e),
         None => Ok(piecewise.map(|_| left)),
     }
+}
+
+/// After a piece of a receive landed (elements `at` of its buffer, which no transfer
+/// holds any more): applies the part of the step's combine `then` that it feeds, or,
+/// where a transfer still holds the combine's other region, notes the part in `left`.
+fn landed<T: Element>(
+    bufs: &mut Bufs<T>,
+    st: &Step,
+    then: Option<u16>,
+    at: Range<usize>,
+    reduce: ReduceOp,
+    left: &mut Vec<(usize, Range<usize>)>,
+) -> Result<()> {
+    let Some(c) = then else { return Ok(()) };
+    let c = usize::from(c);
+    let combine = st.combines.get(c).ok_or_else(|| Error::Internal(format!("no combine {c} in the step")))?;
+    let (Combine::Copy { from, .. } | Combine::Reduce { from, .. }) = combine;
+    let part = match (at.start.checked_sub(from.range.start), at.end.checked_sub(from.range.start)) {
+        (Some(a), Some(b)) => a..b,
+        _ => return Err(Error::Internal(format!("a piece {at:?} before its combine's region {from:?}"))),
+    };
+    let (from, into) = pieces::restrict(combine, &part);
+    let r = matches!(combine, Combine::Reduce { .. }).then_some(reduce);
+    if !bufs.try_apply_part(&from, &into, r)? {
+        left.push((c, part));
+    }
+    Ok(())
 }
 
 /// Where a step stands: its call, its number, whether its empty messages count (a

@@ -277,6 +277,7 @@ mod tests {
         let mesh = ucxkit_testkit::workers::mesh_with("posix,self", 2, ProgressMode::Event).await;
         let ns: Vec<_> = mesh.workers.iter().map(|w| w.namespace(COLLECTIVES).expect("namespace")).collect();
         let abort = crate::abort::AbortCell::default();
+        let lanes = crate::exec::lane::Lanes::new(2, true);
         let wire = |r: usize| Wire {
             ns: &ns[r],
             segment: usize::MAX,
@@ -284,6 +285,7 @@ mod tests {
             eps: &mesh.eps[r],
             rank: r,
             comm: 3,
+            lanes: &lanes,
         };
         let (w0, w1) = (wire(0), wire(1));
         let step = |peer| Step {
