@@ -7,29 +7,15 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use ucxkit_collectives::{Communicator, LaneCounts, ReduceOp};
-use ucxkit_testkit::workers::mesh_with;
-use ucxkit_transport::namespace::COLLECTIVES;
+
+mod common;
+use common::group_over;
+use ucxkit_testkit::workers::Mesh;
 use ucxkit_transport::ProgressMode;
 
-/// A communicator per worker of a full mesh of `n` over `tls`, progressed in `mode`.
-async fn group_in(
-    tls: &str,
-    n: usize,
-    mode: ProgressMode,
-) -> (ucxkit_testkit::workers::Mesh, Vec<Communicator>) {
-    let mesh = mesh_with(tls, n, mode).await;
-    let comms = (0..n)
-        .map(|r| {
-            let ns = mesh.workers[r].namespace(COLLECTIVES).expect("namespace");
-            Communicator::from_endpoints(&ns, 0, r, mesh.eps[r].clone()).expect("communicator")
-        })
-        .collect();
-    (mesh, comms)
-}
-
-/// [`group_in`] in the default progress mode.
-async fn group(tls: &str, n: usize) -> (ucxkit_testkit::workers::Mesh, Vec<Communicator>) {
-    group_in(tls, n, ProgressMode::default()).await
+/// A group over `tls` in the default progress mode.
+async fn group(tls: &str, n: usize) -> (Mesh, Vec<Communicator>) {
+    group_over(tls, n, ProgressMode::default()).await
 }
 
 /// Runs `f(rank, comm)` on every rank at once, results in rank order.
@@ -59,7 +45,7 @@ fn total(counts: &[LaneCounts]) -> LaneCounts {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_transfers_by_lane_match_the_reference() {
     for (n, mode) in [(2, ProgressMode::Event), (3, ProgressMode::Event), (2, ProgressMode::BusyPoll)] {
-        let (_mesh, comms) = group_in("posix,cma,self", n, mode).await;
+        let (_mesh, comms) = group_over("posix,cma,self", n, mode).await;
         for count in [(1 << 19) + 3, (5 << 20) / 4 * n + 1] {
             let parts: Vec<Vec<i32>> = (0..n).map(|r| values(r, count)).collect();
             let want: Vec<i32> = (0..count).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
