@@ -49,9 +49,10 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
 /// buffers with the transport: the peer still reads what rank 0 had posted to send and
 /// sends into what it had posted to receive, and that memory stays allocated until UCX
 /// lets go (the test command runs this under valgrind, which reports any access to freed
-/// memory). The peer ends with the abort the drop sent. Then the same with small calls
-/// (8 bytes, whose receives wait in landing vectors of their own): on two ranks (one
-/// step, run without the step loop) and on three (the step loop).
+/// memory). The peer ends with the abort the drop sent. Then the same with transfers
+/// through shared-memory lanes (2 MiB), and with small calls (8 bytes, whose receives
+/// wait in landing vectors of their own): on two ranks (one step, run without the step
+/// loop) and on three (the step loop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (_mesh, comms) = group(2).await;
@@ -67,6 +68,21 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     // Both workers go on progressing what was left in flight.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(comms[0].aborted().is_some());
+
+    // 2 MiB: transfers of 1 MiB through shared-memory lanes. Rank 0 stages its first
+    // pieces and sends their notes, then is dropped while it waits for rank 1's: the lane
+    // is left unused, its region stays with the communicator, and the notes wait in rank
+    // 1's queue while rank 1's call fails on the abort.
+    let (_mesh, comms) = group(2).await;
+    let mut first = Box::pin(comms[0].allreduce(vec![1f32; 1 << 19], ReduceOp::Sum));
+    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
+    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
+    drop(first);
+    assert_eq!(comms[0].lane_counts().by_lane, 1, "the dropped call's send went by lane");
+    let late = tokio::time::timeout(BOUND, comms[1].allreduce(vec![2f32; 1 << 19], ReduceOp::Sum));
+    let e = late.await.expect("ended within the bound").expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
 
     // 8 bytes: a small call (its receive posted into a landing vector of its own, its send
     // made during the call), dropped while the receive waits. Rank 1 hears of the abort

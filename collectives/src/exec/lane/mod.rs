@@ -88,8 +88,11 @@ enum Out {
     Idle { region: MemRegion, key_sent: bool },
     /// A transfer holds it.
     Busy,
-    /// Not usable: no shared-memory transport, no region, or a transfer ended early.
+    /// Not usable: no shared-memory transport, or no region.
     Off,
+    /// Not usable: a transfer ended early, and the peer may still read its slots, so
+    /// the region stays until the communicator goes.
+    Broken { _kept: MemRegion },
 }
 
 /// How long the transfers to one peer took lately, by lane and as plain data messages
@@ -230,7 +233,7 @@ impl Lanes {
         let mut guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
         let OutSlot { out, pace } = &mut *guard;
         match out {
-            Out::Off => return Choice::Plain(None),
+            Out::Off | Out::Broken { .. } => return Choice::Plain(None),
             Out::Busy => return Choice::Plain(Some(slot)),
             Out::Unused | Out::Idle { .. } if !pace.pick_lane() => return Choice::Plain(Some(slot)),
             _ => {}
@@ -278,7 +281,7 @@ enum Choice<'a> {
 }
 
 /// A lane held for one transfer: given back free when the transfer finished
-/// ([`Held::finish`]), unusable for good when dropped before.
+/// ([`Held::finish`]), unusable for good when dropped before (its region kept).
 struct Held<'a> {
     slot: &'a Mutex<OutSlot>,
     region: Option<MemRegion>,
@@ -301,8 +304,8 @@ impl Held<'_> {
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        if self.region.is_some() {
-            self.slot.lock().unwrap_or_else(PoisonError::into_inner).out = Out::Off;
+        if let Some(region) = self.region.take() {
+            self.slot.lock().unwrap_or_else(PoisonError::into_inner).out = Out::Broken { _kept: region };
         }
     }
 }
