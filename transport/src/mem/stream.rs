@@ -17,15 +17,16 @@ pub(crate) const STREAM_FROM: usize = 64 << 10;
 /// # Safety
 /// As for `std::ptr::copy`: `src` readable and `dst` writable for `len` bytes.
 pub(crate) unsafe fn copy_for_peer(src: *const u8, dst: *mut u8, len: usize) {
-    let apart = (src as usize).saturating_add(len) <= dst as usize
-        || (dst as usize).saturating_add(len) <= src as usize;
     #[cfg(target_arch = "x86_64")]
-    if apart && len >= STREAM_FROM {
-        // SAFETY: per the caller, and the ranges do not overlap.
-        unsafe { stream_copy(src, dst, len) };
-        return;
+    {
+        let (s, d) = (src as usize, dst as usize);
+        let apart = s.saturating_add(len) <= d || d.saturating_add(len) <= s;
+        if apart && len >= STREAM_FROM {
+            // SAFETY: per the caller, and the ranges do not overlap.
+            unsafe { stream_copy(src, dst, len) };
+            return;
+        }
     }
-    let _ = apart;
     // SAFETY: per the caller.
     unsafe { std::ptr::copy(src, dst, len) }
 }

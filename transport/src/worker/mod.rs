@@ -479,10 +479,7 @@ impl Worker {
             }
             // Event mode: later completions wake the task through the futures' wakers.
             if busy {
-                // As a busy-poll future does after a spin that found nothing.
-                std::thread::yield_now();
-                inner.signal.future_yielded();
-                cx.waker().wake_by_ref();
+                inner.spun_in_vain(cx);
             }
             Poll::Pending
         })
