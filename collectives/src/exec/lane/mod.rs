@@ -84,8 +84,8 @@ fn piece_len(total: usize, elem: usize) -> usize {
 enum Out {
     /// Not used yet: the region is made at the first transfer.
     Unused,
-    /// Free, with its region; `key_sent`: the peer has the region's key.
-    Idle { region: MemRegion, key_sent: bool },
+    /// Free, with its region, whose key the peer has (from the first transfer).
+    Idle { region: MemRegion },
     /// A transfer holds it.
     Busy,
     /// Not usable: no shared-memory transport, or no region.
@@ -239,12 +239,12 @@ impl Lanes {
             _ => {}
         }
         let (region, key_sent) = match std::mem::replace(out, Out::Busy) {
-            Out::Idle { region, key_sent } => (region, key_sent),
+            Out::Idle { region } => (region, true),
             _ => {
+                // A region only where the endpoint maps it.
                 let mapped = ep.transports().is_ok_and(|t| t.iter().any(|t| MAPPED.contains(&t.as_str())));
-                let made = ep.worker().context().alloc(SLOTS * SLOT_STRIDE);
-                match made {
-                    Ok(region) if mapped => (region, false),
+                match mapped.then(|| ep.worker().context().alloc(SLOTS * SLOT_STRIDE)) {
+                    Some(Ok(region)) => (region, false),
                     _ => {
                         *out = Out::Off;
                         return Choice::Plain(None);
@@ -282,6 +282,7 @@ enum Choice<'a> {
 
 /// A lane held for one transfer: given back free when the transfer finished
 /// ([`Held::finish`]), unusable for good when dropped before (its region kept).
+/// `key_sent`: the peer has the region's key (false for the lane's first transfer).
 struct Held<'a> {
     slot: &'a Mutex<OutSlot>,
     region: Option<MemRegion>,
@@ -291,11 +292,11 @@ struct Held<'a> {
 impl Held<'_> {
     /// Gives the lane back free, noting that the transfer of `bytes` took `took` (the
     /// first one, which made the region and its mapping, is not counted).
-    fn finish(mut self, bytes: usize, took: std::time::Duration, counted: bool) {
+    fn finish(mut self, bytes: usize, took: std::time::Duration) {
         if let Some(region) = self.region.take() {
             let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
-            slot.out = Out::Idle { region, key_sent: true };
-            if counted {
+            slot.out = Out::Idle { region };
+            if self.key_sent {
                 slot.pace.note(true, bytes, took);
             }
         }

@@ -21,8 +21,8 @@ use crate::Element;
 /// The sending side of one transfer that goes by lane.
 pub(crate) struct LaneSend<'l, T: Element> {
     at: LaneAt,
-    /// The bytes to send.
-    src: SharedSlice<T>,
+    /// The bytes it sends.
+    bytes: usize,
     stage: SendStage<'l, T>,
     pending: Pending,
     /// When it started, to time it.
@@ -34,7 +34,7 @@ enum SendStage<'l, T: Element> {
     /// way was chosen.
     Plain(Option<TagSend<SharedSlice<T>>>, Option<&'l Mutex<OutSlot>>),
     /// By the lane.
-    Pieces(Pieces<'l>),
+    Pieces(Pieces<'l, T>),
     Done,
 }
 
@@ -44,25 +44,27 @@ impl<'l, T: Element> LaneSend<'l, T> {
     pub(crate) fn start(w: &Wire<'l>, at: LaneAt, from: &Region, bufs: &Bufs<T>) -> Result<LaneSend<'l, T>> {
         let ep = w.ep(at.peer)?;
         let src = bufs.slice(from)?;
+        let bytes = src.len() * std::mem::size_of::<T>();
         let mut pending = Pending::new();
         let began = std::time::Instant::now();
         let stage = match w.lanes.choose(at.peer, ep) {
-            Choice::Lane(lane) => {
-                let counted = lane.key_sent;
-                SendStage::Pieces(Pieces { lane, counted, staged: 0, pieces: 0, acked: 0, credit: None })
-            }
+            Choice::Lane(lane) => SendStage::Pieces(Pieces {
+                lane,
+                src,
+                staged: 0,
+                pieces: 0,
+                acked: 0,
+                credit: None,
+                spare: None,
+            }),
             Choice::Plain(slot) => {
                 let note = Note::Plain.encode();
                 send_small(w, at.peer, at.tag(w, w.rank, Kind::Note), note, &mut pending)?;
-                let data = w.ns.tag_send(ep, tag(w.comm, at.seq, at.step, w.rank), bufs.slice(from)?);
+                let data = w.ns.tag_send(ep, tag(w.comm, at.seq, at.step, w.rank), src);
                 SendStage::Plain(Some(data), slot)
             }
         };
-        Ok(LaneSend { at, src, stage, pending, began })
-    }
-
-    fn bytes(&self) -> usize {
-        self.src.len() * std::mem::size_of::<T>()
+        Ok(LaneSend { at, bytes, stage, pending, began })
     }
 
     /// Moves the transfer on: ready once every piece was taken (or the data message
@@ -80,22 +82,20 @@ impl<'l, T: Element> LaneSend<'l, T> {
                         *data = None;
                         if let Some(slot) = slot.take() {
                             let took = self.began.elapsed();
-                            slot.lock().unwrap_or_else(PoisonError::into_inner).pace.note(
-                                false,
-                                self.bytes(),
-                                took,
-                            );
+                            slot.lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .pace
+                                .note(false, self.bytes, took);
                         }
                         false
                     }
                 },
                 SendStage::Pieces(p) => {
-                    std::task::ready!(p.poll(w, self.at, &self.src, &mut self.pending, cx))?;
+                    std::task::ready!(p.poll(w, self.at, &mut self.pending, cx))?;
                     // Every piece was taken: the lane is free again.
-                    let (bytes, took) = (self.bytes(), self.began.elapsed());
+                    let took = self.began.elapsed();
                     if let SendStage::Pieces(p) = std::mem::replace(&mut self.stage, SendStage::Done) {
-                        let counted = p.counted;
-                        p.lane.finish(bytes, took, counted);
+                        p.lane.finish(self.bytes, took);
                     }
                     true
                 }
@@ -108,31 +108,31 @@ impl<'l, T: Element> LaneSend<'l, T> {
 }
 
 /// A transfer's pieces on their way through a lane.
-struct Pieces<'l> {
+struct Pieces<'l, T: Element> {
     lane: Held<'l>,
-    /// Its time counts in the pace (not the lane's first transfer).
-    counted: bool,
+    /// The bytes to send.
+    src: SharedSlice<T>,
     /// Bytes copied into slots so far.
     staged: usize,
     /// Pieces noted so far, and credited.
     pieces: u32,
     acked: u32,
-    /// The receive of the next credit.
+    /// The receive of the next credit, and its buffer between credits.
     credit: Option<TagRecv<Vec<u8>>>,
+    spare: Option<Vec<u8>>,
 }
 
-impl Pieces<'_> {
+impl<T: Element> Pieces<'_, T> {
     /// Fills the free slots and takes the credits: ready once every piece was taken.
-    fn poll<T: Element>(
+    fn poll(
         &mut self,
         w: &Wire<'_>,
         at: LaneAt,
-        src: &SharedSlice<T>,
         pending: &mut Pending,
         cx: &mut Context<'_>,
     ) -> Poll<Result<()>> {
         let peer = at.peer;
-        let total = src.len() * std::mem::size_of::<T>();
+        let total = self.src.len() * std::mem::size_of::<T>();
         let piece = piece_len(total, std::mem::size_of::<T>());
         let Some(region) = &self.lane.region else {
             return Poll::Ready(Err(Error::Internal("a lane held without its region".into())));
@@ -142,10 +142,11 @@ impl Pieces<'_> {
                 let len = piece.min(total - self.staged);
                 let offset = (self.pieces as usize % SLOTS) * SLOT_STRIDE;
                 region
-                    .write_from(offset, src, self.staged..self.staged + len)
+                    .write_from(offset, &self.src, self.staged..self.staged + len)
                     .map_err(|e| Error::Internal(format!("staging a lane piece: {e}")))?;
+                // The key rides on the lane's first piece.
                 let packed;
-                let key: &[u8] = if self.lane.key_sent {
+                let key: &[u8] = if self.lane.key_sent || self.pieces > 0 {
                     &[]
                 } else {
                     packed = region.pack_key().map_err(|source| Error::Transport { rank: peer, source })?;
@@ -153,7 +154,6 @@ impl Pieces<'_> {
                 };
                 let note = Note::Piece { len: len as u32, offset: offset as u64, key }.encode();
                 send_small(w, peer, at.tag(w, w.rank, Kind::Note), note, pending)?;
-                self.lane.key_sent = true;
                 self.staged += len;
                 self.pieces += 1;
             }
@@ -161,14 +161,18 @@ impl Pieces<'_> {
                 return Poll::Ready(Ok(()));
             }
             let ep = w.ep(peer)?;
+            let spare = &mut self.spare;
             let op = self.credit.get_or_insert_with(|| {
-                w.ns.tag_recv_from(ep, at.tag(w, peer, Kind::Credit), EXACT, Vec::with_capacity(4))
+                let mut buf = spare.take().unwrap_or_else(|| Vec::with_capacity(4));
+                buf.clear();
+                w.ns.tag_recv_from(ep, at.tag(w, peer, Kind::Credit), EXACT, buf)
             });
             let (r, buf) = std::task::ready!(Pin::new(op).poll(cx));
             self.credit = None;
             if landed_bytes(peer, 4, r, &buf)? != self.acked.to_le_bytes() {
                 return Poll::Ready(Err(bad(peer, "a lane credit out of order")));
             }
+            self.spare = Some(buf);
             self.acked += 1;
         }
     }
