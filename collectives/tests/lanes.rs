@@ -121,3 +121,26 @@ async fn without_shared_memory_transfers_go_plain() {
     assert_eq!(counts.by_lane, 0);
     assert!(counts.plain > 0);
 }
+
+/// A call keeps the host layout it started with: rank 0's allreduce is under way when
+/// rank 0 learns that the ranks sit on two hosts, and rank 1 starts its part only then;
+/// both still move every step by lane and end with the sum (a step that went by the
+/// new layout on one rank only would send a plain message where a note is awaited).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_keeps_the_host_layout_it_started_with() {
+    let (_mesh, comms) = group("posix,cma,self", 2).await;
+    let count = 1 << 19;
+    let mut first = Box::pin(comms[0].allreduce(values(0, count), ReduceOp::Sum));
+    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
+    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
+    comms[0].set_hosts(&[0, 1]).expect("keys");
+    let second = comms[1].allreduce(values(1, count), ReduceOp::Sum);
+    let (a, b) = tokio::time::timeout(Duration::from_secs(30), futures_util::future::join(first, second))
+        .await
+        .expect("the call finished in time");
+    let (a, b) = (a.expect("rank 0"), b.expect("rank 1"));
+    let want: Vec<i32> = values(0, count).iter().zip(&values(1, count)).map(|(x, y)| x + y).collect();
+    assert!(a == want && b == want);
+    comms[1].set_hosts(&[0, 1]).expect("keys");
+    assert_eq!(comms[0].lane_counts().by_lane, 2, "both of rank 0's steps went by lane");
+}

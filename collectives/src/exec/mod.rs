@@ -324,6 +324,7 @@ pub(crate) async fn run<T: Element>(
 ) -> Result<()> {
     can_start(w, sched)?;
     let mut watch = Watch::new(w.abort, limit);
+    let layout = w.lanes.layout();
     for (s, step) in sched.steps.iter().enumerate() {
         for (from, into) in &step.copies {
             bufs.apply(from, into, None)?;
@@ -332,7 +333,7 @@ pub(crate) async fn run<T: Element>(
         let mut left = None;
         if !step.xfers.is_empty() {
             let at = At { seq, step: s as u16, sync: sched.sync, op };
-            left = exchange(w, at, step, bufs, &mut watch).await?;
+            left = exchange(w, &layout, at, step, bufs, &mut watch).await?;
             for x in &step.xfers {
                 if let Xfer::Recv { into, .. } = x {
                     bufs.wrote(into);
@@ -493,8 +494,10 @@ enum InFlight<'w, T: Element> {
 /// Posts one step's transfers and waits for all of them, polling them in place (no
 /// allocation for the few transfers a step has). Receives are bound to their peer's
 /// endpoint, so a peer's failure ends them. The first failure is returned at once.
+/// Transfers that `layout` (the call's) says go by lane do (see `lane`).
 async fn exchange<'w, T: Element>(
     w: &Wire<'w>,
+    layout: &lane::Layout,
     at: At,
     st: &Step,
     bufs: &mut Bufs<T>,
@@ -526,7 +529,7 @@ async fn exchange<'w, T: Element>(
                     }
                     let combine = piecewise.as_ref().and_then(|m| m.iter().position(|&x| x == i));
                     let combine = combine.and_then(|c| u16::try_from(c).ok());
-                    if !sync && w.lanes.takes(*peer, into.len() * elem) {
+                    if !sync && layout.takes(*peer, into.len() * elem) {
                         let at = lane::LaneAt { seq, step, peer: *peer };
                         let op = Box::new(lane::LaneRecv::start(w, at, into.clone())?);
                         flight.push(InFlight::LaneRecv { then: combine, op });
@@ -550,7 +553,7 @@ async fn exchange<'w, T: Element>(
                     if from.is_empty() && !sync {
                         continue;
                     }
-                    if !sync && w.lanes.takes(*peer, from.len() * elem) {
+                    if !sync && layout.takes(*peer, from.len() * elem) {
                         let at = lane::LaneAt { seq, step, peer: *peer };
                         flight.push(InFlight::LaneSend(Box::new(lane::LaneSend::start(w, at, from, bufs)?)));
                         continue;

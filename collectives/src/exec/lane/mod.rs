@@ -29,8 +29,8 @@ mod send;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use smallvec::SmallVec;
@@ -152,13 +152,26 @@ struct OutSlot {
 pub(crate) struct Lanes {
     out: Vec<Mutex<OutSlot>>,
     keys: Vec<Mutex<Option<RemoteKey>>>,
-    /// Whether each rank shares this rank's host (as the host layout says).
-    local: Vec<AtomicBool>,
+    /// Whether each rank shares this rank's host (as the host layout says): replaced
+    /// whole when the layout changes, so that a call keeps the one it started with.
+    local: Mutex<Arc<[bool]>>,
     /// Whether this rank sends by lane ([`LANES_ENV`]).
     on: bool,
     /// Transfers sent by lane and as plain messages so far.
     by_lane: AtomicU64,
     plain: AtomicU64,
+}
+
+/// Which ranks share this rank's host, as a call found it at its start.
+pub(crate) struct Layout(Arc<[bool]>);
+
+impl Layout {
+    /// Whether a transfer of `bytes` to or from `peer` goes by lane (alike on both
+    /// sides: see the module docs).
+    #[inline]
+    pub(crate) fn takes(&self, peer: usize, bytes: usize) -> bool {
+        bytes >= LANE_MIN && self.0.get(peer).copied().unwrap_or(false)
+    }
 }
 
 /// How many of the transfers a rank sent to ranks of its host that were long enough for
@@ -178,7 +191,7 @@ impl Lanes {
         Lanes {
             out: (0..size).map(|_| Mutex::new(OutSlot { out: Out::Unused, pace: Pace::default() })).collect(),
             keys: (0..size).map(|_| Mutex::new(None)).collect(),
-            local: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            local: Mutex::new(vec![false; size].into()),
             on,
             by_lane: AtomicU64::new(0),
             plain: AtomicU64::new(0),
@@ -195,18 +208,17 @@ impl Lanes {
         !var.is_some_and(|v| v.trim().eq_ignore_ascii_case("off"))
     }
 
-    /// Says which ranks share this rank's host (`local[r]`).
+    /// Says which ranks share this rank's host (`local[r]`), for the calls made from now
+    /// on.
     pub(crate) fn set_local(&self, local: impl Iterator<Item = bool>) {
-        for (flag, l) in self.local.iter().zip(local) {
-            flag.store(l, Ordering::Relaxed);
-        }
+        *self.local.lock().unwrap_or_else(PoisonError::into_inner) = local.collect();
     }
 
-    /// Whether a transfer of `bytes` to or from `peer` goes by lane (alike on both
-    /// sides: see the module docs).
-    #[inline]
-    pub(crate) fn takes(&self, peer: usize, bytes: usize) -> bool {
-        bytes >= LANE_MIN && self.local.get(peer).is_some_and(|l| l.load(Ordering::Relaxed))
+    /// Which ranks share this rank's host, for a call to take at its start: every step
+    /// of it then decides by the same layout as its peers' steps, whatever a concurrent
+    /// [`crate::Communicator::set_hosts`] does meanwhile.
+    pub(crate) fn layout(&self) -> Layout {
+        Layout(self.local.lock().unwrap_or_else(PoisonError::into_inner).clone())
     }
 
     /// The transfers sent so far, by way.
