@@ -9,8 +9,8 @@
 //! - `collectives` (`ucxkit-collectives`, feature `collectives`): allreduce, broadcast,
 //!   all-to-all and the rest of the MPI set between the ranks of a communicator.
 //!
-//! Large-object push/pull is built on `transport` and will appear here as the
-//! `object-push` feature.
+//! - `object_push` (`ucxkit-object-push`, feature `object-push`): immutable objects
+//!   pulled and pushed between nodes in verified chunks.
 //!
 //! See the [`transport`] crate documentation for a quick start.
 
@@ -21,6 +21,9 @@ pub use ucxkit_transport as transport;
 
 #[cfg(feature = "collectives")]
 pub use ucxkit_collectives as collectives;
+
+#[cfg(feature = "object-push")]
+pub use ucxkit_object_push as object_push;
 
 /// The README's example, compiled as a doctest so that it stays true.
 #[cfg(doctest)]

@@ -1,0 +1,230 @@
+//! [`ObjectNode`]: one worker's objects, served to peers and pulled from them. Requests
+//! and answers are active messages of the object namespace ([`crate::wire`]); chunks
+//! are tagged messages of it, each received straight into its place in the new
+//! object's buffer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+use ucxkit_transport::namespace::OBJECT_PUSH;
+use ucxkit_transport::{AmMessage, Namespace, Worker};
+
+use crate::error::Result;
+use crate::id::ObjectId;
+use crate::store::{Object, ObjectStore};
+use crate::sums::Layout;
+use crate::wire::Msg;
+
+mod pull;
+mod serve;
+
+/// The active-message id of requests (puller to holder).
+const REQUEST: u16 = 0;
+/// The active-message id of answers (holder to puller).
+const ANSWER: u16 = 1;
+
+/// How a node moves objects.
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    /// The chunk size of the objects this node seals (`put`); a pulled object keeps its
+    /// holder's. Default 1 MiB.
+    pub chunk: u32,
+    /// Chunks in flight per pull. Default 8.
+    pub window: u32,
+    /// Objects up to this size come inline in the answer to a lookup. Default 64 KiB.
+    pub inline_max: u32,
+    /// The deadline of each operation. Default 60 s.
+    pub deadline: Duration,
+    /// How many times a chunk is fetched before it counts as corrupt. Default 3.
+    pub tries: u32,
+}
+
+impl Default for NodeOptions {
+    fn default() -> Self {
+        NodeOptions {
+            chunk: 1 << 20,
+            window: 8,
+            inline_max: 64 << 10,
+            deadline: Duration::from_secs(60),
+            tries: 3,
+        }
+    }
+}
+
+/// What a node counted since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    /// Malformed messages dropped (requests and answers).
+    pub malformed: u64,
+    /// Chunks that arrived corrupt and were fetched again.
+    pub refetched: u64,
+    /// Answers that came for no request waiting (late, after a deadline).
+    pub stray: u64,
+}
+
+/// One worker's objects: serves the objects of its [`ObjectStore`] to the peers that ask
+/// and pulls objects from peers into it. Made inside a tokio runtime (it runs two tasks,
+/// which end when the node is dropped).
+pub struct ObjectNode {
+    inner: Arc<Inner>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What the node's tasks and calls share.
+struct Inner {
+    ns: Namespace,
+    store: Arc<dyn ObjectStore>,
+    opts: NodeOptions,
+    next_req: AtomicU32,
+    /// Requests waiting for their answer, by number.
+    waiting: Mutex<HashMap<u32, oneshot::Sender<(Msg, AmMessage)>>>,
+    malformed: AtomicU64,
+    refetched: AtomicU64,
+    stray: AtomicU64,
+}
+
+impl ObjectNode {
+    /// A node on `worker` (claiming its object namespace) over `store`.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] for options out of range; the transport's error
+    /// when the namespace is taken.
+    pub fn new(worker: &Worker, store: Arc<dyn ObjectStore>, opts: NodeOptions) -> Result<ObjectNode> {
+        Layout::of(&[], opts.chunk)?;
+        if opts.window == 0 || opts.tries == 0 {
+            return Err(crate::Error::InvalidArgument("window and tries must be at least 1".into()));
+        }
+        let ns = worker.namespace(OBJECT_PUSH)?;
+        let requests = ns.am_recv(REQUEST)?;
+        let answers = ns.am_recv(ANSWER)?;
+        let inner = Arc::new(Inner {
+            ns,
+            store,
+            opts,
+            next_req: AtomicU32::new(rand_start()),
+            waiting: Mutex::default(),
+            malformed: AtomicU64::new(0),
+            refetched: AtomicU64::new(0),
+            stray: AtomicU64::new(0),
+        });
+        let tasks = vec![
+            tokio::spawn(serve::serve(Arc::downgrade(&inner), requests)),
+            tokio::spawn(route(Arc::downgrade(&inner), answers)),
+        ];
+        Ok(ObjectNode { inner, tasks })
+    }
+
+    /// Seals `bytes` as object `id` in this node's store, cut in chunks of the node's
+    /// chunk size; peers can pull it from now on.
+    ///
+    /// # Errors
+    /// [`crate::Error::Exists`] when `id` is held; the store's refusal.
+    pub fn put(&self, id: ObjectId, bytes: Bytes) -> Result<Object> {
+        let layout = Layout::of(&bytes, self.inner.opts.chunk)?;
+        let object = Object::new(bytes, layout)?;
+        self.inner.store.seal(id, object.clone())?;
+        Ok(object)
+    }
+
+    /// The sealed object `id`, if this node holds it.
+    pub fn get(&self, id: &ObjectId) -> Option<Object> {
+        self.inner.store.get(id)
+    }
+
+    /// Forgets object `id`; whether it was held.
+    pub fn release(&self, id: &ObjectId) -> bool {
+        self.inner.store.release(id)
+    }
+
+    /// The node's options.
+    pub fn options(&self) -> &NodeOptions {
+        &self.inner.opts
+    }
+
+    /// What the node counted.
+    pub fn stats(&self) -> NodeStats {
+        let i = &self.inner;
+        NodeStats {
+            malformed: i.malformed.load(Ordering::Relaxed),
+            refetched: i.refetched.load(Ordering::Relaxed),
+            stray: i.stray.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for ObjectNode {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Inner {
+    /// A fresh request number, registered to receive its answers.
+    fn register(&self) -> (u32, oneshot::Receiver<(Msg, AmMessage)>) {
+        let mut w = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+            if let std::collections::hash_map::Entry::Vacant(e) = w.entry(req) {
+                let (tx, rx) = oneshot::channel();
+                e.insert(tx);
+                return (req, rx);
+            }
+        }
+    }
+
+    /// Stops waiting for request `req`'s answer.
+    fn forget(&self, req: u32) {
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&req);
+    }
+}
+
+/// A request numbering that starts somewhere else in every process, so a peer's late
+/// answer to a process that came before rarely meets a new request.
+fn rand_start() -> u32 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    (t.subsec_nanos() ^ std::process::id().rotate_left(16)).wrapping_mul(0x9e37_79b9)
+}
+
+/// Hands each answer to the request waiting for it; drops malformed and stray ones.
+async fn route(inner: std::sync::Weak<Inner>, mut answers: ucxkit_transport::AmReceiver) {
+    loop {
+        let m = answers.recv().await;
+        let Some(inner) = inner.upgrade() else { return };
+        let msg = match Msg::decode(m.header()) {
+            Ok(
+                msg @ (Msg::Missing { .. } | Msg::Inline { .. } | Msg::Layout { .. } | Msg::Failed { .. }),
+            ) => msg,
+            Ok(other) => {
+                tracing::debug!(?other, "a request where an answer belongs; dropped");
+                inner.malformed.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Err(e) => {
+                tracing::debug!(%e, "malformed answer dropped");
+                inner.malformed.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        let waiter = inner.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&msg.req());
+        match waiter {
+            Some(tx) => {
+                let _ = tx.send((msg, m));
+            }
+            None => {
+                inner.stray.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The tag of chunk `k` of request `req` (request in the high 32 of the namespace's 56
+/// bits, chunk index in the low 24).
+fn chunk_tag(req: u32, k: u64) -> u64 {
+    (u64::from(req) << 24) | (k & 0xff_ffff)
+}

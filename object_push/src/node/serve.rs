@@ -1,0 +1,96 @@
+//! The holder's side: answers lookups and sends the chunks pullers fetch.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use ucxkit_transport::{AmReceiver, Endpoint};
+
+use super::{chunk_tag, Inner, ANSWER};
+use crate::store::Object;
+use crate::wire::{encode_sums, Msg};
+
+/// Serves requests until the node goes. Each request is handled in a task of its own,
+/// so a slow puller holds up no other.
+pub(super) async fn serve(inner: Weak<Inner>, mut requests: AmReceiver) {
+    loop {
+        let m = requests.recv().await;
+        let Some(node) = inner.upgrade() else { return };
+        let msg = match Msg::decode(m.header()) {
+            Ok(msg @ (Msg::Lookup { .. } | Msg::Fetch { .. })) => msg,
+            other => {
+                tracing::debug!(?other, "malformed request dropped");
+                node.malformed.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        let Some(ep) = m.reply_endpoint().cloned() else {
+            tracing::debug!("a request without a way to answer; dropped");
+            node.malformed.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        drop(m);
+        tokio::spawn(answer(node, ep, msg));
+    }
+}
+
+/// Answers one request.
+async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
+    match msg {
+        Msg::Lookup { req, id, inline_max } => {
+            let (reply, payload) = match node.store.get(&id) {
+                None => (Msg::Missing { req }, bytes::Bytes::new()),
+                Some(o) if o.len() as u64 <= u64::from(inline_max) => {
+                    (Msg::Inline { req, sum: crc32c::crc32c(o.bytes()) }, o.bytes().clone())
+                }
+                Some(o) => {
+                    let l = o.layout();
+                    (Msg::Layout { req, size: l.size(), chunk: l.chunk() }, encode_sums(l.sums()).into())
+                }
+            };
+            send_answer(&node, &ep, &reply, payload).await;
+        }
+        Msg::Fetch { req, id, first, count, limit_ms } => {
+            let Some(o) = node.store.get(&id) else {
+                let reply = Msg::Failed { req, reason: format!("object {id} is no longer held") };
+                return send_answer(&node, &ep, &reply, bytes::Bytes::new()).await;
+            };
+            let end = u64::from(first) + u64::from(count);
+            if count == 0 || end > o.layout().count() {
+                let reason = format!("chunks {first}..{end} of an object of {} chunks", o.layout().count());
+                return send_answer(&node, &ep, &Msg::Failed { req, reason }, bytes::Bytes::new()).await;
+            }
+            let limit = Duration::from_millis(u64::from(limit_ms));
+            if tokio::time::timeout(limit, send_chunks(&node, &ep, req, &o, u64::from(first)..end))
+                .await
+                .is_err()
+            {
+                // The puller gave up or is stalled: the sends still pending are cancelled.
+                tracing::debug!(req, %id, "chunks not taken within {limit:?}");
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Sends chunks `range` of `o` for request `req`, all at once (the puller posted their
+/// receives before it asked, and asks for no more than its window).
+async fn send_chunks(node: &Inner, ep: &Endpoint, req: u32, o: &Object, range: std::ops::Range<u64>) {
+    let sends = range.map(|k| {
+        let part = o.bytes().slice(o.layout().range(k));
+        node.ns.tag_send(ep, chunk_tag(req, k), part)
+    });
+    for (r, _) in futures_util::future::join_all(sends).await {
+        if let Err(e) = r {
+            tracing::debug!(req, %e, "a chunk send failed");
+            return;
+        }
+    }
+}
+
+async fn send_answer(node: &Inner, ep: &Endpoint, reply: &Msg, payload: bytes::Bytes) {
+    let (r, _) = node.ns.am_send(ep, ANSWER, &reply.encode(), payload).await;
+    if let Err(e) = r {
+        tracing::debug!(req = reply.req(), %e, "an answer could not be sent");
+    }
+}

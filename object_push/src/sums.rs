@@ -1,0 +1,133 @@
+//! [`Layout`]: how an object is cut in chunks, with the CRC-32C of each chunk, computed
+//! once by the store that sealed it and checked by every receiver before it seals.
+
+use crate::error::{Error, Result};
+
+/// The smallest chunk: below it, per-chunk messages cost more than they pipeline.
+pub const MIN_CHUNK: u32 = 4096;
+/// The largest chunk.
+pub const MAX_CHUNK: u32 = 1 << 30;
+/// The most chunks an object may have (chunk indexes fill 24 bits of a tag).
+pub const MAX_CHUNKS: u64 = 1 << 24;
+
+/// An object's size, its chunk size and the checksum of every chunk (the last may be
+/// short).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    size: u64,
+    chunk: u32,
+    sums: Vec<u32>,
+}
+
+impl Layout {
+    /// The layout of `bytes` cut in chunks of `chunk` bytes, checksums computed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a chunk size outside [`MIN_CHUNK`]..=[`MAX_CHUNK`]
+    /// or an object of more than [`MAX_CHUNKS`] chunks.
+    pub fn of(bytes: &[u8], chunk: u32) -> Result<Layout> {
+        let count = chunks(bytes.len() as u64, chunk)?;
+        let sums: Vec<u32> = bytes.chunks(chunk as usize).map(crc32c::crc32c).collect();
+        debug_assert_eq!(sums.len() as u64, count);
+        Ok(Layout { size: bytes.len() as u64, chunk, sums })
+    }
+
+    /// A layout received from a peer, checked: the chunk size in range and one checksum
+    /// per chunk.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when the parts do not agree.
+    pub fn from_parts(size: u64, chunk: u32, sums: Vec<u32>) -> Result<Layout> {
+        let count = chunks(size, chunk).map_err(|e| Error::Protocol(e.to_string()))?;
+        if sums.len() as u64 != count {
+            return Err(Error::Protocol(format!(
+                "{} checksums for {size} bytes in chunks of {chunk}",
+                sums.len()
+            )));
+        }
+        Ok(Layout { size, chunk, sums })
+    }
+
+    /// The object's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The chunk size in bytes.
+    pub fn chunk(&self) -> u32 {
+        self.chunk
+    }
+
+    /// The checksums, one per chunk.
+    pub fn sums(&self) -> &[u32] {
+        &self.sums
+    }
+
+    /// How many chunks.
+    pub fn count(&self) -> u64 {
+        self.sums.len() as u64
+    }
+
+    /// The byte range of chunk `k` (within the object: `k` < [`Layout::count`]).
+    pub fn range(&self, k: u64) -> std::ops::Range<usize> {
+        let start = k * u64::from(self.chunk);
+        let end = (start + u64::from(self.chunk)).min(self.size);
+        start as usize..end as usize
+    }
+
+    /// Whether `bytes` are chunk `k` as sealed.
+    pub fn verify(&self, k: u64, bytes: &[u8]) -> bool {
+        self.sums
+            .get(k as usize)
+            .is_some_and(|&s| bytes.len() == self.range(k).len() && crc32c::crc32c(bytes) == s)
+    }
+}
+
+/// How many chunks of `chunk` bytes hold `size` bytes (an empty object has none).
+fn chunks(size: u64, chunk: u32) -> Result<u64> {
+    if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) {
+        return Err(Error::InvalidArgument(format!(
+            "chunk size {chunk} is outside {MIN_CHUNK}..={MAX_CHUNK}"
+        )));
+    }
+    let count = size.div_ceil(u64::from(chunk));
+    if count > MAX_CHUNKS {
+        return Err(Error::InvalidArgument(format!(
+            "{size} bytes in chunks of {chunk} are {count} chunks, over {MAX_CHUNKS}"
+        )));
+    }
+    Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_object_and_checksums_catch_a_flipped_bit() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let l = Layout::of(&bytes, 4096).unwrap();
+        assert_eq!((l.count(), l.range(0), l.range(2)), (3, 0..4096, 8192..10_000));
+        for k in 0..3 {
+            assert!(l.verify(k, &bytes[l.range(k)]));
+        }
+        let mut bad = bytes[l.range(1)].to_vec();
+        bad[17] ^= 4;
+        assert!(!l.verify(1, &bad));
+        assert!(!l.verify(1, &bytes[..100]), "a short chunk");
+        assert!(!l.verify(3, &[]), "no such chunk");
+        assert_eq!(Layout::of(&[], 4096).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn layouts_from_peers_must_agree() {
+        assert!(Layout::from_parts(10_000, 4096, vec![0; 3]).is_ok());
+        for (size, chunk, n) in [(10_000, 4096, 2), (10_000, 4096, 4), (1, 100, 1), (u64::MAX, MAX_CHUNK, 1)]
+        {
+            assert!(
+                matches!(Layout::from_parts(size, chunk, vec![0; n]), Err(Error::Protocol(_))),
+                "{size} {chunk} {n}"
+            );
+        }
+    }
+}

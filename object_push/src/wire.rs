@@ -1,0 +1,347 @@
+//! The object protocol's messages and their encoding. Every message is the header of an
+//! active message in the object namespace: a version byte, a kind byte and the kind's
+//! fields (little-endian); what follows a message (an inline object, a layout's
+//! checksums) is the active message's payload. Decoding checks every field; a message
+//! that fails ends its transfer with [`Error::Protocol`], never a panic.
+//!
+//! | kind | from | fields | payload |
+//! |---|---|---|---|
+//! | `Lookup` | puller | request, id, largest inline size | none |
+//! | `Fetch` | puller | request, id, first chunk, chunk count, time limit (ms) | none |
+//! | `Missing` | holder | request | none |
+//! | `Inline` | holder | request, CRC-32C | the object |
+//! | `Layout` | holder | request, size, chunk size | one CRC-32C per chunk |
+//! | `Failed` | holder | request, reason (UTF-8, at most 256 bytes) | none |
+
+use crate::error::{Error, Result};
+use crate::id::ObjectId;
+
+/// The protocol's version; a message of another version is refused.
+pub const VERSION: u8 = 1;
+/// The longest reason a `Failed` message carries.
+pub const MAX_REASON: usize = 256;
+
+/// One protocol message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Msg {
+    /// Asks a holder for object `id`: inline when it is at most `inline_max` bytes,
+    /// otherwise its layout.
+    Lookup {
+        /// The puller's request number, echoed in the answer.
+        req: u32,
+        /// The object.
+        id: ObjectId,
+        /// The largest object the puller takes inline.
+        inline_max: u32,
+    },
+    /// Asks a holder to send chunks `first..first + count` of `id`, each as a tagged
+    /// message of request `req` and its index, within `limit_ms` milliseconds.
+    Fetch {
+        /// The request number (the chunks' tags carry it).
+        req: u32,
+        /// The object.
+        id: ObjectId,
+        /// The first chunk.
+        first: u32,
+        /// How many chunks.
+        count: u32,
+        /// How long the holder keeps trying to send them.
+        limit_ms: u32,
+    },
+    /// The holder does not have the object.
+    Missing {
+        /// The request answered.
+        req: u32,
+    },
+    /// The object itself follows as the payload, with its CRC-32C.
+    Inline {
+        /// The request answered.
+        req: u32,
+        /// The CRC-32C of the payload.
+        sum: u32,
+    },
+    /// The object's layout; its checksums follow as the payload.
+    Layout {
+        /// The request answered.
+        req: u32,
+        /// The object's size.
+        size: u64,
+        /// Its chunk size.
+        chunk: u32,
+    },
+    /// The holder could not serve the request.
+    Failed {
+        /// The request answered.
+        req: u32,
+        /// Why, for people.
+        reason: String,
+    },
+}
+
+const LOOKUP: u8 = 1;
+const FETCH: u8 = 2;
+const MISSING: u8 = 3;
+const INLINE: u8 = 4;
+const LAYOUT: u8 = 5;
+const FAILED: u8 = 6;
+
+impl Msg {
+    /// The request a message belongs to.
+    pub fn req(&self) -> u32 {
+        match self {
+            Msg::Lookup { req, .. }
+            | Msg::Fetch { req, .. }
+            | Msg::Missing { req }
+            | Msg::Inline { req, .. }
+            | Msg::Layout { req, .. }
+            | Msg::Failed { req, .. } => *req,
+        }
+    }
+
+    /// The message's bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(48);
+        let id = |b: &mut Vec<u8>, id: &ObjectId| {
+            b.push(id.as_bytes().len() as u8);
+            b.extend_from_slice(id.as_bytes());
+        };
+        match self {
+            Msg::Lookup { req, id: o, inline_max } => {
+                b.extend([VERSION, LOOKUP]);
+                b.extend(req.to_le_bytes());
+                id(&mut b, o);
+                b.extend(inline_max.to_le_bytes());
+            }
+            Msg::Fetch { req, id: o, first, count, limit_ms } => {
+                b.extend([VERSION, FETCH]);
+                b.extend(req.to_le_bytes());
+                id(&mut b, o);
+                b.extend(first.to_le_bytes());
+                b.extend(count.to_le_bytes());
+                b.extend(limit_ms.to_le_bytes());
+            }
+            Msg::Missing { req } => {
+                b.extend([VERSION, MISSING]);
+                b.extend(req.to_le_bytes());
+            }
+            Msg::Inline { req, sum } => {
+                b.extend([VERSION, INLINE]);
+                b.extend(req.to_le_bytes());
+                b.extend(sum.to_le_bytes());
+            }
+            Msg::Layout { req, size, chunk } => {
+                b.extend([VERSION, LAYOUT]);
+                b.extend(req.to_le_bytes());
+                b.extend(size.to_le_bytes());
+                b.extend(chunk.to_le_bytes());
+            }
+            Msg::Failed { req, reason } => {
+                b.extend([VERSION, FAILED]);
+                b.extend(req.to_le_bytes());
+                // Cut at a character boundary, within the limit.
+                let mut end = reason.len().min(MAX_REASON);
+                while !reason.is_char_boundary(end) {
+                    end -= 1;
+                }
+                b.push(end as u8);
+                b.push((end >> 8) as u8);
+                b.extend_from_slice(&reason.as_bytes()[..end]);
+            }
+        }
+        b
+    }
+
+    /// The message in `bytes`, checked field by field.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for another version, an unknown kind, a short or long
+    /// message, an invalid id or a reason that is not UTF-8 or too long.
+    pub fn decode(bytes: &[u8]) -> Result<Msg> {
+        let mut r = Reader { b: bytes };
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(Error::Protocol(format!("protocol version {version}, not {VERSION}")));
+        }
+        let kind = r.u8()?;
+        let req = r.u32()?;
+        let msg = match kind {
+            LOOKUP => Msg::Lookup { req, id: r.id()?, inline_max: r.u32()? },
+            FETCH => Msg::Fetch { req, id: r.id()?, first: r.u32()?, count: r.u32()?, limit_ms: r.u32()? },
+            MISSING => Msg::Missing { req },
+            INLINE => Msg::Inline { req, sum: r.u32()? },
+            LAYOUT => Msg::Layout { req, size: r.u64()?, chunk: r.u32()? },
+            FAILED => {
+                let len = usize::from(r.u8()?) | usize::from(r.u8()?) << 8;
+                if len > MAX_REASON {
+                    return Err(Error::Protocol(format!("a reason of {len} bytes, over {MAX_REASON}")));
+                }
+                let reason = std::str::from_utf8(r.take(len)?)
+                    .map_err(|_| Error::Protocol("a reason that is not UTF-8".into()))?
+                    .to_string();
+                Msg::Failed { req, reason }
+            }
+            k => return Err(Error::Protocol(format!("unknown message kind {k}"))),
+        };
+        if !r.b.is_empty() {
+            return Err(Error::Protocol(format!("{} bytes after a message of kind {kind}", r.b.len())));
+        }
+        Ok(msg)
+    }
+}
+
+/// Reads fields off the front of a message.
+struct Reader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.b.len() < n {
+            return Err(Error::Protocol(format!(
+                "a message cut short ({} bytes left, {n} needed)",
+                self.b.len()
+            )));
+        }
+        let (head, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        let mut a = [0; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(a))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        let mut a = [0; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn id(&mut self) -> Result<ObjectId> {
+        let len = usize::from(self.u8()?);
+        ObjectId::new(self.take(len)?).map_err(|e| Error::Protocol(e.to_string()))
+    }
+}
+
+/// Decodes a layout's checksums (4 little-endian bytes each).
+///
+/// # Errors
+/// [`Error::Protocol`] when the payload is not a whole number of checksums.
+pub fn decode_sums(payload: &[u8]) -> Result<Vec<u32>> {
+    if payload.len() % 4 != 0 {
+        return Err(Error::Protocol(format!("checksums of {} bytes", payload.len())));
+    }
+    Ok(payload.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// Encodes a layout's checksums.
+pub fn encode_sums(sums: &[u32]) -> Vec<u8> {
+    sums.iter().flat_map(|s| s.to_le_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Msg> {
+        let id = ObjectId::new(b"obj-1").unwrap();
+        let long = ObjectId::new(&[0xab; 32]).unwrap();
+        vec![
+            Msg::Lookup { req: 1, id, inline_max: 65536 },
+            Msg::Fetch { req: u32::MAX, id: long, first: 7, count: 3, limit_ms: 30_000 },
+            Msg::Missing { req: 0 },
+            Msg::Inline { req: 9, sum: 0xdead_beef },
+            Msg::Layout { req: 2, size: u64::MAX, chunk: 1 << 20 },
+            Msg::Failed { req: 3, reason: "no room".into() },
+            Msg::Failed { req: 3, reason: String::new() },
+        ]
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        for m in samples() {
+            assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
+        }
+        let sums = [1, u32::MAX, 0];
+        assert_eq!(decode_sums(&encode_sums(&sums)).unwrap(), sums);
+    }
+
+    #[test]
+    fn long_reasons_are_cut_at_a_character() {
+        let m = Msg::Failed { req: 1, reason: "é".repeat(200) };
+        let Msg::Failed { reason, .. } = Msg::decode(&m.encode()).unwrap() else { panic!() };
+        assert_eq!(reason, "é".repeat(128));
+    }
+
+    #[test]
+    fn malformed_messages_are_errors() {
+        let ok = Msg::Lookup { req: 1, id: ObjectId::new(b"x").unwrap(), inline_max: 4 }.encode();
+        let mut cases: Vec<Vec<u8>> = vec![
+            vec![],
+            vec![VERSION],
+            vec![2, LOOKUP, 0, 0, 0, 0],
+            vec![VERSION, 0, 0, 0, 0, 0],
+            vec![VERSION, 77, 0, 0, 0, 0],
+            vec![VERSION, MISSING, 0, 0, 0],
+            vec![VERSION, MISSING, 0, 0, 0, 0, 0],
+            // An id of length 0 and of 33.
+            vec![VERSION, LOOKUP, 0, 0, 0, 0, 0, 4, 0, 0, 0],
+            [vec![VERSION, LOOKUP, 0, 0, 0, 0, 33], vec![1; 37]].concat(),
+            // A reason over the limit, and one not UTF-8.
+            [vec![VERSION, FAILED, 0, 0, 0, 0, 1, 1], vec![b'a'; 257]].concat(),
+            vec![VERSION, FAILED, 0, 0, 0, 0, 1, 0, 0xff],
+        ];
+        cases.push(ok[..ok.len() - 1].to_vec());
+        cases.push([ok.clone(), vec![0]].concat());
+        for c in &cases {
+            assert!(matches!(Msg::decode(c), Err(Error::Protocol(_))), "{c:?}");
+        }
+        assert!(decode_sums(&[1, 2, 3]).is_err());
+    }
+
+    /// Random bytes and every valid message with random changes: each decodes or is an
+    /// error, and what decodes encodes back to the same bytes.
+    #[test]
+    fn random_and_mutated_input_never_panics() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let samples: Vec<Vec<u8>> = samples().iter().map(Msg::encode).collect();
+        let mut decoded = 0;
+        for i in 0..50_000 {
+            let mut b = if i % 2 == 0 {
+                (0..next() % 64).map(|_| next() as u8).collect::<Vec<u8>>()
+            } else {
+                samples[(next() % samples.len() as u64) as usize].clone()
+            };
+            for _ in 0..1 + next() % 3 {
+                match next() % 3 {
+                    0 if !b.is_empty() => {
+                        let at = (next() % b.len() as u64) as usize;
+                        b[at] ^= 1 << (next() % 8);
+                    }
+                    1 => b.truncate((next() % (b.len() as u64 + 1)) as usize),
+                    _ => b.push(next() as u8),
+                }
+            }
+            if i % 2 == 0 && b.len() > 1 {
+                b[0] = VERSION;
+            }
+            if let Ok(m) = Msg::decode(&b) {
+                decoded += 1;
+                assert_eq!(m.encode(), b, "{m:?}");
+            }
+        }
+        assert!(decoded > 1000, "the mutations reach valid messages too ({decoded})");
+    }
+}

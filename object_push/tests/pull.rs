@@ -1,0 +1,200 @@
+//! Pulls between nodes of one process: sizes around the chunk and window edges,
+//! byte-exact, over shared memory and TCP; relays; missing objects; store refusals;
+//! corrupt chunks refetched or reported; malformed and hostile peers; deadlines.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ucxkit_object_push::wire::{encode_sums, Msg};
+use ucxkit_object_push::{Error, MemoryStore, NodeOptions, Object, ObjectId, ObjectNode, ObjectStore};
+use ucxkit_testkit::payload::payload;
+use ucxkit_testkit::workers::{mesh_with, Mesh};
+use ucxkit_transport::am::AmSendOptions;
+use ucxkit_transport::namespace::OBJECT_PUSH;
+use ucxkit_transport::ProgressMode;
+
+const T: Duration = Duration::from_secs(60);
+
+fn id(s: &str) -> ObjectId {
+    ObjectId::try_from(s).unwrap()
+}
+
+/// Small chunks and windows, so that a few KiB take several windows.
+fn small() -> NodeOptions {
+    NodeOptions { chunk: 4096, window: 3, inline_max: 1000, ..NodeOptions::default() }
+}
+
+async fn nodes(tls: &str, n: usize, opts: NodeOptions) -> (Mesh, Vec<ObjectNode>) {
+    let mesh = mesh_with(tls, n, ProgressMode::Event).await;
+    let nodes = mesh
+        .workers
+        .iter()
+        .map(|w| ObjectNode::new(w, Arc::new(MemoryStore::new()), opts.clone()).expect("node"))
+        .collect();
+    (mesh, nodes)
+}
+
+#[tokio::test]
+async fn objects_of_every_edge_size_arrive_byte_exact_and_can_be_relayed() {
+    for tls in ["posix,cma,tcp,self", "tcp,self"] {
+        let (mesh, n) = nodes(tls, 3, small()).await;
+        // Empty, one byte, inline limit and one past, a chunk less one, a chunk, a chunk
+        // more one, a window's worth of chunks and one more, many windows.
+        for (i, len) in
+            [0usize, 1, 1000, 1001, 4095, 4096, 4097, 3 * 4096 + 1, 100_000].into_iter().enumerate()
+        {
+            let o = id(&format!("o{i}"));
+            let bytes = Bytes::from(payload(i as u64, len));
+            n[0].put(o, bytes.clone()).unwrap();
+            let got = tokio::time::timeout(T, n[1].pull(o, mesh.ep(1, 0))).await.unwrap().unwrap();
+            assert_eq!(got.bytes(), &bytes, "{tls} {len} B");
+            assert_eq!(n[1].get(&o).unwrap().bytes(), &bytes, "sealed in the puller's store");
+            // The puller serves it onwards.
+            let relayed = tokio::time::timeout(T, n[2].pull(o, mesh.ep(2, 1))).await.unwrap().unwrap();
+            assert_eq!(relayed.bytes(), &bytes, "{tls} {len} B relayed");
+        }
+        for node in &n {
+            assert_eq!(node.stats().malformed + node.stats().refetched, 0);
+        }
+    }
+}
+
+#[tokio::test]
+async fn default_chunks_move_a_few_mebibytes() {
+    let (mesh, n) = nodes("posix,cma,tcp,self", 2, NodeOptions::default()).await;
+    let bytes = Bytes::from(payload(7, (9 << 20) + 123));
+    n[0].put(id("big"), bytes.clone()).unwrap();
+    let got = tokio::time::timeout(T, n[1].pull(id("big"), mesh.ep(1, 0))).await.unwrap().unwrap();
+    assert!(got.bytes() == &bytes);
+    assert_eq!(got.layout().count(), 10);
+}
+
+#[tokio::test]
+async fn missing_objects_and_full_stores_are_errors_that_leave_nothing_behind() {
+    let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
+    let holder = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), small()).unwrap();
+    let store = Arc::new(MemoryStore::with_capacity(10_000));
+    let puller = ObjectNode::new(&mesh.workers[1], store.clone(), small()).unwrap();
+    let err = tokio::time::timeout(T, puller.pull(id("none"), mesh.ep(1, 0))).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::NotFound(o) if o == id("none")), "{err}");
+    holder.put(id("big"), Bytes::from(payload(1, 20_000))).unwrap();
+    let err = tokio::time::timeout(T, puller.pull(id("big"), mesh.ep(1, 0))).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert_eq!(store.used(), 0, "the room reserved is given back");
+    assert!(puller.get(&id("big")).is_none());
+    holder.put(id("fits"), Bytes::from(payload(2, 9000))).unwrap();
+    tokio::time::timeout(T, puller.pull(id("fits"), mesh.ep(1, 0))).await.unwrap().unwrap();
+    assert_eq!(store.used(), 9000);
+}
+
+/// A store whose first `lies` reads hand out the object with one byte flipped in each
+/// chunk after the first (the layout stays the true one).
+struct Lying {
+    inner: MemoryStore,
+    lies: AtomicU32,
+}
+
+impl ObjectStore for Lying {
+    fn get(&self, id: &ObjectId) -> Option<Object> {
+        let o = self.inner.get(id)?;
+        if self.lies.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_err() {
+            return Some(o);
+        }
+        let mut b = o.bytes().to_vec();
+        for k in 1..o.layout().count() {
+            b[o.layout().range(k).start] ^= 0x20;
+        }
+        Some(Object::new(Bytes::from(b), o.layout().clone()).unwrap())
+    }
+    fn reserve(&self, id: &ObjectId, size: u64) -> ucxkit_object_push::Result<()> {
+        self.inner.reserve(id, size)
+    }
+    fn unreserve(&self, id: &ObjectId, size: u64) {
+        self.inner.unreserve(id, size)
+    }
+    fn seal(&self, id: ObjectId, object: Object) -> ucxkit_object_push::Result<()> {
+        self.inner.seal(id, object)
+    }
+    fn release(&self, id: &ObjectId) -> bool {
+        self.inner.release(id)
+    }
+}
+
+#[tokio::test]
+async fn corrupt_chunks_are_fetched_again_or_reported() {
+    let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
+    let lying = Arc::new(Lying { inner: MemoryStore::new(), lies: AtomicU32::new(0) });
+    let holder = ObjectNode::new(&mesh.workers[0], lying.clone(), small()).unwrap();
+    let puller = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), small()).unwrap();
+    let bytes = Bytes::from(payload(3, 5 * 4096));
+    holder.put(id("o"), bytes.clone()).unwrap();
+    // The lookup reads the store once, then the first fetch (chunks 0..3) gets lies.
+    lying.lies.store(2, Ordering::SeqCst);
+    let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
+    assert!(got.bytes() == &bytes);
+    assert_eq!(puller.stats().refetched, 2, "chunks 1 and 2 came corrupt once");
+    // Lies on every read: the chunk is reported after the node's tries.
+    lying.lies.store(u32::MAX, Ordering::SeqCst);
+    holder.put(id("p"), bytes.clone()).unwrap();
+    let err = tokio::time::timeout(T, puller.pull(id("p"), mesh.ep(1, 0))).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::Corrupt { chunk: 1 | 2, tries: 3, .. }), "{err}");
+    assert!(puller.get(&id("p")).is_none(), "nothing unverified is sealed");
+}
+
+/// A peer that speaks the protocol badly: garbage requests and answers are dropped and
+/// counted, a malformed layout ends the pull with a protocol error, a holder that never
+/// answers ends it at the deadline; the node serves correct peers all along.
+#[tokio::test]
+async fn malformed_and_silent_peers_end_in_errors_not_panics() {
+    let mesh = mesh_with("posix,tcp,self", 3, ProgressMode::Event).await;
+    let opts = NodeOptions { deadline: Duration::from_millis(500), ..small() };
+    let node = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
+    let honest = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), opts).unwrap();
+    let rogue = mesh.workers[1].namespace(OBJECT_PUSH).unwrap();
+    let (to_node, reply) = (mesh.ep(1, 0), AmSendOptions { reply: true, ..Default::default() });
+    let garbage: [&[u8]; 4] = [b"", &[1, 1, 0], &[9, 9, 9, 9, 9, 9], &[1, 4, 0, 0, 0, 0]];
+    for (i, g) in garbage.iter().enumerate() {
+        for am in [0u16, 1] {
+            let (r, _) = rogue.am_send_with(to_node, am, g, Bytes::new(), reply).await;
+            r.unwrap();
+        }
+        // A valid request without a way to answer.
+        let lookup = Msg::Lookup { req: i as u32, id: id("x"), inline_max: 10 };
+        rogue.am_send(to_node, 0, &lookup.encode(), Bytes::new()).await.0.unwrap();
+    }
+    let want = 2 * garbage.len() as u64 + garbage.len() as u64;
+    let t = std::time::Instant::now();
+    while node.stats().malformed < want && t.elapsed() < T {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Each garbage header sent as a request and as an answer, and each lookup that
+    // cannot be answered, counted once.
+    assert_eq!(node.stats().malformed, want, "{:?}", node.stats());
+    // The node still serves.
+    node.put(id("ok"), Bytes::from(payload(4, 9000))).unwrap();
+    tokio::time::timeout(T, honest.pull(id("ok"), mesh.ep(2, 0))).await.unwrap().unwrap();
+
+    // The rogue as a holder: a layout whose checksums do not match its size.
+    let mut requests = rogue.am_recv(0).unwrap();
+    let pull = node.pull(id("bad"), mesh.ep(0, 1));
+    let serve = async {
+        let m = requests.recv().await;
+        let Msg::Lookup { req, .. } = Msg::decode(m.header()).unwrap() else { panic!() };
+        let layout = Msg::Layout { req, size: 10_000, chunk: 4096 };
+        rogue.reply(&m, 1, &layout.encode(), Bytes::from(encode_sums(&[1, 2]))).unwrap().await.0.unwrap();
+        // Then one that never answers.
+        requests.recv().await
+    };
+    let (r, _) = tokio::join!(
+        async {
+            let first = pull.await;
+            let second = node.pull(id("silent"), mesh.ep(0, 1)).await;
+            (first, second)
+        },
+        serve
+    );
+    assert!(matches!(r.0, Err(Error::Protocol(_))), "{:?}", r.0);
+    assert!(matches!(r.1, Err(Error::DeadlineExceeded { .. })), "{:?}", r.1);
+}
