@@ -4,8 +4,8 @@
 //! that ask, and pulls objects from peers into its store. Small objects come inline in
 //! the answer to a lookup; larger ones in chunks, a window of them in flight, each
 //! received straight into its place in the new object's buffer (a rendezvous tagged
-//! message: no copy of the node's own on either side). Every chunk carries the
-//! CRC-32C its holder computed when it sealed the object, checked before the puller
+//! message: no copy of the node's own on either side). Every chunk has a checksum its
+//! holder computed when it sealed the object (64-bit XXH3), checked before the puller
 //! seals: an object is visible only once complete and verified.
 //!
 //! ```no_run

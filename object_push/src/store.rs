@@ -44,6 +44,11 @@ impl Object {
         &self.layout
     }
 
+    /// Its bytes, taken out of the object.
+    pub fn into_bytes(self) -> Bytes {
+        self.bytes
+    }
+
     /// Its size in bytes.
     pub fn len(&self) -> usize {
         self.bytes.len()
@@ -79,9 +84,9 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// [`Error::Exists`] when `id` is held already.
     fn seal(&self, id: ObjectId, object: Object) -> Result<()>;
 
-    /// Forgets object `id`; whether it was held. Transfers of it already under way keep
-    /// their bytes.
-    fn release(&self, id: &ObjectId) -> bool;
+    /// Forgets object `id` and hands it back, if it was held. Transfers of it already
+    /// under way keep their bytes.
+    fn release(&self, id: &ObjectId) -> Option<Object>;
 }
 
 /// Objects in memory, up to a capacity in bytes (sealed and reserved together).
@@ -162,15 +167,11 @@ impl ObjectStore for MemoryStore {
         Ok(())
     }
 
-    fn release(&self, id: &ObjectId) -> bool {
+    fn release(&self, id: &ObjectId) -> Option<Object> {
         let mut s = self.lock();
-        match s.objects.remove(id) {
-            Some(o) => {
-                s.used -= o.len() as u64;
-                true
-            }
-            None => false,
-        }
+        let o = s.objects.remove(id)?;
+        s.used -= o.len() as u64;
+        Some(o)
     }
 }
 
@@ -199,7 +200,7 @@ mod tests {
         s.reserve(&b, 4000).unwrap();
         s.unreserve(&b, 4000);
         assert_eq!(s.used(), 6000);
-        assert!(s.release(&a) && !s.release(&a));
+        assert!(s.release(&a).is_some() && s.release(&a).is_none());
         assert_eq!(s.used(), 0);
         assert!(Object::new(Bytes::from_static(b"abc"), Layout::of(b"ab", 4096).unwrap()).is_err());
     }

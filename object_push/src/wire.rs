@@ -9,8 +9,8 @@
 //! | `Lookup` | puller | request, id, largest inline size | none |
 //! | `Fetch` | puller | request, id, first chunk, chunk count, time limit (ms) | none |
 //! | `Missing` | holder | request | none |
-//! | `Inline` | holder | request, CRC-32C | the object |
-//! | `Layout` | holder | request, size, chunk size | one CRC-32C per chunk |
+//! | `Inline` | holder | request, checksum | the object |
+//! | `Layout` | holder | request, size, chunk size | one checksum per chunk (8 bytes) |
 //! | `Failed` | holder | request, reason (UTF-8, at most 256 bytes) | none |
 
 use crate::error::{Error, Result};
@@ -53,12 +53,12 @@ pub enum Msg {
         /// The request answered.
         req: u32,
     },
-    /// The object itself follows as the payload, with its CRC-32C.
+    /// The object itself follows as the payload, with its checksum.
     Inline {
         /// The request answered.
         req: u32,
-        /// The CRC-32C of the payload.
-        sum: u32,
+        /// The checksum of the payload ([`crate::sums::sum`]).
+        sum: u64,
     },
     /// The object's layout; its checksums follow as the payload.
     Layout {
@@ -168,7 +168,7 @@ impl Msg {
             LOOKUP => Msg::Lookup { req, id: r.id()?, inline_max: r.u32()? },
             FETCH => Msg::Fetch { req, id: r.id()?, first: r.u32()?, count: r.u32()?, limit_ms: r.u32()? },
             MISSING => Msg::Missing { req },
-            INLINE => Msg::Inline { req, sum: r.u32()? },
+            INLINE => Msg::Inline { req, sum: r.u64()? },
             LAYOUT => Msg::Layout { req, size: r.u64()?, chunk: r.u32()? },
             FAILED => {
                 let len = usize::from(r.u8()?) | usize::from(r.u8()?) << 8;
@@ -229,19 +229,19 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Decodes a layout's checksums (4 little-endian bytes each).
+/// Decodes a layout's checksums (8 little-endian bytes each).
 ///
 /// # Errors
 /// [`Error::Protocol`] when the payload is not a whole number of checksums.
-pub fn decode_sums(payload: &[u8]) -> Result<Vec<u32>> {
-    if payload.len() % 4 != 0 {
+pub fn decode_sums(payload: &[u8]) -> Result<Vec<u64>> {
+    if payload.len() % 8 != 0 {
         return Err(Error::Protocol(format!("checksums of {} bytes", payload.len())));
     }
-    Ok(payload.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    Ok(payload.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())).collect())
 }
 
 /// Encodes a layout's checksums.
-pub fn encode_sums(sums: &[u32]) -> Vec<u8> {
+pub fn encode_sums(sums: &[u64]) -> Vec<u8> {
     sums.iter().flat_map(|s| s.to_le_bytes()).collect()
 }
 
@@ -256,7 +256,7 @@ mod tests {
             Msg::Lookup { req: 1, id, inline_max: 65536 },
             Msg::Fetch { req: u32::MAX, id: long, first: 7, count: 3, limit_ms: 30_000 },
             Msg::Missing { req: 0 },
-            Msg::Inline { req: 9, sum: 0xdead_beef },
+            Msg::Inline { req: 9, sum: 0xdead_beef_0bad_f00d },
             Msg::Layout { req: 2, size: u64::MAX, chunk: 1 << 20 },
             Msg::Failed { req: 3, reason: "no room".into() },
             Msg::Failed { req: 3, reason: String::new() },
@@ -268,7 +268,7 @@ mod tests {
         for m in samples() {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
         }
-        let sums = [1, u32::MAX, 0];
+        let sums = [1, u64::MAX, 0];
         assert_eq!(decode_sums(&encode_sums(&sums)).unwrap(), sums);
     }
 

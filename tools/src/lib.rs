@@ -9,6 +9,7 @@
 #![deny(missing_docs)]
 
 pub mod cli;
+pub mod perftest;
 pub mod plot;
 pub mod report;
 pub mod size;

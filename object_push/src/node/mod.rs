@@ -16,10 +16,11 @@ use ucxkit_transport::{AmMessage, Namespace, Worker};
 use crate::error::Result;
 use crate::id::ObjectId;
 use crate::store::{Object, ObjectStore};
-use crate::sums::Layout;
+use crate::sums::{chunk_for, Layout};
 use crate::wire::Msg;
 
 mod pull;
+mod recycle;
 mod serve;
 
 /// The active-message id of requests (puller to holder).
@@ -30,7 +31,8 @@ const ANSWER: u16 = 1;
 /// How a node moves objects.
 #[derive(Clone, Debug)]
 pub struct NodeOptions {
-    /// The chunk size of the objects this node seals (`put`); a pulled object keeps its
+    /// The chunk size of the objects this node seals (`put`; larger for objects that
+    /// would have over [`crate::sums::MAX_CHUNKS`] chunks); a pulled object keeps its
     /// holder's. Default 1 MiB.
     pub chunk: u32,
     /// Chunks in flight per pull. Default 8.
@@ -41,6 +43,10 @@ pub struct NodeOptions {
     pub deadline: Duration,
     /// How many times a chunk is fetched before it counts as corrupt. Default 3.
     pub tries: u32,
+    /// Bytes of released objects' memory kept for the next pulls (a buffer the kernel
+    /// faults in page by page costs more than the transfer into it). Default 512 MiB;
+    /// 0 keeps none.
+    pub recycle: u64,
 }
 
 impl Default for NodeOptions {
@@ -51,6 +57,7 @@ impl Default for NodeOptions {
             inline_max: 64 << 10,
             deadline: Duration::from_secs(60),
             tries: 3,
+            recycle: 512 << 20,
         }
     }
 }
@@ -64,6 +71,8 @@ pub struct NodeStats {
     pub refetched: u64,
     /// Answers that came for no request waiting (late, after a deadline).
     pub stray: u64,
+    /// Bytes of released objects' memory kept for the next pulls.
+    pub kept: u64,
 }
 
 /// One worker's objects: serves the objects of its [`ObjectStore`] to the peers that ask
@@ -79,6 +88,7 @@ struct Inner {
     ns: Namespace,
     store: Arc<dyn ObjectStore>,
     opts: NodeOptions,
+    recycler: recycle::Recycler,
     next_req: AtomicU32,
     /// Requests waiting for their answer, by number.
     waiting: Mutex<HashMap<u32, oneshot::Sender<(Msg, AmMessage)>>>,
@@ -104,6 +114,7 @@ impl ObjectNode {
         let inner = Arc::new(Inner {
             ns,
             store,
+            recycler: recycle::Recycler::new(opts.recycle),
             opts,
             next_req: AtomicU32::new(rand_start()),
             waiting: Mutex::default(),
@@ -124,7 +135,7 @@ impl ObjectNode {
     /// # Errors
     /// [`crate::Error::Exists`] when `id` is held; the store's refusal.
     pub fn put(&self, id: ObjectId, bytes: Bytes) -> Result<Object> {
-        let layout = Layout::of(&bytes, self.inner.opts.chunk)?;
+        let layout = Layout::of(&bytes, chunk_for(bytes.len() as u64, self.inner.opts.chunk))?;
         let object = Object::new(bytes, layout)?;
         self.inner.store.seal(id, object.clone())?;
         Ok(object)
@@ -135,9 +146,16 @@ impl ObjectNode {
         self.inner.store.get(id)
     }
 
-    /// Forgets object `id`; whether it was held.
+    /// Forgets object `id`; whether it was held. Its memory is kept for the next pulls
+    /// (see [`NodeOptions::recycle`]) once nothing else holds its bytes.
     pub fn release(&self, id: &ObjectId) -> bool {
-        self.inner.store.release(id)
+        match self.inner.store.release(id) {
+            Some(o) => {
+                self.inner.recycler.give(o.into_bytes());
+                true
+            }
+            None => false,
+        }
     }
 
     /// The node's options.
@@ -152,6 +170,7 @@ impl ObjectNode {
             malformed: i.malformed.load(Ordering::Relaxed),
             refetched: i.refetched.load(Ordering::Relaxed),
             stray: i.stray.load(Ordering::Relaxed),
+            kept: i.recycler.held(),
         }
     }
 }

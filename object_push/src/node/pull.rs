@@ -6,17 +6,19 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::Bytes;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use ucxkit_transport::am::AmSendOptions;
 use ucxkit_transport::tag::EXACT;
-use ucxkit_transport::{AmMessage, Endpoint, SharedBuf};
+use ucxkit_transport::{AmMessage, Endpoint, ErrorKind};
 
 use super::{chunk_tag, Inner, ObjectNode, REQUEST};
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
 use crate::store::Object;
-use crate::sums::{Layout, MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK};
+use crate::sums::{chunk_for, Layout, MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK};
 use crate::wire::{decode_sums, Msg};
 
 impl ObjectNode {
@@ -91,18 +93,18 @@ async fn pull(node: &Inner, id: ObjectId, holder: &Endpoint, limit: Duration) ->
                     )));
                 }
                 let data = payload(m).await?;
-                if crc32c::crc32c(&data) != sum {
+                if crate::sums::sum(&data) != sum {
                     node.refetched.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                let layout = Layout::of(&data, node.opts.chunk)?;
+                let layout = Layout::of(&data, chunk_for(data.len() as u64, node.opts.chunk))?;
                 return seal(node, id, Object::new(Bytes::from(data), layout)?);
             }
             Msg::Layout { size, chunk, .. } => {
                 if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) || size.div_ceil(u64::from(chunk)) > MAX_CHUNKS {
                     return Err(Error::Protocol(format!("a layout of {size} bytes in chunks of {chunk}")));
                 }
-                if m.len() as u64 != size.div_ceil(u64::from(chunk)) * 4 {
+                if m.len() as u64 != size.div_ceil(u64::from(chunk)) * 8 {
                     return Err(Error::Protocol(format!("{} bytes of checksums for {size} bytes", m.len())));
                 }
                 let layout = Layout::from_parts(size, chunk, decode_sums(&payload(m).await?)?)?;
@@ -136,7 +138,11 @@ fn seal(node: &Inner, id: ObjectId, object: Object) -> Result<Object> {
 }
 
 /// Fetches the chunks of an object of `layout` from `holder` into a buffer of its size,
-/// a window at a time, and seals it.
+/// a window at a time, and seals it. Each chunk lands in its own piece of the buffer
+/// (split off in order, joined back without a copy) and is checked on the blocking
+/// pool while the next chunks arrive: the receiving thread also does the copy (the
+/// transports on one host copy in the receiver's kernel call), so a check there would
+/// delay the transfer by its own time.
 async fn chunked(
     node: &Inner,
     id: ObjectId,
@@ -150,30 +156,59 @@ async fn chunked(
     let mut room = Room { node, id, size: layout.size(), armed: true };
     let (req, mut failed) = node.register();
     let _registered = Registered { node, req };
-    let mut buf = SharedBuf::tracked(vec![0u8; size]);
+    let layout = Arc::new(layout);
+    // A new Bytes has no other owner: it becomes mutable without a copy.
+    let whole = Bytes::from(node.recycler.take(size));
+    let mut rest = whole.try_into_mut().unwrap_or_else(|b| BytesMut::from(&b[..]));
     let (count, window) = (layout.count(), u64::from(node.opts.window));
     let limit_ms = u32::try_from(limit.as_millis()).unwrap_or(u32::MAX);
+    let mut pieces: Vec<Option<BytesMut>> = (0..count).map(|_| None).collect();
     let mut tries: HashMap<u64, u32> = HashMap::new();
-    let mut inflight = FuturesUnordered::new();
+    let (mut receiving, mut checking) = (FuturesUnordered::new(), FuturesUnordered::new());
     let (mut next, mut done) = (0u64, 0u64);
-    let post = |k: u64, buf: &SharedBuf<u8>| -> Result<_> {
-        let slice = buf.slice(layout.range(k))?;
-        let recv = node.ns.tag_recv_from(holder, chunk_tag(req, k), EXACT, slice);
-        Ok(async move { (k, recv.await) })
+    let post = |k: u64, piece: BytesMut| {
+        let recv = node.ns.tag_recv_from(holder, chunk_tag(req, k), EXACT, piece);
+        async move { (k, recv.await) }
     };
     while done < count {
         // Refill the window once half of it is free (or the rest is less).
-        let free = window - inflight.len() as u64;
-        if next < count && (free * 2 >= window || count - next <= free) {
+        let free = window.saturating_sub((receiving.len() + checking.len()) as u64);
+        if next < count && (free * 2 >= window || count - next <= free) && free > 0 {
             let n = free.min(count - next);
             for k in next..next + n {
-                inflight.push(post(k, &buf)?);
+                receiving.push(post(k, rest.split_to(layout.range(k).len())));
             }
             fetch(node, holder, req, id, next, n, limit_ms).await?;
             next += n;
         }
-        let (k, (r, slice)) = tokio::select! {
-            Some(landed) = inflight.next() => landed,
+        tokio::select! {
+            Some((k, (r, piece))) = receiving.next() => {
+                let info = r.map_err(|e| match e.kind() {
+                    ErrorKind::Truncated => Error::Protocol(format!("chunk {k} longer than its layout")),
+                    _ => Error::Transport(e),
+                })?;
+                if info.len != layout.range(k).len() {
+                    return Err(Error::Protocol(format!("chunk {k} of {} bytes, not {}", info.len, layout.range(k).len())));
+                }
+                let layout = layout.clone();
+                checking.push(tokio::task::spawn_blocking(move || (k, layout.verify(k, &piece), piece)));
+            }
+            Some(checked) = checking.next() => {
+                let (k, good, piece) = checked.map_err(|e| Error::Store(format!("checking a chunk: {e}")))?;
+                if good {
+                    pieces[k as usize] = Some(piece);
+                    done += 1;
+                    continue;
+                }
+                let t = tries.entry(k).or_insert(1);
+                if *t >= node.opts.tries {
+                    return Err(Error::Corrupt { id, chunk: k, tries: *t });
+                }
+                *t += 1;
+                node.refetched.fetch_add(1, Ordering::Relaxed);
+                receiving.push(post(k, piece));
+                fetch(node, holder, req, id, k, 1, limit_ms).await?;
+            }
             answer = &mut failed => {
                 return Err(match answer {
                     Ok((Msg::Failed { reason, .. }, _)) => Error::Remote(reason),
@@ -181,35 +216,15 @@ async fn chunked(
                     Err(_) => Error::Remote("the node is closing".into()),
                 });
             }
-        };
-        drop(slice);
-        let info = r.map_err(|e| match e.kind() {
-            ucxkit_transport::ErrorKind::Truncated => {
-                Error::Protocol(format!("chunk {k} longer than its layout"))
-            }
-            _ => Error::Transport(e),
-        })?;
-        let range = layout.range(k);
-        if info.len != range.len() {
-            return Err(Error::Protocol(format!("chunk {k} of {} bytes, not {}", info.len, range.len())));
         }
-        let view = buf.view_range(range).ok_or_else(|| Error::Protocol(format!("chunk {k} twice")))?;
-        if layout.verify(k, view) {
-            done += 1;
-            continue;
-        }
-        let t = tries.entry(k).or_insert(1);
-        if *t >= node.opts.tries {
-            return Err(Error::Corrupt { id, chunk: k, tries: *t });
-        }
-        *t += 1;
-        node.refetched.fetch_add(1, Ordering::Relaxed);
-        inflight.push(post(k, &buf)?);
-        fetch(node, holder, req, id, k, 1, limit_ms).await?;
     }
-    drop(inflight);
-    let bytes = buf.try_into_vec().map_err(|_| Error::Protocol("a chunk still being received".into()))?;
-    let object = Object::new(Bytes::from(bytes), layout)?;
+    drop(rest);
+    // The pieces, joined in order: adjacent parts of one buffer, so no copy.
+    let mut whole = BytesMut::new();
+    for p in pieces.into_iter().flatten() {
+        whole.unsplit(p);
+    }
+    let object = Object::new(whole.freeze(), Arc::unwrap_or_clone(layout))?;
     room.armed = false;
     seal(node, id, object)
 }

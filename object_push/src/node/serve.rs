@@ -41,7 +41,7 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
             let (reply, payload) = match node.store.get(&id) {
                 None => (Msg::Missing { req }, bytes::Bytes::new()),
                 Some(o) if o.len() as u64 <= u64::from(inline_max) => {
-                    (Msg::Inline { req, sum: crc32c::crc32c(o.bytes()) }, o.bytes().clone())
+                    (Msg::Inline { req, sum: crate::sums::sum(o.bytes()) }, o.bytes().clone())
                 }
                 Some(o) => {
                     let l = o.layout();

@@ -1,0 +1,234 @@
+//! `bench`: a holder and `--receivers` receivers on this host; every size pulled
+//! `--reps` times by all receivers at once, the slowest receiver's time counted, the
+//! median repetition reported; `--compare` adds `ucx_perftest -t tag_bw`.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use ucxkit_tools::perftest;
+use ucxkit_tools::size::{format_size, parse_sizes};
+
+use crate::{NodeArgs, OutputArgs};
+
+/// `bench`'s arguments.
+#[derive(clap::Args, Debug)]
+pub(crate) struct BenchArgs {
+    /// Object sizes, comma-separated (K/M/G: powers of 1024).
+    #[arg(short, long, default_value = "1M,16M,256M")]
+    sizes: String,
+    /// Receiver processes pulling each object at once.
+    #[arg(short, long, default_value_t = 1)]
+    receivers: usize,
+    /// Repetitions per size (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Also run `ucx_perftest -t tag_bw` on the same transports and sizes.
+    #[arg(long)]
+    compare: bool,
+    /// Check every pulled object's bytes (outside the time).
+    #[arg(long)]
+    check: bool,
+    /// Pin the holder to CPU 0 and receiver i to CPU i+1 (mod the CPUs), and
+    /// ucx_perftest's server and client to CPUs 0 and 1.
+    #[arg(long)]
+    pin: bool,
+    #[command(flatten)]
+    node: NodeArgs,
+    #[command(flatten)]
+    output: OutputArgs,
+}
+
+/// How long a started process may take to say it is ready.
+const START_LIMIT: Duration = Duration::from_secs(120);
+
+/// A process `bench` started, with its stdin and stdout lines.
+struct Proc {
+    _child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Proc {
+    fn start(
+        role: &str,
+        port: u16,
+        sizes: &str,
+        cpu: Option<usize>,
+        check: bool,
+        node: &NodeArgs,
+    ) -> Result<Proc, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+        let mut c = Command::new(exe);
+        c.arg(role).arg(format!("--port={port}")).arg(format!("--sizes={sizes}"));
+        if let Some(cpu) = cpu {
+            c.arg(format!("--cpu={cpu}"));
+        }
+        if check {
+            c.arg("--check");
+        }
+        c.args(node.to_args()).stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
+        let mut child = c.spawn().map_err(|e| format!("starting the {role}: {e}"))?;
+        let stdin = child.stdin.take().ok_or("no stdin")?;
+        let lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+        Ok(Proc { _child: child, stdin, lines })
+    }
+
+    async fn line(&mut self, limit: Duration) -> Result<String, String> {
+        match tokio::time::timeout(limit, self.lines.next_line()).await {
+            Ok(Ok(Some(l))) => Ok(l),
+            Ok(Ok(None)) => Err("a process ended early (see its message above)".into()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {limit:?}")),
+        }
+    }
+
+    async fn expect(&mut self, what: &str) -> Result<(), String> {
+        let l = self.line(START_LIMIT).await?;
+        if l != what {
+            return Err(format!("expected {what:?}, got {l:?}"));
+        }
+        Ok(())
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+}
+
+/// One result row.
+struct Row {
+    size: usize,
+    time_us: f64,
+    source: &'static str,
+}
+
+impl Row {
+    fn mibps(&self) -> f64 {
+        self.size as f64 / (self.time_us * 1e-6) / f64::from(1 << 20)
+    }
+}
+
+pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
+    let sizes = parse_sizes(&a.sizes)?;
+    if a.receivers == 0 || a.reps == 0 {
+        return Err("--receivers and --reps must be at least 1".into());
+    }
+    let list = sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let port = free_port()?;
+    let mut holder = Proc::start("holder", port, &list, a.pin.then_some(0), false, &a.node)?;
+    holder.expect("ready").await?;
+    let mut receivers = Vec::new();
+    for i in 0..a.receivers {
+        let mut r = Proc::start("receiver", port, &list, a.pin.then_some(i + 1), a.check, &a.node)?;
+        r.expect("connected").await?;
+        receivers.push(r);
+    }
+    let limit = a.node.deadline + Duration::from_secs(10);
+    let mut rows = Vec::new();
+    for &size in &sizes {
+        let mut times = Vec::new();
+        for _ in 0..a.reps {
+            for r in &mut receivers {
+                r.stdin.write_all(format!("pull {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+            }
+            let mut slowest = 0f64;
+            for r in &mut receivers {
+                let l = r.line(limit).await?;
+                slowest = slowest.max(l.parse::<f64>().map_err(|_| format!("a receiver said {l:?}"))?);
+            }
+            times.push(slowest);
+        }
+        times.sort_by(f64::total_cmp);
+        let row = Row { size, time_us: times[times.len() / 2], source: "ucxkit" };
+        print(&a, &row, None, rows.is_empty());
+        rows.push(row);
+        if a.compare {
+            let theirs = perftest_row(&a, size)?;
+            let ratio = rows.last().map_or(f64::NAN, |r: &Row| r.mibps() / theirs.mibps());
+            print(&a, &theirs, Some(ratio), false);
+        }
+    }
+    drop(receivers);
+    drop(holder);
+    Ok(())
+}
+
+/// `ucx_perftest -t tag_bw` at `size` on the bench's transports and progress mode.
+fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
+    let tls = a.node.transport.tls();
+    let setup = perftest::Setup {
+        tls: tls.as_deref(),
+        peer_mode: false,
+        sleep: a.node.progress == ucxkit_tools::cli::Progress::Event,
+        cpu: a.pin.then_some(1),
+        server_cpu: a.pin.then_some(0),
+        window: 32,
+    };
+    // About 4 GiB moved, at least 10 and at most 10,000 messages.
+    let iters = ((4u64 << 30) / size.max(1) as u64).clamp(10, 10_000);
+    let case = perftest::Case {
+        test: "tag_bw",
+        size,
+        iters,
+        warmup: (iters / 10).max(2),
+        latency: false,
+        one_sided: false,
+    };
+    let v = perftest::run(&case, &setup)?;
+    // Overall bandwidth (MB/s, 2^20 bytes) as time per message.
+    let time_us = size as f64 / (v[5] * f64::from(1 << 20)) * 1e6;
+    Ok(Row { size, time_us, source: "ucx_perftest" })
+}
+
+fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
+    let (op, receivers) = if r.source == "ucxkit" { ("pull", a.receivers) } else { ("tag_bw", 1) };
+    if a.output.json {
+        let mut v = json!({
+            "op": op, "bytes": r.size, "receivers": receivers, "time_us": (r.time_us * 10.0).round() / 10.0,
+            "mibps": r.mibps().round(), "chunk": a.node.chunk, "window": a.node.window,
+            "transport": a.node.transport.name(), "source": r.source,
+        });
+        if let Some(x) = ratio {
+            v["ratio"] = json!((x * 1000.0).round() / 1000.0);
+        }
+        println!("{v}");
+        return;
+    }
+    if a.output.csv {
+        if first {
+            println!("op,bytes,receivers,time_us,mibps,chunk,window,transport,source,ratio");
+        }
+        let ratio = ratio.map_or(String::new(), |x| format!("{x:.3}"));
+        println!(
+            "{op},{},{},{:.1},{:.0},{},{},{},{},{ratio}",
+            r.size,
+            receivers,
+            r.time_us,
+            r.mibps(),
+            a.node.chunk,
+            a.node.window,
+            a.node.transport.name(),
+            r.source
+        );
+        return;
+    }
+    if first {
+        println!(
+            "{:<7} {:>9} {:>9} {:>12} {:>10}  {:<12} {:>6}",
+            "op", "size", "receivers", "time_us", "MiB/s", "source", "ratio"
+        );
+    }
+    let ratio = ratio.map_or(String::new(), |x| format!("{x:.2}"));
+    println!(
+        "{op:<7} {:>9} {:>9} {:>12.1} {:>10.0}  {:<12} {ratio:>6}",
+        format_size(r.size),
+        receivers,
+        r.time_us,
+        r.mibps(),
+        r.source
+    );
+}

@@ -1,0 +1,84 @@
+//! `serve` and `get`: move files between two hosts by hand.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use ucxkit::object_push::{MemoryStore, ObjectId, ObjectNode};
+
+use crate::NodeArgs;
+
+/// `serve`'s arguments.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// The address to listen on.
+    #[arg(long, default_value = "0.0.0.0:13340")]
+    listen: SocketAddr,
+    /// The files to serve, each as the object named by its file name.
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    #[command(flatten)]
+    node: NodeArgs,
+}
+
+/// `get`'s arguments.
+#[derive(clap::Args, Debug)]
+pub(crate) struct GetArgs {
+    /// The serving node.
+    #[arg(long)]
+    from: SocketAddr,
+    /// The object's name.
+    name: String,
+    /// Where to write it (default: its name, in this directory).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(flatten)]
+    node: NodeArgs,
+}
+
+pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
+    let worker = a.node.worker()?;
+    let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
+        .map_err(|e| e.to_string())?;
+    for f in &a.files {
+        let name =
+            f.file_name().and_then(|n| n.to_str()).ok_or_else(|| format!("{}: no file name", f.display()))?;
+        let bytes = std::fs::read(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        let len = bytes.len();
+        node.put(ObjectId::try_from(name).map_err(|e| e.to_string())?, Bytes::from(bytes))
+            .map_err(|e| e.to_string())?;
+        eprintln!("serving {name} ({len} bytes)");
+    }
+    let listener = worker.listen(a.listen).map_err(|e| format!("listening on {}: {e}", a.listen))?;
+    eprintln!("listening on {}", listener.local_addr());
+    let mut eps = Vec::new();
+    loop {
+        match listener.accept().await {
+            Ok(ep) => eps.push(ep),
+            Err(e) => eprintln!("accept: {e}"),
+        }
+    }
+}
+
+pub(crate) async fn get(a: GetArgs) -> Result<(), String> {
+    let worker = a.node.worker()?;
+    let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
+        .map_err(|e| e.to_string())?;
+    let ep = worker.connect(a.from).await.map_err(|e| format!("connecting to {}: {e}", a.from))?;
+    let id = ObjectId::try_from(a.name.as_str()).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let o = node.pull(id, &ep).await.map_err(|e| e.to_string())?;
+    let secs = t.elapsed().as_secs_f64();
+    let out = a.out.unwrap_or_else(|| PathBuf::from(&a.name));
+    std::fs::write(&out, o.bytes()).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!(
+        "{} bytes in {:.3} s ({:.0} MiB/s), verified, written to {}",
+        o.len(),
+        secs,
+        o.len() as f64 / secs / f64::from(1 << 20),
+        out.display()
+    );
+    Ok(())
+}

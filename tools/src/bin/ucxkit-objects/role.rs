@@ -1,0 +1,108 @@
+//! The processes `bench` starts: the holder, which seals one object per size and serves
+//! them, and the receivers, which pull on command (`pull SIZE` on stdin) and print
+//! their time in microseconds.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use ucxkit::object_push::{MemoryStore, ObjectId, ObjectNode};
+
+use crate::NodeArgs;
+
+/// A role's arguments.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct RoleArgs {
+    /// The holder's port on 127.0.0.1.
+    #[arg(long)]
+    pub(crate) port: u16,
+    /// The object sizes, in bytes, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) sizes: Vec<usize>,
+    /// The CPU to run on.
+    #[arg(long)]
+    pub(crate) cpu: Option<usize>,
+    /// Check every pulled object's bytes (outside the time).
+    #[arg(long)]
+    pub(crate) check: bool,
+    #[command(flatten)]
+    pub(crate) node: NodeArgs,
+}
+
+/// The object of `size` bytes.
+pub(crate) fn object_id(size: usize) -> ObjectId {
+    ObjectId::new(format!("bench/{size}").as_bytes()).unwrap_or_else(|_| unreachable!("a short id"))
+}
+
+/// The bytes of the object of `size` bytes (written, so no page is the shared zero page).
+pub(crate) fn pattern(size: usize) -> Vec<u8> {
+    (0..size).map(|i| (i as u64).wrapping_mul(0x9e37_79b9).rotate_right(13) as u8).collect()
+}
+
+fn pin(cpu: Option<usize>) {
+    if let (Some(cpu), Some(ids)) = (cpu, core_affinity::get_core_ids().filter(|i| !i.is_empty())) {
+        core_affinity::set_for_current(ids[cpu % ids.len()]);
+    }
+}
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// Holds one object per size and serves them until stdin closes.
+pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
+    pin(a.cpu);
+    let worker = a.node.worker()?;
+    let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
+        .map_err(|e| e.to_string())?;
+    for &s in &a.sizes {
+        node.put(object_id(s), Bytes::from(pattern(s))).map_err(|e| e.to_string())?;
+    }
+    let listener = worker.listen(addr(a.port)).map_err(|e| format!("listening on {}: {e}", a.port))?;
+    println!("ready");
+    let accept = async {
+        let mut eps = Vec::new();
+        loop {
+            match listener.accept().await {
+                Ok(ep) => eps.push(ep),
+                Err(e) => eprintln!("ucxkit-objects holder: accept: {e}"),
+            }
+        }
+    };
+    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+    tokio::select! {
+        () = accept => {}
+        _ = async { while let Ok(Some(_)) = stdin.next_line().await {} } => {}
+    }
+    Ok(())
+}
+
+/// Connects to the holder, then pulls each object stdin names (`pull SIZE`), prints the
+/// microseconds it took and releases it.
+pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
+    pin(a.cpu);
+    let worker = a.node.worker()?;
+    let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
+        .map_err(|e| e.to_string())?;
+    let ep = worker.connect(addr(a.port)).await.map_err(|e| format!("connecting to the holder: {e}"))?;
+    println!("connected");
+    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+    while let Ok(Some(line)) = stdin.next_line().await {
+        let Some(size) = line.strip_prefix("pull ").and_then(|s| s.trim().parse::<usize>().ok()) else {
+            return Err(format!("unknown command {line:?}"));
+        };
+        let id = object_id(size);
+        let t = Instant::now();
+        let o = node.pull(id, &ep).await.map_err(|e| format!("pull of {size} B: {e}"))?;
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if a.check && o.bytes()[..] != pattern(size)[..] {
+            return Err(format!("the object of {size} B arrived different"));
+        }
+        drop(o);
+        node.release(&id);
+        println!("{us:.1}");
+    }
+    Ok(())
+}
