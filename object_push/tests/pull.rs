@@ -229,3 +229,81 @@ async fn a_pull_dropped_mid_transfer_leaves_nothing_behind() {
     let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
     assert!(got.bytes() == &bytes);
 }
+
+/// A store that forgets its objects after `reads` reads: its node then answers fetches
+/// with `Failed`, as a holder that lost the object mid-transfer.
+struct Forgetful {
+    inner: MemoryStore,
+    reads: AtomicU32,
+}
+
+impl ObjectStore for Forgetful {
+    fn get(&self, id: &ObjectId) -> Option<Object> {
+        self.reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).ok()?;
+        self.inner.get(id)
+    }
+    fn reserve(&self, id: &ObjectId, size: u64) -> ucxkit_object_push::Result<()> {
+        self.inner.reserve(id, size)
+    }
+    fn unreserve(&self, id: &ObjectId, size: u64) {
+        self.inner.unreserve(id, size)
+    }
+    fn seal(&self, id: ObjectId, object: Object) -> ucxkit_object_push::Result<()> {
+        self.inner.seal(id, object)
+    }
+    fn release(&self, id: &ObjectId) -> Option<Object> {
+        self.inner.release(id)
+    }
+}
+
+/// Several holders: the chunks are spread over those that have the object (one that
+/// does not is skipped); one that loses it mid-transfer leaves its chunks to the other;
+/// with every holder gone the pull fails with the last holder's reason.
+#[tokio::test]
+async fn chunks_spread_over_holders_and_move_on_when_one_fails() {
+    let mesh = mesh_with("posix,cma,tcp,self", 4, ProgressMode::Event).await;
+    let opts = NodeOptions { window: 2, ..small() };
+    let forgetful = Arc::new(Forgetful { inner: MemoryStore::new(), reads: AtomicU32::new(u32::MAX) });
+    let a = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
+    let b = ObjectNode::new(&mesh.workers[1], forgetful.clone(), opts.clone()).unwrap();
+    let _c = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
+    let puller = ObjectNode::new(&mesh.workers[3], Arc::new(MemoryStore::new()), opts).unwrap();
+    let holders: Vec<_> = (0..3).map(|h| mesh.ep(3, h).clone()).collect();
+    let bytes = Bytes::from(payload(6, 64 * 4096 + 5));
+    a.put(id("o"), bytes.clone()).unwrap();
+    b.put(id("o"), bytes.clone()).unwrap();
+    let got = tokio::time::timeout(T, puller.pull_from(id("o"), &holders)).await.unwrap().unwrap();
+    assert!(got.bytes() == &bytes);
+    let (sa, sb) = (a.stats().chunks_sent, b.stats().chunks_sent);
+    assert_eq!(sa + sb, 65, "each chunk sent once");
+    assert!(sa > 0 && sb > 0, "both holders served: {sa} + {sb}");
+    // B answers its lookup and a few fetches, then has lost the object.
+    b.put(id("p"), bytes.clone()).unwrap();
+    a.put(id("p"), bytes.clone()).unwrap();
+    forgetful.reads.store(4, Ordering::SeqCst);
+    let got = tokio::time::timeout(T, puller.pull_from(id("p"), &holders)).await.unwrap().unwrap();
+    assert!(got.bytes() == &bytes);
+    // Only B has it, and loses it: the pull fails with B's reason.
+    b.put(id("q"), bytes.clone()).unwrap();
+    forgetful.reads.store(3, Ordering::SeqCst);
+    let err = tokio::time::timeout(T, puller.pull_from(id("q"), &holders)).await.unwrap().unwrap_err();
+    assert!(matches!(&err, Error::Remote(r) if r.contains("no longer held")), "{err}");
+    assert!(puller.get(&id("q")).is_none());
+    let err = tokio::time::timeout(T, puller.pull_from(id("q"), &[])).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+/// Pulls of one object at once share one transfer: the holder sends each chunk once and
+/// every pull gets the object.
+#[tokio::test]
+async fn concurrent_pulls_of_one_object_share_one_transfer() {
+    let (mesh, n) = nodes("posix,cma,tcp,self", 2, small()).await;
+    let bytes = Bytes::from(payload(8, 40 * 4096));
+    n[0].put(id("o"), bytes.clone()).unwrap();
+    let pulls = (0..4).map(|_| n[1].pull(id("o"), mesh.ep(1, 0)));
+    let got = tokio::time::timeout(T, futures_util::future::join_all(pulls)).await.unwrap();
+    for g in got {
+        assert!(g.unwrap().bytes() == &bytes);
+    }
+    assert_eq!(n[0].stats().chunks_sent, 40);
+}

@@ -19,6 +19,7 @@ use crate::store::{Object, ObjectStore};
 use crate::sums::{chunk_for, Layout};
 use crate::wire::Msg;
 
+mod fetch;
 mod pull;
 mod recycle;
 mod serve;
@@ -73,6 +74,8 @@ pub struct NodeStats {
     pub stray: u64,
     /// Bytes of released objects' memory kept for the next pulls.
     pub kept: u64,
+    /// Chunks sent to pullers.
+    pub chunks_sent: u64,
 }
 
 /// One worker's objects: serves the objects of its [`ObjectStore`] to the peers that ask
@@ -90,11 +93,14 @@ struct Inner {
     opts: NodeOptions,
     recycler: recycle::Recycler,
     next_req: AtomicU32,
+    /// The objects a pull is moving now, each with the signal its waiting pulls watch.
+    pulling: Mutex<HashMap<ObjectId, tokio::sync::watch::Sender<()>>>,
     /// Requests waiting for their answer, by number.
     waiting: Mutex<HashMap<u32, oneshot::Sender<(Msg, AmMessage)>>>,
     malformed: AtomicU64,
     refetched: AtomicU64,
     stray: AtomicU64,
+    chunks_sent: AtomicU64,
 }
 
 impl ObjectNode {
@@ -117,10 +123,12 @@ impl ObjectNode {
             recycler: recycle::Recycler::new(opts.recycle),
             opts,
             next_req: AtomicU32::new(rand_start()),
+            pulling: Mutex::default(),
             waiting: Mutex::default(),
             malformed: AtomicU64::new(0),
             refetched: AtomicU64::new(0),
             stray: AtomicU64::new(0),
+            chunks_sent: AtomicU64::new(0),
         });
         let tasks = vec![
             tokio::spawn(serve::serve(Arc::downgrade(&inner), requests)),
@@ -171,6 +179,7 @@ impl ObjectNode {
             refetched: i.refetched.load(Ordering::Relaxed),
             stray: i.stray.load(Ordering::Relaxed),
             kept: i.recycler.held(),
+            chunks_sent: i.chunks_sent.load(Ordering::Relaxed),
         }
     }
 }

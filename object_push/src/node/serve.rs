@@ -81,9 +81,14 @@ async fn send_chunks(node: &Inner, ep: &Endpoint, req: u32, o: &Object, range: s
         node.ns.tag_send(ep, chunk_tag(req, k), part)
     });
     for (r, _) in futures_util::future::join_all(sends).await {
-        if let Err(e) = r {
-            tracing::debug!(req, %e, "a chunk send failed");
-            return;
+        match r {
+            Ok(()) => {
+                node.chunks_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::debug!(req, %e, "a chunk send failed");
+                return;
+            }
         }
     }
 }

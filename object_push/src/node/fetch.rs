@@ -1,0 +1,310 @@
+//! Fetching an object's chunks from one or several holders: a window of chunks in
+//! flight per holder, each received into its own piece of the object's buffer (split
+//! off in order, joined back without a copy) and checked on the blocking pool while the
+//! next arrive (the receiving thread does the copy itself on one host, so a check there
+//! would delay the transfer by its own time). A holder that fails leaves its chunks to
+//! the others; a corrupt chunk is fetched again, from another holder where there is one.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::watch;
+use ucxkit_transport::am::AmSendOptions;
+use ucxkit_transport::tag::EXACT;
+use ucxkit_transport::{AmMessage, Endpoint, ErrorKind, TagInfo};
+
+use super::pull::{Found, Registered};
+use super::{chunk_tag, Inner, REQUEST};
+use crate::error::{Error, Result};
+use crate::id::ObjectId;
+use crate::store::Object;
+use crate::sums::Layout;
+use crate::wire::Msg;
+
+/// A boxed future of the transfer's.
+pub(super) type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A chunk's receive ended: its source, its index, and the result with its piece, or
+/// `None` when it was abandoned because its source failed (the piece stays with the
+/// transport until UCX lets go of it).
+type Landed = (usize, u64, Option<(ucxkit_transport::Result<TagInfo>, BytesMut)>);
+
+/// A checked chunk: its source, its index, whether it is as sealed, and its piece.
+type Checked = (usize, u64, bool, BytesMut);
+
+/// One holder, as a source of chunks.
+struct Source<'a> {
+    ep: &'a Endpoint,
+    /// While it serves this transfer: its request (the chunks' tags carry it) and the
+    /// signal that abandons its receives when it fails.
+    live: Option<(Registered<'a>, watch::Sender<bool>)>,
+    inflight: u64,
+}
+
+/// One transfer's state.
+pub(super) struct Transfer<'a> {
+    node: &'a Inner,
+    id: ObjectId,
+    layout: Arc<Layout>,
+    sources: Vec<Source<'a>>,
+    /// The part of the buffer not yet split off for a chunk.
+    rest: BytesMut,
+    /// The first chunk never asked for.
+    next: u64,
+    /// Chunks to ask for again, with their piece and the source to avoid.
+    again: VecDeque<(u64, BytesMut, Option<usize>)>,
+    pieces: Vec<Option<BytesMut>>,
+    tries: HashMap<u64, u32>,
+    done: u64,
+    /// Whether a piece had to be replaced (its receive abandoned): joining then copies.
+    replaced: bool,
+    limit_ms: u32,
+    receiving: FuturesUnordered<Boxed<'a, Landed>>,
+    checking: FuturesUnordered<Boxed<'a, Result<Checked>>>,
+    answers: FuturesUnordered<Boxed<'a, (usize, Option<Msg>)>>,
+    /// The last reason a source failed.
+    last: Option<Error>,
+}
+
+impl<'a> Transfer<'a> {
+    /// A transfer of an object of `layout` (found at holder `first`) into `buf`.
+    pub(super) fn new(
+        node: &'a Inner,
+        id: ObjectId,
+        holders: &'a [Endpoint],
+        layout: Layout,
+        buf: Vec<u8>,
+    ) -> Transfer<'a> {
+        let count = layout.count();
+        let sources = holders.iter().map(|ep| Source { ep, live: None, inflight: 0 }).collect();
+        // A new Bytes has no other owner: it becomes mutable without a copy.
+        let rest = Bytes::from(buf).try_into_mut().unwrap_or_else(|b| BytesMut::from(&b[..]));
+        let limit_ms = u32::try_from(node.opts.deadline.as_millis()).unwrap_or(u32::MAX);
+        Transfer {
+            node,
+            id,
+            layout: Arc::new(layout),
+            sources,
+            rest,
+            next: 0,
+            again: VecDeque::new(),
+            pieces: (0..count).map(|_| None).collect(),
+            tries: HashMap::new(),
+            done: 0,
+            replaced: false,
+            limit_ms,
+            receiving: FuturesUnordered::new(),
+            checking: FuturesUnordered::new(),
+            answers: FuturesUnordered::new(),
+            last: None,
+        }
+    }
+
+    /// Whether `layout` (a holder's answer) is this transfer's.
+    pub(super) fn same(&self, layout: &Layout) -> bool {
+        *self.layout == *layout
+    }
+
+    /// Makes holder `s` a source of this transfer.
+    pub(super) fn join(&mut self, s: usize) {
+        if self.sources[s].live.is_some() {
+            return;
+        }
+        let (req, rx) = self.node.register();
+        let (dead, _) = watch::channel(false);
+        self.sources[s].live = Some((Registered { node: self.node, req }, dead));
+        self.answers.push(Box::pin(async move { (s, rx.await.ok().map(|(m, _): (Msg, AmMessage)| m)) }));
+    }
+
+    fn live(&self) -> usize {
+        self.sources.iter().filter(|s| s.live.is_some()).count()
+    }
+
+    /// Ends source `s`'s part: its receives are abandoned and its chunks go to others.
+    fn fail(&mut self, s: usize, why: Error) {
+        if let Some((_, dead)) = self.sources[s].live.take() {
+            tracing::debug!(id = %self.id, source = s, %why, "a holder failed; its chunks go to the others");
+            let _ = dead.send(true);
+        }
+        self.sources[s].inflight = 0;
+        self.last = Some(why);
+    }
+
+    /// Runs the transfer to its end, taking further holders' answers from `lookups` as
+    /// they come; the object, verified and sealed.
+    pub(super) async fn run(
+        mut self,
+        mut lookups: FuturesUnordered<Boxed<'a, (usize, Result<Found>)>>,
+    ) -> Result<Object> {
+        let count = self.layout.count();
+        while self.done < count {
+            self.assign().await?;
+            if self.live() == 0 && lookups.is_empty() && self.receiving.is_empty() && self.checking.is_empty()
+            {
+                return Err(self.last.take().unwrap_or_else(|| Error::Remote("every holder failed".into())));
+            }
+            tokio::select! {
+                Some((s, k, landed)) = self.receiving.next() => self.landed(s, k, landed)?,
+                Some(checked) = self.checking.next() => self.checked(checked?)?,
+                Some((s, answer)) = self.answers.next() => {
+                    if self.sources[s].live.is_some() {
+                        let why = match answer {
+                            Some(Msg::Failed { reason, .. }) => Error::Remote(reason),
+                            Some(other) => Error::Protocol(format!("{other:?} during a fetch")),
+                            None => Error::Remote("the node is closing".into()),
+                        };
+                        self.fail(s, why);
+                    }
+                }
+                Some((s, found)) = lookups.next() => match found {
+                    Ok(Found::Layout(l)) if self.same(&l) => self.join(s),
+                    Ok(_) => {}
+                    Err(e) => self.last = Some(e),
+                },
+            }
+        }
+        self.finish()
+    }
+
+    /// Gives each live source chunks up to its window: chunks to fetch again first
+    /// (one request each), then new ones (one request for a run).
+    async fn assign(&mut self) -> Result<()> {
+        let window = u64::from(self.node.opts.window);
+        for s in 0..self.sources.len() {
+            while self.sources[s].live.is_some() && self.sources[s].inflight < window {
+                let free = window - self.sources[s].inflight;
+                if let Some(i) =
+                    self.again.iter().position(|(_, _, avoid)| *avoid != Some(s) || self.live() == 1)
+                {
+                    let Some((k, piece, _)) = self.again.remove(i) else { break };
+                    self.post(s, k, piece);
+                    self.fetch(s, k, 1).await;
+                } else if self.next < self.layout.count()
+                    && (free * 2 >= window || self.layout.count() - self.next <= free)
+                {
+                    let (first, n) = (self.next, free.min(self.layout.count() - self.next));
+                    for k in first..first + n {
+                        let piece = self.rest.split_to(self.layout.range(k).len());
+                        self.post(s, k, piece);
+                    }
+                    self.next += n;
+                    self.fetch(s, first, n).await;
+                } else {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts the receive of chunk `k` from source `s` into `piece`.
+    fn post(&mut self, s: usize, k: u64, piece: BytesMut) {
+        let Some((reg, dead)) = &self.sources[s].live else { return };
+        let mut dead = dead.subscribe();
+        let recv = self.node.ns.tag_recv_from(self.sources[s].ep, chunk_tag(reg.req, k), EXACT, piece);
+        self.sources[s].inflight += 1;
+        self.receiving.push(Box::pin(async move {
+            tokio::select! {
+                landed = recv => (s, k, Some(landed)),
+                _ = dead.wait_for(|d| *d) => (s, k, None),
+            }
+        }));
+    }
+
+    /// Asks source `s` for chunks `first..first + n`; a source that cannot be asked fails.
+    async fn fetch(&mut self, s: usize, first: u64, n: u64) {
+        let Some((reg, _)) = &self.sources[s].live else { return };
+        // Both fit: indexes stay below MAX_CHUNKS.
+        let msg = Msg::Fetch {
+            req: reg.req,
+            id: self.id,
+            first: first as u32,
+            count: n as u32,
+            limit_ms: self.limit_ms,
+        };
+        let opts = AmSendOptions { reply: true, ..Default::default() };
+        let (r, _) =
+            self.node.ns.am_send_with(self.sources[s].ep, REQUEST, &msg.encode(), Bytes::new(), opts).await;
+        if let Err(e) = r {
+            self.fail(s, e.into());
+        }
+    }
+
+    /// A receive ended: checked on the blocking pool, or (failed, abandoned) given to
+    /// another source.
+    fn landed(
+        &mut self,
+        s: usize,
+        k: u64,
+        landed: Option<(ucxkit_transport::Result<TagInfo>, BytesMut)>,
+    ) -> Result<()> {
+        let want = self.layout.range(k).len();
+        let Some((r, piece)) = landed else {
+            // Abandoned: the transport keeps its piece until UCX lets go of it.
+            self.replaced = true;
+            self.again.push_back((k, BytesMut::zeroed(want), Some(s)));
+            return Ok(());
+        };
+        if self.sources[s].live.is_some() {
+            self.sources[s].inflight -= 1;
+        }
+        match r {
+            Ok(info) if info.len == want => {
+                let layout = self.layout.clone();
+                let check = tokio::task::spawn_blocking(move || (s, k, layout.verify(k, &piece), piece));
+                self.checking.push(Box::pin(async move {
+                    check.await.map_err(|e| Error::Store(format!("checking a chunk: {e}")))
+                }));
+            }
+            Ok(info) => {
+                let why = Error::Protocol(format!("chunk {k} of {} bytes, not {want}", info.len));
+                self.fail(s, why);
+                self.again.push_back((k, piece, Some(s)));
+            }
+            Err(e) => {
+                let why = match e.kind() {
+                    ErrorKind::Truncated => Error::Protocol(format!("chunk {k} longer than its layout")),
+                    _ => Error::Transport(e),
+                };
+                self.fail(s, why);
+                self.again.push_back((k, piece, Some(s)));
+            }
+        }
+        Ok(())
+    }
+
+    /// A chunk was checked: kept, or fetched again (from another source where there is
+    /// one) until the node's tries are spent.
+    fn checked(&mut self, (s, k, good, piece): Checked) -> Result<()> {
+        if good {
+            self.pieces[k as usize] = Some(piece);
+            self.done += 1;
+            return Ok(());
+        }
+        let t = self.tries.entry(k).or_insert(1);
+        if *t >= self.node.opts.tries {
+            return Err(Error::Corrupt { id: self.id, chunk: k, tries: *t });
+        }
+        *t += 1;
+        self.node.refetched.fetch_add(1, Ordering::Relaxed);
+        self.again.push_back((k, piece, Some(s)));
+        Ok(())
+    }
+
+    /// The pieces joined in order (adjacent parts of one buffer, so without a copy
+    /// unless a piece was replaced) as the object.
+    fn finish(self) -> Result<Object> {
+        drop(self.rest);
+        let mut whole = BytesMut::new();
+        for p in self.pieces.into_iter().flatten() {
+            whole.unsplit(p);
+        }
+        debug_assert!(!self.replaced || whole.len() as u64 == self.layout.size());
+        Object::new(whole.freeze(), Arc::unwrap_or_clone(self.layout))
+    }
+}
