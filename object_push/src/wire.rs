@@ -12,6 +12,11 @@
 //! | `Inline` | holder | request, checksum | the object |
 //! | `Layout` | holder | request, size, chunk size | one checksum per chunk (8 bytes) |
 //! | `Failed` | holder | request, reason (UTF-8, at most 256 bytes) | none |
+//! | `Offer` | pusher | request, id, size | none |
+//! | `Done` | receiver of an offer | request | none |
+//!
+//! A receiver of an `Offer` pulls the object from the pusher (its own `Lookup` and
+//! `Fetch`es) and answers `Done` once it holds it, or `Failed` (no room, say).
 
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
@@ -69,7 +74,21 @@ pub enum Msg {
         /// Its chunk size.
         chunk: u32,
     },
-    /// The holder could not serve the request.
+    /// Offers object `id` of `size` bytes: the receiver pulls it from the sender.
+    Offer {
+        /// The pusher's request number, echoed in the answer.
+        req: u32,
+        /// The object.
+        id: ObjectId,
+        /// Its size, for the receiver's admission.
+        size: u64,
+    },
+    /// The receiver of an offer holds the object now.
+    Done {
+        /// The offer answered.
+        req: u32,
+    },
+    /// The holder could not serve the request (or the receiver of an offer refused it).
     Failed {
         /// The request answered.
         req: u32,
@@ -84,6 +103,8 @@ const MISSING: u8 = 3;
 const INLINE: u8 = 4;
 const LAYOUT: u8 = 5;
 const FAILED: u8 = 6;
+const OFFER: u8 = 7;
+const DONE: u8 = 8;
 
 impl Msg {
     /// The request a message belongs to.
@@ -94,6 +115,8 @@ impl Msg {
             | Msg::Missing { req }
             | Msg::Inline { req, .. }
             | Msg::Layout { req, .. }
+            | Msg::Offer { req, .. }
+            | Msg::Done { req }
             | Msg::Failed { req, .. } => *req,
         }
     }
@@ -135,6 +158,16 @@ impl Msg {
                 b.extend(size.to_le_bytes());
                 b.extend(chunk.to_le_bytes());
             }
+            Msg::Offer { req, id: o, size } => {
+                b.extend([VERSION, OFFER]);
+                b.extend(req.to_le_bytes());
+                id(&mut b, o);
+                b.extend(size.to_le_bytes());
+            }
+            Msg::Done { req } => {
+                b.extend([VERSION, DONE]);
+                b.extend(req.to_le_bytes());
+            }
             Msg::Failed { req, reason } => {
                 b.extend([VERSION, FAILED]);
                 b.extend(req.to_le_bytes());
@@ -170,6 +203,8 @@ impl Msg {
             MISSING => Msg::Missing { req },
             INLINE => Msg::Inline { req, sum: r.u64()? },
             LAYOUT => Msg::Layout { req, size: r.u64()?, chunk: r.u32()? },
+            OFFER => Msg::Offer { req, id: r.id()?, size: r.u64()? },
+            DONE => Msg::Done { req },
             FAILED => {
                 let len = usize::from(r.u8()?) | usize::from(r.u8()?) << 8;
                 if len > MAX_REASON {
@@ -260,6 +295,8 @@ mod tests {
             Msg::Layout { req: 2, size: u64::MAX, chunk: 1 << 20 },
             Msg::Failed { req: 3, reason: "no room".into() },
             Msg::Failed { req: 3, reason: String::new() },
+            Msg::Offer { req: 4, id, size: 1 << 40 },
+            Msg::Done { req: 5 },
         ]
     }
 

@@ -307,3 +307,29 @@ async fn concurrent_pulls_of_one_object_share_one_transfer() {
     }
     assert_eq!(n[0].stats().chunks_sent, 40);
 }
+
+/// Pushes: the receiver pulls the offered object and holds it when the push returns; a
+/// receiver without room refuses (and keeps nothing); an object the pusher does not hold
+/// cannot be pushed.
+#[tokio::test]
+async fn pushed_objects_arrive_within_the_receivers_room() {
+    let mesh = mesh_with("posix,cma,tcp,self", 3, ProgressMode::Event).await;
+    let owner = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), small()).unwrap();
+    let roomy = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), small()).unwrap();
+    let tight_store = Arc::new(MemoryStore::with_capacity(50_000));
+    let tight = ObjectNode::new(&mesh.workers[2], tight_store.clone(), small()).unwrap();
+    for (name, len) in [("small", 100), ("big", 100_000)] {
+        let bytes = Bytes::from(payload(len as u64, len));
+        owner.put(id(name), bytes.clone()).unwrap();
+        tokio::time::timeout(T, owner.push(id(name), mesh.ep(0, 1))).await.unwrap().unwrap();
+        assert!(roomy.get(&id(name)).unwrap().bytes() == &bytes, "{name}");
+    }
+    // Pushed again: already held, done at once.
+    tokio::time::timeout(T, owner.push(id("big"), mesh.ep(0, 1))).await.unwrap().unwrap();
+    let err = tokio::time::timeout(T, owner.push(id("big"), mesh.ep(0, 2))).await.unwrap().unwrap_err();
+    assert!(matches!(&err, Error::Remote(r) if r.contains("no room")), "{err}");
+    assert_eq!((tight_store.used(), tight.get(&id("big")).is_none()), (0, true));
+    tokio::time::timeout(T, owner.push(id("small"), mesh.ep(0, 2))).await.unwrap().unwrap();
+    let err = tokio::time::timeout(T, owner.push(id("none"), mesh.ep(0, 1))).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::NotFound(_)), "{err}");
+}

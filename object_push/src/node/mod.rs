@@ -21,6 +21,7 @@ use crate::wire::Msg;
 
 mod fetch;
 mod pull;
+mod push;
 mod recycle;
 mod serve;
 
@@ -226,7 +227,11 @@ async fn route(inner: std::sync::Weak<Inner>, mut answers: ucxkit_transport::AmR
         let Some(inner) = inner.upgrade() else { return };
         let msg = match Msg::decode(m.header()) {
             Ok(
-                msg @ (Msg::Missing { .. } | Msg::Inline { .. } | Msg::Layout { .. } | Msg::Failed { .. }),
+                msg @ (Msg::Missing { .. }
+                | Msg::Inline { .. }
+                | Msg::Layout { .. }
+                | Msg::Done { .. }
+                | Msg::Failed { .. }),
             ) => msg,
             Ok(other) => {
                 tracing::debug!(?other, "a request where an answer belongs; dropped");

@@ -45,7 +45,14 @@ impl ObjectNode {
     /// [`Error::Protocol`] for a malformed answer; the store's refusal (no room); the
     /// last holder's failure when every holder failed.
     pub async fn pull_from(&self, id: ObjectId, holders: &[Endpoint]) -> Result<Object> {
-        let node = &*self.inner;
+        self.inner.pull_from(id, holders).await
+    }
+}
+
+impl Inner {
+    /// [`ObjectNode::pull_from`].
+    pub(super) async fn pull_from(&self, id: ObjectId, holders: &[Endpoint]) -> Result<Object> {
+        let node = self;
         let limit = node.opts.deadline;
         let end = Instant::now() + limit;
         let late = || Error::DeadlineExceeded { what: format!("pull of object {id}"), limit };

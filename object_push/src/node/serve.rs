@@ -1,4 +1,5 @@
-//! The holder's side: answers lookups and sends the chunks pullers fetch.
+//! The serving side: answers lookups, sends the chunks pullers fetch, and takes the
+//! objects peers offer (by pulling them).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -17,7 +18,7 @@ pub(super) async fn serve(inner: Weak<Inner>, mut requests: AmReceiver) {
         let m = requests.recv().await;
         let Some(node) = inner.upgrade() else { return };
         let msg = match Msg::decode(m.header()) {
-            Ok(msg @ (Msg::Lookup { .. } | Msg::Fetch { .. })) => msg,
+            Ok(msg @ (Msg::Lookup { .. } | Msg::Fetch { .. } | Msg::Offer { .. })) => msg,
             other => {
                 tracing::debug!(?other, "malformed request dropped");
                 node.malformed.fetch_add(1, Ordering::Relaxed);
@@ -68,6 +69,15 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
                 // The puller gave up or is stalled: the sends still pending are cancelled.
                 tracing::debug!(req, %id, "chunks not taken within {limit:?}");
             }
+        }
+        Msg::Offer { req, id, size } => {
+            // Pulled from the pusher, within this node's room (the pull reserves it).
+            let reply = match node.pull_from(id, std::slice::from_ref(&ep)).await {
+                Ok(o) if o.len() as u64 == size => Msg::Done { req },
+                Ok(o) => Msg::Failed { req, reason: format!("offered {size} bytes, pulled {}", o.len()) },
+                Err(e) => Msg::Failed { req, reason: e.to_string() },
+            };
+            send_answer(&node, &ep, &reply, bytes::Bytes::new()).await;
         }
         _ => {}
     }
