@@ -20,7 +20,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The protocol (messages, fields, checks) is described in [`wire`].
+//! The protocol (messages, fields, checks) is described in [`wire`]; the design, its
+//! failure handling and measured figures in the repository's `docs/objects.md`.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
