@@ -283,6 +283,7 @@ async fn chunks_spread_over_holders_and_move_on_when_one_fails() {
     forgetful.reads.store(4, Ordering::SeqCst);
     let got = tokio::time::timeout(T, puller.pull_from(id("p"), &holders)).await.unwrap().unwrap();
     assert!(got.bytes() == &bytes);
+    assert_eq!(puller.stats().holders_failed, 1);
     // Only B has it, and loses it: the pull fails with B's reason.
     b.put(id("q"), bytes.clone()).unwrap();
     forgetful.reads.store(3, Ordering::SeqCst);

@@ -128,6 +128,7 @@ impl<'a> Transfer<'a> {
     /// Ends source `s`'s part: its receives are abandoned and its chunks go to others.
     fn fail(&mut self, s: usize, why: Error) {
         if let Some((_, dead)) = self.sources[s].live.take() {
+            self.node.holders_failed.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(id = %self.id, source = s, %why, "a holder failed; its chunks go to the others");
             let _ = dead.send(true);
         }

@@ -77,6 +77,8 @@ pub struct NodeStats {
     pub kept: u64,
     /// Chunks sent to pullers.
     pub chunks_sent: u64,
+    /// Holders that failed in the middle of a pull (their chunks went to others).
+    pub holders_failed: u64,
 }
 
 /// One worker's objects: serves the objects of its [`ObjectStore`] to the peers that ask
@@ -102,6 +104,7 @@ struct Inner {
     refetched: AtomicU64,
     stray: AtomicU64,
     chunks_sent: AtomicU64,
+    holders_failed: AtomicU64,
 }
 
 impl ObjectNode {
@@ -130,6 +133,7 @@ impl ObjectNode {
             refetched: AtomicU64::new(0),
             stray: AtomicU64::new(0),
             chunks_sent: AtomicU64::new(0),
+            holders_failed: AtomicU64::new(0),
         });
         let tasks = vec![
             tokio::spawn(serve::serve(Arc::downgrade(&inner), requests)),
@@ -181,6 +185,7 @@ impl ObjectNode {
             stray: i.stray.load(Ordering::Relaxed),
             kept: i.recycler.held(),
             chunks_sent: i.chunks_sent.load(Ordering::Relaxed),
+            holders_failed: i.holders_failed.load(Ordering::Relaxed),
         }
     }
 }
