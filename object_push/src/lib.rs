@@ -35,6 +35,6 @@ pub mod wire;
 
 pub use error::{Error, Result};
 pub use id::ObjectId;
-pub use node::{NodeOptions, NodeStats, ObjectNode};
+pub use node::{NodeOptions, NodeStats, ObjectNode, Priority};
 pub use store::{MemoryStore, Object, ObjectStore};
 pub use sums::Layout;

@@ -334,3 +334,46 @@ async fn pushed_objects_arrive_within_the_receivers_room() {
     let err = tokio::time::timeout(T, owner.push(id("none"), mesh.ep(0, 1))).await.unwrap().unwrap_err();
     assert!(matches!(err, Error::NotFound(_)), "{err}");
 }
+
+/// The node's room for chunks in flight bounds all its pulls together, and a prefetch
+/// uses at most half of it (sampled while the transfers run).
+#[tokio::test]
+async fn chunks_in_flight_stay_within_the_nodes_room() {
+    let mesh = mesh_with("posix,cma,tcp,self", 2, ProgressMode::Event).await;
+    let holder = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), small()).unwrap();
+    let room = 5 * 4096;
+    let opts = NodeOptions { window: 4, in_flight: room, ..small() };
+    let puller = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), opts).unwrap();
+    let objects: Vec<_> =
+        (0..3).map(|i| (id(&format!("o{i}")), Bytes::from(payload(20 + i, 300 * 4096)))).collect();
+    for (o, b) in &objects {
+        holder.put(*o, b.clone()).unwrap();
+    }
+    let most = std::sync::atomic::AtomicU64::new(0);
+    let watch = || async {
+        loop {
+            most.fetch_max(puller.stats().in_flight, Ordering::Relaxed);
+            tokio::task::yield_now().await;
+        }
+    };
+    let ep = mesh.ep(1, 0);
+    let pulls = async {
+        let (a, b) = tokio::join!(puller.pull(objects[0].0, ep), puller.pull(objects[1].0, ep));
+        (a.unwrap(), b.unwrap())
+    };
+    let (a, b) = tokio::select! {
+        r = tokio::time::timeout(T, pulls) => r.unwrap(),
+        () = watch() => unreachable!(),
+    };
+    assert!(a.bytes() == &objects[0].1 && b.bytes() == &objects[1].1);
+    let seen = most.swap(0, Ordering::Relaxed);
+    assert!(seen > 0 && seen <= room, "{seen} bytes in flight, room {room}");
+    let p = tokio::select! {
+        r = tokio::time::timeout(T, puller.prefetch_from(objects[2].0, std::slice::from_ref(ep))) => r.unwrap().unwrap(),
+        () = watch() => unreachable!(),
+    };
+    assert!(p.bytes() == &objects[2].1);
+    let seen = most.load(Ordering::Relaxed);
+    assert!(seen > 0 && seen <= room / 2, "a prefetch had {seen} bytes in flight, room {room}");
+    assert_eq!(puller.stats().in_flight, 0);
+}

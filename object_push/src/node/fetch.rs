@@ -18,6 +18,7 @@ use ucxkit_transport::am::AmSendOptions;
 use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{AmMessage, Endpoint, ErrorKind, TagInfo};
 
+use super::budget::{Held, Priority};
 use super::pull::{Found, Registered};
 use super::{chunk_tag, Inner, REQUEST};
 use crate::error::{Error, Result};
@@ -69,6 +70,9 @@ pub(super) struct Transfer<'a> {
     answers: FuturesUnordered<Boxed<'a, (usize, Option<Msg>)>>,
     /// The last reason a source failed.
     last: Option<Error>,
+    priority: Priority,
+    /// Whether the node's room for chunks in flight ran out at the last assignment.
+    starved: bool,
 }
 
 impl<'a> Transfer<'a> {
@@ -79,6 +83,7 @@ impl<'a> Transfer<'a> {
         holders: &'a [Endpoint],
         layout: Layout,
         buf: Vec<u8>,
+        priority: Priority,
     ) -> Transfer<'a> {
         let count = layout.count();
         let sources = holders.iter().map(|ep| Source { ep, live: None, inflight: 0 }).collect();
@@ -102,6 +107,8 @@ impl<'a> Transfer<'a> {
             checking: FuturesUnordered::new(),
             answers: FuturesUnordered::new(),
             last: None,
+            priority,
+            starved: false,
         }
     }
 
@@ -144,6 +151,9 @@ impl<'a> Transfer<'a> {
     ) -> Result<Object> {
         let count = self.layout.count();
         while self.done < count {
+            let node = self.node;
+            // Made before the assignment looks for room, so that no release is missed.
+            let freed = node.budget.freed();
             self.assign().await?;
             if self.live() == 0 && lookups.is_empty() && self.receiving.is_empty() && self.checking.is_empty()
             {
@@ -167,6 +177,7 @@ impl<'a> Transfer<'a> {
                     Ok(_) => {}
                     Err(e) => self.last = Some(e),
                 },
+                () = freed, if self.starved => {}
             }
         }
         self.finish()
@@ -176,22 +187,31 @@ impl<'a> Transfer<'a> {
     /// (one request each), then new ones (one request for a run).
     async fn assign(&mut self) -> Result<()> {
         let window = u64::from(self.node.opts.window);
+        self.starved = false;
         for s in 0..self.sources.len() {
             while self.sources[s].live.is_some() && self.sources[s].inflight < window {
                 let free = window - self.sources[s].inflight;
                 if let Some(i) =
                     self.again.iter().position(|(_, _, avoid)| *avoid != Some(s) || self.live() == 1)
                 {
+                    let Some(held) = self.room(self.again[i].0) else { break };
                     let Some((k, piece, _)) = self.again.remove(i) else { break };
-                    self.post(s, k, piece);
+                    self.post(s, k, piece, held);
                     self.fetch(s, k, 1).await;
                 } else if self.next < self.layout.count()
                     && (free * 2 >= window || self.layout.count() - self.next <= free)
                 {
-                    let (first, n) = (self.next, free.min(self.layout.count() - self.next));
-                    for k in first..first + n {
+                    let first = self.next;
+                    let mut n = 0;
+                    while n < free.min(self.layout.count() - first) {
+                        let k = first + n;
+                        let Some(held) = self.room(k) else { break };
                         let piece = self.rest.split_to(self.layout.range(k).len());
-                        self.post(s, k, piece);
+                        self.post(s, k, piece, held);
+                        n += 1;
+                    }
+                    if n == 0 {
+                        break;
                     }
                     self.next += n;
                     self.fetch(s, first, n).await;
@@ -203,17 +223,28 @@ impl<'a> Transfer<'a> {
         Ok(())
     }
 
-    /// Posts the receive of chunk `k` from source `s` into `piece`.
-    fn post(&mut self, s: usize, k: u64, piece: BytesMut) {
+    /// Room in the node's budget for chunk `k`, or `None` (the transfer then waits for
+    /// room given back).
+    fn room(&mut self, k: u64) -> Option<Held<'a>> {
+        let held = self.node.budget.try_take(self.layout.range(k).len() as u64, self.priority);
+        self.starved |= held.is_none();
+        held
+    }
+
+    /// Posts the receive of chunk `k` from source `s` into `piece`, holding `held` of the
+    /// node's room until it ends.
+    fn post(&mut self, s: usize, k: u64, piece: BytesMut, held: Held<'a>) {
         let Some((reg, dead)) = &self.sources[s].live else { return };
         let mut dead = dead.subscribe();
         let recv = self.node.ns.tag_recv_from(self.sources[s].ep, chunk_tag(reg.req, k), EXACT, piece);
         self.sources[s].inflight += 1;
         self.receiving.push(Box::pin(async move {
-            tokio::select! {
+            let landed = tokio::select! {
                 landed = recv => (s, k, Some(landed)),
                 _ = dead.wait_for(|d| *d) => (s, k, None),
-            }
+            };
+            drop(held);
+            landed
         }));
     }
 

@@ -19,6 +19,9 @@ use crate::store::{Object, ObjectStore};
 use crate::sums::{chunk_for, Layout};
 use crate::wire::Msg;
 
+pub use budget::Priority;
+
+mod budget;
 mod fetch;
 mod pull;
 mod push;
@@ -37,8 +40,11 @@ pub struct NodeOptions {
     /// would have over [`crate::sums::MAX_CHUNKS`] chunks); a pulled object keeps its
     /// holder's. Default 1 MiB.
     pub chunk: u32,
-    /// Chunks in flight per pull. Default 8.
+    /// Chunks in flight per holder of a pull. Default 8.
     pub window: u32,
+    /// Bytes of chunks in flight for all of the node's pulls together (a prefetch uses
+    /// at most half). Default 256 MiB.
+    pub in_flight: u64,
     /// Objects up to this size come inline in the answer to a lookup. Default 64 KiB.
     pub inline_max: u32,
     /// The deadline of each operation. Default 60 s.
@@ -56,6 +62,7 @@ impl Default for NodeOptions {
         NodeOptions {
             chunk: 1 << 20,
             window: 8,
+            in_flight: 256 << 20,
             inline_max: 64 << 10,
             deadline: Duration::from_secs(60),
             tries: 3,
@@ -79,6 +86,8 @@ pub struct NodeStats {
     pub chunks_sent: u64,
     /// Holders that failed in the middle of a pull (their chunks went to others).
     pub holders_failed: u64,
+    /// Bytes of chunks on the way to this node now.
+    pub in_flight: u64,
 }
 
 /// One worker's objects: serves the objects of its [`ObjectStore`] to the peers that ask
@@ -95,6 +104,7 @@ struct Inner {
     store: Arc<dyn ObjectStore>,
     opts: NodeOptions,
     recycler: recycle::Recycler,
+    budget: budget::Budget,
     next_req: AtomicU32,
     /// The objects a pull is moving now, each with the signal its waiting pulls watch.
     pulling: Mutex<HashMap<ObjectId, tokio::sync::watch::Sender<()>>>,
@@ -125,6 +135,7 @@ impl ObjectNode {
             ns,
             store,
             recycler: recycle::Recycler::new(opts.recycle),
+            budget: budget::Budget::new(opts.in_flight),
             opts,
             next_req: AtomicU32::new(rand_start()),
             pulling: Mutex::default(),
@@ -186,6 +197,7 @@ impl ObjectNode {
             kept: i.recycler.held(),
             chunks_sent: i.chunks_sent.load(Ordering::Relaxed),
             holders_failed: i.holders_failed.load(Ordering::Relaxed),
+            in_flight: i.budget.used(),
         }
     }
 }

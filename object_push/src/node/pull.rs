@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use ucxkit_transport::am::AmSendOptions;
 use ucxkit_transport::{AmMessage, Endpoint};
 
+use super::budget::Priority;
 use super::fetch::Transfer;
 use super::{Inner, ObjectNode, REQUEST};
 use crate::error::{Error, Result};
@@ -45,13 +46,28 @@ impl ObjectNode {
     /// [`Error::Protocol`] for a malformed answer; the store's refusal (no room); the
     /// last holder's failure when every holder failed.
     pub async fn pull_from(&self, id: ObjectId, holders: &[Endpoint]) -> Result<Object> {
-        self.inner.pull_from(id, holders).await
+        self.inner.pull_from(id, holders, Priority::Get).await
+    }
+
+    /// [`ObjectNode::pull_from`] ahead of need: its chunks use at most half of the
+    /// node's room for bytes in flight ([`super::NodeOptions::in_flight`]), so blocking
+    /// pulls always find room.
+    ///
+    /// # Errors
+    /// As for [`ObjectNode::pull_from`].
+    pub async fn prefetch_from(&self, id: ObjectId, holders: &[Endpoint]) -> Result<Object> {
+        self.inner.pull_from(id, holders, Priority::Prefetch).await
     }
 }
 
 impl Inner {
     /// [`ObjectNode::pull_from`].
-    pub(super) async fn pull_from(&self, id: ObjectId, holders: &[Endpoint]) -> Result<Object> {
+    pub(super) async fn pull_from(
+        &self,
+        id: ObjectId,
+        holders: &[Endpoint],
+        priority: Priority,
+    ) -> Result<Object> {
         let node = self;
         let limit = node.opts.deadline;
         let end = Instant::now() + limit;
@@ -80,7 +96,9 @@ impl Inner {
         if holders.is_empty() {
             return Err(Error::InvalidArgument("a pull needs at least one holder".into()));
         }
-        tokio::time::timeout_at(end, transfer(node, id, holders)).await.unwrap_or_else(|_| Err(late()))
+        tokio::time::timeout_at(end, transfer(node, id, holders, priority))
+            .await
+            .unwrap_or_else(|_| Err(late()))
     }
 }
 
@@ -136,7 +154,7 @@ pub(super) enum Found {
 
 /// Looks `id` up at every holder; takes the first inline answer or the first layout and
 /// fetches the chunks, with the holders that answer the same layout joining in.
-async fn transfer(node: &Inner, id: ObjectId, holders: &[Endpoint]) -> Result<Object> {
+async fn transfer(node: &Inner, id: ObjectId, holders: &[Endpoint], priority: Priority) -> Result<Object> {
     let lookups: FuturesUnordered<_> = holders
         .iter()
         .enumerate()
@@ -162,7 +180,7 @@ async fn transfer(node: &Inner, id: ObjectId, holders: &[Endpoint]) -> Result<Ob
         .map_err(|_| Error::Store(format!("an object of {} bytes does not fit in memory", layout.size())))?;
     node.store.reserve(&id, layout.size())?;
     let mut room = Room { node, id, size: layout.size(), armed: true };
-    let mut t = Transfer::new(node, id, holders, layout, node.recycler.take(size));
+    let mut t = Transfer::new(node, id, holders, layout, node.recycler.take(size), priority);
     t.join(first);
     let object = t.run(lookups).await?;
     room.armed = false;

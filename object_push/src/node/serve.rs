@@ -72,7 +72,7 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
         }
         Msg::Offer { req, id, size } => {
             // Pulled from the pusher, within this node's room (the pull reserves it).
-            let reply = match node.pull_from(id, std::slice::from_ref(&ep)).await {
+            let reply = match node.pull_from(id, std::slice::from_ref(&ep), crate::Priority::Get).await {
                 Ok(o) if o.len() as u64 == size => Msg::Done { req },
                 Ok(o) => Msg::Failed { req, reason: format!("offered {size} bytes, pulled {}", o.len()) },
                 Err(e) => Msg::Failed { req, reason: e.to_string() },
