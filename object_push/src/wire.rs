@@ -14,9 +14,12 @@
 //! | `Failed` | holder | request, reason (UTF-8, at most 256 bytes) | none |
 //! | `Offer` | pusher | request, id, size | none |
 //! | `Done` | receiver of an offer | request | none |
+//! | `Cancel` | puller | request | none |
 //!
 //! A receiver of an `Offer` pulls the object from the pusher (its own `Lookup` and
-//! `Fetch`es) and answers `Done` once it holds it, or `Failed` (no room, say).
+//! `Fetch`es) and answers `Done` once it holds it, or `Failed` (no room, say). A puller
+//! sends `Cancel` to every holder of a transfer when the transfer ends, either way: the
+//! holder stops sending that request's chunks.
 
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
@@ -88,6 +91,12 @@ pub enum Msg {
         /// The offer answered.
         req: u32,
     },
+    /// The puller is done with request `req` (its transfer ended, either way): the
+    /// holder stops sending its chunks.
+    Cancel {
+        /// The request ended.
+        req: u32,
+    },
     /// The holder could not serve the request (or the receiver of an offer refused it).
     Failed {
         /// The request answered.
@@ -105,6 +114,7 @@ const LAYOUT: u8 = 5;
 const FAILED: u8 = 6;
 const OFFER: u8 = 7;
 const DONE: u8 = 8;
+const CANCEL: u8 = 9;
 
 impl Msg {
     /// The request a message belongs to.
@@ -117,6 +127,7 @@ impl Msg {
             | Msg::Layout { req, .. }
             | Msg::Offer { req, .. }
             | Msg::Done { req }
+            | Msg::Cancel { req }
             | Msg::Failed { req, .. } => *req,
         }
     }
@@ -168,6 +179,10 @@ impl Msg {
                 b.extend([VERSION, DONE]);
                 b.extend(req.to_le_bytes());
             }
+            Msg::Cancel { req } => {
+                b.extend([VERSION, CANCEL]);
+                b.extend(req.to_le_bytes());
+            }
             Msg::Failed { req, reason } => {
                 b.extend([VERSION, FAILED]);
                 b.extend(req.to_le_bytes());
@@ -205,6 +220,7 @@ impl Msg {
             LAYOUT => Msg::Layout { req, size: r.u64()?, chunk: r.u32()? },
             OFFER => Msg::Offer { req, id: r.id()?, size: r.u64()? },
             DONE => Msg::Done { req },
+            CANCEL => Msg::Cancel { req },
             FAILED => {
                 let len = usize::from(r.u8()?) | usize::from(r.u8()?) << 8;
                 if len > MAX_REASON {
@@ -297,6 +313,7 @@ mod tests {
             Msg::Failed { req: 3, reason: String::new() },
             Msg::Offer { req: 4, id, size: 1 << 40 },
             Msg::Done { req: 5 },
+            Msg::Cancel { req: 6 },
         ]
     }
 

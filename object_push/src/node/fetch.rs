@@ -41,10 +41,32 @@ type Checked = (usize, u64, bool, BytesMut);
 /// One holder, as a source of chunks.
 struct Source<'a> {
     ep: &'a Endpoint,
-    /// While it serves this transfer: its request (the chunks' tags carry it) and the
-    /// signal that abandons its receives when it fails.
-    live: Option<(Registered<'a>, watch::Sender<bool>)>,
+    /// While it serves this transfer.
+    live: Option<Live<'a>>,
     inflight: u64,
+}
+
+/// A holder's part in a transfer: its request (the chunks' tags carry it) and the signal
+/// that abandons its receives when it fails. Dropped (the holder failed, or the transfer
+/// ended either way), it tells the holder to stop sending the request's chunks.
+struct Live<'a> {
+    reg: Registered<'a>,
+    dead: watch::Sender<bool>,
+    ep: &'a Endpoint,
+}
+
+impl Drop for Live<'_> {
+    fn drop(&mut self) {
+        // Sent by a task (with the reply flag, which names this endpoint to the holder),
+        // where a runtime runs one.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let cancel = Msg::Cancel { req: self.reg.req }.encode();
+        let (ns, ep) = (self.reg.node.ns.clone(), self.ep.clone());
+        rt.spawn(async move {
+            let opts = AmSendOptions { reply: true, ..Default::default() };
+            let _ = ns.am_send_with(&ep, REQUEST, &cancel, Bytes::new(), opts).await;
+        });
+    }
 }
 
 /// One transfer's state.
@@ -124,7 +146,8 @@ impl<'a> Transfer<'a> {
         }
         let (req, rx) = self.node.register();
         let (dead, _) = watch::channel(false);
-        self.sources[s].live = Some((Registered { node: self.node, req }, dead));
+        let ep = self.sources[s].ep;
+        self.sources[s].live = Some(Live { reg: Registered { node: self.node, req }, dead, ep });
         self.answers.push(Box::pin(async move { (s, rx.await.ok().map(|(m, _): (Msg, AmMessage)| m)) }));
     }
 
@@ -134,10 +157,11 @@ impl<'a> Transfer<'a> {
 
     /// Ends source `s`'s part: its receives are abandoned and its chunks go to others.
     fn fail(&mut self, s: usize, why: Error) {
-        if let Some((_, dead)) = self.sources[s].live.take() {
+        if let Some(live) = self.sources[s].live.take() {
+            let dead = &live.dead;
             self.node.holders_failed.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(id = %self.id, source = s, %why, "a holder failed; its chunks go to the others");
-            let _ = dead.send(true);
+            dead.send_replace(true);
         }
         self.sources[s].inflight = 0;
         self.last = Some(why);
@@ -234,9 +258,9 @@ impl<'a> Transfer<'a> {
     /// Posts the receive of chunk `k` from source `s` into `piece`, holding `held` of the
     /// node's room until it ends.
     fn post(&mut self, s: usize, k: u64, piece: BytesMut, held: Held<'a>) {
-        let Some((reg, dead)) = &self.sources[s].live else { return };
-        let mut dead = dead.subscribe();
-        let recv = self.node.ns.tag_recv_from(self.sources[s].ep, chunk_tag(reg.req, k), EXACT, piece);
+        let Some(live) = &self.sources[s].live else { return };
+        let mut dead = live.dead.subscribe();
+        let recv = self.node.ns.tag_recv_from(self.sources[s].ep, chunk_tag(live.reg.req, k), EXACT, piece);
         self.sources[s].inflight += 1;
         self.receiving.push(Box::pin(async move {
             let landed = tokio::select! {
@@ -250,10 +274,10 @@ impl<'a> Transfer<'a> {
 
     /// Asks source `s` for chunks `first..first + n`; a source that cannot be asked fails.
     async fn fetch(&mut self, s: usize, first: u64, n: u64) {
-        let Some((reg, _)) = &self.sources[s].live else { return };
+        let Some(live) = &self.sources[s].live else { return };
         // Both fit: indexes stay below MAX_CHUNKS.
         let msg = Msg::Fetch {
-            req: reg.req,
+            req: live.reg.req,
             id: self.id,
             first: first as u32,
             count: n as u32,

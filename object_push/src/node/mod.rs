@@ -88,6 +88,8 @@ pub struct NodeStats {
     pub holders_failed: u64,
     /// Bytes of chunks on the way to this node now.
     pub in_flight: u64,
+    /// Requests whose chunks this node is sending now.
+    pub serving: u64,
 }
 
 /// One worker's objects: serves the objects of its [`ObjectStore`] to the peers that ask
@@ -97,6 +99,9 @@ pub struct ObjectNode {
     inner: Arc<Inner>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
+
+/// A request being served: its cancel signal and how many of its fetches are under way.
+type Serving = (tokio::sync::watch::Sender<bool>, usize);
 
 /// What the node's tasks and calls share.
 struct Inner {
@@ -108,6 +113,9 @@ struct Inner {
     next_req: AtomicU32,
     /// The objects a pull is moving now, each with the signal its waiting pulls watch.
     pulling: Mutex<HashMap<ObjectId, tokio::sync::watch::Sender<()>>>,
+    /// The requests being served, by puller endpoint and number: their cancel signal and
+    /// how many fetches of each are under way.
+    sending: Mutex<HashMap<(usize, u32), Serving>>,
     /// Requests waiting for their answer, by number.
     waiting: Mutex<HashMap<u32, oneshot::Sender<(Msg, AmMessage)>>>,
     malformed: AtomicU64,
@@ -139,6 +147,7 @@ impl ObjectNode {
             opts,
             next_req: AtomicU32::new(rand_start()),
             pulling: Mutex::default(),
+            sending: Mutex::default(),
             waiting: Mutex::default(),
             malformed: AtomicU64::new(0),
             refetched: AtomicU64::new(0),
@@ -198,6 +207,7 @@ impl ObjectNode {
             chunks_sent: i.chunks_sent.load(Ordering::Relaxed),
             holders_failed: i.holders_failed.load(Ordering::Relaxed),
             in_flight: i.budget.used(),
+            serving: i.sending.lock().unwrap_or_else(PoisonError::into_inner).len() as u64,
         }
     }
 }

@@ -18,6 +18,12 @@ pub(super) async fn serve(inner: Weak<Inner>, mut requests: AmReceiver) {
         let m = requests.recv().await;
         let Some(node) = inner.upgrade() else { return };
         let msg = match Msg::decode(m.header()) {
+            Ok(Msg::Cancel { req }) => {
+                if let Some(ep) = m.reply_endpoint() {
+                    node.cancel(ep, req);
+                }
+                continue;
+            }
             Ok(msg @ (Msg::Lookup { .. } | Msg::Fetch { .. } | Msg::Offer { .. })) => msg,
             other => {
                 tracing::debug!(?other, "malformed request dropped");
@@ -31,12 +37,18 @@ pub(super) async fn serve(inner: Weak<Inner>, mut requests: AmReceiver) {
             continue;
         };
         drop(m);
-        tokio::spawn(answer(node, ep, msg));
+        // A fetch is registered here, in arrival order, so that a cancel that follows it
+        // finds it even before its task runs.
+        let sending = match &msg {
+            Msg::Fetch { req, .. } => Some(Sending::start(&node, &ep, *req)),
+            _ => None,
+        };
+        tokio::spawn(answer(node, ep, msg, sending));
     }
 }
 
 /// Answers one request.
-async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
+async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg, sending: Option<Sending>) {
     match msg {
         Msg::Lookup { req, id, inline_max } => {
             let (reply, payload) = match node.store.get(&id) {
@@ -62,12 +74,19 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
                 return send_answer(&node, &ep, &Msg::Failed { req, reason }, bytes::Bytes::new()).await;
             }
             let limit = Duration::from_millis(u64::from(limit_ms));
-            if tokio::time::timeout(limit, send_chunks(&node, &ep, req, &o, u64::from(first)..end))
-                .await
-                .is_err()
-            {
-                // The puller gave up or is stalled: the sends still pending are cancelled.
-                tracing::debug!(req, %id, "chunks not taken within {limit:?}");
+            let mut cancelled = match &sending {
+                Some(s) => s.cancelled(),
+                None => tokio::sync::watch::channel(false).1,
+            };
+            tokio::select! {
+                r = tokio::time::timeout(limit, send_chunks(&node, &ep, req, &o, u64::from(first)..end)) => {
+                    if r.is_err() {
+                        // The puller is stalled: the sends still pending are cancelled.
+                        tracing::debug!(req, %id, "chunks not taken within {limit:?}");
+                    }
+                }
+                // The puller is done with the request: so are its sends.
+                _ = cancelled.wait_for(|c| *c) => {}
             }
         }
         Msg::Offer { req, id, size } => {
@@ -99,6 +118,62 @@ async fn send_chunks(node: &Inner, ep: &Endpoint, req: u32, o: &Object, range: s
                 tracing::debug!(req, %e, "a chunk send failed");
                 return;
             }
+        }
+    }
+}
+
+/// The key of a request being served: the puller's endpoint (its handle, unique while
+/// the endpoint lives, which the serving task keeps) and its request number.
+type Key = (usize, u32);
+
+fn key(ep: &Endpoint, req: u32) -> Key {
+    (ep.as_raw() as usize, req)
+}
+
+/// One fetch of a request being served, registered so that a `Cancel` ends it.
+struct Sending {
+    node: Arc<Inner>,
+    key: Key,
+}
+
+impl Sending {
+    fn start(node: &Arc<Inner>, ep: &Endpoint, req: u32) -> Sending {
+        let key = key(ep, req);
+        let mut s = node.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.entry(key).or_insert_with(|| (tokio::sync::watch::channel(false).0, 0)).1 += 1;
+        Sending { node: node.clone(), key }
+    }
+
+    /// Becomes true when the request is cancelled.
+    fn cancelled(&self) -> tokio::sync::watch::Receiver<bool> {
+        let s = self.node.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match s.get(&self.key) {
+            Some((tx, _)) => tx.subscribe(),
+            None => tokio::sync::watch::channel(true).1,
+        }
+    }
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        let mut s = self.node.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, n)) = s.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                s.remove(&self.key);
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Ends the fetches of request `req` from the puller at `ep`, and any that come for
+    /// it later (until the last of them ends).
+    fn cancel(&self, ep: &Endpoint, req: u32) {
+        let s = self.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((tx, _)) = s.get(&key(ep, req)) {
+            // Kept for the fetches whose task has not subscribed yet.
+            tx.send_replace(true);
         }
     }
 }
