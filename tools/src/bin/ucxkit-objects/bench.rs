@@ -103,6 +103,8 @@ fn free_port() -> Result<u16, String> {
 struct Row {
     size: usize,
     time_us: f64,
+    /// The receivers' largest peak resident memory after this size, MiB (0: not known).
+    peak_mib: f64,
     source: &'static str,
 }
 
@@ -131,6 +133,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut times = Vec::new();
+        let mut peak = 0f64;
         for _ in 0..a.reps {
             for r in &mut receivers {
                 r.stdin.write_all(format!("pull {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
@@ -138,12 +141,15 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             let mut slowest = 0f64;
             for r in &mut receivers {
                 let l = r.line(limit).await?;
-                slowest = slowest.max(l.parse::<f64>().map_err(|_| format!("a receiver said {l:?}"))?);
+                let bad = || format!("a receiver said {l:?}");
+                let (us, kib) = l.split_once(' ').ok_or_else(bad)?;
+                slowest = slowest.max(us.parse::<f64>().map_err(|_| bad())?);
+                peak = peak.max(kib.parse::<f64>().map_err(|_| bad())? / 1024.0);
             }
             times.push(slowest);
         }
         times.sort_by(f64::total_cmp);
-        let row = Row { size, time_us: times[times.len() / 2], source: "ucxkit" };
+        let row = Row { size, time_us: times[times.len() / 2], peak_mib: peak, source: "ucxkit" };
         print(&a, &row, None, rows.is_empty());
         rows.push(row);
         if a.compare {
@@ -181,7 +187,7 @@ fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
     let v = perftest::run(&case, &setup)?;
     // Overall bandwidth (MB/s, 2^20 bytes) as time per message.
     let time_us = size as f64 / (v[5] * f64::from(1 << 20)) * 1e6;
-    Ok(Row { size, time_us, source: "ucx_perftest" })
+    Ok(Row { size, time_us, peak_mib: 0.0, source: "ucx_perftest" })
 }
 
 fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
@@ -189,7 +195,7 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
     if a.output.json {
         let mut v = json!({
             "op": op, "bytes": r.size, "receivers": receivers, "time_us": (r.time_us * 10.0).round() / 10.0,
-            "mibps": r.mibps().round(), "chunk": a.node.chunk, "window": a.node.window,
+            "mibps": r.mibps().round(), "peak_rss_mib": r.peak_mib.round(), "chunk": a.node.chunk, "window": a.node.window,
             "transport": a.node.transport.name(), "source": r.source,
         });
         if let Some(x) = ratio {
@@ -200,15 +206,16 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
     }
     if a.output.csv {
         if first {
-            println!("op,bytes,receivers,time_us,mibps,chunk,window,transport,source,ratio");
+            println!("op,bytes,receivers,time_us,mibps,peak_rss_mib,chunk,window,transport,source,ratio");
         }
         let ratio = ratio.map_or(String::new(), |x| format!("{x:.3}"));
         println!(
-            "{op},{},{},{:.1},{:.0},{},{},{},{},{ratio}",
+            "{op},{},{},{:.1},{:.0},{:.0},{},{},{},{},{ratio}",
             r.size,
             receivers,
             r.time_us,
             r.mibps(),
+            r.peak_mib,
             a.node.chunk,
             a.node.window,
             a.node.transport.name(),
@@ -218,13 +225,14 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
     }
     if first {
         println!(
-            "{:<7} {:>9} {:>9} {:>12} {:>10}  {:<12} {:>6}",
-            "op", "size", "receivers", "time_us", "MiB/s", "source", "ratio"
+            "{:<7} {:>9} {:>9} {:>12} {:>10} {:>9}  {:<12} {:>6}",
+            "op", "size", "receivers", "time_us", "MiB/s", "peak_MiB", "source", "ratio"
         );
     }
     let ratio = ratio.map_or(String::new(), |x| format!("{x:.2}"));
+    let peak = if r.peak_mib > 0.0 { format!("{:.0}", r.peak_mib) } else { "-".into() };
     println!(
-        "{op:<7} {:>9} {:>9} {:>12.1} {:>10.0}  {:<12} {ratio:>6}",
+        "{op:<7} {:>9} {:>9} {:>12.1} {:>10.0} {peak:>9}  {:<12} {ratio:>6}",
         format_size(r.size),
         receivers,
         r.time_us,

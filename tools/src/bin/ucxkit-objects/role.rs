@@ -1,6 +1,6 @@
 //! The processes `bench` starts: the holder, which seals one object per size and serves
 //! them, and the receivers, which pull on command (`pull SIZE` on stdin) and print
-//! their time in microseconds.
+//! their time in microseconds and their peak resident memory in KiB.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -39,6 +39,18 @@ pub(crate) fn object_id(size: usize) -> ObjectId {
 /// The bytes of the object of `size` bytes (written, so no page is the shared zero page).
 pub(crate) fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(|i| (i as u64).wrapping_mul(0x9e37_79b9).rotate_right(13) as u8).collect()
+}
+
+/// This process's peak resident memory (`VmHWM`), KiB; 0 where the kernel does not say.
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("VmHWM:").and_then(|v| v.trim().strip_suffix("kB"))?.trim().parse().ok()
+            })
+        })
+        .unwrap_or(0)
 }
 
 fn pin(cpu: Option<usize>) {
@@ -102,7 +114,7 @@ pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
         }
         drop(o);
         node.release(&id);
-        println!("{us:.1}");
+        println!("{us:.1} {}", peak_rss_kib());
     }
     Ok(())
 }
