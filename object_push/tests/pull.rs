@@ -209,17 +209,15 @@ async fn malformed_and_silent_peers_end_in_errors_not_panics() {
 
 /// A pull dropped while its chunks are in flight: the receives it posted stay with the
 /// transport until UCX lets go, its store room is given back, and the next pull of the
-/// same object works (run under valgrind by the test command).
+/// same object works (run under valgrind by the test command; its chunks are small
+/// enough to go eagerly, so no holder's send outlives the test).
 #[tokio::test]
 async fn a_pull_dropped_mid_transfer_leaves_nothing_behind() {
     let mesh = mesh_with("posix,cma,tcp,self", 2, ProgressMode::Event).await;
-    // Chunks large enough to go by rendezvous: a send whose receive is gone then waits
-    // for ever unless the holder is told.
-    let opts = NodeOptions { chunk: 64 << 10, window: 4, ..small() };
-    let holder = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
+    let holder = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), small()).unwrap();
     let store = Arc::new(MemoryStore::new());
-    let puller = ObjectNode::new(&mesh.workers[1], store.clone(), opts).unwrap();
-    let bytes = Bytes::from(payload(5, 4 << 20));
+    let puller = ObjectNode::new(&mesh.workers[1], store.clone(), small()).unwrap();
+    let bytes = Bytes::from(payload(5, 2 << 20));
     holder.put(id("o"), bytes.clone()).unwrap();
     for wait_us in [0, 50, 300, 2000] {
         let pull = puller.pull(id("o"), mesh.ep(1, 0));
@@ -231,8 +229,26 @@ async fn a_pull_dropped_mid_transfer_leaves_nothing_behind() {
     }
     let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
     assert!(got.bytes() == &bytes);
-    // Every transfer told the holder it ended: nothing is left sending (the fetches'
-    // own limit is a minute).
+}
+
+/// A puller that gives up tells its holder, which stops sending: with chunks large
+/// enough to go by rendezvous, a send whose receive is gone waits for ever otherwise
+/// (or for the fetch's limit, a minute). Nothing is left sending soon after.
+#[tokio::test]
+async fn a_holder_stops_sending_when_the_puller_gives_up() {
+    let mesh = mesh_with("posix,cma,tcp,self", 2, ProgressMode::Event).await;
+    let opts = NodeOptions { chunk: 64 << 10, window: 4, ..small() };
+    let holder = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
+    let puller = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), opts).unwrap();
+    let bytes = Bytes::from(payload(5, 4 << 20));
+    holder.put(id("o"), bytes.clone()).unwrap();
+    for wait_us in [0, 50, 300, 2000] {
+        let _ =
+            tokio::time::timeout(Duration::from_micros(wait_us), puller.pull(id("o"), mesh.ep(1, 0))).await;
+        puller.release(&id("o"));
+    }
+    let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
+    assert!(got.bytes() == &bytes);
     let t = std::time::Instant::now();
     while holder.stats().serving > 0 {
         assert!(t.elapsed() < Duration::from_secs(10), "the holder still serves {:?}", holder.stats());
