@@ -10,7 +10,7 @@ use bytes::Bytes;
 use ucxkit_object_push::wire::{encode_sums, Msg};
 use ucxkit_object_push::{Error, MemoryStore, NodeOptions, Object, ObjectId, ObjectNode, ObjectStore};
 use ucxkit_testkit::payload::payload;
-use ucxkit_testkit::workers::{mesh_with, Mesh};
+use ucxkit_testkit::workers::{mesh_with, wait_parked_zero, Mesh};
 use ucxkit_transport::am::AmSendOptions;
 use ucxkit_transport::namespace::OBJECT_PUSH;
 use ucxkit_transport::ProgressMode;
@@ -231,9 +231,11 @@ async fn a_pull_dropped_mid_transfer_leaves_nothing_behind() {
     assert!(got.bytes() == &bytes);
 }
 
-/// A puller that gives up tells its holder, which stops sending: with chunks large
-/// enough to go by rendezvous, a send whose receive is gone waits for ever otherwise
-/// (or for the fetch's limit, a minute). Nothing is left sending soon after.
+/// A puller that gives up tells its holder, which stops sending, and takes in the chunks
+/// already announced: with chunks large enough to go by rendezvous, a send whose receive
+/// is gone waits for ever otherwise (the holder's task for the fetch's limit, a minute,
+/// and the transport's hold on the chunk until the endpoint closes). Nothing is left
+/// sending or held soon after.
 #[tokio::test]
 async fn a_holder_stops_sending_when_the_puller_gives_up() {
     let mesh = mesh_with("posix,cma,tcp,self", 2, ProgressMode::Event).await;
@@ -254,6 +256,9 @@ async fn a_holder_stops_sending_when_the_puller_gives_up() {
         assert!(t.elapsed() < Duration::from_secs(10), "the holder still serves {:?}", holder.stats());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // The chunks already announced were taken in by the puller: the holder's transport
+    // holds no send (and so no object memory) for them.
+    wait_parked_zero(&mesh.workers[0], Duration::from_secs(10)).await;
 }
 
 /// A store that forgets its objects after `reads` reads: its node then answers fetches

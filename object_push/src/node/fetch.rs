@@ -46,25 +46,38 @@ struct Source<'a> {
     inflight: u64,
 }
 
-/// A holder's part in a transfer: its request (the chunks' tags carry it) and the signal
-/// that abandons its receives when it fails. Dropped (the holder failed, or the transfer
-/// ended either way), it tells the holder to stop sending the request's chunks.
+/// A holder's part in a transfer: its request (the chunks' tags carry it), the signal
+/// that abandons its receives when it fails, and the chunks asked of it and not landed.
+/// Dropped (the holder failed, or the transfer ended either way), it tells the holder to
+/// stop sending the request's chunks, and takes in (into scratch, for at most the
+/// node's deadline) those it may have sent already: UCX cannot take back a rendezvous
+/// send once its announcement left, so the holder would keep each such chunk, and its
+/// object's memory, until the endpoint closed.
 struct Live<'a> {
     reg: Registered<'a>,
     dead: watch::Sender<bool>,
     ep: &'a Endpoint,
+    /// Chunk index -> length, for the chunks asked for and not landed.
+    outstanding: HashMap<u64, usize>,
 }
 
 impl Drop for Live<'_> {
     fn drop(&mut self) {
-        // Sent by a task (with the reply flag, which names this endpoint to the holder),
-        // where a runtime runs one.
+        // Done by a task (the cancel with the reply flag, which names this endpoint to
+        // the holder), where a runtime runs one.
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        let cancel = Msg::Cancel { req: self.reg.req }.encode();
-        let (ns, ep) = (self.reg.node.ns.clone(), self.ep.clone());
+        let node = self.reg.node;
+        let (req, limit) = (self.reg.req, node.opts.deadline);
+        let cancel = Msg::Cancel { req }.encode();
+        let (ns, ep) = (node.ns.clone(), self.ep.clone());
+        let outstanding = std::mem::take(&mut self.outstanding);
         rt.spawn(async move {
             let opts = AmSendOptions { reply: true, ..Default::default() };
             let _ = ns.am_send_with(&ep, REQUEST, &cancel, Bytes::new(), opts).await;
+            let drains = outstanding
+                .into_iter()
+                .map(|(k, len)| ns.tag_recv_from(&ep, chunk_tag(req, k), EXACT, Vec::with_capacity(len)));
+            let _ = tokio::time::timeout(limit, futures_util::future::join_all(drains)).await;
         });
     }
 }
@@ -147,7 +160,8 @@ impl<'a> Transfer<'a> {
         let (req, rx) = self.node.register();
         let (dead, _) = watch::channel(false);
         let ep = self.sources[s].ep;
-        self.sources[s].live = Some(Live { reg: Registered { node: self.node, req }, dead, ep });
+        let reg = Registered { node: self.node, req };
+        self.sources[s].live = Some(Live { reg, dead, ep, outstanding: HashMap::new() });
         self.answers.push(Box::pin(async move { (s, rx.await.ok().map(|(m, _): (Msg, AmMessage)| m)) }));
     }
 
@@ -258,9 +272,11 @@ impl<'a> Transfer<'a> {
     /// Posts the receive of chunk `k` from source `s` into `piece`, holding `held` of the
     /// node's room until it ends.
     fn post(&mut self, s: usize, k: u64, piece: BytesMut, held: Held<'a>) {
-        let Some(live) = &self.sources[s].live else { return };
+        let ep = self.sources[s].ep;
+        let Some(live) = &mut self.sources[s].live else { return };
+        live.outstanding.insert(k, piece.len());
         let mut dead = live.dead.subscribe();
-        let recv = self.node.ns.tag_recv_from(self.sources[s].ep, chunk_tag(live.reg.req, k), EXACT, piece);
+        let recv = self.node.ns.tag_recv_from(ep, chunk_tag(live.reg.req, k), EXACT, piece);
         self.sources[s].inflight += 1;
         self.receiving.push(Box::pin(async move {
             let landed = tokio::select! {
@@ -300,6 +316,9 @@ impl<'a> Transfer<'a> {
         landed: Option<(ucxkit_transport::Result<TagInfo>, BytesMut)>,
     ) -> Result<()> {
         let want = self.layout.range(k).len();
+        if let Some(live) = &mut self.sources[s].live {
+            live.outstanding.remove(&k);
+        }
         let Some((r, piece)) = landed else {
             // Abandoned: the transport keeps its piece until UCX lets go of it.
             self.replaced = true;
