@@ -6,7 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ucxkit_object_push::{MemoryStore, NodeOptions, Object, ObjectId, ObjectNode, ObjectStore};
+mod common;
+
+use common::Bent;
+use ucxkit_object_push::{MemoryStore, NodeOptions, ObjectId, ObjectNode};
 use ucxkit_testkit::payload::payload;
 use ucxkit_testkit::procs::{role, Group};
 use ucxkit_testkit::workers::{ctx, loopback};
@@ -16,36 +19,6 @@ const SIZE: usize = 8 << 20;
 
 fn opts() -> NodeOptions {
     NodeOptions { chunk: 64 << 10, window: 4, ..NodeOptions::default() }
-}
-
-/// A store that kills its own process (SIGKILL) on its `fatal`-th read: a holder that
-/// dies after it answered the lookup and served some fetches.
-struct Doomed {
-    inner: MemoryStore,
-    reads: AtomicU32,
-    fatal: u32,
-}
-
-impl ObjectStore for Doomed {
-    fn get(&self, id: &ObjectId) -> Option<Object> {
-        if self.reads.fetch_add(1, Ordering::SeqCst) + 1 == self.fatal {
-            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
-            std::thread::sleep(Duration::from_secs(10));
-        }
-        self.inner.get(id)
-    }
-    fn reserve(&self, id: &ObjectId, size: u64) -> ucxkit_object_push::Result<()> {
-        self.inner.reserve(id, size)
-    }
-    fn unreserve(&self, id: &ObjectId, size: u64) {
-        self.inner.unreserve(id, size)
-    }
-    fn seal(&self, id: ObjectId, object: Object) -> ucxkit_object_push::Result<()> {
-        self.inner.seal(id, object)
-    }
-    fn release(&self, id: &ObjectId) -> Option<Object> {
-        self.inner.release(id)
-    }
 }
 
 /// Ranks 1 and 2 hold the object (rank 1 dies on its fifth store read: the lookup and
@@ -82,8 +55,17 @@ async fn pull_past_a_killed_holder(tls: &str) {
 async fn holder_process() {
     let Some(me) = role() else { return };
     let worker = ctx(&std::env::var("OBJ_TLS").unwrap()).worker().build().unwrap();
+    // Rank 1's store kills its process (SIGKILL) on its fifth read: a holder that dies
+    // after it answered the lookup and served some fetches.
     let fatal = if me.rank == 1 { 5 } else { u32::MAX };
-    let store = Arc::new(Doomed { inner: MemoryStore::new(), reads: AtomicU32::new(0), fatal });
+    let reads = AtomicU32::new(0);
+    let store = Arc::new(Bent::new(move |o| {
+        if reads.fetch_add(1, Ordering::SeqCst) + 1 == fatal {
+            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+            std::thread::sleep(Duration::from_secs(10));
+        }
+        Some(o)
+    }));
     let node = ObjectNode::new(&worker, store, opts()).unwrap();
     node.put(ObjectId::try_from("weights").unwrap(), Bytes::from(payload(11, SIZE))).unwrap();
     let listener = worker.listen(loopback()).unwrap();

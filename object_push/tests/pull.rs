@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ucxkit_object_push::wire::{encode_sums, Msg};
-use ucxkit_object_push::{Error, MemoryStore, NodeOptions, Object, ObjectId, ObjectNode, ObjectStore};
+mod common;
+
+use common::{take_one, Bent};
+use ucxkit_object_push::{Error, MemoryStore, NodeOptions, Object, ObjectId, ObjectNode};
 use ucxkit_testkit::payload::payload;
 use ucxkit_testkit::workers::{mesh_with, wait_parked_zero, Mesh};
 use ucxkit_transport::am::AmSendOptions;
@@ -97,54 +100,36 @@ async fn missing_objects_and_full_stores_are_errors_that_leave_nothing_behind() 
     assert_eq!(store.used(), 9000);
 }
 
-/// A store whose first `lies` reads hand out the object with one byte flipped in each
-/// chunk after the first (the layout stays the true one).
-struct Lying {
-    inner: MemoryStore,
-    lies: AtomicU32,
-}
-
-impl ObjectStore for Lying {
-    fn get(&self, id: &ObjectId) -> Option<Object> {
-        let o = self.inner.get(id)?;
-        if self.lies.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_err() {
-            return Some(o);
-        }
-        let mut b = o.bytes().to_vec();
-        for k in 1..o.layout().count() {
-            b[o.layout().range(k).start] ^= 0x20;
-        }
-        Some(Object::new(Bytes::from(b), o.layout().clone()).unwrap())
-    }
-    fn reserve(&self, id: &ObjectId, size: u64) -> ucxkit_object_push::Result<()> {
-        self.inner.reserve(id, size)
-    }
-    fn unreserve(&self, id: &ObjectId, size: u64) {
-        self.inner.unreserve(id, size)
-    }
-    fn seal(&self, id: ObjectId, object: Object) -> ucxkit_object_push::Result<()> {
-        self.inner.seal(id, object)
-    }
-    fn release(&self, id: &ObjectId) -> Option<Object> {
-        self.inner.release(id)
-    }
-}
-
 #[tokio::test]
 async fn corrupt_chunks_are_fetched_again_or_reported() {
     let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
-    let lying = Arc::new(Lying { inner: MemoryStore::new(), lies: AtomicU32::new(0) });
-    let holder = ObjectNode::new(&mesh.workers[0], lying.clone(), small()).unwrap();
+    // The first `lies` reads hand out the object with one byte flipped in each chunk
+    // after the first (the layout stays the true one).
+    let lies = Arc::new(AtomicU32::new(0));
+    let lying = Bent::new({
+        let lies = lies.clone();
+        move |o: Object| {
+            if !take_one(&lies) {
+                return Some(o);
+            }
+            let mut b = o.bytes().to_vec();
+            for k in 1..o.layout().count() {
+                b[o.layout().range(k).start] ^= 0x20;
+            }
+            Some(Object::new(Bytes::from(b), o.layout().clone()).unwrap())
+        }
+    });
+    let holder = ObjectNode::new(&mesh.workers[0], Arc::new(lying), small()).unwrap();
     let puller = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), small()).unwrap();
     let bytes = Bytes::from(payload(3, 5 * 4096));
     holder.put(id("o"), bytes.clone()).unwrap();
     // The lookup reads the store once, then the first fetch (chunks 0..3) gets lies.
-    lying.lies.store(2, Ordering::SeqCst);
+    lies.store(2, Ordering::SeqCst);
     let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
     assert!(got.bytes() == &bytes);
     assert_eq!(puller.stats().refetched, 2, "chunks 1 and 2 came corrupt once");
     // Lies on every read: the chunk is reported after the node's tries.
-    lying.lies.store(u32::MAX, Ordering::SeqCst);
+    lies.store(u32::MAX, Ordering::SeqCst);
     holder.put(id("p"), bytes.clone()).unwrap();
     let err = tokio::time::timeout(T, puller.pull(id("p"), mesh.ep(1, 0))).await.unwrap().unwrap_err();
     assert!(matches!(err, Error::Corrupt { chunk: 1..=4, tries: 3, .. }), "{err}");
@@ -261,32 +246,6 @@ async fn a_holder_stops_sending_when_the_puller_gives_up() {
     wait_parked_zero(&mesh.workers[0], Duration::from_secs(10)).await;
 }
 
-/// A store that forgets its objects after `reads` reads: its node then answers fetches
-/// with `Failed`, as a holder that lost the object mid-transfer.
-struct Forgetful {
-    inner: MemoryStore,
-    reads: AtomicU32,
-}
-
-impl ObjectStore for Forgetful {
-    fn get(&self, id: &ObjectId) -> Option<Object> {
-        self.reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).ok()?;
-        self.inner.get(id)
-    }
-    fn reserve(&self, id: &ObjectId, size: u64) -> ucxkit_object_push::Result<()> {
-        self.inner.reserve(id, size)
-    }
-    fn unreserve(&self, id: &ObjectId, size: u64) {
-        self.inner.unreserve(id, size)
-    }
-    fn seal(&self, id: ObjectId, object: Object) -> ucxkit_object_push::Result<()> {
-        self.inner.seal(id, object)
-    }
-    fn release(&self, id: &ObjectId) -> Option<Object> {
-        self.inner.release(id)
-    }
-}
-
 /// Several holders: the chunks are spread over those that have the object (one that
 /// does not is skipped); one that loses it mid-transfer leaves its chunks to the other;
 /// with every holder gone the pull fails with the last holder's reason.
@@ -294,7 +253,13 @@ impl ObjectStore for Forgetful {
 async fn chunks_spread_over_holders_and_move_on_when_one_fails() {
     let mesh = mesh_with("posix,cma,tcp,self", 4, ProgressMode::Event).await;
     let opts = NodeOptions { window: 2, ..small() };
-    let forgetful = Arc::new(Forgetful { inner: MemoryStore::new(), reads: AtomicU32::new(u32::MAX) });
+    // B's store forgets its objects after `reads` reads: its node then answers fetches
+    // with `Failed`, as a holder that lost the object mid-transfer.
+    let reads = Arc::new(AtomicU32::new(u32::MAX));
+    let forgetful = Arc::new(Bent::new({
+        let reads = reads.clone();
+        move |o| take_one(&reads).then_some(o)
+    }));
     let a = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
     let b = ObjectNode::new(&mesh.workers[1], forgetful.clone(), opts.clone()).unwrap();
     let _c = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
@@ -311,13 +276,13 @@ async fn chunks_spread_over_holders_and_move_on_when_one_fails() {
     // B answers its lookup and a few fetches, then has lost the object.
     b.put(id("p"), bytes.clone()).unwrap();
     a.put(id("p"), bytes.clone()).unwrap();
-    forgetful.reads.store(4, Ordering::SeqCst);
+    reads.store(4, Ordering::SeqCst);
     let got = tokio::time::timeout(T, puller.pull_from(id("p"), &holders)).await.unwrap().unwrap();
     assert!(got.bytes() == &bytes);
     assert_eq!(puller.stats().holders_failed, 1);
     // Only B has it, and loses it: the pull fails with B's reason.
     b.put(id("q"), bytes.clone()).unwrap();
-    forgetful.reads.store(3, Ordering::SeqCst);
+    reads.store(3, Ordering::SeqCst);
     let err = tokio::time::timeout(T, puller.pull_from(id("q"), &holders)).await.unwrap().unwrap_err();
     assert!(matches!(&err, Error::Remote(r) if r.contains("no longer held")), "{err}");
     assert!(puller.get(&id("q")).is_none());
