@@ -156,7 +156,13 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             let theirs = perftest_row(&a, size)?;
             let ratio = rows.last().map_or(f64::NAN, |r: &Row| r.mibps() / theirs.mibps());
             print(&a, &theirs, Some(ratio), false);
+            rows.push(theirs);
         }
+    }
+    if let Some(path) = &a.output.plot {
+        let points: Vec<_> = rows.iter().flat_map(plot_rows).collect();
+        let svg = ucxkit_tools::plot::render(&points, "ucxkit-objects", &|t: &str| t.ends_with(" time"))?;
+        std::fs::write(path, svg).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     drop(receivers);
     drop(holder);
@@ -188,6 +194,24 @@ fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
     // Overall bandwidth (MB/s, 2^20 bytes) as time per message.
     let time_us = size as f64 / (v[5] * f64::from(1 << 20)) * 1e6;
     Ok(Row { size, time_us, peak_mib: 0.0, source: "ucx_perftest" })
+}
+
+/// A row as the plotting module's points: bandwidth, and time per pull (ucx_perftest's
+/// under the same names, drawn dashed beside ucxkit's).
+fn plot_rows(r: &Row) -> [ucxkit_tools::report::Row; 2] {
+    let point = |test: &str, lat_us: f64, bw_mibps: f64| ucxkit_tools::report::Row {
+        test: test.into(),
+        size: r.size,
+        iters: 0,
+        lat_us,
+        lat_p50_us: f64::NAN,
+        lat_p99_us: f64::NAN,
+        bw_mibps,
+        msg_rate: 0.0,
+        transport: String::new(),
+        source: r.source.into(),
+    };
+    [point("pull", 0.0, r.mibps()), point("pull time", r.time_us, 0.0)]
 }
 
 fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
