@@ -6,7 +6,9 @@
 //! received straight into its place in the new object's buffer (a rendezvous tagged
 //! message: no copy of the node's own on either side). Every chunk has a checksum its
 //! holder computed when it sealed the object (64-bit XXH3), checked before the puller
-//! seals: an object is visible only once complete and verified.
+//! seals: an object is visible only once complete and verified. A node relays the
+//! objects it is still receiving, chunk by chunk, so receivers can pull from one
+//! another.
 //!
 //! ```no_run
 //! # async fn demo(worker: ucxkit_transport::Worker, holder: ucxkit_transport::Endpoint)

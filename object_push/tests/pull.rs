@@ -373,3 +373,49 @@ async fn chunks_in_flight_stay_within_the_nodes_room() {
     assert!(seen > 0 && seen <= room / 2, "a prefetch had {seen} bytes in flight, room {room}");
     assert_eq!(puller.stats().in_flight, 0);
 }
+
+/// A node relays an object while it pulls it: a third node pulls it only from the
+/// second, which is still receiving it from the first, and gets it byte-exact; every
+/// chunk it got came through the relay.
+#[tokio::test]
+async fn an_object_is_relayed_while_it_arrives() {
+    let (mesh, n) = nodes("posix,cma,tcp,self", 3, NodeOptions { window: 2, ..small() }).await;
+    let bytes = Bytes::from(payload(31, 600 * 4096 + 7));
+    n[0].put(id("o"), bytes.clone()).unwrap();
+    let first = n[1].pull(id("o"), mesh.ep(1, 0));
+    let relayed = async {
+        // Once the relay's transfer is under way (its layout known, chunks asked for).
+        while n[1].stats().in_flight == 0 && n[1].get(&id("o")).is_none() {
+            tokio::task::yield_now().await;
+        }
+        n[2].pull(id("o"), mesh.ep(2, 1)).await
+    };
+    let (a, b) = tokio::time::timeout(T, async { tokio::join!(first, relayed) }).await.unwrap();
+    assert!(a.unwrap().bytes() == &bytes);
+    assert!(b.unwrap().bytes() == &bytes, "relayed byte-exact");
+    assert_eq!(n[1].stats().chunks_sent, 601, "every chunk through the relay");
+    assert_eq!(n[0].stats().chunks_sent, 601, "the owner sent each chunk once");
+}
+
+/// A relay whose own puller gives up still ends its transfer at once, byte-exact: the
+/// pieces its sends borrowed come back (the puller takes in what it abandoned), so the
+/// relay joins its object without waiting or fetching again.
+#[tokio::test]
+async fn a_relay_keeps_its_object_when_its_puller_gives_up() {
+    let opts = NodeOptions { chunk: 64 << 10, window: 2, ..small() };
+    let (mesh, n) = nodes("posix,cma,tcp,self", 3, opts).await;
+    let bytes = Bytes::from(payload(32, 8 << 20));
+    n[0].put(id("o"), bytes.clone()).unwrap();
+    let relay = n[1].pull(id("o"), mesh.ep(1, 0));
+    let quitter = async {
+        while n[1].stats().in_flight == 0 && n[1].get(&id("o")).is_none() {
+            tokio::task::yield_now().await;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(2), n[2].pull(id("o"), mesh.ep(2, 1))).await;
+    };
+    let t = std::time::Instant::now();
+    let (got, ()) = tokio::time::timeout(T, async { tokio::join!(relay, quitter) }).await.unwrap();
+    assert!(got.unwrap().bytes() == &bytes);
+    assert!(t.elapsed() < Duration::from_secs(2), "the relay waited for its pieces: {:?}", t.elapsed());
+    assert_eq!(n[1].stats().refetched, 0);
+}

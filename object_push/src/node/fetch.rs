@@ -19,6 +19,10 @@ use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{AmMessage, Endpoint, ErrorKind, TagInfo};
 
 use super::budget::{Held, Priority};
+use super::partial::Published;
+
+/// How long a transfer at its end waits for relays to give back the pieces they send.
+const RELAY_GIVE_BACK: std::time::Duration = std::time::Duration::from_secs(2);
 use super::pull::{Found, Registered};
 use super::{chunk_tag, Inner, REQUEST};
 use crate::error::{Error, Result};
@@ -94,7 +98,8 @@ pub(super) struct Transfer<'a> {
     next: u64,
     /// Chunks to ask for again, with their piece and the source to avoid.
     again: VecDeque<(u64, BytesMut, Option<usize>)>,
-    pieces: Vec<Option<BytesMut>>,
+    /// The chunks checked are here, lent to relays meanwhile.
+    published: Published<'a>,
     tries: HashMap<u64, u32>,
     done: u64,
     /// Whether a piece had to be replaced (its receive abandoned): joining then copies.
@@ -120,20 +125,20 @@ impl<'a> Transfer<'a> {
         buf: Vec<u8>,
         priority: Priority,
     ) -> Transfer<'a> {
-        let count = layout.count();
         let sources = holders.iter().map(|ep| Source { ep, live: None, inflight: 0 }).collect();
         // A new Bytes has no other owner: it becomes mutable without a copy.
         let rest = Bytes::from(buf).try_into_mut().unwrap_or_else(|b| BytesMut::from(&b[..]));
         let limit_ms = u32::try_from(node.opts.deadline.as_millis()).unwrap_or(u32::MAX);
+        let layout = Arc::new(layout);
         Transfer {
             node,
             id,
-            layout: Arc::new(layout),
+            published: Published::new(node, id, layout.clone()),
+            layout,
             sources,
             rest,
             next: 0,
             again: VecDeque::new(),
-            pieces: (0..count).map(|_| None).collect(),
             tries: HashMap::new(),
             done: 0,
             replaced: false,
@@ -188,7 +193,13 @@ impl<'a> Transfer<'a> {
         mut lookups: FuturesUnordered<Boxed<'a, (usize, Result<Found>)>>,
     ) -> Result<Object> {
         let count = self.layout.count();
-        while self.done < count {
+        loop {
+            if self.done == count {
+                if let Some(object) = self.finish().await? {
+                    return Ok(object);
+                }
+                continue;
+            }
             let node = self.node;
             // Made before the assignment looks for room, so that no release is missed.
             let freed = node.budget.freed();
@@ -218,7 +229,6 @@ impl<'a> Transfer<'a> {
                 () = freed, if self.starved => {}
             }
         }
-        self.finish()
     }
 
     /// Gives each live source chunks up to its window: chunks to fetch again first
@@ -357,7 +367,7 @@ impl<'a> Transfer<'a> {
     /// one) until the node's tries are spent.
     fn checked(&mut self, (s, k, good, piece): Checked) -> Result<()> {
         if good {
-            self.pieces[k as usize] = Some(piece);
+            self.published.put(k, piece);
             self.done += 1;
             return Ok(());
         }
@@ -371,15 +381,31 @@ impl<'a> Transfer<'a> {
         Ok(())
     }
 
-    /// The pieces joined in order (adjacent parts of one buffer, so without a copy
-    /// unless a piece was replaced) as the object.
-    fn finish(self) -> Result<Object> {
-        drop(self.rest);
+    /// The pieces back from the relays, joined in order (adjacent parts of one buffer,
+    /// so without a copy unless a piece was replaced) as the object; `None` (the caller
+    /// goes on) when a relay kept a piece too long: those chunks are fetched again.
+    async fn finish(&mut self) -> Result<Option<Object>> {
+        let pieces = self.published.collect(RELAY_GIVE_BACK).await;
+        if pieces.iter().any(Option::is_none) {
+            for (k, _) in pieces.iter().enumerate().filter(|(_, p)| p.is_none()) {
+                let want = self.layout.range(k as u64).len();
+                self.again.push_back((k as u64, BytesMut::zeroed(want), None));
+                self.done -= 1;
+            }
+            self.replaced = true;
+            // Whatever came back stays for the relays while the rest is fetched again.
+            for (k, p) in pieces.into_iter().enumerate() {
+                if let Some(p) = p {
+                    self.published.put(k as u64, p);
+                }
+            }
+            self.published.reopen();
+            return Ok(None);
+        }
         let mut whole = BytesMut::new();
-        for p in self.pieces.into_iter().flatten() {
+        for p in pieces.into_iter().flatten() {
             whole.unsplit(p);
         }
-        debug_assert!(!self.replaced || whole.len() as u64 == self.layout.size());
-        Object::new(whole.freeze(), Arc::unwrap_or_clone(self.layout))
+        Ok(Some(Object::new(whole.freeze(), (*self.layout).clone())?))
     }
 }

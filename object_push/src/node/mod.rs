@@ -23,6 +23,7 @@ pub use budget::Priority;
 
 mod budget;
 mod fetch;
+mod partial;
 mod pull;
 mod push;
 mod recycle;
@@ -111,6 +112,8 @@ struct Inner {
     recycler: recycle::Recycler,
     budget: budget::Budget,
     next_req: AtomicU32,
+    /// The objects this node is receiving, served to others as their chunks arrive.
+    partial: partial::Partials,
     /// The objects a pull is moving now, each with the signal its waiting pulls watch.
     pulling: Mutex<HashMap<ObjectId, tokio::sync::watch::Sender<()>>>,
     /// The requests being served, by puller endpoint and number: their cancel signal and
@@ -147,6 +150,7 @@ impl ObjectNode {
             opts,
             next_req: AtomicU32::new(rand_start()),
             pulling: Mutex::default(),
+            partial: Mutex::default(),
             sending: Mutex::default(),
             waiting: Mutex::default(),
             malformed: AtomicU64::new(0),
@@ -221,6 +225,11 @@ impl Drop for ObjectNode {
 }
 
 impl Inner {
+    /// The object `id` as it arrives here, while it does.
+    fn partial_of(&self, id: &ObjectId) -> Option<Arc<partial::Partial>> {
+        self.partial.lock().unwrap_or_else(PoisonError::into_inner).get(id).cloned()
+    }
+
     /// A fresh request number, registered to receive its answers.
     fn register(&self) -> (u32, oneshot::Receiver<(Msg, AmMessage)>) {
         let mut w = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);

@@ -7,9 +7,13 @@ use std::time::Duration;
 
 use ucxkit_transport::{AmReceiver, Endpoint};
 
+use super::partial::Partial;
 use super::{chunk_tag, Inner, ANSWER};
+use crate::id::ObjectId;
 use crate::store::Object;
+use crate::sums::Layout;
 use crate::wire::{encode_sums, Msg};
+use bytes::Bytes;
 
 /// Serves requests until the node goes. Each request is handled in a task of its own,
 /// so a slow puller holds up no other.
@@ -52,25 +56,31 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg, sending: Option<Sendin
     match msg {
         Msg::Lookup { req, id, inline_max } => {
             let (reply, payload) = match node.store.get(&id) {
-                None => (Msg::Missing { req }, bytes::Bytes::new()),
                 Some(o) if o.len() as u64 <= u64::from(inline_max) => {
                     (Msg::Inline { req, sum: crate::sums::sum(o.bytes()) }, o.bytes().clone())
                 }
-                Some(o) => {
-                    let l = o.layout();
-                    (Msg::Layout { req, size: l.size(), chunk: l.chunk() }, encode_sums(l.sums()).into())
-                }
+                Some(o) => layout_answer(req, o.layout()),
+                // Still arriving here: its chunks are relayed as they check out.
+                None => match node.partial_of(&id) {
+                    Some(p) => layout_answer(req, p.layout()),
+                    None => (Msg::Missing { req }, bytes::Bytes::new()),
+                },
             };
             send_answer(&node, &ep, &reply, payload).await;
         }
         Msg::Fetch { req, id, first, count, limit_ms } => {
-            let Some(o) = node.store.get(&id) else {
-                let reply = Msg::Failed { req, reason: format!("object {id} is no longer held") };
-                return send_answer(&node, &ep, &reply, bytes::Bytes::new()).await;
+            let from = match (node.store.get(&id), node.partial_of(&id)) {
+                (Some(o), _) => Chunks::Sealed(o),
+                (None, Some(p)) => Chunks::Arriving(p),
+                (None, None) => {
+                    let reply = Msg::Failed { req, reason: format!("object {id} is no longer held") };
+                    return send_answer(&node, &ep, &reply, bytes::Bytes::new()).await;
+                }
             };
             let end = u64::from(first) + u64::from(count);
-            if count == 0 || end > o.layout().count() {
-                let reason = format!("chunks {first}..{end} of an object of {} chunks", o.layout().count());
+            if count == 0 || end > from.layout().count() {
+                let reason =
+                    format!("chunks {first}..{end} of an object of {} chunks", from.layout().count());
                 return send_answer(&node, &ep, &Msg::Failed { req, reason }, bytes::Bytes::new()).await;
             }
             let limit = Duration::from_millis(u64::from(limit_ms));
@@ -78,15 +88,21 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg, sending: Option<Sendin
                 Some(s) => s.cancelled(),
                 None => tokio::sync::watch::channel(false).1,
             };
-            tokio::select! {
-                r = tokio::time::timeout(limit, send_chunks(&node, &ep, req, &o, u64::from(first)..end)) => {
-                    if r.is_err() {
+            let range = u64::from(first)..end;
+            let failed = tokio::select! {
+                r = tokio::time::timeout(limit, send_chunks(&node, &ep, req, id, &from, range)) => match r {
+                    Ok(r) => r.err(),
+                    Err(_) => {
                         // The puller is stalled: the sends still pending are cancelled.
                         tracing::debug!(req, %id, "chunks not taken within {limit:?}");
+                        None
                     }
-                }
+                },
                 // The puller is done with the request: so are its sends.
-                _ = cancelled.wait_for(|c| *c) => {}
+                _ = cancelled.wait_for(|c| *c) => None,
+            };
+            if let Some(reason) = failed {
+                send_answer(&node, &ep, &Msg::Failed { req, reason }, Bytes::new()).await;
             }
         }
         Msg::Offer { req, id, size } => {
@@ -102,24 +118,90 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg, sending: Option<Sendin
     }
 }
 
-/// Sends chunks `range` of `o` for request `req`, all at once (the puller posted their
-/// receives before it asked, and asks for no more than its window).
-async fn send_chunks(node: &Inner, ep: &Endpoint, req: u32, o: &Object, range: std::ops::Range<u64>) {
-    let sends = range.map(|k| {
-        let part = o.bytes().slice(o.layout().range(k));
-        node.ns.tag_send(ep, chunk_tag(req, k), part)
-    });
-    for (r, _) in futures_util::future::join_all(sends).await {
+/// Where a fetch's chunks come from: a sealed object, or one still arriving here.
+enum Chunks {
+    Sealed(Object),
+    Arriving(Arc<Partial>),
+}
+
+impl Chunks {
+    fn layout(&self) -> &Layout {
+        match self {
+            Chunks::Sealed(o) => o.layout(),
+            Chunks::Arriving(p) => p.layout(),
+        }
+    }
+}
+
+/// Sends chunk `k` of `from` for request `req`: a slice of a sealed object; a chunk of
+/// one still arriving once it checked out, borrowed for the send (which runs to its end
+/// in a task of its own, so that the piece comes back to the transfer even when this
+/// fetch is cancelled), or from the store when it was sealed meanwhile.
+async fn send_chunk(
+    node: &Inner,
+    ep: &Endpoint,
+    req: u32,
+    id: ObjectId,
+    from: &Chunks,
+    k: u64,
+) -> Result<(), String> {
+    let sealed = |o: &Object| o.bytes().slice(o.layout().range(k));
+    let part = match from {
+        Chunks::Sealed(o) => sealed(o),
+        Chunks::Arriving(p) => match p.lend(k).await {
+            Some(piece) => {
+                let (p, ns, ep) = (p.clone(), node.ns.clone(), ep.clone());
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                tokio::spawn(async move {
+                    let (r, piece) = ns.tag_send(&ep, chunk_tag(req, k), piece).await;
+                    p.give_back(k, piece);
+                    let _ = tx.send(r);
+                });
+                return match rx.await {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err("the relay's send was dropped".into()),
+                };
+            }
+            None => node
+                .store
+                .get(&id)
+                .map(|o| sealed(&o))
+                .ok_or_else(|| format!("object {id} did not arrive here"))?,
+        },
+    };
+    node.ns.tag_send(ep, chunk_tag(req, k), part).await.0.map_err(|e| e.to_string())
+}
+
+/// A lookup's answer for an object of layout `l`: the layout, its checksums as payload.
+fn layout_answer(req: u32, l: &Layout) -> (Msg, Bytes) {
+    (Msg::Layout { req, size: l.size(), chunk: l.chunk() }, encode_sums(l.sums()).into())
+}
+
+/// Sends chunks `range` of `from` for request `req`, all at once (the puller posted
+/// their receives before it asked, and asks for no more than its window); a chunk still
+/// arriving here goes once it checked out. The reason, when the object's transfer here
+/// failed first.
+async fn send_chunks(
+    node: &Inner,
+    ep: &Endpoint,
+    req: u32,
+    id: ObjectId,
+    from: &Chunks,
+    range: std::ops::Range<u64>,
+) -> Result<(), String> {
+    let sends = range.map(|k| send_chunk(node, ep, req, id, from, k));
+    for r in futures_util::future::join_all(sends).await {
         match r {
             Ok(()) => {
                 node.chunks_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             Err(e) => {
                 tracing::debug!(req, %e, "a chunk send failed");
-                return;
+                return Err(e);
             }
         }
     }
+    Ok(())
 }
 
 /// The key of a request being served: the puller's endpoint (its handle, unique while
