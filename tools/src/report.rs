@@ -31,6 +31,29 @@ pub struct Row {
 }
 
 impl Row {
+    /// A point to plot: `test` at `size` from `source`, with a time (µs, drawn in the
+    /// latency panel) or a bandwidth (MiB/s); the other figures not measured.
+    pub fn point(
+        test: impl Into<String>,
+        size: usize,
+        lat_us: f64,
+        bw_mibps: f64,
+        source: impl Into<String>,
+    ) -> Row {
+        Row {
+            test: test.into(),
+            size,
+            iters: 0,
+            lat_us,
+            lat_p50_us: f64::NAN,
+            lat_p99_us: f64::NAN,
+            bw_mibps,
+            msg_rate: 0.0,
+            transport: String::new(),
+            source: source.into(),
+        }
+    }
+
     /// The row as one JSON object (NaN, not measured, as null).
     pub fn json(&self) -> String {
         json!({

@@ -133,21 +133,10 @@ fn report(args: &Args, ours: &[CollRow], theirs: &[CollRow]) -> Result<(), Strin
 
 /// A cell as the plotting module's rows: bus bandwidth, and time per call.
 fn plot_rows(r: &CollRow) -> [ucxkit_tools::report::Row; 2] {
-    let row = |test: String, lat_us: f64, bw_mibps: f64| ucxkit_tools::report::Row {
-        test,
-        size: r.bytes,
-        iters: 0,
-        lat_us,
-        lat_p50_us: f64::NAN,
-        lat_p99_us: f64::NAN,
-        bw_mibps,
-        msg_rate: 0.0,
-        transport: String::new(),
-        source: r.source.clone(),
-    };
+    use ucxkit_tools::report::Row;
     [
-        row(r.op.clone(), 0.0, r.busbw() * 1e9 / (1 << 20) as f64),
-        row(format!("{} time", r.op), r.time_us, 0.0),
+        Row::point(r.op.clone(), r.bytes, 0.0, r.busbw() * 1e9 / (1 << 20) as f64, r.source.clone()),
+        Row::point(format!("{} time", r.op), r.bytes, r.time_us, 0.0, r.source.clone()),
     ]
 }
 

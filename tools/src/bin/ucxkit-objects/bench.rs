@@ -199,19 +199,11 @@ fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
 /// A row as the plotting module's points: bandwidth, and time per pull (ucx_perftest's
 /// under the same names, drawn dashed beside ucxkit's).
 fn plot_rows(r: &Row) -> [ucxkit_tools::report::Row; 2] {
-    let point = |test: &str, lat_us: f64, bw_mibps: f64| ucxkit_tools::report::Row {
-        test: test.into(),
-        size: r.size,
-        iters: 0,
-        lat_us,
-        lat_p50_us: f64::NAN,
-        lat_p99_us: f64::NAN,
-        bw_mibps,
-        msg_rate: 0.0,
-        transport: String::new(),
-        source: r.source.into(),
-    };
-    [point("pull", 0.0, r.mibps()), point("pull time", r.time_us, 0.0)]
+    use ucxkit_tools::report::Row as Point;
+    [
+        Point::point("pull", r.size, 0.0, r.mibps(), r.source),
+        Point::point("pull time", r.size, r.time_us, 0.0, r.source),
+    ]
 }
 
 fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
