@@ -329,6 +329,17 @@ async fn pushed_objects_arrive_within_the_receivers_room() {
     tokio::time::timeout(T, owner.push(id("small"), mesh.ep(0, 2))).await.unwrap().unwrap();
     let err = tokio::time::timeout(T, owner.push(id("none"), mesh.ep(0, 1))).await.unwrap().unwrap_err();
     assert!(matches!(err, Error::NotFound(_)), "{err}");
+    // A receiver waiting for an object gets it when a push brings it.
+    let bytes = Bytes::from(payload(9, 30_000));
+    owner.put(id("later"), bytes.clone()).unwrap();
+    let (waited, pushed) = tokio::join!(roomy.wait(id("later"), T), async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        owner.push(id("later"), mesh.ep(0, 1)).await
+    });
+    pushed.unwrap();
+    assert!(waited.unwrap().bytes() == &bytes);
+    let err = roomy.wait(id("never"), Duration::from_millis(50)).await.unwrap_err();
+    assert!(matches!(err, Error::DeadlineExceeded { .. }), "{err}");
 }
 
 /// The node's room for chunks in flight bounds all its pulls together, and a prefetch

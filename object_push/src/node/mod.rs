@@ -112,6 +112,8 @@ struct Inner {
     recycler: recycle::Recycler,
     budget: budget::Budget,
     next_req: AtomicU32,
+    /// Woken whenever this node seals an object.
+    sealed: tokio::sync::Notify,
     /// The objects this node is receiving, served to others as their chunks arrive.
     partial: partial::Partials,
     /// The objects a pull is moving now, each with the signal its waiting pulls watch.
@@ -151,6 +153,7 @@ impl ObjectNode {
             next_req: AtomicU32::new(rand_start()),
             pulling: Mutex::default(),
             partial: Mutex::default(),
+            sealed: tokio::sync::Notify::new(),
             sending: Mutex::default(),
             waiting: Mutex::default(),
             malformed: AtomicU64::new(0),
@@ -175,7 +178,27 @@ impl ObjectNode {
         let layout = Layout::of(&bytes, chunk_for(bytes.len() as u64, self.inner.opts.chunk))?;
         let object = Object::new(bytes, layout)?;
         self.inner.store.seal(id, object.clone())?;
+        self.inner.sealed.notify_waiters();
         Ok(object)
+    }
+
+    /// Waits until object `id` is in this node's store (sealed by a pull, a peer's
+    /// push or `put`), at most `limit`.
+    ///
+    /// # Errors
+    /// [`crate::Error::DeadlineExceeded`] when it has not arrived within `limit`.
+    pub async fn wait(&self, id: ObjectId, limit: Duration) -> Result<Object> {
+        let end = tokio::time::Instant::now() + limit;
+        loop {
+            // Made before the look, so that no seal is missed.
+            let sealed = self.inner.sealed.notified();
+            if let Some(o) = self.inner.store.get(&id) {
+                return Ok(o);
+            }
+            if tokio::time::timeout_at(end, sealed).await.is_err() {
+                return Err(crate::Error::DeadlineExceeded { what: format!("wait for object {id}"), limit });
+            }
+        }
     }
 
     /// The sealed object `id`, if this node holds it.

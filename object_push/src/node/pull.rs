@@ -245,7 +245,10 @@ async fn payload(m: AmMessage) -> Result<Vec<u8>> {
 /// way is the one returned.
 fn seal(node: &Inner, id: ObjectId, object: Object) -> Result<Object> {
     match node.store.seal(id, object.clone()) {
-        Ok(()) => Ok(object),
+        Ok(()) => {
+            node.sealed.notify_waiters();
+            Ok(object)
+        }
         Err(Error::Exists(_)) => node.store.get(&id).ok_or(Error::Exists(id)),
         Err(e) => Err(e),
     }
