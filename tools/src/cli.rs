@@ -161,6 +161,24 @@ pub fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
     e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
 }
 
+/// A TCP port on 127.0.0.1 free a moment ago (the system's pick), for a server a tool
+/// starts and tells its clients about.
+///
+/// # Errors
+/// When no socket can be bound.
+pub fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| format!("finding a free port: {e}"))
+}
+
+/// Pins the calling thread (and the threads it starts later) to CPU `n` modulo the
+/// CPUs there are; does nothing where the CPUs cannot be listed.
+pub fn pin_to_cpu(n: usize) {
+    if let Some(ids) = core_affinity::get_core_ids().filter(|i| !i.is_empty()) {
+        core_affinity::set_for_current(ids[n % ids.len()]);
+    }
+}
+
 /// Prints `tool: msg` on stderr and exits with status 1.
 pub fn die(tool: &str, msg: impl std::fmt::Display) -> ! {
     eprintln!("{tool}: {msg}");

@@ -107,10 +107,6 @@ fn run_bounded(
     Ok((status, stdout, stderr))
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// Runs one ucx_perftest pair (retrying a start that failed) and returns its values.
 ///
 /// # Errors
@@ -120,7 +116,7 @@ pub fn run(case: &Case<'_>, setup: &Setup<'_>) -> Result<Values, String> {
     let mut last_err = String::new();
     // The server needs a moment to listen; retry the client a few times.
     for attempt in 0..5u64 {
-        let port = free_port().map_err(|e| format!("finding a free port: {e}"))?;
+        let port = crate::cli::free_port()?;
         let mut server = command(setup.server_cpu, setup, case)
             .args(["-p", &port.to_string()])
             .stdout(Stdio::null())

@@ -19,7 +19,7 @@ const CELL_BUDGET: Duration = Duration::from_millis(500);
 pub(crate) async fn run(args: &Args) -> Res<()> {
     let launch = env::detect().map_err(|e| format!("{e} (or start ranks with --np N)"))?;
     if crate::spawn::child_rank().is_some() {
-        crate::spawn::pin(launch.rank);
+        ucxkit_tools::cli::pin_to_cpu(launch.rank);
     }
     let opts = InitOptions {
         progress: args.progress.mode(),

@@ -21,25 +21,13 @@ pub(crate) fn child_rank() -> Option<usize> {
     std::env::var(CHILD).ok()?.parse().ok()
 }
 
-/// Pins this process to CPU `rank mod CPUs`.
-pub(crate) fn pin(rank: usize) {
-    if let Some(ids) = core_affinity::get_core_ids().filter(|i| !i.is_empty()) {
-        core_affinity::set_for_current(ids[rank % ids.len()]);
-    }
-}
-
-fn free_port() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
-}
-
 /// Starts `np` ranks, gathers rank 0's rows, adds the comparison's, prints them all.
 pub(crate) async fn run(args: &Args, np: usize, limit: Duration) -> Result<(), String> {
     if np == 0 {
         return Err("--np needs at least one rank".into());
     }
     let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
-    let port = free_port()?.to_string();
+    let port = ucxkit_tools::cli::free_port()?.to_string();
     let mut children = Vec::new();
     for r in 0..np {
         let mut c = tokio::process::Command::new(&exe);

@@ -94,11 +94,6 @@ impl Proc {
     }
 }
 
-fn free_port() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
-}
-
 /// One result row.
 struct Row {
     size: usize,
@@ -120,7 +115,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         return Err("--receivers and --reps must be at least 1".into());
     }
     let list = sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
-    let port = free_port()?;
+    let port = ucxkit_tools::cli::free_port()?;
     let mut holder = Proc::start("holder", port, &list, a.pin.then_some(0), false, &a.node)?;
     holder.expect("ready").await?;
     let mut receivers = Vec::new();

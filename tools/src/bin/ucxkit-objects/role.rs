@@ -54,8 +54,8 @@ fn peak_rss_kib() -> u64 {
 }
 
 fn pin(cpu: Option<usize>) {
-    if let (Some(cpu), Some(ids)) = (cpu, core_affinity::get_core_ids().filter(|i| !i.is_empty())) {
-        core_affinity::set_for_current(ids[cpu % ids.len()]);
+    if let Some(cpu) = cpu {
+        ucxkit_tools::cli::pin_to_cpu(cpu);
     }
 }
 
