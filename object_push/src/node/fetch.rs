@@ -20,9 +20,6 @@ use ucxkit_transport::{AmMessage, Endpoint, ErrorKind, TagInfo};
 
 use super::budget::{Held, Priority};
 use super::partial::Published;
-
-/// How long a transfer at its end waits for relays to give back the pieces they send.
-const RELAY_GIVE_BACK: std::time::Duration = std::time::Duration::from_secs(2);
 use super::pull::{Found, Registered};
 use super::{chunk_tag, Inner, REQUEST};
 use crate::error::{Error, Result};
@@ -30,6 +27,9 @@ use crate::id::ObjectId;
 use crate::store::Object;
 use crate::sums::Layout;
 use crate::wire::Msg;
+
+/// How long a transfer at its end waits for relays to give back the pieces they send.
+const RELAY_GIVE_BACK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A boxed future of the transfer's.
 pub(super) type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -52,11 +52,12 @@ struct Source<'a> {
 
 /// A holder's part in a transfer: its request (the chunks' tags carry it), the signal
 /// that abandons its receives when it fails, and the chunks asked of it and not landed.
-/// Dropped (the holder failed, or the transfer ended either way), it tells the holder to
-/// stop sending the request's chunks, and takes in (into scratch, for at most the
-/// node's deadline) those it may have sent already: UCX cannot take back a rendezvous
-/// send once its announcement left, so the holder would keep each such chunk, and its
-/// object's memory, until the endpoint closed.
+/// Dropped with chunks outstanding (the holder failed, or the transfer ended early), it
+/// tells the holder to stop sending the request's chunks, and takes in (into scratch,
+/// for at most the node's deadline) those it may have sent already: UCX cannot take back
+/// a rendezvous send once its announcement left, so the holder would keep each such
+/// chunk, and its object's memory, until the endpoint closed. With none outstanding the
+/// holder's sends have all ended: nothing to say.
 struct Live<'a> {
     reg: Registered<'a>,
     dead: watch::Sender<bool>,
@@ -67,6 +68,9 @@ struct Live<'a> {
 
 impl Drop for Live<'_> {
     fn drop(&mut self) {
+        if self.outstanding.is_empty() {
+            return;
+        }
         // Done by a task (the cancel with the reply flag, which names this endpoint to
         // the holder), where a runtime runs one.
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
@@ -102,8 +106,6 @@ pub(super) struct Transfer<'a> {
     published: Published<'a>,
     tries: HashMap<u64, u32>,
     done: u64,
-    /// Whether a piece had to be replaced (its receive abandoned): joining then copies.
-    replaced: bool,
     limit_ms: u32,
     receiving: FuturesUnordered<Boxed<'a, Landed>>,
     checking: FuturesUnordered<Boxed<'a, Result<Checked>>>,
@@ -116,7 +118,8 @@ pub(super) struct Transfer<'a> {
 }
 
 impl<'a> Transfer<'a> {
-    /// A transfer of an object of `layout` (found at holder `first`) into `buf`.
+    /// A transfer of an object of `layout` from `holders` (each taking part once it
+    /// [`Transfer::join`]s) into `buf`.
     pub(super) fn new(
         node: &'a Inner,
         id: ObjectId,
@@ -141,7 +144,6 @@ impl<'a> Transfer<'a> {
             again: VecDeque::new(),
             tries: HashMap::new(),
             done: 0,
-            replaced: false,
             limit_ms,
             receiving: FuturesUnordered::new(),
             checking: FuturesUnordered::new(),
@@ -203,7 +205,7 @@ impl<'a> Transfer<'a> {
             let node = self.node;
             // Made before the assignment looks for room, so that no release is missed.
             let freed = node.budget.freed();
-            self.assign().await?;
+            self.assign().await;
             if self.live() == 0 && lookups.is_empty() && self.receiving.is_empty() && self.checking.is_empty()
             {
                 return Err(self.last.take().unwrap_or_else(|| Error::Remote("every holder failed".into())));
@@ -233,7 +235,7 @@ impl<'a> Transfer<'a> {
 
     /// Gives each live source chunks up to its window: chunks to fetch again first
     /// (one request each), then new ones (one request for a run).
-    async fn assign(&mut self) -> Result<()> {
+    async fn assign(&mut self) {
         let window = u64::from(self.node.opts.window);
         self.starved = false;
         for s in 0..self.sources.len() {
@@ -268,7 +270,6 @@ impl<'a> Transfer<'a> {
                 }
             }
         }
-        Ok(())
     }
 
     /// Room in the node's budget for chunk `k`, or `None` (the transfer then waits for
@@ -330,8 +331,8 @@ impl<'a> Transfer<'a> {
             live.outstanding.remove(&k);
         }
         let Some((r, piece)) = landed else {
-            // Abandoned: the transport keeps its piece until UCX lets go of it.
-            self.replaced = true;
+            // Abandoned: the transport keeps its piece until UCX lets go of it (a fresh
+            // one takes its place; the join then copies).
             self.again.push_back((k, BytesMut::zeroed(want), Some(s)));
             return Ok(());
         };
@@ -382,7 +383,7 @@ impl<'a> Transfer<'a> {
     }
 
     /// The pieces back from the relays, joined in order (adjacent parts of one buffer,
-    /// so without a copy unless a piece was replaced) as the object; `None` (the caller
+    /// so without a copy unless a piece was replaced by a fresh one) as the object; `None` (the caller
     /// goes on) when a relay kept a piece too long: those chunks are fetched again.
     async fn finish(&mut self) -> Result<Option<Object>> {
         let pieces = self.published.collect(RELAY_GIVE_BACK).await;
@@ -392,7 +393,6 @@ impl<'a> Transfer<'a> {
                 self.again.push_back((k as u64, BytesMut::zeroed(want), None));
                 self.done -= 1;
             }
-            self.replaced = true;
             // Whatever came back stays for the relays while the rest is fetched again.
             for (k, p) in pieces.into_iter().enumerate() {
                 if let Some(p) = p {

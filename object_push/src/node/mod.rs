@@ -53,8 +53,8 @@ pub struct NodeOptions {
     /// How many times a chunk is fetched before it counts as corrupt. Default 3.
     pub tries: u32,
     /// Bytes of released objects' memory kept for the next pulls (a buffer the kernel
-    /// faults in page by page costs more than the transfer into it). Default 512 MiB;
-    /// 0 keeps none.
+    /// faults in page by page costs more than the transfer into it); allocations under
+    /// 1 MiB are not kept. Default 512 MiB; 0 keeps none.
     pub recycle: u64,
 }
 
@@ -147,7 +147,7 @@ impl ObjectNode {
         let inner = Arc::new(Inner {
             ns,
             store,
-            recycler: recycle::Recycler::new(opts.recycle),
+            recycler: recycle::Recycler::new(opts.recycle, recycle::MIN_KEPT),
             budget: budget::Budget::new(opts.in_flight),
             opts,
             next_req: AtomicU32::new(rand_start()),
@@ -177,8 +177,7 @@ impl ObjectNode {
     pub fn put(&self, id: ObjectId, bytes: Bytes) -> Result<Object> {
         let layout = Layout::of(&bytes, chunk_for(bytes.len() as u64, self.inner.opts.chunk))?;
         let object = Object::new(bytes, layout)?;
-        self.inner.store.seal(id, object.clone())?;
-        self.inner.sealed.notify_waiters();
+        self.inner.seal(id, object.clone())?;
         Ok(object)
     }
 
@@ -248,6 +247,13 @@ impl Drop for ObjectNode {
 }
 
 impl Inner {
+    /// Seals `object` as `id` in the store and wakes the node's waiters ([`ObjectNode::wait`]).
+    fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
+        self.store.seal(id, object)?;
+        self.sealed.notify_waiters();
+        Ok(())
+    }
+
     /// The object `id` as it arrives here, while it does.
     fn partial_of(&self, id: &ObjectId) -> Option<Arc<partial::Partial>> {
         self.partial.lock().unwrap_or_else(PoisonError::into_inner).get(id).cloned()

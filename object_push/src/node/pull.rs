@@ -68,6 +68,9 @@ impl Inner {
         holders: &[Endpoint],
         priority: Priority,
     ) -> Result<Object> {
+        if holders.is_empty() && self.store.get(&id).is_none() {
+            return Err(Error::InvalidArgument("a pull needs at least one holder".into()));
+        }
         let node = self;
         let limit = node.opts.deadline;
         let end = Instant::now() + limit;
@@ -93,9 +96,6 @@ impl Inner {
             }
         }
         let _pulling = Pulling { node, id };
-        if holders.is_empty() {
-            return Err(Error::InvalidArgument("a pull needs at least one holder".into()));
-        }
         tokio::time::timeout_at(end, transfer(node, id, holders, priority))
             .await
             .unwrap_or_else(|_| Err(late()))
@@ -244,11 +244,8 @@ async fn payload(m: AmMessage) -> Result<Vec<u8>> {
 /// Seals a verified object in the node's store; one that arrived meanwhile by another
 /// way is the one returned.
 fn seal(node: &Inner, id: ObjectId, object: Object) -> Result<Object> {
-    match node.store.seal(id, object.clone()) {
-        Ok(()) => {
-            node.sealed.notify_waiters();
-            Ok(object)
-        }
+    match node.seal(id, object.clone()) {
+        Ok(()) => Ok(object),
         Err(Error::Exists(_)) => node.store.get(&id).ok_or(Error::Exists(id)),
         Err(e) => Err(e),
     }

@@ -7,50 +7,56 @@ use std::sync::{Mutex, PoisonError};
 
 use bytes::Bytes;
 
-/// Kept buffers, at most `limit` bytes of them.
+/// The smallest allocation a node keeps: smaller ones cost few page faults, and many of
+/// them would make the list long.
+pub(super) const MIN_KEPT: usize = 1 << 20;
+
+/// Kept buffers, at most `limit` bytes of them, none smaller than `min`.
 pub(super) struct Recycler {
     limit: u64,
+    min: usize,
     kept: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Recycler {
-    pub(super) fn new(limit: u64) -> Recycler {
-        Recycler { limit, kept: Mutex::default() }
+    pub(super) fn new(limit: u64, min: usize) -> Recycler {
+        Recycler { limit, min, kept: Mutex::default() }
     }
 
     /// A buffer of `size` bytes whose contents are unspecified (every byte is written
-    /// before the object is sealed): a kept one of at least that size and at most
-    /// twice it, else a new one.
+    /// before the object is sealed): a kept one whose allocation holds at least that and
+    /// at most twice it (only the part past its last length is written, with zeros),
+    /// else a new one.
     pub(super) fn take(&self, size: usize) -> Vec<u8> {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
         let best = kept
             .iter()
             .enumerate()
-            .filter(|(_, v)| v.len() >= size && v.len() / 2 <= size)
-            .min_by_key(|(_, v)| v.len())
+            .filter(|(_, v)| v.capacity() >= size && v.capacity() / 2 <= size)
+            .min_by_key(|(_, v)| v.capacity())
             .map(|(i, _)| i);
         match best {
             Some(i) => {
                 let mut v = kept.swap_remove(i);
-                v.truncate(size);
+                drop(kept);
+                v.resize(size, 0);
                 v
             }
             None => vec![0; size],
         }
     }
 
-    /// Keeps the memory of `bytes` if nothing else holds it and there is room; frees it
-    /// otherwise (the oldest kept buffers first, to make room).
+    /// Keeps the memory of `bytes` if nothing else holds it, it is not too small and
+    /// there is room (the oldest kept buffers are freed to make room); frees it
+    /// otherwise.
     pub(super) fn give(&self, bytes: Bytes) {
-        if self.limit == 0 || bytes.len() as u64 > self.limit {
+        if bytes.len() as u64 > self.limit {
             return;
         }
         let Ok(b) = bytes.try_into_mut() else { return };
-        let mut v = Vec::from(b);
-        // The whole allocation counts; its length is what the next take may use.
-        let cap = v.capacity();
-        if v.len() < cap && cap as u64 <= self.limit {
-            v.resize(cap, 0);
+        let v = Vec::from(b);
+        if v.capacity() < self.min.max(1) || v.capacity() as u64 > self.limit {
+            return;
         }
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
         let mut held: u64 = kept.iter().map(|k| k.capacity() as u64).sum();
@@ -72,7 +78,7 @@ mod tests {
 
     #[test]
     fn buffers_are_reused_by_size_within_the_limit() {
-        let r = Recycler::new(10_000);
+        let r = Recycler::new(10_000, 1);
         let a = r.take(4000);
         let ptr = a.as_ptr();
         r.give(Bytes::from(a));
@@ -93,6 +99,13 @@ mod tests {
         assert_eq!(r.held(), 5000);
         r.give(Bytes::from(vec![0u8; 20_000]));
         assert_eq!(r.held(), 5000, "larger than the limit: freed");
-        assert!(Recycler::new(0).take(10).len() == 10);
+        assert!(Recycler::new(0, 1).take(10).len() == 10);
+        // Empty and too small allocations are not kept.
+        let r = Recycler::new(10_000, 1000);
+        r.give(Bytes::new());
+        r.give(Bytes::from(vec![0u8; 999]));
+        assert_eq!(r.held(), 0);
+        r.give(Bytes::from(vec![0u8; 1000]));
+        assert_eq!(r.held(), 1000);
     }
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use bytes::Bytes;
 use ucxkit_transport::{AmReceiver, Endpoint};
 
 use super::partial::Partial;
@@ -13,7 +14,6 @@ use crate::id::ObjectId;
 use crate::store::Object;
 use crate::sums::Layout;
 use crate::wire::{encode_sums, Msg};
-use bytes::Bytes;
 
 /// Serves requests until the node goes. Each request is handled in a task of its own,
 /// so a slow puller holds up no other.
@@ -41,18 +41,22 @@ pub(super) async fn serve(inner: Weak<Inner>, mut requests: AmReceiver) {
             continue;
         };
         drop(m);
-        // A fetch is registered here, in arrival order, so that a cancel that follows it
-        // finds it even before its task runs.
-        let sending = match &msg {
-            Msg::Fetch { req, .. } => Some(Sending::start(&node, &ep, *req)),
-            _ => None,
-        };
-        tokio::spawn(answer(node, ep, msg, sending));
+        match msg {
+            // Registered here, in arrival order, so that a cancel that follows it finds
+            // it even before its task runs.
+            Msg::Fetch { req, id, first, count, limit_ms } => {
+                let sending = Sending::start(&node, &ep, req);
+                tokio::spawn(fetch(node, ep, sending, id, first, count, limit_ms));
+            }
+            msg => {
+                tokio::spawn(answer(node, ep, msg));
+            }
+        }
     }
 }
 
-/// Answers one request.
-async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg, sending: Option<Sending>) {
+/// Answers a lookup or an offer.
+async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
     match msg {
         Msg::Lookup { req, id, inline_max } => {
             let (reply, payload) = match node.store.get(&id) {
@@ -63,47 +67,10 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg, sending: Option<Sendin
                 // Still arriving here: its chunks are relayed as they check out.
                 None => match node.partial_of(&id) {
                     Some(p) => layout_answer(req, p.layout()),
-                    None => (Msg::Missing { req }, bytes::Bytes::new()),
+                    None => (Msg::Missing { req }, Bytes::new()),
                 },
             };
             send_answer(&node, &ep, &reply, payload).await;
-        }
-        Msg::Fetch { req, id, first, count, limit_ms } => {
-            let from = match (node.store.get(&id), node.partial_of(&id)) {
-                (Some(o), _) => Chunks::Sealed(o),
-                (None, Some(p)) => Chunks::Arriving(p),
-                (None, None) => {
-                    let reply = Msg::Failed { req, reason: format!("object {id} is no longer held") };
-                    return send_answer(&node, &ep, &reply, bytes::Bytes::new()).await;
-                }
-            };
-            let end = u64::from(first) + u64::from(count);
-            if count == 0 || end > from.layout().count() {
-                let reason =
-                    format!("chunks {first}..{end} of an object of {} chunks", from.layout().count());
-                return send_answer(&node, &ep, &Msg::Failed { req, reason }, bytes::Bytes::new()).await;
-            }
-            let limit = Duration::from_millis(u64::from(limit_ms));
-            let mut cancelled = match &sending {
-                Some(s) => s.cancelled(),
-                None => tokio::sync::watch::channel(false).1,
-            };
-            let range = u64::from(first)..end;
-            let failed = tokio::select! {
-                r = tokio::time::timeout(limit, send_chunks(&node, &ep, req, id, &from, range)) => match r {
-                    Ok(r) => r.err(),
-                    Err(_) => {
-                        // The puller is stalled: the sends still pending are cancelled.
-                        tracing::debug!(req, %id, "chunks not taken within {limit:?}");
-                        None
-                    }
-                },
-                // The puller is done with the request: so are its sends.
-                _ = cancelled.wait_for(|c| *c) => None,
-            };
-            if let Some(reason) = failed {
-                send_answer(&node, &ep, &Msg::Failed { req, reason }, Bytes::new()).await;
-            }
         }
         Msg::Offer { req, id, size } => {
             // Pulled from the pusher, within this node's room (the pull reserves it).
@@ -112,9 +79,54 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg, sending: Option<Sendin
                 Ok(o) => Msg::Failed { req, reason: format!("offered {size} bytes, pulled {}", o.len()) },
                 Err(e) => Msg::Failed { req, reason: e.to_string() },
             };
-            send_answer(&node, &ep, &reply, bytes::Bytes::new()).await;
+            send_answer(&node, &ep, &reply, Bytes::new()).await;
         }
         _ => {}
+    }
+}
+
+/// Sends chunks `first..first + count` of `id` for the fetch `sending` registered, until
+/// they are sent, its puller cancels it, or `limit_ms` passes; answers `Failed` when the
+/// object is not here, the range is not in it, or its transfer here failed first.
+async fn fetch(
+    node: Arc<Inner>,
+    ep: Endpoint,
+    mut sending: Sending,
+    id: ObjectId,
+    first: u32,
+    count: u32,
+    limit_ms: u32,
+) {
+    let req = sending.key.1;
+    let from = match (node.store.get(&id), node.partial_of(&id)) {
+        (Some(o), _) => Chunks::Sealed(o),
+        (None, Some(p)) => Chunks::Arriving(p),
+        (None, None) => {
+            let reply = Msg::Failed { req, reason: format!("object {id} is no longer held") };
+            return send_answer(&node, &ep, &reply, Bytes::new()).await;
+        }
+    };
+    let end = u64::from(first) + u64::from(count);
+    if count == 0 || end > from.layout().count() {
+        let reason = format!("chunks {first}..{end} of an object of {} chunks", from.layout().count());
+        return send_answer(&node, &ep, &Msg::Failed { req, reason }, Bytes::new()).await;
+    }
+    let limit = Duration::from_millis(u64::from(limit_ms));
+    let range = u64::from(first)..end;
+    let failed = tokio::select! {
+        r = tokio::time::timeout(limit, send_chunks(&node, &ep, req, id, &from, range)) => match r {
+            Ok(r) => r.err(),
+            Err(_) => {
+                // The puller is stalled: the sends still pending are cancelled.
+                tracing::debug!(req, %id, "chunks not taken within {limit:?}");
+                None
+            }
+        },
+        // The puller is done with the request: so are its sends.
+        _ = sending.cancelled.wait_for(|c| *c) => None,
+    };
+    if let Some(reason) = failed {
+        send_answer(&node, &ep, &Msg::Failed { req, reason }, Bytes::new()).await;
     }
 }
 
@@ -216,23 +228,19 @@ fn key(ep: &Endpoint, req: u32) -> Key {
 struct Sending {
     node: Arc<Inner>,
     key: Key,
+    /// Becomes true when the request is cancelled.
+    cancelled: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Sending {
     fn start(node: &Arc<Inner>, ep: &Endpoint, req: u32) -> Sending {
         let key = key(ep, req);
         let mut s = node.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        s.entry(key).or_insert_with(|| (tokio::sync::watch::channel(false).0, 0)).1 += 1;
-        Sending { node: node.clone(), key }
-    }
-
-    /// Becomes true when the request is cancelled.
-    fn cancelled(&self) -> tokio::sync::watch::Receiver<bool> {
-        let s = self.node.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match s.get(&self.key) {
-            Some((tx, _)) => tx.subscribe(),
-            None => tokio::sync::watch::channel(true).1,
-        }
+        let (tx, n) = s.entry(key).or_insert_with(|| (tokio::sync::watch::channel(false).0, 0));
+        *n += 1;
+        let cancelled = tx.subscribe();
+        drop(s);
+        Sending { node: node.clone(), key, cancelled }
     }
 }
 
@@ -254,13 +262,12 @@ impl Inner {
     fn cancel(&self, ep: &Endpoint, req: u32) {
         let s = self.sending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((tx, _)) = s.get(&key(ep, req)) {
-            // Kept for the fetches whose task has not subscribed yet.
             tx.send_replace(true);
         }
     }
 }
 
-async fn send_answer(node: &Inner, ep: &Endpoint, reply: &Msg, payload: bytes::Bytes) {
+async fn send_answer(node: &Inner, ep: &Endpoint, reply: &Msg, payload: Bytes) {
     let (r, _) = node.ns.am_send(ep, ANSWER, &reply.encode(), payload).await;
     if let Err(e) = r {
         tracing::debug!(req = reply.req(), %e, "an answer could not be sent");
