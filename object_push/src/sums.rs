@@ -96,7 +96,11 @@ pub fn chunk_for(size: u64, want: u32) -> u32 {
 }
 
 /// How many chunks of `chunk` bytes hold `size` bytes (an empty object has none).
-fn chunks(size: u64, chunk: u32) -> Result<u64> {
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a chunk size outside [`MIN_CHUNK`]..=[`MAX_CHUNK`] or
+/// more than [`MAX_CHUNKS`] chunks.
+pub fn chunks(size: u64, chunk: u32) -> Result<u64> {
     if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) {
         return Err(Error::InvalidArgument(format!(
             "chunk size {chunk} is outside {MIN_CHUNK}..={MAX_CHUNK}"

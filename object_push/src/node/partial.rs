@@ -78,16 +78,12 @@ impl Partial {
         }
     }
 
-    /// Gives back chunk `k` after a send.
+    /// Puts chunk `k` here: checked, or given back after a send.
     pub(super) fn give_back(&self, k: u64, piece: BytesMut) {
         if let Some(slot) = self.lock().slots.get_mut(k as usize) {
             *slot = Slot::Here(piece);
         }
         self.changed.notify_waiters();
-    }
-
-    fn put(&self, k: u64, piece: BytesMut) {
-        self.give_back(k, piece);
     }
 
     /// Ends the lending and takes the pieces back, waiting at most `limit` for those
@@ -136,7 +132,7 @@ impl<'a> Published<'a> {
 
     /// Chunk `k` arrived and checked out: here for relays until the transfer ends.
     pub(super) fn put(&self, k: u64, piece: BytesMut) {
-        self.partial.put(k, piece);
+        self.partial.give_back(k, piece);
     }
 
     /// Lends again after a [`Published::collect`] that came back short.
@@ -176,7 +172,7 @@ mod tests {
             async move { p.lend(1).await }
         });
         tokio::task::yield_now().await;
-        p.put(1, BytesMut::from(&b"one"[..]));
+        p.give_back(1, BytesMut::from(&b"one"[..]));
         let lent = waiting.await.unwrap().unwrap();
         assert_eq!(&lent[..], b"one");
         assert_eq!(p.lend(9).await, None, "no such chunk");

@@ -18,7 +18,7 @@ use super::{Inner, ObjectNode, REQUEST};
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
 use crate::store::Object;
-use crate::sums::{chunk_for, sum, Layout, MAX_CHUNK, MAX_CHUNKS, MIN_CHUNK};
+use crate::sums::{chunk_for, chunks, sum, Layout};
 use crate::wire::{decode_sums, Msg};
 
 impl ObjectNode {
@@ -155,14 +155,13 @@ pub(super) enum Found {
 /// Looks `id` up at every holder; takes the first inline answer or the first layout and
 /// fetches the chunks, with the holders that answer the same layout joining in.
 async fn transfer(node: &Inner, id: ObjectId, holders: &[Endpoint], priority: Priority) -> Result<Object> {
-    let lookups: FuturesUnordered<_> = holders
+    let mut lookups: FuturesUnordered<_> = holders
         .iter()
         .enumerate()
         .map(|(i, h)| -> super::fetch::Boxed<'_, (usize, Result<Found>)> {
             Box::pin(async move { (i, lookup(node, id, h).await) })
         })
         .collect();
-    let mut lookups = lookups;
     let mut last = None;
     let (first, layout) = loop {
         match lookups.next().await {
@@ -216,10 +215,9 @@ async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint) -> Result<Found> 
                 node.refetched.fetch_add(1, Ordering::Relaxed);
             }
             Msg::Layout { size, chunk, .. } => {
-                if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) || size.div_ceil(u64::from(chunk)) > MAX_CHUNKS {
-                    return Err(Error::Protocol(format!("a layout of {size} bytes in chunks of {chunk}")));
-                }
-                if m.len() as u64 != size.div_ceil(u64::from(chunk)) * 8 {
+                // Checked before the checksums are read (and room made for them).
+                let count = chunks(size, chunk).map_err(|e| Error::Protocol(e.to_string()))?;
+                if m.len() as u64 != count * 8 {
                     return Err(Error::Protocol(format!("{} bytes of checksums for {size} bytes", m.len())));
                 }
                 return Ok(Found::Layout(Layout::from_parts(size, chunk, decode_sums(&payload(m).await?)?)?));
