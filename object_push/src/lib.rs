@@ -8,7 +8,8 @@
 //! holder computed when it sealed the object (64-bit XXH3), checked before the puller
 //! seals: an object is visible only once complete and verified. A node relays the
 //! objects it is still receiving, chunk by chunk, so receivers can pull from one
-//! another.
+//! another: [`ObjectNode::broadcast`] sends one object to many receivers directly, in
+//! a chain or in a tree ([`Shape`], picked by [`Shape::choose`]'s cost model).
 //!
 //! ```no_run
 //! # async fn demo(worker: ucxkit_transport::Worker, holder: ucxkit_transport::Endpoint)
@@ -31,12 +32,14 @@
 mod error;
 mod id;
 mod node;
+mod shape;
 mod store;
 pub mod sums;
 pub mod wire;
 
 pub use error::{Error, Result};
 pub use id::ObjectId;
-pub use node::{NodeOptions, NodeStats, ObjectNode, Priority};
+pub use node::{Broadcast, NodeOptions, NodeStats, ObjectNode, Priority};
+pub use shape::{LinkCost, Shape};
 pub use store::{MemoryStore, Object, ObjectStore};
 pub use sums::Layout;

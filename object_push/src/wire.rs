@@ -6,26 +6,35 @@
 //!
 //! | kind | from | fields | payload |
 //! |---|---|---|---|
-//! | `Lookup` | puller | request, id, largest inline size | none |
+//! | `Lookup` | puller | request, id, largest inline size, wait (ms) | none |
 //! | `Fetch` | puller | request, id, first chunk, chunk count, time limit (ms) | none |
 //! | `Missing` | holder | request | none |
 //! | `Inline` | holder | request, checksum | the object |
 //! | `Layout` | holder | request, size, chunk size | one checksum per chunk (8 bytes) |
 //! | `Failed` | holder | request, reason (UTF-8, at most 256 bytes) | none |
-//! | `Offer` | pusher | request, id, size | none |
+//! | `Offer` | pusher | request, id, size, relay count | the relays' socket addresses |
 //! | `Done` | receiver of an offer | request | none |
 //! | `Cancel` | puller | request | none |
+//! | `Hello` | broadcaster | request | none |
+//! | `Address` | node | request | the socket address it listens on (text) |
 //!
-//! A receiver of an `Offer` pulls the object from the pusher (its own `Lookup` and
-//! `Fetch`es) and answers `Done` once it holds it, or `Failed` (no room, say). A puller
+//! A receiver of an `Offer` pulls the object from the relays it names (receivers of the
+//! same broadcast, which pass the chunks on as they check out) or, without relays or
+//! when they fail, from the pusher, and answers `Done` once it holds it, or `Failed` (no
+//! room, say). A lookup with a wait is answered `Missing` only when the object has not
+//! started arriving at the holder within it (a relay may get its own offer later than
+//! the receivers it serves). A broadcaster asks each relay for the address it listens
+//! on with `Hello`, to tell the receivers below it where to connect. A puller
 //! sends `Cancel` to every holder of a transfer when the transfer ends, either way: the
 //! holder stops sending that request's chunks.
+
+use std::net::SocketAddr;
 
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
 
 /// The protocol's version; a message of another version is refused.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// The longest reason a `Failed` message carries.
 pub const MAX_REASON: usize = 256;
 
@@ -41,6 +50,9 @@ pub enum Msg {
         id: ObjectId,
         /// The largest object the puller takes inline.
         inline_max: u32,
+        /// How long the holder waits for the object to start arriving before it answers
+        /// `Missing` (0: it answers at once).
+        wait_ms: u32,
     },
     /// Asks a holder to send chunks `first..first + count` of `id`, each as a tagged
     /// message of request `req` and its index, within `limit_ms` milliseconds.
@@ -85,6 +97,8 @@ pub enum Msg {
         id: ObjectId,
         /// Its size, for the receiver's admission.
         size: u64,
+        /// How many relays' addresses the payload carries ([`encode_addresses`]).
+        relays: u8,
     },
     /// The receiver of an offer holds the object now.
     Done {
@@ -95,6 +109,16 @@ pub enum Msg {
     /// holder stops sending its chunks.
     Cancel {
         /// The request ended.
+        req: u32,
+    },
+    /// Asks a node for the socket address it listens on.
+    Hello {
+        /// The broadcaster's request number, echoed in the answer.
+        req: u32,
+    },
+    /// The node's listening address follows as the payload (`ip:port`).
+    Address {
+        /// The request answered.
         req: u32,
     },
     /// The holder could not serve the request (or the receiver of an offer refused it).
@@ -115,6 +139,10 @@ const FAILED: u8 = 6;
 const OFFER: u8 = 7;
 const DONE: u8 = 8;
 const CANCEL: u8 = 9;
+const HELLO: u8 = 10;
+const ADDRESS: u8 = 11;
+/// The most relays an offer names.
+pub const MAX_RELAYS: usize = 8;
 
 impl Msg {
     /// The request a message belongs to.
@@ -128,6 +156,8 @@ impl Msg {
             | Msg::Offer { req, .. }
             | Msg::Done { req }
             | Msg::Cancel { req }
+            | Msg::Hello { req }
+            | Msg::Address { req }
             | Msg::Failed { req, .. } => *req,
         }
     }
@@ -140,11 +170,12 @@ impl Msg {
             b.extend_from_slice(id.as_bytes());
         };
         match self {
-            Msg::Lookup { req, id: o, inline_max } => {
+            Msg::Lookup { req, id: o, inline_max, wait_ms } => {
                 b.extend([VERSION, LOOKUP]);
                 b.extend(req.to_le_bytes());
                 id(&mut b, o);
                 b.extend(inline_max.to_le_bytes());
+                b.extend(wait_ms.to_le_bytes());
             }
             Msg::Fetch { req, id: o, first, count, limit_ms } => {
                 b.extend([VERSION, FETCH]);
@@ -169,11 +200,20 @@ impl Msg {
                 b.extend(size.to_le_bytes());
                 b.extend(chunk.to_le_bytes());
             }
-            Msg::Offer { req, id: o, size } => {
+            Msg::Offer { req, id: o, size, relays } => {
                 b.extend([VERSION, OFFER]);
                 b.extend(req.to_le_bytes());
                 id(&mut b, o);
                 b.extend(size.to_le_bytes());
+                b.push(*relays);
+            }
+            Msg::Hello { req } => {
+                b.extend([VERSION, HELLO]);
+                b.extend(req.to_le_bytes());
+            }
+            Msg::Address { req } => {
+                b.extend([VERSION, ADDRESS]);
+                b.extend(req.to_le_bytes());
             }
             Msg::Done { req } => {
                 b.extend([VERSION, DONE]);
@@ -213,12 +253,20 @@ impl Msg {
         let kind = r.u8()?;
         let req = r.u32()?;
         let msg = match kind {
-            LOOKUP => Msg::Lookup { req, id: r.id()?, inline_max: r.u32()? },
+            LOOKUP => Msg::Lookup { req, id: r.id()?, inline_max: r.u32()?, wait_ms: r.u32()? },
             FETCH => Msg::Fetch { req, id: r.id()?, first: r.u32()?, count: r.u32()?, limit_ms: r.u32()? },
             MISSING => Msg::Missing { req },
             INLINE => Msg::Inline { req, sum: r.u64()? },
             LAYOUT => Msg::Layout { req, size: r.u64()?, chunk: r.u32()? },
-            OFFER => Msg::Offer { req, id: r.id()?, size: r.u64()? },
+            OFFER => {
+                let (id, size, relays) = (r.id()?, r.u64()?, r.u8()?);
+                if usize::from(relays) > MAX_RELAYS {
+                    return Err(Error::Protocol(format!("an offer of {relays} relays, over {MAX_RELAYS}")));
+                }
+                Msg::Offer { req, id, size, relays }
+            }
+            HELLO => Msg::Hello { req },
+            ADDRESS => Msg::Address { req },
             DONE => Msg::Done { req },
             CANCEL => Msg::Cancel { req },
             FAILED => {
@@ -291,6 +339,53 @@ pub fn decode_sums(payload: &[u8]) -> Result<Vec<u64>> {
     Ok(payload.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())).collect())
 }
 
+/// The longest socket address an offer or an `Address` answer carries, as text.
+pub const MAX_ADDRESS: usize = 64;
+
+/// Encodes socket addresses for an offer's payload: each as its text's length (1 byte)
+/// and its text (`ip:port`).
+pub fn encode_addresses(addrs: &[SocketAddr]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for a in addrs {
+        let text = a.to_string();
+        b.push(text.len() as u8);
+        b.extend_from_slice(text.as_bytes());
+    }
+    b
+}
+
+/// Decodes one socket address's text (an `Address` answer's payload).
+///
+/// # Errors
+/// [`Error::Protocol`] when it is too long or not a socket address.
+pub fn decode_address(text: &[u8]) -> Result<SocketAddr> {
+    if text.len() > MAX_ADDRESS {
+        return Err(Error::Protocol(format!("an address of {} bytes, over {MAX_ADDRESS}", text.len())));
+    }
+    std::str::from_utf8(text)
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .ok_or_else(|| Error::Protocol(format!("not a socket address: {:?}", String::from_utf8_lossy(text))))
+}
+
+/// Decodes an offer's `count` relay addresses, each checked.
+///
+/// # Errors
+/// [`Error::Protocol`] when the payload holds another number of addresses, is cut short
+/// or has bytes left over, or an address does not parse.
+pub fn decode_addresses(payload: &[u8], count: u8) -> Result<Vec<SocketAddr>> {
+    let mut r = Reader { b: payload };
+    let mut addrs = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let len = usize::from(r.u8()?);
+        addrs.push(decode_address(r.take(len)?)?);
+    }
+    if !r.b.is_empty() {
+        return Err(Error::Protocol(format!("{} bytes after an offer's relays", r.b.len())));
+    }
+    Ok(addrs)
+}
+
 /// Encodes a layout's checksums.
 pub fn encode_sums(sums: &[u64]) -> Vec<u8> {
     sums.iter().flat_map(|s| s.to_le_bytes()).collect()
@@ -304,14 +399,18 @@ mod tests {
         let id = ObjectId::new(b"obj-1").unwrap();
         let long = ObjectId::new(&[0xab; 32]).unwrap();
         vec![
-            Msg::Lookup { req: 1, id, inline_max: 65536 },
+            Msg::Lookup { req: 1, id, inline_max: 65536, wait_ms: 0 },
+            Msg::Lookup { req: 1, id, inline_max: 0, wait_ms: u32::MAX },
             Msg::Fetch { req: u32::MAX, id: long, first: 7, count: 3, limit_ms: 30_000 },
             Msg::Missing { req: 0 },
             Msg::Inline { req: 9, sum: 0xdead_beef_0bad_f00d },
             Msg::Layout { req: 2, size: u64::MAX, chunk: 1 << 20 },
             Msg::Failed { req: 3, reason: "no room".into() },
             Msg::Failed { req: 3, reason: String::new() },
-            Msg::Offer { req: 4, id, size: 1 << 40 },
+            Msg::Offer { req: 4, id, size: 1 << 40, relays: 0 },
+            Msg::Offer { req: 4, id, size: 0, relays: MAX_RELAYS as u8 },
+            Msg::Hello { req: 7 },
+            Msg::Address { req: 8 },
             Msg::Done { req: 5 },
             Msg::Cancel { req: 6 },
         ]
@@ -335,7 +434,7 @@ mod tests {
 
     #[test]
     fn malformed_messages_are_errors() {
-        let ok = Msg::Lookup { req: 1, id: ObjectId::new(b"x").unwrap(), inline_max: 4 }.encode();
+        let ok = Msg::Lookup { req: 1, id: ObjectId::new(b"x").unwrap(), inline_max: 4, wait_ms: 0 }.encode();
         let mut cases: Vec<Vec<u8>> = vec![
             vec![],
             vec![VERSION],
@@ -350,6 +449,8 @@ mod tests {
             // A reason over the limit, and one not UTF-8.
             [vec![VERSION, FAILED, 0, 0, 0, 0, 1, 1], vec![b'a'; 257]].concat(),
             vec![VERSION, FAILED, 0, 0, 0, 0, 1, 0, 0xff],
+            // Too many relays.
+            [vec![VERSION, OFFER, 0, 0, 0, 0, 1, b'x'], vec![0; 8], vec![MAX_RELAYS as u8 + 1]].concat(),
         ];
         cases.push(ok[..ok.len() - 1].to_vec());
         cases.push([ok.clone(), vec![0]].concat());
@@ -357,6 +458,22 @@ mod tests {
             assert!(matches!(Msg::decode(c), Err(Error::Protocol(_))), "{c:?}");
         }
         assert!(decode_sums(&[1, 2, 3]).is_err());
+        assert!(decode_addresses(&[], 0).unwrap().is_empty());
+        let two: Vec<SocketAddr> = vec!["10.0.0.2:7000".parse().unwrap(), "[::1]:1".parse().unwrap()];
+        assert_eq!(decode_addresses(&encode_addresses(&two), 2).unwrap(), two);
+        let cases: [(&[u8], u8); 6] = [
+            (&[], 1),
+            (b"\x0d10.0.0.2:70", 1),
+            (b"\x0910.0.0.2:", 1),
+            (b"\x0410.0.0.2:7000", 1),
+            (b"\x0d10.0.0.2:7000", 0),
+            (b"\x0d10.0.0.2:7000\x00", 1),
+        ];
+        for (payload, count) in cases {
+            assert!(matches!(decode_addresses(payload, count), Err(Error::Protocol(_))), "{payload:?}");
+        }
+        assert!(decode_address(&[b'1'; 65]).is_err());
+        assert!(decode_address(&[0xff, b':', b'1']).is_err());
     }
 
     /// Random bytes and every valid message with random changes: each decodes or is an

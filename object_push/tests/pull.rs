@@ -154,7 +154,7 @@ async fn malformed_and_silent_peers_end_in_errors_not_panics() {
             r.unwrap();
         }
         // A valid request without a way to answer.
-        let lookup = Msg::Lookup { req: i as u32, id: id("x"), inline_max: 10 };
+        let lookup = Msg::Lookup { req: i as u32, id: id("x"), inline_max: 10, wait_ms: 0 };
         rogue.am_send(to_node, 0, &lookup.encode(), Bytes::new()).await.0.unwrap();
     }
     let want = 2 * garbage.len() as u64 + garbage.len() as u64;

@@ -115,6 +115,12 @@ pub(super) struct Transfer<'a> {
     priority: Priority,
     /// Whether the node's room for chunks in flight ran out at the last assignment.
     starved: bool,
+    /// The first this many sources serve; the others stand by (see [`Transfer::choose`]).
+    first: usize,
+    /// The first sources whose lookups are not answered yet.
+    unanswered: usize,
+    /// Sources with the object standing by.
+    standby: Vec<usize>,
 }
 
 impl<'a> Transfer<'a> {
@@ -151,6 +157,33 @@ impl<'a> Transfer<'a> {
             last: None,
             priority,
             starved: false,
+            first: usize::MAX,
+            unanswered: 0,
+            standby: Vec::new(),
+        }
+    }
+
+    /// Lets the first `first` sources serve, the others only once none of those does;
+    /// `unanswered` of the first have not answered their lookups yet.
+    pub(super) fn choose(&mut self, first: usize, unanswered: usize) {
+        (self.first, self.unanswered) = (first, unanswered);
+    }
+
+    /// Source `s` has the object: it serves, or stands by.
+    pub(super) fn found(&mut self, s: usize) {
+        if s < self.first {
+            self.join(s);
+        } else if !self.standby.contains(&s) {
+            self.standby.push(s);
+        }
+    }
+
+    /// Sends in the sources standing by once none of the first serves or can.
+    fn call_standby(&mut self) {
+        if self.live() == 0 && self.unanswered == 0 {
+            for s in std::mem::take(&mut self.standby) {
+                self.join(s);
+            }
         }
     }
 
@@ -189,9 +222,10 @@ impl<'a> Transfer<'a> {
     }
 
     /// Runs the transfer to its end, taking further holders' answers from `lookups` as
-    /// they come; the object, verified and sealed.
+    /// they come; the object, verified (the caller seals it before it drops the
+    /// transfer, so that relays waiting for its chunks find it sealed).
     pub(super) async fn run(
-        mut self,
+        &mut self,
         mut lookups: FuturesUnordered<Boxed<'a, (usize, Result<Found>)>>,
     ) -> Result<Object> {
         let count = self.layout.count();
@@ -202,6 +236,7 @@ impl<'a> Transfer<'a> {
                 }
                 continue;
             }
+            self.call_standby();
             let node = self.node;
             // Made before the assignment looks for room, so that no release is missed.
             let freed = node.budget.freed();
@@ -223,11 +258,16 @@ impl<'a> Transfer<'a> {
                         self.fail(s, why);
                     }
                 }
-                Some((s, found)) = lookups.next() => match found {
-                    Ok(Found::Layout(l)) if self.same(&l) => self.join(s),
-                    Ok(_) => {}
-                    Err(e) => self.last = Some(e),
-                },
+                Some((s, found)) = lookups.next() => {
+                    if s < self.first {
+                        self.unanswered -= 1;
+                    }
+                    match found {
+                        Ok(Found::Layout(l)) if self.same(&l) => self.found(s),
+                        Ok(_) => {}
+                        Err(e) => self.last = Some(e),
+                    }
+                }
                 () = freed, if self.starved => {}
             }
         }

@@ -19,20 +19,25 @@ use crate::store::{Object, ObjectStore};
 use crate::sums::{chunk_for, Layout};
 use crate::wire::Msg;
 
+pub use broadcast::Broadcast;
 pub use budget::Priority;
 
+mod broadcast;
 mod budget;
 mod fetch;
 mod partial;
 mod pull;
 mod push;
 mod recycle;
+mod relay;
 mod serve;
 
 /// The active-message id of requests (puller to holder).
 const REQUEST: u16 = 0;
 /// The active-message id of answers (holder to puller).
 const ANSWER: u16 = 1;
+/// How many failed offers a node remembers (see `Inner::gave_up`).
+const GAVE_UP_KEPT: usize = 64;
 
 /// How a node moves objects.
 #[derive(Clone, Debug)]
@@ -98,7 +103,7 @@ pub struct NodeStats {
 /// which end when the node is dropped).
 pub struct ObjectNode {
     inner: Arc<Inner>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 /// A request being served: its cancel signal and how many of its fetches are under way.
@@ -112,8 +117,15 @@ struct Inner {
     recycler: recycle::Recycler,
     budget: budget::Budget,
     next_req: AtomicU32,
-    /// Woken whenever this node seals an object.
-    sealed: tokio::sync::Notify,
+    /// Woken whenever an object is sealed here or starts arriving.
+    arrived: tokio::sync::Notify,
+    /// The endpoints kept for relaying.
+    links: Mutex<relay::Links>,
+    /// Objects whose offer this node took and failed lately (so that receivers waiting
+    /// for it to relay them stop waiting), the last [`GAVE_UP_KEPT`].
+    gave_up: Mutex<std::collections::VecDeque<ObjectId>>,
+    /// The address this node listens on for receivers ([`ObjectNode::listen`]).
+    listening: std::sync::OnceLock<std::net::SocketAddr>,
     /// The objects this node is receiving, served to others as their chunks arrive.
     partial: partial::Partials,
     /// The objects a pull is moving now, each with the signal its waiting pulls watch.
@@ -153,7 +165,10 @@ impl ObjectNode {
             next_req: AtomicU32::new(rand_start()),
             pulling: Mutex::default(),
             partial: Mutex::default(),
-            sealed: tokio::sync::Notify::new(),
+            arrived: tokio::sync::Notify::new(),
+            links: Mutex::default(),
+            gave_up: Mutex::default(),
+            listening: std::sync::OnceLock::new(),
             sending: Mutex::default(),
             waiting: Mutex::default(),
             malformed: AtomicU64::new(0),
@@ -166,7 +181,7 @@ impl ObjectNode {
             tokio::spawn(serve::serve(Arc::downgrade(&inner), requests)),
             tokio::spawn(route(Arc::downgrade(&inner), answers)),
         ];
-        Ok(ObjectNode { inner, tasks })
+        Ok(ObjectNode { inner, tasks: Mutex::new(tasks) })
     }
 
     /// Seals `bytes` as object `id` in this node's store, cut in chunks of the node's
@@ -190,7 +205,7 @@ impl ObjectNode {
         let end = tokio::time::Instant::now() + limit;
         loop {
             // Made before the look, so that no seal is missed.
-            let sealed = self.inner.sealed.notified();
+            let sealed = self.inner.arrived.notified();
             if let Some(o) = self.inner.store.get(&id) {
                 return Ok(o);
             }
@@ -240,7 +255,7 @@ impl ObjectNode {
 
 impl Drop for ObjectNode {
     fn drop(&mut self) {
-        for t in &self.tasks {
+        for t in self.tasks.get_mut().unwrap_or_else(PoisonError::into_inner).iter() {
             t.abort();
         }
     }
@@ -250,7 +265,7 @@ impl Inner {
     /// Seals `object` as `id` in the store and wakes the node's waiters ([`ObjectNode::wait`]).
     fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
         self.store.seal(id, object)?;
-        self.sealed.notify_waiters();
+        self.arrived.notify_waiters();
         Ok(())
     }
 
@@ -296,6 +311,7 @@ async fn route(inner: std::sync::Weak<Inner>, mut answers: ucxkit_transport::AmR
                 | Msg::Inline { .. }
                 | Msg::Layout { .. }
                 | Msg::Done { .. }
+                | Msg::Address { .. }
                 | Msg::Failed { .. }),
             ) => msg,
             Ok(other) => {

@@ -37,14 +37,20 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
-    /// The transfer is ending: nothing more is lent.
+    /// The transfer is ending: nothing is lent until it reopens.
     closed: bool,
+    /// The transfer ended (the object sealed first, when it arrived).
+    gone: bool,
 }
 
 impl Partial {
     fn new(layout: Arc<Layout>) -> Partial {
         let slots = (0..layout.count()).map(|_| Slot::Missing).collect();
-        Partial { layout, state: Mutex::new(State { slots, closed: false }), changed: Notify::new() }
+        Partial {
+            layout,
+            state: Mutex::new(State { slots, closed: false, gone: false }),
+            changed: Notify::new(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -57,19 +63,21 @@ impl Partial {
     }
 
     /// Chunk `k`, lent for a send once it has arrived, checked out and is not lent to
-    /// another; give it back with [`Partial::give_back`]. `None` when the transfer ends
-    /// first (the caller looks in the store: it may have been sealed).
+    /// another, and the transfer is not collecting its pieces; give it back with
+    /// [`Partial::give_back`]. `None` when the transfer ends first (the caller looks in
+    /// the store: an object that arrived is sealed before its transfer ends).
     pub(super) async fn lend(&self, k: u64) -> Option<BytesMut> {
         loop {
             // Made before the look, so that no change is missed.
             let changed = self.changed.notified();
             {
                 let mut s = self.lock();
-                if s.closed {
+                if s.gone {
                     return None;
                 }
+                let closed = s.closed;
                 let slot = s.slots.get_mut(k as usize)?;
-                if let Slot::Here(_) = slot {
+                if let (Slot::Here(_), false) = (&slot, closed) {
                     let Slot::Here(piece) = std::mem::replace(slot, Slot::Lent) else { unreachable!() };
                     return Some(piece);
                 }
@@ -127,6 +135,7 @@ impl<'a> Published<'a> {
     pub(super) fn new(node: &'a Inner, id: ObjectId, layout: Arc<Layout>) -> Published<'a> {
         let partial = Arc::new(Partial::new(layout));
         node.partial.lock().unwrap_or_else(PoisonError::into_inner).insert(id, partial.clone());
+        node.arrived.notify_waiters();
         Published { node, id, partial }
     }
 
@@ -154,7 +163,9 @@ impl Drop for Published<'_> {
             p.remove(&self.id);
         }
         drop(p);
-        self.partial.lock().closed = true;
+        let mut s = self.partial.lock();
+        (s.closed, s.gone) = (true, true);
+        drop(s);
         self.partial.changed.notify_waiters();
     }
 }
@@ -191,6 +202,19 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(50));
         assert!(got.iter().all(Option::is_none), "chunk 1 still lent, the rest missing");
         assert_eq!(&again[..], b"one");
-        assert_eq!(p.lend(1).await, None, "closed");
+        // While collecting, a relay waits: for the transfer to reopen, or to end.
+        p.give_back(1, again);
+        let third = tokio::spawn({
+            let p = p.clone();
+            async move { p.lend(1).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!third.is_finished(), "nothing is lent while collecting");
+        p.lock().closed = false;
+        p.changed.notify_waiters();
+        assert_eq!(&third.await.unwrap().unwrap()[..], b"one", "lent once reopened");
+        p.lock().gone = true;
+        p.changed.notify_waiters();
+        assert_eq!(p.lend(2).await, None, "the transfer ended");
     }
 }

@@ -68,6 +68,17 @@ impl Inner {
         holders: &[Endpoint],
         priority: Priority,
     ) -> Result<Object> {
+        self.pull_with(id, holders, Choice::all(holders), priority).await
+    }
+
+    /// [`Inner::pull_from`] from `holders` in the order of `choice`.
+    pub(super) async fn pull_with(
+        &self,
+        id: ObjectId,
+        holders: &[Endpoint],
+        choice: Choice,
+        priority: Priority,
+    ) -> Result<Object> {
         if holders.is_empty() && self.store.get(&id).is_none() {
             return Err(Error::InvalidArgument("a pull needs at least one holder".into()));
         }
@@ -96,7 +107,7 @@ impl Inner {
             }
         }
         let _pulling = Pulling { node, id };
-        tokio::time::timeout_at(end, transfer(node, id, holders, priority))
+        tokio::time::timeout_at(end, transfer(node, id, holders, choice, priority))
             .await
             .unwrap_or_else(|_| Err(late()))
     }
@@ -142,6 +153,24 @@ impl Drop for Room<'_> {
     }
 }
 
+/// Which holders of a pull serve it first.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Choice {
+    /// The first this many holders serve the pull; the others stand by until none of
+    /// those does (their lookups answered, none serving).
+    pub(super) first: usize,
+    /// How long the first holders' lookups wait for the object to start arriving there
+    /// (relays that may get their own offer later), in milliseconds.
+    pub(super) wait_ms: u32,
+}
+
+impl Choice {
+    /// Every holder serves at once; none waits.
+    pub(super) fn all(holders: &[Endpoint]) -> Choice {
+        Choice { first: holders.len(), wait_ms: 0 }
+    }
+}
+
 /// What a holder answered to a lookup.
 pub(super) enum Found {
     /// It does not have the object.
@@ -153,26 +182,40 @@ pub(super) enum Found {
 }
 
 /// Looks `id` up at every holder; takes the first inline answer or the first layout and
-/// fetches the chunks, with the holders that answer the same layout joining in.
-async fn transfer(node: &Inner, id: ObjectId, holders: &[Endpoint], priority: Priority) -> Result<Object> {
+/// fetches the chunks, with the holders that answer the same layout joining in (in the
+/// order of `choice`).
+async fn transfer(
+    node: &Inner,
+    id: ObjectId,
+    holders: &[Endpoint],
+    choice: Choice,
+    priority: Priority,
+) -> Result<Object> {
     let mut lookups: FuturesUnordered<_> = holders
         .iter()
         .enumerate()
         .map(|(i, h)| -> super::fetch::Boxed<'_, (usize, Result<Found>)> {
-            Box::pin(async move { (i, lookup(node, id, h).await) })
+            let wait_ms = if i < choice.first { choice.wait_ms } else { 0 };
+            Box::pin(async move { (i, lookup(node, id, h, wait_ms).await) })
         })
         .collect();
     let mut last = None;
+    let mut unanswered = choice.first.min(holders.len());
     let (first, layout) = loop {
-        match lookups.next().await {
-            None => return Err(last.unwrap_or(Error::NotFound(id))),
-            Some((_, Ok(Found::Missing))) => {}
-            Some((_, Err(e))) => last = Some(e),
-            Some((_, Ok(Found::Inline(data)))) => {
+        let Some((i, found)) = lookups.next().await else {
+            return Err(last.unwrap_or(Error::NotFound(id)));
+        };
+        if i < choice.first {
+            unanswered -= 1;
+        }
+        match found {
+            Ok(Found::Missing) => {}
+            Err(e) => last = Some(e),
+            Ok(Found::Layout(layout)) => break (i, layout),
+            Ok(Found::Inline(data)) => {
                 let layout = Layout::of(&data, chunk_for(data.len() as u64, node.opts.chunk))?;
                 return seal(node, id, Object::new(Bytes::from(data), layout)?);
             }
-            Some((i, Ok(Found::Layout(layout)))) => break (i, layout),
         }
     };
     let size = usize::try_from(layout.size())
@@ -180,19 +223,25 @@ async fn transfer(node: &Inner, id: ObjectId, holders: &[Endpoint], priority: Pr
     node.store.reserve(&id, layout.size())?;
     let mut room = Room { node, id, size: layout.size(), armed: true };
     let mut t = Transfer::new(node, id, holders, layout, node.recycler.take(size), priority);
-    t.join(first);
+    t.choose(choice.first, unanswered);
+    t.found(first);
     let object = t.run(lookups).await?;
     room.armed = false;
-    seal(node, id, object)
+    // Sealed while the transfer still publishes its chunks: a relay waiting for one
+    // finds the object in the store once the transfer ends.
+    let sealed = seal(node, id, object);
+    drop(t);
+    sealed
 }
 
-/// Asks `holder` for `id`: missing, inline (checked; fetched again when corrupt, up to
-/// the node's tries) or its layout (checked).
-async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint) -> Result<Found> {
+/// Asks `holder` for `id`, waiting up to `wait_ms` for it to start arriving there:
+/// missing, inline (checked; fetched again when corrupt, up to the node's tries) or its
+/// layout (checked).
+async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint, wait_ms: u32) -> Result<Found> {
     for _ in 0..node.opts.tries {
         let (req, answer) = node.register();
         let _registered = Registered { node, req };
-        let msg = Msg::Lookup { req, id, inline_max: node.opts.inline_max };
+        let msg = Msg::Lookup { req, id, inline_max: node.opts.inline_max, wait_ms };
         let opts = AmSendOptions { reply: true, ..Default::default() };
         let (r, _) = node.ns.am_send_with(holder, REQUEST, &msg.encode(), Bytes::new(), opts).await;
         r?;
@@ -229,7 +278,7 @@ async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint) -> Result<Found> 
 }
 
 /// An answer's payload, read in place or fetched.
-async fn payload(m: AmMessage) -> Result<Vec<u8>> {
+pub(super) async fn payload(m: AmMessage) -> Result<Vec<u8>> {
     if let Some(d) = m.data() {
         return Ok(d.to_vec());
     }

@@ -28,7 +28,7 @@ pub(super) async fn serve(inner: Weak<Inner>, mut requests: AmReceiver) {
                 }
                 continue;
             }
-            Ok(msg @ (Msg::Lookup { .. } | Msg::Fetch { .. } | Msg::Offer { .. })) => msg,
+            Ok(msg @ (Msg::Lookup { .. } | Msg::Fetch { .. } | Msg::Offer { .. } | Msg::Hello { .. })) => msg,
             other => {
                 tracing::debug!(?other, "malformed request dropped");
                 node.malformed.fetch_add(1, Ordering::Relaxed);
@@ -40,25 +40,34 @@ pub(super) async fn serve(inner: Weak<Inner>, mut requests: AmReceiver) {
             node.malformed.fetch_add(1, Ordering::Relaxed);
             continue;
         };
-        drop(m);
         match msg {
             // Registered here, in arrival order, so that a cancel that follows it finds
             // it even before its task runs.
             Msg::Fetch { req, id, first, count, limit_ms } => {
+                drop(m);
                 let sending = Sending::start(&node, &ep, req);
                 tokio::spawn(fetch(node, ep, sending, id, first, count, limit_ms));
             }
+            // Its payload names the relays.
+            msg @ Msg::Offer { .. } => {
+                tokio::spawn(super::push::offered(node, ep, msg, m));
+            }
             msg => {
+                drop(m);
                 tokio::spawn(answer(node, ep, msg));
             }
         }
     }
 }
 
-/// Answers a lookup or an offer.
+/// Answers a lookup (once the object is here or arriving, or its wait is over) or a
+/// hello.
 async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
     match msg {
-        Msg::Lookup { req, id, inline_max } => {
+        Msg::Lookup { req, id, inline_max, wait_ms } => {
+            if wait_ms > 0 {
+                node.arriving(&id, Duration::from_millis(u64::from(wait_ms)).min(node.opts.deadline)).await;
+            }
             let (reply, payload) = match node.store.get(&id) {
                 Some(o) if o.len() as u64 <= u64::from(inline_max) => {
                     (Msg::Inline { req, sum: crate::sums::sum(o.bytes()) }, o.bytes().clone())
@@ -72,14 +81,15 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
             };
             send_answer(&node, &ep, &reply, payload).await;
         }
-        Msg::Offer { req, id, size } => {
-            // Pulled from the pusher, within this node's room (the pull reserves it).
-            let reply = match node.pull_from(id, std::slice::from_ref(&ep), crate::Priority::Get).await {
-                Ok(o) if o.len() as u64 == size => Msg::Done { req },
-                Ok(o) => Msg::Failed { req, reason: format!("offered {size} bytes, pulled {}", o.len()) },
-                Err(e) => Msg::Failed { req, reason: e.to_string() },
+        Msg::Hello { req } => {
+            let (reply, payload) = match node.listening() {
+                Some(a) => (Msg::Address { req }, Bytes::from(a.to_string())),
+                None => (
+                    Msg::Failed { req, reason: "the node does not listen for receivers".into() },
+                    Bytes::new(),
+                ),
             };
-            send_answer(&node, &ep, &reply, Bytes::new()).await;
+            send_answer(&node, &ep, &reply, payload).await;
         }
         _ => {}
     }
@@ -257,6 +267,25 @@ impl Drop for Sending {
 }
 
 impl Inner {
+    /// Waits up to `limit` for object `id` to be sealed here or to start arriving, or
+    /// until this node gave up on an offer of it.
+    async fn arriving(&self, id: &ObjectId, limit: Duration) {
+        let end = tokio::time::Instant::now() + limit;
+        loop {
+            // Made before the look, so that no arrival is missed.
+            let arrived = self.arrived.notified();
+            if self.store.get(id).is_some() || self.partial_of(id).is_some() {
+                return;
+            }
+            if self.gave_up.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(id) {
+                return;
+            }
+            if tokio::time::timeout_at(end, arrived).await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Ends the fetches of request `req` from the puller at `ep`, and any that come for
     /// it later (until the last of them ends).
     fn cancel(&self, ep: &Endpoint, req: u32) {
@@ -267,7 +296,9 @@ impl Inner {
     }
 }
 
-async fn send_answer(node: &Inner, ep: &Endpoint, reply: &Msg, payload: Bytes) {
+/// Sends `reply` (with `payload`) to `ep`; a failure is only logged (the asker's
+/// deadline covers it).
+pub(super) async fn send_answer(node: &Inner, ep: &Endpoint, reply: &Msg, payload: Bytes) {
     let (r, _) = node.ns.am_send(ep, ANSWER, &reply.encode(), payload).await;
     if let Err(e) = r {
         tracing::debug!(req = reply.req(), %e, "an answer could not be sent");
