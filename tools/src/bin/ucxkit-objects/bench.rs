@@ -1,6 +1,7 @@
-//! `bench`: a holder and `--receivers` receivers on this host; every size pulled
-//! `--reps` times by all receivers at once, the slowest receiver's time counted, the
-//! median repetition reported; `--compare` adds `ucx_perftest -t tag_bw`.
+//! `bench`: a holder and `--receivers` receivers on this host; every size moved `--reps`
+//! times by each of `--ops` (all receivers pulling at once, the slowest receiver's time
+//! counted; or a broadcast in a shape, timed by the holder until every receiver holds
+//! it), the median repetition reported; `--compare` adds `ucx_perftest -t tag_bw`.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -8,6 +9,7 @@ use std::time::Duration;
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use ucxkit::object_push::Shape;
 use ucxkit_tools::perftest;
 use ucxkit_tools::size::{format_size, parse_sizes};
 
@@ -22,6 +24,10 @@ pub(crate) struct BenchArgs {
     /// Receiver processes pulling each object at once.
     #[arg(short, long, default_value_t = 1)]
     receivers: usize,
+    /// What to time, comma-separated: `pull` (every receiver pulls from the holder at
+    /// once), or a broadcast from the holder: `direct`, `chain`, `tree<fan-out>`.
+    #[arg(long, default_value = "pull", value_delimiter = ',')]
+    ops: Vec<Op>,
     /// Repetitions per size (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -39,6 +45,34 @@ pub(crate) struct BenchArgs {
     node: NodeArgs,
     #[command(flatten)]
     output: OutputArgs,
+}
+
+/// One way of moving an object to the receivers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    /// Every receiver pulls it at once.
+    Pull,
+    /// The holder broadcasts it in a shape.
+    Broadcast(Shape),
+}
+
+impl std::str::FromStr for Op {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Op, String> {
+        match s {
+            "pull" => Ok(Op::Pull),
+            s => s.parse().map(Op::Broadcast).map_err(|e| format!("{e} (or pull)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Op::Pull => write!(f, "pull"),
+            Op::Broadcast(s) => write!(f, "{s}"),
+        }
+    }
 }
 
 /// How long a started process may take to say it is ready.
@@ -96,6 +130,7 @@ impl Proc {
 
 /// One result row.
 struct Row {
+    op: String,
     size: usize,
     time_us: f64,
     /// The receivers' largest peak resident memory after this size, MiB (0: not known).
@@ -127,29 +162,29 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let limit = a.node.deadline + Duration::from_secs(10);
     let mut rows = Vec::new();
     for &size in &sizes {
-        let mut times = Vec::new();
-        let mut peak = 0f64;
-        for _ in 0..a.reps {
-            for r in &mut receivers {
-                r.stdin.write_all(format!("pull {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+        for &op in &a.ops {
+            let mut times = Vec::new();
+            let mut peak = 0f64;
+            for _ in 0..a.reps {
+                let (t, p) = match op {
+                    Op::Pull => pull(&mut receivers, size, limit).await?,
+                    Op::Broadcast(shape) => {
+                        broadcast(&mut holder, &mut receivers, size, shape, limit).await?
+                    }
+                };
+                times.push(t);
+                peak = peak.max(p);
             }
-            let mut slowest = 0f64;
-            for r in &mut receivers {
-                let l = r.line(limit).await?;
-                let bad = || format!("a receiver said {l:?}");
-                let (us, kib) = l.split_once(' ').ok_or_else(bad)?;
-                slowest = slowest.max(us.parse::<f64>().map_err(|_| bad())?);
-                peak = peak.max(kib.parse::<f64>().map_err(|_| bad())? / 1024.0);
-            }
-            times.push(slowest);
+            times.sort_by(f64::total_cmp);
+            let time_us = times[times.len() / 2];
+            let row = Row { op: op.to_string(), size, time_us, peak_mib: peak, source: "ucxkit" };
+            print(&a, &row, None, rows.is_empty());
+            rows.push(row);
         }
-        times.sort_by(f64::total_cmp);
-        let row = Row { size, time_us: times[times.len() / 2], peak_mib: peak, source: "ucxkit" };
-        print(&a, &row, None, rows.is_empty());
-        rows.push(row);
         if a.compare {
             let theirs = perftest_row(&a, size)?;
-            let ratio = rows.last().map_or(f64::NAN, |r: &Row| r.mibps() / theirs.mibps());
+            let first = &rows[rows.len() - a.ops.len()];
+            let ratio = first.mibps() / theirs.mibps();
             print(&a, &theirs, Some(ratio), false);
             rows.push(theirs);
         }
@@ -162,6 +197,48 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     drop(receivers);
     drop(holder);
     Ok(())
+}
+
+/// Every receiver pulls the object of `size` bytes at once: the slowest one's time
+/// (microseconds) and the largest peak resident memory (MiB).
+async fn pull(receivers: &mut [Proc], size: usize, limit: Duration) -> Result<(f64, f64), String> {
+    for r in receivers.iter_mut() {
+        r.stdin.write_all(format!("pull {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+    }
+    let (mut slowest, mut peak) = (0f64, 0f64);
+    for r in receivers.iter_mut() {
+        let l = r.line(limit).await?;
+        let bad = || format!("a receiver said {l:?}");
+        let (us, kib) = l.split_once(' ').ok_or_else(bad)?;
+        slowest = slowest.max(us.parse::<f64>().map_err(|_| bad())?);
+        peak = peak.max(kib.parse::<f64>().map_err(|_| bad())? / 1024.0);
+    }
+    Ok((slowest, peak))
+}
+
+/// The holder broadcasts the object of `size` bytes in `shape`: its time (microseconds)
+/// and the receivers' largest peak resident memory (MiB), read as they release it.
+async fn broadcast(
+    holder: &mut Proc,
+    receivers: &mut [Proc],
+    size: usize,
+    shape: Shape,
+    limit: Duration,
+) -> Result<(f64, f64), String> {
+    holder
+        .stdin
+        .write_all(format!("broadcast {size} {shape}\n").as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let l = holder.line(limit).await?;
+    let us = l.parse::<f64>().map_err(|_| format!("the holder said {l:?}"))?;
+    let mut peak = 0f64;
+    for r in receivers.iter_mut() {
+        r.stdin.write_all(format!("release {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+        let l = r.line(limit).await?;
+        peak = peak.max(l.parse::<f64>().map_err(|_| format!("a receiver said {l:?}"))? / 1024.0);
+    }
+    Ok((us, peak))
 }
 
 /// `ucx_perftest -t tag_bw` at `size` on the bench's transports and progress mode.
@@ -188,21 +265,23 @@ fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
     let v = perftest::run(&case, &setup)?;
     // Overall bandwidth (MB/s, 2^20 bytes) as time per message.
     let time_us = size as f64 / (v[5] * f64::from(1 << 20)) * 1e6;
-    Ok(Row { size, time_us, peak_mib: 0.0, source: "ucx_perftest" })
+    Ok(Row { op: "tag_bw".into(), size, time_us, peak_mib: 0.0, source: "ucx_perftest" })
 }
 
 /// A row as the plotting module's points: bandwidth, and time per pull (ucx_perftest's
 /// under the same names, drawn dashed beside ucxkit's).
 fn plot_rows(r: &Row) -> [ucxkit_tools::report::Row; 2] {
     use ucxkit_tools::report::Row as Point;
+    // ucx_perftest's one transfer is drawn beside the first op's.
+    let op = if r.source == "ucx_perftest" { "pull" } else { &r.op };
     [
-        Point::point("pull", r.size, 0.0, r.mibps(), r.source),
-        Point::point("pull time", r.size, r.time_us, 0.0, r.source),
+        Point::point(op, r.size, 0.0, r.mibps(), r.source),
+        Point::point(format!("{op} time"), r.size, r.time_us, 0.0, r.source),
     ]
 }
 
 fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
-    let (op, receivers) = if r.source == "ucxkit" { ("pull", a.receivers) } else { ("tag_bw", 1) };
+    let (op, receivers) = (r.op.as_str(), if r.source == "ucxkit" { a.receivers } else { 1 });
     if a.output.json {
         let mut v = json!({
             "op": op, "bytes": r.size, "receivers": receivers, "time_us": (r.time_us * 10.0).round() / 10.0,
@@ -236,14 +315,14 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
     }
     if first {
         println!(
-            "{:<7} {:>9} {:>9} {:>12} {:>10} {:>9}  {:<12} {:>6}",
+            "{:<8} {:>9} {:>9} {:>12} {:>10} {:>9}  {:<12} {:>6}",
             "op", "size", "receivers", "time_us", "MiB/s", "peak_MiB", "source", "ratio"
         );
     }
     let ratio = ratio.map_or(String::new(), |x| format!("{x:.2}"));
     let peak = if r.peak_mib > 0.0 { format!("{:.0}", r.peak_mib) } else { "-".into() };
     println!(
-        "{op:<7} {:>9} {:>9} {:>12.1} {:>10.0} {peak:>9}  {:<12} {ratio:>6}",
+        "{op:<8} {:>9} {:>9} {:>12.1} {:>10.0} {peak:>9}  {:<12} {ratio:>6}",
         format_size(r.size),
         receivers,
         r.time_us,

@@ -3,6 +3,7 @@
 //! ```text
 //! ucxkit-objects bench                               # 1 MiB to 256 MiB, one receiver, shm
 //! ucxkit-objects bench --receivers 2 --sizes 256M --compare
+//! ucxkit-objects bench --receivers 4 --ops pull,direct,chain,tree2 --transport tcp
 //! ucxkit-objects serve --listen 0.0.0.0:13340 FILE...
 //! ucxkit-objects get --from HOST:13340 NAME --out FILE
 //! ```
@@ -10,7 +11,8 @@
 //! `bench` starts a holder process and `--receivers` receiver processes of this program
 //! on this host; the holder seals one object per size, the receivers pull it at once
 //! (each its own copy, released after each pull) and report their time; the slowest
-//! receiver's time counts. `--compare` runs `ucx_perftest -t tag_bw` on the same
+//! receiver's time counts; `--ops` adds broadcasts from the holder in a shape, the
+//! receivers relaying to one another. `--compare` runs `ucx_perftest -t tag_bw` on the same
 //! transports and sizes in the same run and prints the ratio.
 
 #![forbid(unsafe_code)]

@@ -1,6 +1,9 @@
-//! The processes `bench` starts: the holder, which seals one object per size and serves
-//! them, and the receivers, which pull on command (`pull SIZE` on stdin) and print
-//! their time in microseconds and their peak resident memory in KiB.
+//! The processes `bench` starts: the holder, which seals one object per size, serves
+//! them and broadcasts them on command (`broadcast SIZE SHAPE` on stdin: it prints the
+//! microseconds the broadcast took), and the receivers, which pull on command (`pull
+//! SIZE`: they print their time in microseconds and their peak resident memory in KiB)
+//! and relay what they receive (`release SIZE` after a broadcast: they check it where
+//! asked, drop it and print their peak resident memory).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,7 +11,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tokio::io::{AsyncBufReadExt, BufReader};
-use ucxkit::object_push::{MemoryStore, ObjectId, ObjectNode};
+use ucxkit::object_push::{MemoryStore, ObjectId, ObjectNode, Shape};
 
 use crate::NodeArgs;
 
@@ -74,20 +77,34 @@ pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
     }
     let listener = worker.listen(addr(a.port)).map_err(|e| format!("listening on {}: {e}", a.port))?;
     println!("ready");
-    let accept = async {
-        let mut eps = Vec::new();
-        loop {
-            match listener.accept().await {
-                Ok(ep) => eps.push(ep),
-                Err(e) => eprintln!("ucxkit-objects holder: accept: {e}"),
+    let eps = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let accept = tokio::spawn({
+        let eps = eps.clone();
+        async move {
+            loop {
+                match listener.accept().await {
+                    Ok(ep) => eps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(ep),
+                    Err(e) => eprintln!("ucxkit-objects holder: accept: {e}"),
+                }
             }
         }
-    };
+    });
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
-    tokio::select! {
-        () = accept => {}
-        _ = async { while let Ok(Some(_)) = stdin.next_line().await {} } => {}
+    while let Ok(Some(line)) = stdin.next_line().await {
+        let bad = || format!("unknown command {line:?}");
+        let mut words = line.strip_prefix("broadcast ").ok_or_else(bad)?.split(' ');
+        let size = words.next().and_then(|s| s.parse::<usize>().ok()).ok_or_else(bad)?;
+        let shape = words.next().ok_or_else(bad)?.parse::<Shape>()?;
+        let to = eps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let t = Instant::now();
+        let b = node.broadcast(object_id(size), &to, shape).await.map_err(|e| e.to_string())?;
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if let Some((i, e)) = b.first_error() {
+            return Err(format!("broadcast of {size} B to receiver {i}: {e}"));
+        }
+        println!("{us:.1}");
     }
+    accept.abort();
     Ok(())
 }
 
@@ -98,10 +115,22 @@ pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
     let worker = a.node.worker()?;
     let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
         .map_err(|e| e.to_string())?;
+    node.listen(addr(0)).map_err(|e| format!("listening for receivers: {e}"))?;
     let ep = worker.connect(addr(a.port)).await.map_err(|e| format!("connecting to the holder: {e}"))?;
     println!("connected");
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(line)) = stdin.next_line().await {
+        if let Some(size) = line.strip_prefix("release ").and_then(|s| s.trim().parse::<usize>().ok()) {
+            let id = object_id(size);
+            let o = node.get(&id).ok_or_else(|| format!("the broadcast of {size} B did not arrive"))?;
+            if a.check && o.bytes()[..] != pattern(size)[..] {
+                return Err(format!("the object of {size} B arrived different"));
+            }
+            drop(o);
+            node.release(&id);
+            println!("{}", peak_rss_kib());
+            continue;
+        }
         let Some(size) = line.strip_prefix("pull ").and_then(|s| s.trim().parse::<usize>().ok()) else {
             return Err(format!("unknown command {line:?}"));
         };
