@@ -6,6 +6,7 @@
 //!   exchange of addresses;
 //! - [`netns`]: test hosts as network namespaces joined by a veth pair, removed when the
 //!   test ends (also when it fails);
+//! - [`switch`]: several such hosts on one bridge, each link limited to a rate;
 //! - [`payload`](mod@payload): deterministic payloads and a small generator;
 //! - [`forge`]: ucxkit's envelopes forged as an attacker would, for hostile-input tests.
 //!
@@ -18,6 +19,7 @@ pub mod forge;
 pub mod netns;
 pub mod payload;
 pub mod procs;
+pub mod switch;
 pub mod workers;
 
 pub use payload::{payload, Rng};

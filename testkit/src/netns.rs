@@ -14,7 +14,7 @@ use std::time::Duration;
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
 /// A name part unique to this process and call.
-fn unique() -> String {
+pub(crate) fn unique() -> String {
     format!("{}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
@@ -36,7 +36,7 @@ pub struct TwoHosts {
 }
 
 /// Runs `ip` with `args`; an error names the command and what it printed.
-fn ip(args: &[&str]) -> Result<(), String> {
+pub(crate) fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip").args(args).output().map_err(|e| format!("running ip: {e}"))?;
     if out.status.success() {
         Ok(())
@@ -62,7 +62,7 @@ pub fn available() -> Result<(), String> {
 
 /// Deletes the namespaces a test process left behind when it was killed before its rigs
 /// were dropped (`ucxk<pid>x...`, the process gone).
-fn remove_stale() {
+pub(crate) fn remove_stale() {
     let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else { return };
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Some(name) = line.split_whitespace().next() else { continue };
@@ -118,22 +118,27 @@ impl TwoHosts {
         // UCX leaves out devices that are not up yet when a context opens them: wait until
         // both ends report their carrier.
         for (ns, dev) in [(&hosts.a, &hosts.dev_a), (&hosts.b, &hosts.dev_b)] {
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                let out = Command::new("ip")
-                    .args(["-n", ns, "link", "show", dev])
-                    .output()
-                    .map_err(|e| format!("running ip: {e}"))?;
-                if String::from_utf8_lossy(&out.stdout).contains("state UP") {
-                    break;
-                }
-                if std::time::Instant::now() >= deadline {
-                    return Err(format!("{dev} in {ns} did not come up"));
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            wait_up(ns, dev)?;
         }
         Ok(hosts)
+    }
+}
+
+/// Waits (at most 10 s) until device `dev` in namespace `ns` reports its carrier.
+pub(crate) fn wait_up(ns: &str, dev: &str) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = Command::new("ip")
+            .args(["-n", ns, "link", "show", dev])
+            .output()
+            .map_err(|e| format!("running ip: {e}"))?;
+        if String::from_utf8_lossy(&out.stdout).contains("state UP") {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(format!("{dev} in {ns} did not come up"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
