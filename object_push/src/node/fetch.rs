@@ -202,6 +202,7 @@ impl<'a> Transfer<'a> {
         let ep = self.sources[s].ep;
         let reg = Registered { node: self.node, req };
         self.sources[s].live = Some(Live { reg, dead, ep, outstanding: HashMap::new() });
+        tracing::debug!(id = %self.id, source = s, done = self.done, "a holder serves the transfer");
         self.answers.push(Box::pin(async move { (s, rx.await.ok().map(|(m, _): (Msg, AmMessage)| m)) }));
     }
 
@@ -408,6 +409,7 @@ impl<'a> Transfer<'a> {
     /// one) until the node's tries are spent.
     fn checked(&mut self, (s, k, good, piece): Checked) -> Result<()> {
         if good {
+            tracing::trace!(id = %self.id, chunk = k, source = s, "chunk checked");
             self.published.put(k, piece);
             self.done += 1;
             return Ok(());

@@ -123,6 +123,7 @@ async fn fetch(
     }
     let limit = Duration::from_millis(u64::from(limit_ms));
     let range = u64::from(first)..end;
+    tracing::trace!(req, %id, ?range, "fetch");
     let failed = tokio::select! {
         r = tokio::time::timeout(limit, send_chunks(&node, &ep, req, id, &from, range)) => match r {
             Ok(r) => r.err(),

@@ -7,9 +7,12 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::json;
+use std::net::IpAddr;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
 use ucxkit::object_push::Shape;
+use ucxkit_testkit::switch::{Host, Switch};
 use ucxkit_tools::perftest;
 use ucxkit_tools::size::{format_size, parse_sizes};
 
@@ -25,7 +28,8 @@ pub(crate) struct BenchArgs {
     #[arg(short, long, default_value_t = 1)]
     receivers: usize,
     /// What to time, comma-separated: `pull` (every receiver pulls from the holder at
-    /// once), or a broadcast from the holder: `direct`, `chain`, `tree<fan-out>`.
+    /// once), `single` (the first receiver alone pulls: one transfer, the yardstick of
+    /// the others), or a broadcast from the holder: `direct`, `chain`, `tree<fan-out>`.
     #[arg(long, default_value = "pull", value_delimiter = ',')]
     ops: Vec<Op>,
     /// Repetitions per size (the median is reported).
@@ -41,6 +45,11 @@ pub(crate) struct BenchArgs {
     /// ucx_perftest's server and client to CPUs 0 and 1.
     #[arg(long)]
     pin: bool,
+    /// Run the holder and every receiver on a host of its own (network namespaces on one
+    /// switch, made and removed by the bench), each link limited to this rate both ways
+    /// (tc's units: `1gbit`, `200mbit`; `none`: not limited). Over TCP.
+    #[arg(long)]
+    netns: Option<String>,
     #[command(flatten)]
     node: NodeArgs,
     #[command(flatten)]
@@ -52,6 +61,8 @@ pub(crate) struct BenchArgs {
 enum Op {
     /// Every receiver pulls it at once.
     Pull,
+    /// The first receiver alone pulls it.
+    Single,
     /// The holder broadcasts it in a shape.
     Broadcast(Shape),
 }
@@ -61,7 +72,8 @@ impl std::str::FromStr for Op {
     fn from_str(s: &str) -> Result<Op, String> {
         match s {
             "pull" => Ok(Op::Pull),
-            s => s.parse().map(Op::Broadcast).map_err(|e| format!("{e} (or pull)")),
+            "single" => Ok(Op::Single),
+            s => s.parse().map(Op::Broadcast).map_err(|e| format!("{e} (or pull, single)")),
         }
     }
 }
@@ -70,6 +82,7 @@ impl std::fmt::Display for Op {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Op::Pull => write!(f, "pull"),
+            Op::Single => write!(f, "single"),
             Op::Broadcast(s) => write!(f, "{s}"),
         }
     }
@@ -85,6 +98,13 @@ struct Proc {
     lines: Lines<BufReader<ChildStdout>>,
 }
 
+/// Where a started process runs: on this host, or on a host of a switch, where it listens
+/// on its address and reaches the holder at the holder's.
+struct Place<'a> {
+    host: Option<&'a Host>,
+    holder: IpAddr,
+}
+
 impl Proc {
     fn start(
         role: &str,
@@ -93,10 +113,25 @@ impl Proc {
         cpu: Option<usize>,
         check: bool,
         node: &NodeArgs,
+        place: &Place<'_>,
     ) -> Result<Proc, String> {
         let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
-        let mut c = Command::new(exe);
-        c.arg(role).arg(format!("--port={port}")).arg(format!("--sizes={sizes}"));
+        let mut c = match place.host {
+            Some(h) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &h.ns]).arg(exe).env("UCX_NET_DEVICES", &h.dev);
+                c.arg(role).arg(format!("--ip={}", h.addr));
+                c
+            }
+            None => {
+                let mut c = Command::new(exe);
+                c.arg(role);
+                c
+            }
+        };
+        c.arg(format!("--port={port}"))
+            .arg(format!("--holder-ip={}", place.holder))
+            .arg(format!("--sizes={sizes}"));
         if let Some(cpu) = cpu {
             c.arg(format!("--cpu={cpu}"));
         }
@@ -132,6 +167,7 @@ impl Proc {
 struct Row {
     op: String,
     size: usize,
+    receivers: usize,
     time_us: f64,
     /// The receivers' largest peak resident memory after this size, MiB (0: not known).
     peak_mib: f64,
@@ -151,11 +187,28 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     }
     let list = sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let port = ucxkit_tools::cli::free_port()?;
-    let mut holder = Proc::start("holder", port, &list, a.pin.then_some(0), false, &a.node)?;
+    let mut a = a;
+    // Removed (with the processes in it killed first) when the bench ends, either way.
+    let switch = match &a.netns {
+        Some(rate) => {
+            if a.compare {
+                return Err("--compare runs ucx_perftest on this host: leave it out with --netns".into());
+            }
+            a.node.transport = ucxkit_tools::cli::Transport::Tcp;
+            let rate = (rate != "none").then_some(rate.as_str());
+            Some(Switch::new(a.receivers + 1, rate)?)
+        }
+        None => None,
+    };
+    let host = |i: usize| switch.as_ref().map(|s| &s.hosts[i]);
+    let holder_ip = host(0).map_or(IpAddr::from([127, 0, 0, 1]), |h| h.addr);
+    let place = |i| Place { host: host(i), holder: holder_ip };
+    let mut holder = Proc::start("holder", port, &list, a.pin.then_some(0), false, &a.node, &place(0))?;
     holder.expect("ready").await?;
     let mut receivers = Vec::new();
     for i in 0..a.receivers {
-        let mut r = Proc::start("receiver", port, &list, a.pin.then_some(i + 1), a.check, &a.node)?;
+        let mut r =
+            Proc::start("receiver", port, &list, a.pin.then_some(i + 1), a.check, &a.node, &place(i + 1))?;
         r.expect("connected").await?;
         receivers.push(r);
     }
@@ -168,6 +221,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             for _ in 0..a.reps {
                 let (t, p) = match op {
                     Op::Pull => pull(&mut receivers, size, limit).await?,
+                    Op::Single => pull(&mut receivers[..1], size, limit).await?,
                     Op::Broadcast(shape) => {
                         broadcast(&mut holder, &mut receivers, size, shape, limit).await?
                     }
@@ -177,15 +231,19 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             }
             times.sort_by(f64::total_cmp);
             let time_us = times[times.len() / 2];
-            let row = Row { op: op.to_string(), size, time_us, peak_mib: peak, source: "ucxkit" };
-            print(&a, &row, None, rows.is_empty());
+            let receivers = if op == Op::Single { 1 } else { a.receivers };
+            let row = Row { op: op.to_string(), size, receivers, time_us, peak_mib: peak, source: "ucxkit" };
+            // Against one transfer of the same size, where measured before it.
+            let single = rows.iter().rev().find(|r: &&Row| r.size == size && r.op == "single");
+            let x_single = single.filter(|_| op != Op::Single).map(|s| time_us / s.time_us);
+            print(&a, &row, None, x_single, rows.is_empty());
             rows.push(row);
         }
         if a.compare {
             let theirs = perftest_row(&a, size)?;
             let first = &rows[rows.len() - a.ops.len()];
             let ratio = first.mibps() / theirs.mibps();
-            print(&a, &theirs, Some(ratio), false);
+            print(&a, &theirs, Some(ratio), None, false);
             rows.push(theirs);
         }
     }
@@ -196,6 +254,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     }
     drop(receivers);
     drop(holder);
+    drop(switch);
     Ok(())
 }
 
@@ -265,7 +324,7 @@ fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
     let v = perftest::run(&case, &setup)?;
     // Overall bandwidth (MB/s, 2^20 bytes) as time per message.
     let time_us = size as f64 / (v[5] * f64::from(1 << 20)) * 1e6;
-    Ok(Row { op: "tag_bw".into(), size, time_us, peak_mib: 0.0, source: "ucx_perftest" })
+    Ok(Row { op: "tag_bw".into(), size, receivers: 1, time_us, peak_mib: 0.0, source: "ucx_perftest" })
 }
 
 /// A row as the plotting module's points: bandwidth, and time per pull (ucx_perftest's
@@ -280,27 +339,34 @@ fn plot_rows(r: &Row) -> [ucxkit_tools::report::Row; 2] {
     ]
 }
 
-fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
-    let (op, receivers) = (r.op.as_str(), if r.source == "ucxkit" { a.receivers } else { 1 });
+/// Prints a row; `ratio` is ucxkit's bandwidth over ucx_perftest's (on ucx_perftest's
+/// row), `x_single` the row's time over one transfer's.
+fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, first: bool) {
+    let (op, receivers) = (r.op.as_str(), r.receivers);
+    let net = a.netns.as_deref().unwrap_or("");
     if a.output.json {
         let mut v = json!({
             "op": op, "bytes": r.size, "receivers": receivers, "time_us": (r.time_us * 10.0).round() / 10.0,
             "mibps": r.mibps().round(), "peak_rss_mib": r.peak_mib.round(), "chunk": a.node.chunk, "window": a.node.window,
-            "transport": a.node.transport.name(), "source": r.source,
+            "transport": a.node.transport.name(), "netns": net, "source": r.source,
         });
         if let Some(x) = ratio {
             v["ratio"] = json!((x * 1000.0).round() / 1000.0);
+        }
+        if let Some(x) = x_single {
+            v["x_single"] = json!((x * 1000.0).round() / 1000.0);
         }
         println!("{v}");
         return;
     }
     if a.output.csv {
         if first {
-            println!("op,bytes,receivers,time_us,mibps,peak_rss_mib,chunk,window,transport,source,ratio");
+            println!("op,bytes,receivers,time_us,mibps,peak_rss_mib,chunk,window,transport,netns,source,ratio,x_single");
         }
         let ratio = ratio.map_or(String::new(), |x| format!("{x:.3}"));
+        let x_single = x_single.map_or(String::new(), |x| format!("{x:.3}"));
         println!(
-            "{op},{},{},{:.1},{:.0},{:.0},{},{},{},{},{ratio}",
+            "{op},{},{},{:.1},{:.0},{:.0},{},{},{},{net},{},{ratio},{x_single}",
             r.size,
             receivers,
             r.time_us,
@@ -315,14 +381,15 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, first: bool) {
     }
     if first {
         println!(
-            "{:<8} {:>9} {:>9} {:>12} {:>10} {:>9}  {:<12} {:>6}",
-            "op", "size", "receivers", "time_us", "MiB/s", "peak_MiB", "source", "ratio"
+            "{:<8} {:>9} {:>9} {:>12} {:>10} {:>9}  {:<12} {:>6} {:>8}",
+            "op", "size", "receivers", "time_us", "MiB/s", "peak_MiB", "source", "ratio", "x_single"
         );
     }
     let ratio = ratio.map_or(String::new(), |x| format!("{x:.2}"));
+    let x_single = x_single.map_or(String::new(), |x| format!("{x:.2}"));
     let peak = if r.peak_mib > 0.0 { format!("{:.0}", r.peak_mib) } else { "-".into() };
     println!(
-        "{op:<8} {:>9} {:>9} {:>12.1} {:>10.0} {peak:>9}  {:<12} {ratio:>6}",
+        "{op:<8} {:>9} {:>9} {:>12.1} {:>10.0} {peak:>9}  {:<12} {ratio:>6} {x_single:>8}",
         format_size(r.size),
         receivers,
         r.time_us,

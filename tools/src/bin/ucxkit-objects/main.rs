@@ -56,7 +56,7 @@ enum Cmd {
 pub(crate) struct NodeArgs {
     /// UCX transports.
     #[arg(long, value_enum, default_value = "shm")]
-    transport: Transport,
+    pub(crate) transport: Transport,
     /// How workers make progress.
     #[arg(long, value_enum, default_value = "event")]
     progress: Progress,

@@ -5,7 +5,7 @@
 //! and relay what they receive (`release SIZE` after a broadcast: they check it where
 //! asked, drop it and print their peak resident memory).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,9 +18,16 @@ use crate::NodeArgs;
 /// A role's arguments.
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct RoleArgs {
-    /// The holder's port on 127.0.0.1.
+    /// The holder's port.
     #[arg(long)]
     pub(crate) port: u16,
+    /// The holder's address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) holder_ip: IpAddr,
+    /// This process's address: it listens there (the holder for receivers, a receiver
+    /// for the receivers it relays to).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) ip: IpAddr,
     /// The object sizes, in bytes, comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub(crate) sizes: Vec<usize>,
@@ -39,9 +46,19 @@ pub(crate) fn object_id(size: usize) -> ObjectId {
     ObjectId::new(format!("bench/{size}").as_bytes()).unwrap_or_else(|_| unreachable!("a short id"))
 }
 
+/// Byte `i` of every bench object.
+fn pattern_byte(i: usize) -> u8 {
+    (i as u64).wrapping_mul(0x9e37_79b9).rotate_right(13) as u8
+}
+
 /// The bytes of the object of `size` bytes (written, so no page is the shared zero page).
 pub(crate) fn pattern(size: usize) -> Vec<u8> {
-    (0..size).map(|i| (i as u64).wrapping_mul(0x9e37_79b9).rotate_right(13) as u8).collect()
+    (0..size).map(pattern_byte).collect()
+}
+
+/// Whether `bytes` are an object's pattern (checked in place: no second copy in memory).
+fn is_pattern(bytes: &[u8]) -> bool {
+    bytes.iter().enumerate().all(|(i, &b)| b == pattern_byte(i))
 }
 
 /// This process's peak resident memory (`VmHWM`), KiB; 0 where the kernel does not say.
@@ -62,10 +79,6 @@ fn pin(cpu: Option<usize>) {
     }
 }
 
-fn addr(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
 /// Holds one object per size and serves them until stdin closes.
 pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
     pin(a.cpu);
@@ -75,7 +88,8 @@ pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
     for &s in &a.sizes {
         node.put(object_id(s), Bytes::from(pattern(s))).map_err(|e| e.to_string())?;
     }
-    let listener = worker.listen(addr(a.port)).map_err(|e| format!("listening on {}: {e}", a.port))?;
+    let listener =
+        worker.listen(SocketAddr::new(a.ip, a.port)).map_err(|e| format!("listening on {}: {e}", a.port))?;
     println!("ready");
     let eps = Arc::new(std::sync::Mutex::new(Vec::new()));
     let accept = tokio::spawn({
@@ -115,15 +129,16 @@ pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
     let worker = a.node.worker()?;
     let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
         .map_err(|e| e.to_string())?;
-    node.listen(addr(0)).map_err(|e| format!("listening for receivers: {e}"))?;
-    let ep = worker.connect(addr(a.port)).await.map_err(|e| format!("connecting to the holder: {e}"))?;
+    node.listen(SocketAddr::new(a.ip, 0)).map_err(|e| format!("listening for receivers: {e}"))?;
+    let holder = SocketAddr::new(a.holder_ip, a.port);
+    let ep = worker.connect(holder).await.map_err(|e| format!("connecting to the holder: {e}"))?;
     println!("connected");
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(line)) = stdin.next_line().await {
         if let Some(size) = line.strip_prefix("release ").and_then(|s| s.trim().parse::<usize>().ok()) {
             let id = object_id(size);
             let o = node.get(&id).ok_or_else(|| format!("the broadcast of {size} B did not arrive"))?;
-            if a.check && o.bytes()[..] != pattern(size)[..] {
+            if a.check && !is_pattern(o.bytes()) {
                 return Err(format!("the object of {size} B arrived different"));
             }
             drop(o);
@@ -138,7 +153,7 @@ pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
         let t = Instant::now();
         let o = node.pull(id, &ep).await.map_err(|e| format!("pull of {size} B: {e}"))?;
         let us = t.elapsed().as_secs_f64() * 1e6;
-        if a.check && o.bytes()[..] != pattern(size)[..] {
+        if a.check && !is_pattern(o.bytes()) {
             return Err(format!("the object of {size} B arrived different"));
         }
         drop(o);

@@ -1,0 +1,41 @@
+//! `ucxkit-objects bench` across network-namespace hosts whose links are limited to a
+//! rate: every receiver gets the object byte-exact in every shape, and a chain (each
+//! receiver relaying to the next) beats direct sends from the holder, whose link the
+//! direct sends share.
+
+use std::process::Command;
+
+/// The rows `bench --json` printed, by op.
+fn rows(stdout: &str) -> Vec<serde_json::Value> {
+    stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+#[test]
+fn a_chain_beats_direct_sends_over_rate_limited_hosts() {
+    if let Err(e) = ucxkit_testkit::netns::available() {
+        eprintln!("objects over hosts: skipped, network namespaces are not available here ({e})");
+        return;
+    }
+    // 8 MiB over 200 Mbit/s links: 0.34 s for one transfer, three times that for direct
+    // sends to 3 receivers. Chunks of 256 KiB, 4 in flight: a relay lags 1 MiB behind.
+    let out = Command::new(env!("CARGO_BIN_EXE_ucxkit-objects"))
+        .args(["bench", "--netns", "200mbit", "--receivers", "3", "--sizes", "8M", "--chunk", "256K"])
+        .args(["--window", "4", "--ops", "single,direct,chain,tree2", "--reps", "1", "--check", "--json"])
+        .output()
+        .expect("running ucxkit-objects");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let rows = rows(&stdout);
+    let x = |op: &str| {
+        let r = rows.iter().find(|r| r["op"] == op).unwrap_or_else(|| panic!("no {op} row in {stdout}"));
+        r["x_single"].as_f64().unwrap_or_else(|| panic!("{op} has no time against one transfer: {r}"))
+    };
+    let (direct, chain, tree) = (x("direct"), x("chain"), x("tree2"));
+    // Direct sends take about 3 transfers' time, a tree 2, a chain little more than 1.
+    assert!(direct > 2.5, "direct sends to 3 took {direct:.2} transfers");
+    assert!(
+        chain < 0.6 * direct && tree < 0.85 * direct,
+        "chain {chain:.2}, tree {tree:.2}, direct {direct:.2}"
+    );
+    assert!(rows.iter().all(|r| r["netns"] == "200mbit" && r["transport"] == "tcp"), "{stdout}");
+}
