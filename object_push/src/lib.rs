@@ -30,6 +30,7 @@
 #![deny(missing_docs)]
 
 mod error;
+mod file;
 mod id;
 mod node;
 mod shape;
@@ -38,6 +39,7 @@ pub mod sums;
 pub mod wire;
 
 pub use error::{Error, Result};
+pub use file::{FileStore, ObjectFile};
 pub use id::ObjectId;
 pub use node::{Broadcast, NodeOptions, NodeStats, ObjectNode, Priority};
 pub use shape::{LinkCost, Shape};

@@ -1,5 +1,6 @@
 //! Where a node keeps its objects: the [`ObjectStore`] trait, [`Object`] (a sealed
-//! object's bytes and layout) and [`MemoryStore`], the default.
+//! object's bytes, in memory or in a file, and its layout) and [`MemoryStore`], the
+//! default ([`crate::FileStore`] keeps objects in files).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -7,15 +8,23 @@ use std::sync::{Arc, Mutex, PoisonError};
 use bytes::Bytes;
 
 use crate::error::{Error, Result};
+use crate::file::ObjectFile;
 use crate::id::ObjectId;
 use crate::sums::Layout;
 
-/// A sealed object: immutable bytes and the layout (chunks and checksums) they were
-/// sealed with. Cheap to clone.
+/// A sealed object: immutable bytes, in memory or in a file ([`ObjectFile`]), and the
+/// layout (chunks and checksums) they were sealed with. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Object {
-    bytes: Bytes,
+    body: Body,
     layout: Arc<Layout>,
+}
+
+/// Where an object's bytes are.
+#[derive(Clone, Debug)]
+enum Body {
+    Memory(Bytes),
+    File(Arc<ObjectFile>),
 }
 
 impl Object {
@@ -24,19 +33,70 @@ impl Object {
     /// # Errors
     /// [`Error::InvalidArgument`] when the layout is of another size.
     pub fn new(bytes: Bytes, layout: Layout) -> Result<Object> {
-        if layout.size() != bytes.len() as u64 {
-            return Err(Error::InvalidArgument(format!(
-                "a layout of {} bytes for an object of {}",
-                layout.size(),
-                bytes.len()
-            )));
-        }
-        Ok(Object { bytes, layout: Arc::new(layout) })
+        Object::checked(Body::Memory(bytes), layout)
     }
 
-    /// The object's bytes.
-    pub fn bytes(&self) -> &Bytes {
-        &self.bytes
+    /// An object whose bytes are `file`'s, with `layout`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the layout is of another size.
+    pub fn in_file(file: ObjectFile, layout: Layout) -> Result<Object> {
+        Object::checked(Body::File(Arc::new(file)), layout)
+    }
+
+    /// An object whose bytes are a file shared with others (a transfer's).
+    pub(crate) fn in_shared_file(file: Arc<ObjectFile>, layout: Layout) -> Result<Object> {
+        Object::checked(Body::File(file), layout)
+    }
+
+    fn checked(body: Body, layout: Layout) -> Result<Object> {
+        let len = match &body {
+            Body::Memory(b) => b.len() as u64,
+            Body::File(f) => f.len(),
+        };
+        if layout.size() != len {
+            return Err(Error::InvalidArgument(format!(
+                "a layout of {} bytes for an object of {len}",
+                layout.size()
+            )));
+        }
+        Ok(Object { body, layout: Arc::new(layout) })
+    }
+
+    /// The object's bytes, when they are in memory (`None` for an object in a file:
+    /// [`Object::read`] it, or use its [`Object::file`]).
+    pub fn bytes(&self) -> Option<&Bytes> {
+        match &self.body {
+            Body::Memory(b) => Some(b),
+            Body::File(_) => None,
+        }
+    }
+
+    /// The file holding the object's bytes, for an object in a file.
+    pub fn file(&self) -> Option<&ObjectFile> {
+        match &self.body {
+            Body::Memory(_) => None,
+            Body::File(f) => Some(f),
+        }
+    }
+
+    /// Bytes `range` of the object: a slice of it in memory (no copy), or read from its
+    /// file (blocking: call it off the async threads for large reads).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range past the object's end; [`Error::Store`]
+    /// when its file cannot be read.
+    pub fn read(&self, range: std::ops::Range<u64>) -> Result<Bytes> {
+        if range.start > range.end || range.end > self.layout.size() {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {range:?} of an object of {}",
+                self.layout.size()
+            )));
+        }
+        match &self.body {
+            Body::Memory(b) => Ok(b.slice(range.start as usize..range.end as usize)),
+            Body::File(f) => f.read(range).map(Bytes::from),
+        }
     }
 
     /// Its chunks and their checksums.
@@ -44,19 +104,22 @@ impl Object {
         &self.layout
     }
 
-    /// Its bytes, taken out of the object.
-    pub fn into_bytes(self) -> Bytes {
-        self.bytes
+    /// Its bytes in memory, taken out of the object (`None` for an object in a file).
+    pub fn into_bytes(self) -> Option<Bytes> {
+        match self.body {
+            Body::Memory(b) => Some(b),
+            Body::File(_) => None,
+        }
     }
 
     /// Its size in bytes.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.layout.size() as usize
     }
 
     /// Whether it has no bytes.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.layout.size() == 0
     }
 }
 
@@ -87,20 +150,23 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// Forgets object `id` and hands it back, if it was held. Transfers of it already
     /// under way keep their bytes.
     fn release(&self, id: &ObjectId) -> Option<Object>;
+
+    /// A file to receive object `id` of `size` bytes into (after [`ObjectStore::reserve`]
+    /// took room for it), or `None` to receive it in memory, the default. An object
+    /// received into a file is sealed as [`Object::in_file`] of it.
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the file cannot be made.
+    fn file_for(&self, id: &ObjectId, size: u64) -> Result<Option<ObjectFile>> {
+        let _ = (id, size);
+        Ok(None)
+    }
 }
 
 /// Objects in memory, up to a capacity in bytes (sealed and reserved together).
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    capacity: Option<u64>,
-    state: Mutex<MemState>,
-}
-
-#[derive(Debug, Default)]
-struct MemState {
-    objects: HashMap<ObjectId, Object>,
-    reserved: HashMap<ObjectId, u64>,
-    used: u64,
+    ledger: Ledger,
 }
 
 impl MemoryStore {
@@ -111,25 +177,66 @@ impl MemoryStore {
 
     /// A store that holds at most `bytes` bytes.
     pub fn with_capacity(bytes: u64) -> MemoryStore {
-        MemoryStore { capacity: Some(bytes), state: Mutex::default() }
+        MemoryStore { ledger: Ledger::new(Some(bytes)) }
     }
 
     /// Bytes held and reserved.
     pub fn used(&self) -> u64 {
-        self.lock().used
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, MemState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.ledger.used()
     }
 }
 
 impl ObjectStore for MemoryStore {
     fn get(&self, id: &ObjectId) -> Option<Object> {
+        self.ledger.get(id)
+    }
+    fn reserve(&self, id: &ObjectId, size: u64) -> Result<()> {
+        self.ledger.reserve(id, size)
+    }
+    fn unreserve(&self, id: &ObjectId, size: u64) {
+        self.ledger.unreserve(id, size)
+    }
+    fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
+        self.ledger.seal(id, object)
+    }
+    fn release(&self, id: &ObjectId) -> Option<Object> {
+        self.ledger.release(id)
+    }
+}
+
+/// The objects of a store and the room they take, up to a capacity: what
+/// [`MemoryStore`] and [`crate::FileStore`] share.
+#[derive(Debug, Default)]
+pub(crate) struct Ledger {
+    capacity: Option<u64>,
+    state: Mutex<LedgerState>,
+}
+
+#[derive(Debug, Default)]
+struct LedgerState {
+    objects: HashMap<ObjectId, Object>,
+    reserved: HashMap<ObjectId, u64>,
+    used: u64,
+}
+
+impl Ledger {
+    pub(crate) fn new(capacity: Option<u64>) -> Ledger {
+        Ledger { capacity, state: Mutex::default() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LedgerState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn used(&self) -> u64 {
+        self.lock().used
+    }
+
+    pub(crate) fn get(&self, id: &ObjectId) -> Option<Object> {
         self.lock().objects.get(id).cloned()
     }
 
-    fn reserve(&self, id: &ObjectId, size: u64) -> Result<()> {
+    pub(crate) fn reserve(&self, id: &ObjectId, size: u64) -> Result<()> {
         let mut s = self.lock();
         if s.objects.contains_key(id) || s.reserved.contains_key(id) {
             return Err(Error::Exists(*id));
@@ -143,14 +250,14 @@ impl ObjectStore for MemoryStore {
         Ok(())
     }
 
-    fn unreserve(&self, id: &ObjectId, size: u64) {
+    pub(crate) fn unreserve(&self, id: &ObjectId, size: u64) {
         let mut s = self.lock();
         if s.reserved.remove(id).is_some() {
             s.used -= size;
         }
     }
 
-    fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
+    pub(crate) fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
         let mut s = self.lock();
         if s.objects.contains_key(&id) {
             return Err(Error::Exists(id));
@@ -167,7 +274,7 @@ impl ObjectStore for MemoryStore {
         Ok(())
     }
 
-    fn release(&self, id: &ObjectId) -> Option<Object> {
+    pub(crate) fn release(&self, id: &ObjectId) -> Option<Object> {
         let mut s = self.lock();
         let o = s.objects.remove(id)?;
         s.used -= o.len() as u64;

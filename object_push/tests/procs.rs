@@ -43,7 +43,7 @@ async fn pull_past_a_killed_holder(tls: &str) {
         holders.push(tokio::time::timeout(T, worker.connect(addr)).await.unwrap().unwrap());
     }
     let got = tokio::time::timeout(T, node.pull_from(id, &holders)).await.unwrap().unwrap();
-    assert!(got.bytes()[..] == payload(11, SIZE)[..], "byte-exact");
+    assert!(got.bytes().unwrap()[..] == payload(11, SIZE)[..], "byte-exact");
     assert_eq!(node.stats().holders_failed, 1, "{tls}: {:?}", node.stats());
     me.exchange.publish("done", b"");
     drop(group);

@@ -52,11 +52,11 @@ async fn objects_of_every_edge_size_arrive_byte_exact_and_can_be_relayed() {
             let bytes = Bytes::from(payload(i as u64, len));
             n[0].put(o, bytes.clone()).unwrap();
             let got = tokio::time::timeout(T, n[1].pull(o, mesh.ep(1, 0))).await.unwrap().unwrap();
-            assert_eq!(got.bytes(), &bytes, "{tls} {len} B");
-            assert_eq!(n[1].get(&o).unwrap().bytes(), &bytes, "sealed in the puller's store");
+            assert_eq!(got.bytes(), Some(&bytes), "{tls} {len} B");
+            assert_eq!(n[1].get(&o).unwrap().bytes(), Some(&bytes), "sealed in the puller's store");
             // The puller serves it onwards.
             let relayed = tokio::time::timeout(T, n[2].pull(o, mesh.ep(2, 1))).await.unwrap().unwrap();
-            assert_eq!(relayed.bytes(), &bytes, "{tls} {len} B relayed");
+            assert_eq!(relayed.bytes(), Some(&bytes), "{tls} {len} B relayed");
         }
         for node in &n {
             assert_eq!(node.stats().malformed + node.stats().refetched, 0);
@@ -70,16 +70,16 @@ async fn default_chunks_move_a_few_mebibytes() {
     let bytes = Bytes::from(payload(7, (9 << 20) + 123));
     n[0].put(id("big"), bytes.clone()).unwrap();
     let got = tokio::time::timeout(T, n[1].pull(id("big"), mesh.ep(1, 0))).await.unwrap().unwrap();
-    assert!(got.bytes() == &bytes);
+    assert!(got.bytes() == Some(&bytes));
     assert_eq!(got.layout().count(), 10);
     // Released, its memory is kept and the next pull lands in it.
-    let ptr = got.bytes().as_ptr();
+    let ptr = got.bytes().unwrap().as_ptr();
     drop(got);
     assert!(n[1].release(&id("big")));
     assert_eq!(n[1].stats().kept, bytes.len() as u64);
     let again = tokio::time::timeout(T, n[1].pull(id("big"), mesh.ep(1, 0))).await.unwrap().unwrap();
-    assert!(again.bytes() == &bytes);
-    assert_eq!((again.bytes().as_ptr(), n[1].stats().kept), (ptr, 0));
+    assert!(again.bytes() == Some(&bytes));
+    assert_eq!((again.bytes().unwrap().as_ptr(), n[1].stats().kept), (ptr, 0));
 }
 
 #[tokio::test]
@@ -112,7 +112,7 @@ async fn corrupt_chunks_are_fetched_again_or_reported() {
             if !take_one(&lies) {
                 return Some(o);
             }
-            let mut b = o.bytes().to_vec();
+            let mut b = o.bytes().unwrap().to_vec();
             for k in 1..o.layout().count() {
                 b[o.layout().range(k).start] ^= 0x20;
             }
@@ -126,7 +126,7 @@ async fn corrupt_chunks_are_fetched_again_or_reported() {
     // The lookup reads the store once, then the first fetch (chunks 0..3) gets lies.
     lies.store(2, Ordering::SeqCst);
     let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
-    assert!(got.bytes() == &bytes);
+    assert!(got.bytes() == Some(&bytes));
     assert_eq!(puller.stats().refetched, 2, "chunks 1 and 2 came corrupt once");
     // Lies on every read: the chunk is reported after the node's tries.
     lies.store(u32::MAX, Ordering::SeqCst);
@@ -213,7 +213,7 @@ async fn a_pull_dropped_mid_transfer_leaves_nothing_behind() {
         assert_eq!(store.used(), 0, "dropped after {wait_us} us");
     }
     let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
-    assert!(got.bytes() == &bytes);
+    assert!(got.bytes() == Some(&bytes));
 }
 
 /// A puller that gives up tells its holder, which stops sending, and takes in the chunks
@@ -235,7 +235,7 @@ async fn a_holder_stops_sending_when_the_puller_gives_up() {
         puller.release(&id("o"));
     }
     let got = tokio::time::timeout(T, puller.pull(id("o"), mesh.ep(1, 0))).await.unwrap().unwrap();
-    assert!(got.bytes() == &bytes);
+    assert!(got.bytes() == Some(&bytes));
     let t = std::time::Instant::now();
     while holder.stats().serving > 0 {
         assert!(t.elapsed() < Duration::from_secs(10), "the holder still serves {:?}", holder.stats());
@@ -269,7 +269,7 @@ async fn chunks_spread_over_holders_and_move_on_when_one_fails() {
     a.put(id("o"), bytes.clone()).unwrap();
     b.put(id("o"), bytes.clone()).unwrap();
     let got = tokio::time::timeout(T, puller.pull_from(id("o"), &holders)).await.unwrap().unwrap();
-    assert!(got.bytes() == &bytes);
+    assert!(got.bytes() == Some(&bytes));
     let (sa, sb) = (a.stats().chunks_sent, b.stats().chunks_sent);
     assert_eq!(sa + sb, 65, "each chunk sent once");
     assert!(sa > 0 && sb > 0, "both holders served: {sa} + {sb}");
@@ -278,7 +278,7 @@ async fn chunks_spread_over_holders_and_move_on_when_one_fails() {
     a.put(id("p"), bytes.clone()).unwrap();
     reads.store(4, Ordering::SeqCst);
     let got = tokio::time::timeout(T, puller.pull_from(id("p"), &holders)).await.unwrap().unwrap();
-    assert!(got.bytes() == &bytes);
+    assert!(got.bytes() == Some(&bytes));
     assert_eq!(puller.stats().holders_failed, 1);
     // Only B has it, and loses it: the pull fails with B's reason.
     b.put(id("q"), bytes.clone()).unwrap();
@@ -300,7 +300,7 @@ async fn concurrent_pulls_of_one_object_share_one_transfer() {
     let pulls = (0..4).map(|_| n[1].pull(id("o"), mesh.ep(1, 0)));
     let got = tokio::time::timeout(T, futures_util::future::join_all(pulls)).await.unwrap();
     for g in got {
-        assert!(g.unwrap().bytes() == &bytes);
+        assert!(g.unwrap().bytes() == Some(&bytes));
     }
     assert_eq!(n[0].stats().chunks_sent, 40);
 }
@@ -319,7 +319,7 @@ async fn pushed_objects_arrive_within_the_receivers_room() {
         let bytes = Bytes::from(payload(len as u64, len));
         owner.put(id(name), bytes.clone()).unwrap();
         tokio::time::timeout(T, owner.push(id(name), mesh.ep(0, 1))).await.unwrap().unwrap();
-        assert!(roomy.get(&id(name)).unwrap().bytes() == &bytes, "{name}");
+        assert!(roomy.get(&id(name)).unwrap().bytes() == Some(&bytes), "{name}");
     }
     // Pushed again: already held, done at once.
     tokio::time::timeout(T, owner.push(id("big"), mesh.ep(0, 1))).await.unwrap().unwrap();
@@ -337,7 +337,7 @@ async fn pushed_objects_arrive_within_the_receivers_room() {
         owner.push(id("later"), mesh.ep(0, 1)).await
     });
     pushed.unwrap();
-    assert!(waited.unwrap().bytes() == &bytes);
+    assert!(waited.unwrap().bytes() == Some(&bytes));
     let err = roomy.wait(id("never"), Duration::from_millis(50)).await.unwrap_err();
     assert!(matches!(err, Error::DeadlineExceeded { .. }), "{err}");
 }
@@ -372,14 +372,14 @@ async fn chunks_in_flight_stay_within_the_nodes_room() {
         r = tokio::time::timeout(T, pulls) => r.unwrap(),
         () = watch() => unreachable!(),
     };
-    assert!(a.bytes() == &objects[0].1 && b.bytes() == &objects[1].1);
+    assert!(a.bytes() == Some(&objects[0].1) && b.bytes() == Some(&objects[1].1));
     let seen = most.swap(0, Ordering::Relaxed);
     assert!(seen > 0 && seen <= room, "{seen} bytes in flight, room {room}");
     let p = tokio::select! {
         r = tokio::time::timeout(T, puller.prefetch_from(objects[2].0, std::slice::from_ref(ep))) => r.unwrap().unwrap(),
         () = watch() => unreachable!(),
     };
-    assert!(p.bytes() == &objects[2].1);
+    assert!(p.bytes() == Some(&objects[2].1));
     let seen = most.load(Ordering::Relaxed);
     assert!(seen > 0 && seen <= room / 2, "a prefetch had {seen} bytes in flight, room {room}");
     assert_eq!(puller.stats().in_flight, 0);
@@ -402,8 +402,8 @@ async fn an_object_is_relayed_while_it_arrives() {
         n[2].pull(id("o"), mesh.ep(2, 1)).await
     };
     let (a, b) = tokio::time::timeout(T, async { tokio::join!(first, relayed) }).await.unwrap();
-    assert!(a.unwrap().bytes() == &bytes);
-    assert!(b.unwrap().bytes() == &bytes, "relayed byte-exact");
+    assert!(a.unwrap().bytes() == Some(&bytes));
+    assert!(b.unwrap().bytes() == Some(&bytes), "relayed byte-exact");
     assert_eq!(n[1].stats().chunks_sent, 601, "every chunk through the relay");
     assert_eq!(n[0].stats().chunks_sent, 601, "the owner sent each chunk once");
 }
@@ -426,7 +426,7 @@ async fn a_relay_keeps_its_object_when_its_puller_gives_up() {
     };
     let t = std::time::Instant::now();
     let (got, ()) = tokio::time::timeout(T, async { tokio::join!(relay, quitter) }).await.unwrap();
-    assert!(got.unwrap().bytes() == &bytes);
+    assert!(got.unwrap().bytes() == Some(&bytes));
     assert!(t.elapsed() < Duration::from_secs(2), "the relay waited for its pieces: {:?}", t.elapsed());
     assert_eq!(n[1].stats().refetched, 0);
 }

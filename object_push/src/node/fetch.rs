@@ -19,25 +19,23 @@ use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{AmMessage, Endpoint, ErrorKind, TagInfo};
 
 use super::budget::{Held, Priority};
-use super::partial::Published;
 use super::pull::{Found, Registered};
+use super::sink::{self, Finish, Sink};
 use super::{chunk_tag, Inner, REQUEST};
 use crate::error::{Error, Result};
+use crate::file::ObjectFile;
 use crate::id::ObjectId;
 use crate::store::Object;
 use crate::sums::Layout;
 use crate::wire::Msg;
-
-/// How long a transfer at its end waits for relays to give back the pieces they send.
-const RELAY_GIVE_BACK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A boxed future of the transfer's.
 pub(super) type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A chunk's receive ended: its source, its index, and the result with its piece, or
 /// `None` when it was abandoned because its source failed (the piece stays with the
-/// transport until UCX lets go of it).
-type Landed = (usize, u64, Option<(ucxkit_transport::Result<TagInfo>, BytesMut)>);
+/// transport until UCX lets go of it); with the room it holds until it is checked.
+type Landed<'a> = (usize, u64, Option<(ucxkit_transport::Result<TagInfo>, BytesMut)>, Held<'a>);
 
 /// A checked chunk: its source, its index, whether it is as sealed, and its piece.
 type Checked = (usize, u64, bool, BytesMut);
@@ -96,18 +94,16 @@ pub(super) struct Transfer<'a> {
     id: ObjectId,
     layout: Arc<Layout>,
     sources: Vec<Source<'a>>,
-    /// The part of the buffer not yet split off for a chunk.
-    rest: BytesMut,
+    /// Where the chunks go.
+    sink: Sink<'a>,
     /// The first chunk never asked for.
     next: u64,
     /// Chunks to ask for again, with their piece and the source to avoid.
     again: VecDeque<(u64, BytesMut, Option<usize>)>,
-    /// The chunks checked are here, lent to relays meanwhile.
-    published: Published<'a>,
     tries: HashMap<u64, u32>,
     done: u64,
     limit_ms: u32,
-    receiving: FuturesUnordered<Boxed<'a, Landed>>,
+    receiving: FuturesUnordered<Boxed<'a, Landed<'a>>>,
     checking: FuturesUnordered<Boxed<'a, Result<Checked>>>,
     answers: FuturesUnordered<Boxed<'a, (usize, Option<Msg>)>>,
     /// The last reason a source failed.
@@ -125,27 +121,28 @@ pub(super) struct Transfer<'a> {
 
 impl<'a> Transfer<'a> {
     /// A transfer of an object of `layout` from `holders` (each taking part once it
-    /// [`Transfer::join`]s) into `buf`.
+    /// [`Transfer::join`]s) into a file, or into memory (`buf`, of the object's size).
     pub(super) fn new(
         node: &'a Inner,
         id: ObjectId,
         holders: &'a [Endpoint],
         layout: Layout,
-        buf: Vec<u8>,
+        into: Result<ObjectFile, Vec<u8>>,
         priority: Priority,
     ) -> Transfer<'a> {
         let sources = holders.iter().map(|ep| Source { ep, live: None, inflight: 0 }).collect();
-        // A new Bytes has no other owner: it becomes mutable without a copy.
-        let rest = Bytes::from(buf).try_into_mut().unwrap_or_else(|b| BytesMut::from(&b[..]));
         let limit_ms = u32::try_from(node.opts.deadline.as_millis()).unwrap_or(u32::MAX);
         let layout = Arc::new(layout);
+        let sink = match into {
+            Ok(file) => Sink::from(file),
+            Err(buf) => Sink::memory(node, id, layout.clone(), buf),
+        };
         Transfer {
             node,
             id,
-            published: Published::new(node, id, layout.clone()),
             layout,
             sources,
-            rest,
+            sink,
             next: 0,
             again: VecDeque::new(),
             tries: HashMap::new(),
@@ -247,7 +244,7 @@ impl<'a> Transfer<'a> {
                 return Err(self.last.take().unwrap_or_else(|| Error::Remote("every holder failed".into())));
             }
             tokio::select! {
-                Some((s, k, landed)) = self.receiving.next() => self.landed(s, k, landed)?,
+                Some(landed) = self.receiving.next() => self.landed(landed)?,
                 Some(checked) = self.checking.next() => self.checked(checked?)?,
                 Some((s, answer)) = self.answers.next() => {
                     if self.sources[s].live.is_some() {
@@ -297,7 +294,7 @@ impl<'a> Transfer<'a> {
                     while n < free.min(self.layout.count() - first) {
                         let k = first + n;
                         let Some(held) = self.room(k) else { break };
-                        let piece = self.rest.split_to(self.layout.range(k).len());
+                        let piece = self.sink.piece(self.layout.range(k).len());
                         self.post(s, k, piece, held);
                         n += 1;
                     }
@@ -331,12 +328,10 @@ impl<'a> Transfer<'a> {
         let recv = self.node.ns.tag_recv_from(ep, chunk_tag(live.reg.req, k), EXACT, piece);
         self.sources[s].inflight += 1;
         self.receiving.push(Box::pin(async move {
-            let landed = tokio::select! {
-                landed = recv => (s, k, Some(landed)),
-                _ = dead.wait_for(|d| *d) => (s, k, None),
-            };
-            drop(held);
-            landed
+            tokio::select! {
+                landed = recv => (s, k, Some(landed), held),
+                _ = dead.wait_for(|d| *d) => (s, k, None, held),
+            }
         }));
     }
 
@@ -359,14 +354,9 @@ impl<'a> Transfer<'a> {
         }
     }
 
-    /// A receive ended: checked on the blocking pool, or (failed, abandoned) given to
-    /// another source.
-    fn landed(
-        &mut self,
-        s: usize,
-        k: u64,
-        landed: Option<(ucxkit_transport::Result<TagInfo>, BytesMut)>,
-    ) -> Result<()> {
+    /// A receive ended: checked (and written, into a file) on the blocking pool, holding
+    /// its room until then, or (failed, abandoned) given to another source.
+    fn landed(&mut self, (s, k, landed, held): Landed<'a>) -> Result<()> {
         let want = self.layout.range(k).len();
         if let Some(live) = &mut self.sources[s].live {
             live.outstanding.remove(&k);
@@ -382,10 +372,14 @@ impl<'a> Transfer<'a> {
         }
         match r {
             Ok(info) if info.len == want => {
-                let layout = self.layout.clone();
-                let check = tokio::task::spawn_blocking(move || (s, k, layout.verify(k, &piece), piece));
+                let (layout, file) = (self.layout.clone(), self.sink.file());
+                let check = tokio::task::spawn_blocking(move || {
+                    sink::check(&layout, k, &piece, file.as_deref()).map(|good| (s, k, good, piece))
+                });
                 self.checking.push(Box::pin(async move {
-                    check.await.map_err(|e| Error::Store(format!("checking a chunk: {e}")))
+                    let checked = check.await.map_err(|e| Error::Store(format!("checking a chunk: {e}")));
+                    drop(held);
+                    checked?
                 }));
             }
             Ok(info) => {
@@ -410,7 +404,7 @@ impl<'a> Transfer<'a> {
     fn checked(&mut self, (s, k, good, piece): Checked) -> Result<()> {
         if good {
             tracing::trace!(id = %self.id, chunk = k, source = s, "chunk checked");
-            self.published.put(k, piece);
+            self.sink.keep(k, piece);
             self.done += 1;
             return Ok(());
         }
@@ -424,30 +418,19 @@ impl<'a> Transfer<'a> {
         Ok(())
     }
 
-    /// The pieces back from the relays, joined in order (adjacent parts of one buffer,
-    /// so without a copy unless a piece was replaced by a fresh one) as the object; `None` (the caller
-    /// goes on) when a relay kept a piece too long: those chunks are fetched again.
+    /// The object, its pieces back from the relays; `None` (the caller goes on) when a
+    /// relay kept a piece too long: those chunks are fetched again.
     async fn finish(&mut self) -> Result<Option<Object>> {
-        let pieces = self.published.collect(RELAY_GIVE_BACK).await;
-        if pieces.iter().any(Option::is_none) {
-            for (k, _) in pieces.iter().enumerate().filter(|(_, p)| p.is_none()) {
-                let want = self.layout.range(k as u64).len();
-                self.again.push_back((k as u64, BytesMut::zeroed(want), None));
-                self.done -= 1;
-            }
-            // Whatever came back stays for the relays while the rest is fetched again.
-            for (k, p) in pieces.into_iter().enumerate() {
-                if let Some(p) = p {
-                    self.published.put(k as u64, p);
+        match self.sink.finish(&self.layout).await? {
+            Finish::Whole(object) => Ok(Some(object)),
+            Finish::Missing(chunks) => {
+                for k in chunks {
+                    let want = self.layout.range(k).len();
+                    self.again.push_back((k, BytesMut::zeroed(want), None));
+                    self.done -= 1;
                 }
+                Ok(None)
             }
-            self.published.reopen();
-            return Ok(None);
         }
-        let mut whole = BytesMut::new();
-        for p in pieces.into_iter().flatten() {
-            whole.unsplit(p);
-        }
-        Ok(Some(Object::new(whole.freeze(), (*self.layout).clone())?))
     }
 }

@@ -14,6 +14,7 @@ use ucxkit_transport::namespace::OBJECT_PUSH;
 use ucxkit_transport::{AmMessage, Namespace, Worker};
 
 use crate::error::Result;
+use crate::file::ObjectFile;
 use crate::id::ObjectId;
 use crate::store::{Object, ObjectStore};
 use crate::sums::{chunk_for, Layout};
@@ -31,6 +32,7 @@ mod push;
 mod recycle;
 mod relay;
 mod serve;
+mod sink;
 
 /// The active-message id of requests (puller to holder).
 const REQUEST: u16 = 0;
@@ -196,6 +198,31 @@ impl ObjectNode {
         Ok(object)
     }
 
+    /// Seals the file at `path` as object `id`: its bytes stay in the file (read chunk
+    /// by chunk when served; the file is kept when the object goes), its checksums are
+    /// computed here, on the blocking pool.
+    ///
+    /// # Errors
+    /// [`crate::Error::Store`] when the file cannot be read; [`crate::Error::Exists`]
+    /// when `id` is held; the store's refusal.
+    pub async fn put_file(&self, id: ObjectId, path: impl Into<std::path::PathBuf>) -> Result<Object> {
+        let file = ObjectFile::open(path)?;
+        let chunk = chunk_for(file.len(), self.inner.opts.chunk);
+        let summed = tokio::task::spawn_blocking(move || -> Result<(ObjectFile, Layout)> {
+            let (size, step) = (file.len(), u64::from(chunk));
+            let sums = (0..crate::sums::chunks(size, chunk)?)
+                .map(|k| file.read(k * step..size.min((k + 1) * step)).map(|b| crate::sums::sum(&b)))
+                .collect::<Result<Vec<u64>>>()?;
+            Ok((file, Layout::from_parts(size, chunk, sums)?))
+        })
+        .await
+        .map_err(|e| crate::Error::Store(format!("summing a file: {e}")))?;
+        let (file, layout) = summed?;
+        let object = Object::in_file(file, layout)?;
+        self.inner.seal(id, object.clone())?;
+        Ok(object)
+    }
+
     /// Waits until object `id` is in this node's store (sealed by a pull, a peer's
     /// push or `put`), at most `limit`.
     ///
@@ -225,7 +252,9 @@ impl ObjectNode {
     pub fn release(&self, id: &ObjectId) -> bool {
         match self.inner.store.release(id) {
             Some(o) => {
-                self.inner.recycler.give(o.into_bytes());
+                if let Some(bytes) = o.into_bytes() {
+                    self.inner.recycler.give(bytes);
+                }
                 true
             }
             None => false,

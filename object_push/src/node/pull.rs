@@ -218,11 +218,15 @@ async fn transfer(
             }
         }
     };
-    let size = usize::try_from(layout.size())
-        .map_err(|_| Error::Store(format!("an object of {} bytes does not fit in memory", layout.size())))?;
     node.store.reserve(&id, layout.size())?;
     let mut room = Room { node, id, size: layout.size(), armed: true };
-    let mut t = Transfer::new(node, id, holders, layout, node.recycler.take(size), priority);
+    let into = match node.store.file_for(&id, layout.size())? {
+        Some(file) => Ok(file),
+        None => Err(node.recycler.take(usize::try_from(layout.size()).map_err(|_| {
+            Error::Store(format!("an object of {} bytes does not fit in memory", layout.size()))
+        })?)),
+    };
+    let mut t = Transfer::new(node, id, holders, layout, into, priority);
     t.choose(choice.first, unanswered);
     t.found(first);
     let object = t.run(lookups).await?;

@@ -69,9 +69,10 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
                 node.arriving(&id, Duration::from_millis(u64::from(wait_ms)).min(node.opts.deadline)).await;
             }
             let (reply, payload) = match node.store.get(&id) {
-                Some(o) if o.len() as u64 <= u64::from(inline_max) => {
-                    (Msg::Inline { req, sum: crate::sums::sum(o.bytes()) }, o.bytes().clone())
-                }
+                Some(o) if o.len() as u64 <= u64::from(inline_max) => match read(&o, None).await {
+                    Ok(b) => (Msg::Inline { req, sum: crate::sums::sum(&b) }, b),
+                    Err(reason) => (Msg::Failed { req, reason }, Bytes::new()),
+                },
                 Some(o) => layout_answer(req, o.layout()),
                 // Still arriving here: its chunks are relayed as they check out.
                 None => match node.partial_of(&id) {
@@ -168,9 +169,8 @@ async fn send_chunk(
     from: &Chunks,
     k: u64,
 ) -> Result<(), String> {
-    let sealed = |o: &Object| o.bytes().slice(o.layout().range(k));
     let part = match from {
-        Chunks::Sealed(o) => sealed(o),
+        Chunks::Sealed(o) => read(o, k).await?,
         Chunks::Arriving(p) => match p.lend(k).await {
             Some(piece) => {
                 let (p, ns, ep) = (p.clone(), node.ns.clone(), ep.clone());
@@ -185,14 +185,33 @@ async fn send_chunk(
                     Err(_) => Err("the relay's send was dropped".into()),
                 };
             }
-            None => node
-                .store
-                .get(&id)
-                .map(|o| sealed(&o))
-                .ok_or_else(|| format!("object {id} did not arrive here"))?,
+            None => match node.store.get(&id) {
+                Some(o) => read(&o, k).await?,
+                None => return Err(format!("object {id} did not arrive here")),
+            },
         },
     };
     node.ns.tag_send(ep, chunk_tag(req, k), part).await.0.map_err(|e| e.to_string())
+}
+
+/// Chunk `k` of sealed object `o` (`None`: all of it): a slice of it in memory, or read
+/// from its file on the blocking pool.
+async fn read(o: &Object, k: impl Into<Option<u64>>) -> Result<Bytes, String> {
+    let range = match k.into() {
+        Some(k) => {
+            let r = o.layout().range(k);
+            r.start as u64..r.end as u64
+        }
+        None => 0..o.layout().size(),
+    };
+    if o.bytes().is_some() {
+        return o.read(range).map_err(|e| e.to_string());
+    }
+    let o = o.clone();
+    match tokio::task::spawn_blocking(move || o.read(range)).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("reading a chunk: {e}")),
+    }
 }
 
 /// A lookup's answer for an object of layout `l`: the layout, its checksums as payload.

@@ -1,12 +1,13 @@
-//! `serve` and `get`: move files between two hosts by hand.
+//! `serve` and `get`: move files between two hosts by hand. Neither holds a file in
+//! memory: `serve` reads each chunk from its file as it sends it, `get` writes each
+//! chunk into the output's directory as it checks out (a file-backed store).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
-use ucxkit::object_push::{MemoryStore, ObjectId, ObjectNode};
+use ucxkit::object_push::{FileStore, MemoryStore, ObjectId, ObjectNode};
 
 use crate::NodeArgs;
 
@@ -45,11 +46,9 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     for f in &a.files {
         let name =
             f.file_name().and_then(|n| n.to_str()).ok_or_else(|| format!("{}: no file name", f.display()))?;
-        let bytes = std::fs::read(f).map_err(|e| format!("{}: {e}", f.display()))?;
-        let len = bytes.len();
-        node.put(ObjectId::try_from(name).map_err(|e| e.to_string())?, Bytes::from(bytes))
-            .map_err(|e| e.to_string())?;
-        eprintln!("serving {name} ({len} bytes)");
+        let id = ObjectId::try_from(name).map_err(|e| e.to_string())?;
+        let o = node.put_file(id, f).await.map_err(|e| e.to_string())?;
+        eprintln!("serving {name} ({} bytes)", o.len());
     }
     let listener = worker.listen(a.listen).map_err(|e| format!("listening on {}: {e}", a.listen))?;
     eprintln!("listening on {}", listener.local_addr());
@@ -63,22 +62,33 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
 }
 
 pub(crate) async fn get(a: GetArgs) -> Result<(), String> {
+    let out = a.out.unwrap_or_else(|| PathBuf::from(&a.name));
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let store = Arc::new(FileStore::new(dir).map_err(|e| e.to_string())?);
     let worker = a.node.worker()?;
-    let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
-        .map_err(|e| e.to_string())?;
+    let node = ObjectNode::new(&worker, store.clone(), a.node.options()).map_err(|e| e.to_string())?;
     let ep = worker.connect(a.from).await.map_err(|e| format!("connecting to {}: {e}", a.from))?;
     let id = ObjectId::try_from(a.name.as_str()).map_err(|e| e.to_string())?;
     let t = Instant::now();
     let o = node.pull(id, &ep).await.map_err(|e| e.to_string())?;
     let secs = t.elapsed().as_secs_f64();
-    let out = a.out.unwrap_or_else(|| PathBuf::from(&a.name));
-    std::fs::write(&out, o.bytes()).map_err(|e| format!("{}: {e}", out.display()))?;
+    if o.file().is_some() {
+        store.persist(&id, &out).map_err(|e| e.to_string())?;
+    } else {
+        // An object of the node's own (put, not received) would be in memory.
+        let bytes = o.read(0..o.len() as u64).map_err(|e| e.to_string())?;
+        std::fs::write(&out, bytes).map_err(|e| format!("{}: {e}", out.display()))?;
+    }
     eprintln!(
-        "{} bytes in {:.3} s ({:.0} MiB/s), verified, written to {}",
+        "{} bytes in {:.3} s ({:.0} MiB/s), verified, written to {}; peak memory {} MiB",
         o.len(),
         secs,
         o.len() as f64 / secs / f64::from(1 << 20),
-        out.display()
+        out.display(),
+        crate::role::peak_rss_kib() / 1024
     );
     Ok(())
 }

@@ -1,0 +1,116 @@
+//! Where a transfer's chunks go: pieces of one buffer in memory (each published for
+//! relays once checked, all joined without a copy at the end), or positioned writes
+//! into the file the store gave for the object (each piece a buffer of its own, freed
+//! once written; the object is not relayed while it arrives).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+
+use super::partial::Published;
+use super::Inner;
+use crate::error::Result;
+use crate::file::ObjectFile;
+use crate::id::ObjectId;
+use crate::store::Object;
+use crate::sums::Layout;
+
+/// How long a transfer at its end waits for relays to give back the pieces they send.
+const RELAY_GIVE_BACK: Duration = Duration::from_secs(2);
+
+/// A transfer's destination.
+pub(super) enum Sink<'a> {
+    Memory {
+        /// The part of the buffer not yet split off for a chunk.
+        rest: BytesMut,
+        /// The chunks checked are here, lent to relays meanwhile.
+        published: Published<'a>,
+    },
+    File(Arc<ObjectFile>),
+}
+
+/// How a transfer ended at its sink.
+pub(super) enum Finish {
+    /// The object, whole.
+    Whole(Object),
+    /// These chunks did not come back from relays in time: fetch them again.
+    Missing(Vec<u64>),
+}
+
+impl<'a> Sink<'a> {
+    /// Object `id` of `layout` received into `buf` (its size, contents unspecified).
+    pub(super) fn memory(node: &'a Inner, id: ObjectId, layout: Arc<Layout>, buf: Vec<u8>) -> Sink<'a> {
+        // A new Bytes has no other owner: it becomes mutable without a copy.
+        let rest = Bytes::from(buf).try_into_mut().unwrap_or_else(|b| BytesMut::from(&b[..]));
+        Sink::Memory { rest, published: Published::new(node, id, layout) }
+    }
+
+    /// A piece to receive the next chunk, of `len` bytes, into: the buffer's next part,
+    /// or a fresh one.
+    pub(super) fn piece(&mut self, len: usize) -> BytesMut {
+        match self {
+            Sink::Memory { rest, .. } => rest.split_to(len),
+            Sink::File(_) => BytesMut::zeroed(len),
+        }
+    }
+
+    /// The file chunks are written to, where they are.
+    pub(super) fn file(&self) -> Option<Arc<ObjectFile>> {
+        match self {
+            Sink::Memory { .. } => None,
+            Sink::File(f) => Some(f.clone()),
+        }
+    }
+
+    /// Chunk `k` checked out (and was written, for a file): kept for relays and the end.
+    pub(super) fn keep(&self, k: u64, piece: BytesMut) {
+        if let Sink::Memory { published, .. } = self {
+            published.put(k, piece);
+        }
+    }
+
+    /// Every chunk checked out: the object, or the chunks to fetch again.
+    pub(super) async fn finish(&mut self, layout: &Layout) -> Result<Finish> {
+        let published = match self {
+            Sink::File(f) => return Ok(Finish::Whole(Object::in_shared_file(f.clone(), layout.clone())?)),
+            Sink::Memory { published, .. } => published,
+        };
+        let pieces = published.collect(RELAY_GIVE_BACK).await;
+        if pieces.iter().any(Option::is_none) {
+            let missing =
+                pieces.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(k, _)| k as u64).collect();
+            // Whatever came back stays for the relays while the rest is fetched again.
+            for (k, p) in pieces.into_iter().enumerate() {
+                if let Some(p) = p {
+                    published.put(k as u64, p);
+                }
+            }
+            published.reopen();
+            return Ok(Finish::Missing(missing));
+        }
+        let mut whole = BytesMut::new();
+        for p in pieces.into_iter().flatten() {
+            whole.unsplit(p);
+        }
+        Ok(Finish::Whole(Object::new(whole.freeze(), layout.clone())?))
+    }
+}
+
+/// Checks chunk `k` of `layout` (blocking) and writes it to `file` when it checks out:
+/// whether it did.
+pub(super) fn check(layout: &Layout, k: u64, piece: &[u8], file: Option<&ObjectFile>) -> Result<bool> {
+    if !layout.verify(k, piece) {
+        return Ok(false);
+    }
+    if let Some(f) = file {
+        f.write_at(layout.range(k).start as u64, piece)?;
+    }
+    Ok(true)
+}
+
+impl From<ObjectFile> for Sink<'_> {
+    fn from(f: ObjectFile) -> Self {
+        Sink::File(Arc::new(f))
+    }
+}
