@@ -40,7 +40,11 @@ pub enum Error {
     /// The peer refused or failed the request.
     #[error("the peer failed the request: {0}")]
     Remote(String),
-    /// The store refused the object (no room, an I/O error).
+    /// The store has no room for the object now; it may later (a transfer waits for
+    /// room up to the node's `room_wait`, then fails with this).
+    #[error("store: {0}")]
+    NoRoom(String),
+    /// The store refused the object (larger than the store, an I/O error).
     #[error("store: {0}")]
     Store(String),
     /// The transport failed.

@@ -90,7 +90,10 @@ impl ObjectFile {
     /// # Errors
     /// [`Error::Store`] when they cannot be read (the file shrank, an I/O error).
     pub fn read(&self, range: std::ops::Range<u64>) -> Result<Vec<u8>> {
-        let len = usize::try_from(range.end.saturating_sub(range.start))
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::Store(format!("bytes {range:?} of a file of {}", self.len)));
+        }
+        let len = usize::try_from(range.end - range.start)
             .map_err(|_| Error::Store("a read larger than memory".into()))?;
         let mut buf = vec![0; len];
         self.file.read_exact_at(&mut buf, range.start).map_err(|e| io("reading", &self.path, e))?;
@@ -122,10 +125,12 @@ impl Drop for ObjectFile {
 }
 
 /// Objects in files of one directory, up to a capacity in bytes (sealed and reserved
-/// together): every object a node receives goes straight into a file of its own (named
-/// by its id), removed when the object is released and no transfer reads it any more.
-/// Objects the application seals stay where they are: in memory ([`crate::ObjectNode::put`])
-/// or in their own file ([`crate::ObjectNode::put_file`]).
+/// together): every object a node receives in chunks goes straight into a file of its
+/// own (named by its id, this process and a stamp), removed when the object is released
+/// and no transfer reads it any more; files a process that is gone left behind are
+/// removed when a store opens the directory. Objects that come inline (up to the node's
+/// `inline_max`) stay in memory, as do those the application seals with
+/// [`crate::ObjectNode::put`]; [`crate::ObjectNode::put_file`] seals a file as it is.
 #[derive(Debug)]
 pub struct FileStore {
     dir: PathBuf,
@@ -152,7 +157,10 @@ impl FileStore {
 
     fn make(dir: PathBuf, capacity: Option<u64>) -> Result<FileStore> {
         std::fs::create_dir_all(&dir).map_err(|e| io("making", &dir, e))?;
-        Ok(FileStore { dir, ledger: Ledger::new(capacity), next: AtomicU64::new(0) })
+        sweep(&dir);
+        let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let next = AtomicU64::new(stamp.as_nanos() as u64 & 0xffff_ffff_ffff);
+        Ok(FileStore { dir, ledger: Ledger::new(capacity), next })
     }
 
     /// The store's directory.
@@ -177,6 +185,20 @@ impl FileStore {
         f.keep();
         self.ledger.release(id);
         Ok(Some(to.to_path_buf()))
+    }
+}
+
+/// Removes the object files in `dir` whose process is gone (`<id>.<pid>.<n>.obj`).
+fn sweep(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(stem) = name.strip_suffix(".obj") else { continue };
+        let Some(pid) = stem.split('.').nth(1).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -251,12 +273,18 @@ mod tests {
         let s = FileStore::with_capacity(&d, 10_000).unwrap();
         let id = ObjectId::new(b"x/1").unwrap();
         s.reserve(&id, 6000).unwrap();
-        assert!(matches!(s.reserve(&ObjectId::new(b"y").unwrap(), 6000), Err(Error::Store(_))));
+        assert!(matches!(s.reserve(&ObjectId::new(b"y").unwrap(), 6000), Err(Error::NoRoom(_))));
         let f = s.file_for(&id, 6000).unwrap().unwrap();
         assert!(
             f.path().starts_with(&d)
                 && f.path().file_name().unwrap().to_string_lossy().starts_with("782f31.")
         );
+        // A file a gone process left is swept when a store opens the directory; this
+        // process's are not.
+        let stale = d.join("aa.4000000000.1.obj");
+        std::fs::write(&stale, b"old").unwrap();
+        drop(FileStore::new(&d).unwrap());
+        assert!(!stale.exists() && f.path().exists());
         f.write_at(0, &[5; 6000]).unwrap();
         let layout = Layout::from_parts(6000, 4096, vec![0, 0]).unwrap();
         s.seal(id, Object::in_file(f, layout).unwrap()).unwrap();

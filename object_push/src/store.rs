@@ -130,11 +130,13 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// The sealed object `id`, if held.
     fn get(&self, id: &ObjectId) -> Option<Object>;
 
-    /// Makes room for an object of `size` bytes about to arrive, or refuses it (no room
-    /// left): the room is taken until the object is sealed or the room given back.
+    /// Makes room for an object of `size` bytes about to arrive, or refuses it: the room
+    /// is taken until the object is sealed or the room given back.
     ///
     /// # Errors
-    /// [`Error::Store`] when it is refused, [`Error::Exists`] when `id` is held.
+    /// [`Error::NoRoom`] when there is no room now (the node waits for some, up to its
+    /// `room_wait`), [`Error::Store`] when there never will be (the object is larger
+    /// than the store), [`Error::Exists`] when `id` is held.
     fn reserve(&self, id: &ObjectId, size: u64) -> Result<()>;
 
     /// Gives back room [`ObjectStore::reserve`] took for an object that did not arrive.
@@ -242,8 +244,11 @@ impl Ledger {
             return Err(Error::Exists(*id));
         }
         let after = s.used.saturating_add(size);
+        if let Some(cap) = self.capacity.filter(|&c| size > c) {
+            return Err(Error::Store(format!("no room for {size} bytes: the store holds at most {cap}")));
+        }
         if let Some(cap) = self.capacity.filter(|&c| after > c) {
-            return Err(Error::Store(format!("no room for {size} bytes ({} of {cap} in use)", s.used)));
+            return Err(Error::NoRoom(format!("no room for {size} bytes ({} of {cap} in use)", s.used)));
         }
         s.used = after;
         s.reserved.insert(*id, size);
@@ -299,7 +304,8 @@ mod tests {
             (ObjectId::new(b"a").unwrap(), ObjectId::new(b"b").unwrap(), ObjectId::new(b"c").unwrap());
         s.reserve(&a, 6000).unwrap();
         assert!(matches!(s.reserve(&a, 1), Err(Error::Exists(_))));
-        assert!(matches!(s.reserve(&b, 6000), Err(Error::Store(_))));
+        assert!(matches!(s.reserve(&b, 6000), Err(Error::NoRoom(_))), "room later");
+        assert!(matches!(s.reserve(&b, 10_001), Err(Error::Store(_))), "never room");
         assert!(s.get(&a).is_none(), "reserved is not visible");
         s.seal(a, obj(6000)).unwrap();
         assert_eq!(s.get(&a).unwrap().len(), 6000);

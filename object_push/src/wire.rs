@@ -35,6 +35,8 @@ use crate::id::ObjectId;
 
 /// The protocol's version; a message of another version is refused.
 pub const VERSION: u8 = 2;
+/// The most chunks one `Fetch` asks for (a holder refuses more).
+pub const MAX_FETCH: u32 = 1024;
 /// The longest reason a `Failed` message carries.
 pub const MAX_REASON: usize = 256;
 

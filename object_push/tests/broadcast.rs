@@ -145,8 +145,10 @@ async fn hostile_offers_are_refused_or_pulled_from_the_offerer() {
         l.local_addr().unwrap()
     };
     let own = std::net::SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), own.port());
-    let cases: [(u8, Vec<u8>); 5] = [
+    let cases: [(u8, Vec<u8>); 6] = [
         (1, vec![1, 2, 3]),
+        // More bytes than one relay's address can take: refused before it is read.
+        (1, vec![b'1'; 200]),
         (2, encode_addresses(&[own])),
         (0, encode_addresses(&[own])),
         (1, [&[5][..], b"UCXA!"].concat()),
@@ -161,16 +163,17 @@ async fn hostile_offers_are_refused_or_pulled_from_the_offerer() {
     let m = tokio::time::timeout(T, requests.recv()).await.unwrap();
     let Msg::Lookup { req, wait_ms: 0, .. } = Msg::decode(m.header()).unwrap() else { panic!("a lookup") };
     rogue.reply(&m, 1, &Msg::Missing { req }.encode(), Bytes::new()).unwrap().await.0.unwrap();
-    let mut reasons = vec![String::new(); 5];
-    for _ in 0..5 {
+    let mut reasons = vec![String::new(); 6];
+    for _ in 0..6 {
         let m = tokio::time::timeout(T, answers.recv()).await.unwrap();
         let Msg::Failed { req, reason } = Msg::decode(m.header()).unwrap() else { panic!("failed") };
         reasons[req as usize] = reason;
     }
-    for r in &reasons[..4] {
+    for r in &reasons[..5] {
         assert!(r.contains("malformed"), "{reasons:?}");
     }
-    assert!(reasons[4].contains("not held"), "{reasons:?}");
-    assert_eq!(node.stats().malformed, 4);
+    assert!(reasons[1].contains("at most 65"), "{reasons:?}");
+    assert!(reasons[5].contains("not held"), "{reasons:?}");
+    assert_eq!(node.stats().malformed, 5);
     assert!(node.get(&id("o")).is_none());
 }

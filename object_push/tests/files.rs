@@ -131,3 +131,32 @@ async fn files_sealed_as_they_are_are_served_and_kept() {
     assert!(matches!(err, Error::Store(_)), "{err}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// A receiver taking an object into a file does not relay it while it arrives: the
+/// receiver below it in a chain is told at once and pulls from the owner, without
+/// waiting for the relay to start.
+#[tokio::test]
+async fn a_relay_receiving_into_a_file_sends_its_receivers_to_the_owner() {
+    let d = dir("relay");
+    let mesh = mesh_with("posix,cma,tcp,self", 3, ProgressMode::Event).await;
+    let owner = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), small()).unwrap();
+    let relay = ObjectNode::new(&mesh.workers[1], Arc::new(FileStore::new(&d).unwrap()), small()).unwrap();
+    let last = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), small()).unwrap();
+    for n in [&relay, &last] {
+        n.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    }
+    let bytes = Bytes::from(payload(6, 100_000));
+    owner.put(id("o"), bytes.clone()).unwrap();
+    let to = [mesh.ep(0, 1).clone(), mesh.ep(0, 2).clone()];
+    let t = std::time::Instant::now();
+    let b = tokio::time::timeout(T, owner.broadcast(id("o"), &to, ucxkit_object_push::Shape::Chain))
+        .await
+        .unwrap();
+    assert!(b.unwrap().is_ok());
+    // Well under the 5 s a receiver waits for a relay that never starts.
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    assert_eq!(last.get(&id("o")).unwrap().bytes(), Some(&bytes));
+    assert_eq!(relay.get(&id("o")).unwrap().read(0..100_000).unwrap(), bytes);
+    drop(relay);
+    std::fs::remove_dir_all(&d).unwrap();
+}

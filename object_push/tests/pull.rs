@@ -430,3 +430,38 @@ async fn a_relay_keeps_its_object_when_its_puller_gives_up() {
     assert!(t.elapsed() < Duration::from_secs(2), "the relay waited for its pieces: {:?}", t.elapsed());
     assert_eq!(n[1].stats().refetched, 0);
 }
+
+/// A pull waits for room in the store (given back when an object is released) and says
+/// so when none comes within the node's `room_wait`; a holder sending to several
+/// pullers within a send room of one chunk serves them all.
+#[tokio::test]
+async fn pulls_wait_for_room_and_sends_wait_for_theirs() {
+    let mesh = mesh_with("posix,cma,tcp,self", 4, ProgressMode::Event).await;
+    let one_chunk = NodeOptions { send_in_flight: 4096, ..small() };
+    let holder = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), one_chunk).unwrap();
+    let store = Arc::new(MemoryStore::with_capacity(30_000));
+    let patient = NodeOptions { room_wait: T, ..small() };
+    let puller = ObjectNode::new(&mesh.workers[1], store.clone(), patient).unwrap();
+    let other = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), small()).unwrap();
+    let impatient = NodeOptions { room_wait: Duration::from_millis(100), ..small() };
+    let hasty =
+        ObjectNode::new(&mesh.workers[3], Arc::new(MemoryStore::with_capacity(30_000)), impatient).unwrap();
+    let (a, b) = (Bytes::from(payload(1, 20_000)), Bytes::from(payload(2, 20_000)));
+    holder.put(id("a"), a.clone()).unwrap();
+    holder.put(id("b"), b.clone()).unwrap();
+    // Two pullers at once, through a send room of one chunk.
+    let (x, y) = tokio::join!(puller.pull(id("a"), mesh.ep(1, 0)), other.pull(id("a"), mesh.ep(2, 0)));
+    assert!(x.unwrap().bytes() == Some(&a) && y.unwrap().bytes() == Some(&a));
+    // No room for b until a goes.
+    let (got, released) = tokio::join!(puller.pull(id("b"), mesh.ep(1, 0)), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        puller.release(&id("a"))
+    });
+    assert!(released && got.unwrap().bytes() == Some(&b));
+    assert_eq!(store.used(), 20_000);
+    // None comes: the pull says so after its wait, and keeps nothing.
+    hasty.pull(id("a"), mesh.ep(3, 0)).await.unwrap();
+    let err = hasty.pull(id("b"), mesh.ep(3, 0)).await.unwrap_err();
+    assert!(matches!(&err, Error::NoRoom(r) if r.contains("still after 100ms")), "{err}");
+    assert!(hasty.get(&id("b")).is_none());
+}

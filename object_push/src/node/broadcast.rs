@@ -89,7 +89,7 @@ impl Inner {
             Err(_) => Err(Error::DeadlineExceeded { what: "a receiver's address".into(), limit }),
             Ok(Err(_)) => Err(Error::Remote("the node is closing".into())),
             Ok(Ok((Msg::Address { .. }, m))) => {
-                let mut a = decode_address(&payload(m).await?)?;
+                let mut a = decode_address(&payload(m, crate::wire::MAX_ADDRESS).await?)?;
                 if a.ip().is_unspecified() {
                     match ep.peer() {
                         Peer::Socket(s) | Peer::Accepted(Some(s)) => a.set_ip(s.ip()),

@@ -134,7 +134,7 @@ impl<'a> Transfer<'a> {
         let limit_ms = u32::try_from(node.opts.deadline.as_millis()).unwrap_or(u32::MAX);
         let layout = Arc::new(layout);
         let sink = match into {
-            Ok(file) => Sink::from(file),
+            Ok(file) => Sink::file(node, id, file),
             Err(buf) => Sink::memory(node, id, layout.clone(), buf),
         };
         Transfer {
@@ -291,7 +291,7 @@ impl<'a> Transfer<'a> {
                 {
                     let first = self.next;
                     let mut n = 0;
-                    while n < free.min(self.layout.count() - first) {
+                    while n < free.min(self.layout.count() - first).min(u64::from(crate::wire::MAX_FETCH)) {
                         let k = first + n;
                         let Some(held) = self.room(k) else { break };
                         let piece = self.sink.piece(self.layout.range(k).len());
@@ -372,7 +372,7 @@ impl<'a> Transfer<'a> {
         }
         match r {
             Ok(info) if info.len == want => {
-                let (layout, file) = (self.layout.clone(), self.sink.file());
+                let (layout, file) = (self.layout.clone(), self.sink.target());
                 let check = tokio::task::spawn_blocking(move || {
                     sink::check(&layout, k, &piece, file.as_deref()).map(|good| (s, k, good, piece))
                 });

@@ -63,6 +63,12 @@ pub struct NodeOptions {
     /// faults in page by page costs more than the transfer into it); allocations under
     /// 1 MiB are not kept. Default 512 MiB; 0 keeps none.
     pub recycle: u64,
+    /// How long a transfer waits for room in the store (objects released, transfers
+    /// failed) before it fails with [`crate::Error::NoRoom`]. Default 5 s.
+    pub room_wait: Duration,
+    /// Bytes of chunks this node sends at once, to all its pullers together (a chunk
+    /// waits for room; one larger than this goes alone). Default 256 MiB.
+    pub send_in_flight: u64,
 }
 
 impl Default for NodeOptions {
@@ -75,6 +81,8 @@ impl Default for NodeOptions {
             deadline: Duration::from_secs(60),
             tries: 3,
             recycle: 512 << 20,
+            room_wait: Duration::from_secs(5),
+            send_in_flight: 256 << 20,
         }
     }
 }
@@ -119,6 +127,12 @@ struct Inner {
     recycler: recycle::Recycler,
     budget: budget::Budget,
     next_req: AtomicU32,
+    /// Room for the chunks this node sends at once, in KiB.
+    sends: Arc<tokio::sync::Semaphore>,
+    /// Woken whenever store room is given back through the node.
+    room_freed: tokio::sync::Notify,
+    /// Objects arriving into files now (not relayed while they arrive).
+    unrelayed: Mutex<std::collections::HashSet<ObjectId>>,
     /// Woken whenever an object is sealed here or starts arriving.
     arrived: tokio::sync::Notify,
     /// The endpoints kept for relaying.
@@ -155,6 +169,10 @@ impl ObjectNode {
         if opts.window == 0 || opts.tries == 0 {
             return Err(crate::Error::InvalidArgument("window and tries must be at least 1".into()));
         }
+        if opts.send_in_flight == 0 {
+            return Err(crate::Error::InvalidArgument("send_in_flight must be at least 1".into()));
+        }
+        let sends = send_units(opts.send_in_flight);
         let ns = worker.namespace(OBJECT_PUSH)?;
         let requests = ns.am_recv(REQUEST)?;
         let answers = ns.am_recv(ANSWER)?;
@@ -168,6 +186,9 @@ impl ObjectNode {
             pulling: Mutex::default(),
             partial: Mutex::default(),
             arrived: tokio::sync::Notify::new(),
+            unrelayed: Mutex::default(),
+            sends: Arc::new(tokio::sync::Semaphore::new(sends)),
+            room_freed: tokio::sync::Notify::new(),
             links: Mutex::default(),
             gave_up: Mutex::default(),
             listening: std::sync::OnceLock::new(),
@@ -255,6 +276,7 @@ impl ObjectNode {
                 if let Some(bytes) = o.into_bytes() {
                     self.inner.recycler.give(bytes);
                 }
+                self.inner.room_freed.notify_waiters();
                 true
             }
             None => false,
@@ -320,6 +342,11 @@ impl Inner {
     fn forget(&self, req: u32) {
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&req);
     }
+}
+
+/// The send room's units (KiB) for `bytes`, at least one, within what a semaphore holds.
+fn send_units(bytes: u64) -> usize {
+    (bytes.div_ceil(1024) as usize).clamp(1, tokio::sync::Semaphore::MAX_PERMITS)
 }
 
 /// A request numbering that starts somewhere else in every process, so a peer's late

@@ -4,6 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -149,6 +150,36 @@ impl Drop for Room<'_> {
     fn drop(&mut self) {
         if self.armed {
             self.node.store.unreserve(&self.id, self.size);
+            self.node.room_freed.notify_waiters();
+        }
+    }
+}
+
+/// How often a transfer waiting for room looks again (a store the application releases
+/// objects from directly does not tell the node).
+const ROOM_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+impl Inner {
+    /// Takes room in the store for object `id` of `size` bytes, waiting up to the node's
+    /// `room_wait` for room given back.
+    async fn admit(&self, id: &ObjectId, size: u64) -> Result<()> {
+        let wait = self.opts.room_wait;
+        let end = Instant::now() + wait;
+        loop {
+            // Made before the look, so that no release is missed.
+            let freed = self.room_freed.notified();
+            match self.store.reserve(id, size) {
+                Err(Error::NoRoom(reason)) => {
+                    let now = Instant::now();
+                    if now >= end {
+                        let waited =
+                            if wait.is_zero() { String::new() } else { format!(", still after {wait:?}") };
+                        return Err(Error::NoRoom(format!("{reason}{waited}")));
+                    }
+                    let _ = tokio::time::timeout_at(end.min(now + ROOM_POLL), freed).await;
+                }
+                r => return r,
+            }
         }
     }
 }
@@ -218,7 +249,7 @@ async fn transfer(
             }
         }
     };
-    node.store.reserve(&id, layout.size())?;
+    node.admit(&id, layout.size()).await?;
     let mut room = Room { node, id, size: layout.size(), armed: true };
     let into = match node.store.file_for(&id, layout.size())? {
         Some(file) => Ok(file),
@@ -230,13 +261,23 @@ async fn transfer(
     t.choose(choice.first, unanswered);
     t.found(first);
     let object = t.run(lookups).await?;
-    room.armed = false;
     // Sealed while the transfer still publishes its chunks: a relay waiting for one
-    // finds the object in the store once the transfer ends.
-    let sealed = seal(node, id, object);
+    // finds the object in the store once the transfer ends. The room goes with the
+    // object only when this seal put it in the store.
+    let sealed = match node.seal(id, object.clone()) {
+        Ok(()) => {
+            room.armed = false;
+            Ok(object)
+        }
+        Err(Error::Exists(_)) => node.store.get(&id).ok_or(Error::Exists(id)),
+        Err(e) => Err(e),
+    };
     drop(t);
     sealed
 }
+
+/// How long past its wait a relay's answer to a lookup may take.
+const RELAY_ANSWER: Duration = Duration::from_secs(5);
 
 /// Asks `holder` for `id`, waiting up to `wait_ms` for it to start arriving there:
 /// missing, inline (checked; fetched again when corrupt, up to the node's tries) or its
@@ -249,7 +290,17 @@ async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint, wait_ms: u32) -> 
         let opts = AmSendOptions { reply: true, ..Default::default() };
         let (r, _) = node.ns.am_send_with(holder, REQUEST, &msg.encode(), Bytes::new(), opts).await;
         r?;
-        let (msg, m) = answer.await.map_err(|_| Error::Remote("the node is closing".into()))?;
+        let answered = if wait_ms == 0 {
+            answer.await
+        } else {
+            // A relay that never answers lets the pull turn to the others.
+            let limit = Duration::from_millis(u64::from(wait_ms)) + RELAY_ANSWER;
+            tokio::time::timeout(limit, answer).await.map_err(|_| Error::DeadlineExceeded {
+                what: format!("a relay's answer about {id}"),
+                limit,
+            })?
+        };
+        let (msg, m) = answered.map_err(|_| Error::Remote("the node is closing".into()))?;
         match msg {
             Msg::Missing { .. } => return Ok(Found::Missing),
             Msg::Failed { reason, .. } => return Err(Error::Remote(reason)),
@@ -261,7 +312,7 @@ async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint, wait_ms: u32) -> 
                         node.opts.inline_max
                     )));
                 }
-                let data = payload(m).await?;
+                let data = payload(m, node.opts.inline_max as usize).await?;
                 if sum(&data) == want {
                     return Ok(Found::Inline(data));
                 }
@@ -273,7 +324,8 @@ async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint, wait_ms: u32) -> 
                 if m.len() as u64 != count * 8 {
                     return Err(Error::Protocol(format!("{} bytes of checksums for {size} bytes", m.len())));
                 }
-                return Ok(Found::Layout(Layout::from_parts(size, chunk, decode_sums(&payload(m).await?)?)?));
+                let sums = decode_sums(&payload(m, count as usize * 8).await?)?;
+                return Ok(Found::Layout(Layout::from_parts(size, chunk, sums)?));
             }
             other => return Err(Error::Protocol(format!("{other:?} in answer to a lookup"))),
         }
@@ -281,12 +333,16 @@ async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint, wait_ms: u32) -> 
     Err(Error::Corrupt { id, chunk: 0, tries: node.opts.tries })
 }
 
-/// An answer's payload, read in place or fetched.
-pub(super) async fn payload(m: AmMessage) -> Result<Vec<u8>> {
+/// A message's payload, read in place or fetched: at most `max` bytes (a longer one is
+/// a protocol error, refused before anything is allocated for it).
+pub(super) async fn payload(m: AmMessage, max: usize) -> Result<Vec<u8>> {
+    let len = m.len();
+    if len > max {
+        return Err(Error::Protocol(format!("a payload of {len} bytes where at most {max} belong")));
+    }
     if let Some(d) = m.data() {
         return Ok(d.to_vec());
     }
-    let len = m.len();
     let (r, buf) = m.recv_data(Vec::with_capacity(len)).await;
     r?;
     Ok(buf)

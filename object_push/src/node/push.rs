@@ -92,7 +92,8 @@ pub(super) async fn offered(node: Arc<Inner>, ep: Endpoint, msg: Msg, m: AmMessa
 
 /// Pulls an offered object of `size` bytes from the offer's relays and the offerer.
 async fn take(node: &Inner, ep: &Endpoint, id: ObjectId, size: u64, relays: u8, m: AmMessage) -> Result<()> {
-    let addrs = decode_addresses(&payload(m).await?, relays)?;
+    let max = usize::from(relays) * (1 + crate::wire::MAX_ADDRESS);
+    let addrs = decode_addresses(&payload(m, max).await?, relays)?;
     let mut holders = Vec::with_capacity(addrs.len() + 1);
     let mut seen = HashSet::new();
     for &a in &addrs {

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError, Weak};
+use std::time::Duration;
 
 use ucxkit_transport::{Endpoint, Listener};
 
@@ -13,6 +14,10 @@ use crate::error::{Error, Result};
 
 /// The most relay endpoints a node keeps (more: those kept are dropped).
 const MAX_RELAY_ENDPOINTS: usize = 256;
+/// How long a connection to a relay may take (beyond it, the pull goes without it).
+const RELAY_CONNECT: Duration = Duration::from_secs(5);
+/// How long the accept loop waits after a failed connection request.
+const ACCEPT_RETRY: Duration = Duration::from_millis(10);
 
 /// The endpoints a node keeps for relaying: accepted from receivers, connected to relays.
 #[derive(Default)]
@@ -49,7 +54,18 @@ impl ObjectNode {
 /// Accepts receivers' connections until the node goes, keeping the endpoints that work.
 async fn accept(inner: Weak<Inner>, listener: Listener) {
     loop {
-        let Ok(req) = listener.next().await else { continue };
+        let req = match listener.next().await {
+            Ok(req) => req,
+            Err(e) => {
+                if inner.strong_count() == 0 {
+                    return;
+                }
+                // A worker shut down answers at once, every time: look again later.
+                tracing::debug!(%e, "a receiver's connection request failed");
+                tokio::time::sleep(ACCEPT_RETRY).await;
+                continue;
+            }
+        };
         let inner = inner.clone();
         tokio::spawn(async move {
             let ep = match req.accept().await {
@@ -77,16 +93,15 @@ impl Inner {
     /// connected otherwise; `None` for this node's own address or a relay that cannot
     /// be reached (the pull then goes without it).
     pub(super) async fn relay(&self, addr: SocketAddr) -> Option<Endpoint> {
-        if let Some(own) = self.listening() {
-            if own.port() == addr.port() && (own.ip() == addr.ip() || own.ip().is_unspecified()) {
-                return None;
-            }
+        if self.listening().is_some_and(|own| is_self(own, addr)) {
+            return None;
         }
         let kept = self.links.lock().unwrap_or_else(PoisonError::into_inner).relays.get(&addr).cloned();
         if let Some(ep) = kept.filter(|ep| ep.failure().is_none()) {
             return Some(ep);
         }
-        let ep = match tokio::time::timeout(self.opts.deadline, self.ns.worker().connect(addr)).await {
+        let limit = RELAY_CONNECT.min(self.opts.deadline);
+        let ep = match tokio::time::timeout(limit, self.ns.worker().connect(addr)).await {
             Ok(Ok(ep)) => ep,
             Ok(Err(e)) => {
                 tracing::debug!(%addr, %e, "a relay could not be reached");
@@ -100,5 +115,36 @@ impl Inner {
         }
         l.relays.insert(addr, ep.clone());
         Some(ep)
+    }
+}
+
+/// Whether `addr` is this node's listening address `own`: the same, or on this host's
+/// addresses where the node listens on all of them (an address this host can bind to is
+/// its own).
+fn is_self(own: SocketAddr, addr: SocketAddr) -> bool {
+    own.port() == addr.port()
+        && (own.ip() == addr.ip()
+            || (own.ip().is_unspecified()
+                && std::net::UdpSocket::bind(SocketAddr::new(addr.ip(), 0)).is_ok()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_knows_its_own_address() {
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let cases = [
+            ("127.0.0.1:7000", "127.0.0.1:7000", true),
+            ("127.0.0.1:7000", "127.0.0.1:7001", false),
+            ("0.0.0.0:7000", "127.0.0.1:7000", true),
+            // Another host's address, though the port is the same.
+            ("0.0.0.0:7000", "192.0.2.7:7000", false),
+            ("10.0.0.1:7000", "127.0.0.1:7000", false),
+        ];
+        for (own, addr, want) in cases {
+            assert_eq!(is_self(at(own), at(addr)), want, "{own} {addr}");
+        }
     }
 }

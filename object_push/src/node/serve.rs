@@ -13,7 +13,7 @@ use super::{chunk_tag, Inner, ANSWER};
 use crate::id::ObjectId;
 use crate::store::Object;
 use crate::sums::Layout;
-use crate::wire::{encode_sums, Msg};
+use crate::wire::{encode_sums, Msg, MAX_FETCH};
 
 /// Serves requests until the node goes. Each request is handled in a task of its own,
 /// so a slow puller holds up no other.
@@ -68,17 +68,18 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
             if wait_ms > 0 {
                 node.arriving(&id, Duration::from_millis(u64::from(wait_ms)).min(node.opts.deadline)).await;
             }
-            let (reply, payload) = match node.store.get(&id) {
-                Some(o) if o.len() as u64 <= u64::from(inline_max) => match read(&o, None).await {
+            // Inline up to the smaller of the two nodes' limits.
+            let inline_max = u64::from(inline_max.min(node.opts.inline_max));
+            // Still arriving here: its chunks are relayed as they check out. Looked at
+            // before the store: a transfer seals before it stops publishing.
+            let (reply, payload) = match (node.partial_of(&id), node.store.get(&id)) {
+                (Some(p), _) => layout_answer(req, p.layout()),
+                (None, Some(o)) if o.len() as u64 <= inline_max => match read(&o, None).await {
                     Ok(b) => (Msg::Inline { req, sum: crate::sums::sum(&b) }, b),
                     Err(reason) => (Msg::Failed { req, reason }, Bytes::new()),
                 },
-                Some(o) => layout_answer(req, o.layout()),
-                // Still arriving here: its chunks are relayed as they check out.
-                None => match node.partial_of(&id) {
-                    Some(p) => layout_answer(req, p.layout()),
-                    None => (Msg::Missing { req }, Bytes::new()),
-                },
+                (None, Some(o)) => layout_answer(req, o.layout()),
+                (None, None) => (Msg::Missing { req }, Bytes::new()),
             };
             send_answer(&node, &ep, &reply, payload).await;
         }
@@ -109,16 +110,17 @@ async fn fetch(
     limit_ms: u32,
 ) {
     let req = sending.key.1;
-    let from = match (node.store.get(&id), node.partial_of(&id)) {
-        (Some(o), _) => Chunks::Sealed(o),
-        (None, Some(p)) => Chunks::Arriving(p),
+    // The arriving object first: a transfer seals before it stops publishing.
+    let from = match (node.partial_of(&id), node.store.get(&id)) {
+        (Some(p), _) => Chunks::Arriving(p),
+        (None, Some(o)) => Chunks::Sealed(o),
         (None, None) => {
             let reply = Msg::Failed { req, reason: format!("object {id} is no longer held") };
             return send_answer(&node, &ep, &reply, Bytes::new()).await;
         }
     };
     let end = u64::from(first) + u64::from(count);
-    if count == 0 || end > from.layout().count() {
+    if count == 0 || count > MAX_FETCH || end > from.layout().count() {
         let reason = format!("chunks {first}..{end} of an object of {} chunks", from.layout().count());
         return send_answer(&node, &ep, &Msg::Failed { req, reason }, Bytes::new()).await;
     }
@@ -169,14 +171,18 @@ async fn send_chunk(
     from: &Chunks,
     k: u64,
 ) -> Result<(), String> {
+    let units = |len: usize| (len.div_ceil(1024) as u32).min(node.sends_total());
     let part = match from {
-        Chunks::Sealed(o) => read(o, k).await?,
+        Chunks::Sealed(o) => o.clone(),
         Chunks::Arriving(p) => match p.lend(k).await {
             Some(piece) => {
                 let (p, ns, ep) = (p.clone(), node.ns.clone(), ep.clone());
+                let room = node.sends.clone().acquire_many_owned(units(piece.len()));
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 tokio::spawn(async move {
+                    let room = room.await;
                     let (r, piece) = ns.tag_send(&ep, chunk_tag(req, k), piece).await;
+                    drop(room);
                     p.give_back(k, piece);
                     let _ = tx.send(r);
                 });
@@ -186,12 +192,16 @@ async fn send_chunk(
                 };
             }
             None => match node.store.get(&id) {
-                Some(o) => read(&o, k).await?,
+                Some(o) => o,
                 None => return Err(format!("object {id} did not arrive here")),
             },
         },
     };
-    node.ns.tag_send(ep, chunk_tag(req, k), part).await.0.map_err(|e| e.to_string())
+    let room = node.sends.clone().acquire_many_owned(units(part.layout().range(k).len())).await;
+    let bytes = read(&part, k).await?;
+    let r = node.ns.tag_send(ep, chunk_tag(req, k), bytes).await.0.map_err(|e| e.to_string());
+    drop(room);
+    r
 }
 
 /// Chunk `k` of sealed object `o` (`None`: all of it): a slice of it in memory, or read
@@ -287,6 +297,11 @@ impl Drop for Sending {
 }
 
 impl Inner {
+    /// The send room's size, in its units.
+    fn sends_total(&self) -> u32 {
+        u32::try_from(super::send_units(self.opts.send_in_flight)).unwrap_or(u32::MAX)
+    }
+
     /// Waits up to `limit` for object `id` to be sealed here or to start arriving, or
     /// until this node gave up on an offer of it.
     async fn arriving(&self, id: &ObjectId, limit: Duration) {
@@ -297,7 +312,9 @@ impl Inner {
             if self.store.get(id).is_some() || self.partial_of(id).is_some() {
                 return;
             }
-            if self.gave_up.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(id) {
+            if self.gave_up.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(id)
+                || self.unrelayed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(id)
+            {
                 return;
             }
             if tokio::time::timeout_at(end, arrived).await.is_err() {

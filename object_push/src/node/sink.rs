@@ -27,7 +27,23 @@ pub(super) enum Sink<'a> {
         /// The chunks checked are here, lent to relays meanwhile.
         published: Published<'a>,
     },
-    File(Arc<ObjectFile>),
+    File {
+        file: Arc<ObjectFile>,
+        /// Held while the transfer lasts.
+        _unrelayed: Unrelayed<'a>,
+    },
+}
+
+/// Marks an object arriving into a file while its transfer lasts (see `Inner::unrelayed`).
+pub(super) struct Unrelayed<'a> {
+    node: &'a Inner,
+    id: ObjectId,
+}
+
+impl Drop for Unrelayed<'_> {
+    fn drop(&mut self) {
+        self.node.unrelayed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.id);
+    }
 }
 
 /// How a transfer ended at its sink.
@@ -51,15 +67,15 @@ impl<'a> Sink<'a> {
     pub(super) fn piece(&mut self, len: usize) -> BytesMut {
         match self {
             Sink::Memory { rest, .. } => rest.split_to(len),
-            Sink::File(_) => BytesMut::zeroed(len),
+            Sink::File { .. } => BytesMut::zeroed(len),
         }
     }
 
     /// The file chunks are written to, where they are.
-    pub(super) fn file(&self) -> Option<Arc<ObjectFile>> {
+    pub(super) fn target(&self) -> Option<Arc<ObjectFile>> {
         match self {
             Sink::Memory { .. } => None,
-            Sink::File(f) => Some(f.clone()),
+            Sink::File { file, .. } => Some(file.clone()),
         }
     }
 
@@ -73,7 +89,9 @@ impl<'a> Sink<'a> {
     /// Every chunk checked out: the object, or the chunks to fetch again.
     pub(super) async fn finish(&mut self, layout: &Layout) -> Result<Finish> {
         let published = match self {
-            Sink::File(f) => return Ok(Finish::Whole(Object::in_shared_file(f.clone(), layout.clone())?)),
+            Sink::File { file, .. } => {
+                return Ok(Finish::Whole(Object::in_shared_file(file.clone(), layout.clone())?))
+            }
             Sink::Memory { published, .. } => published,
         };
         let pieces = published.collect(RELAY_GIVE_BACK).await;
@@ -109,8 +127,12 @@ pub(super) fn check(layout: &Layout, k: u64, piece: &[u8], file: Option<&ObjectF
     Ok(true)
 }
 
-impl From<ObjectFile> for Sink<'_> {
-    fn from(f: ObjectFile) -> Self {
-        Sink::File(Arc::new(f))
+impl<'a> Sink<'a> {
+    /// Object `id` received into `file`; lookups at this node waiting for it to arrive
+    /// end at once (it is not relayed while it arrives).
+    pub(super) fn file(node: &'a Inner, id: ObjectId, file: ObjectFile) -> Sink<'a> {
+        node.unrelayed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id);
+        node.arrived.notify_waiters();
+        Sink::File { file: Arc::new(file), _unrelayed: Unrelayed { node, id } }
     }
 }
