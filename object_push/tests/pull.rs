@@ -465,3 +465,29 @@ async fn pulls_wait_for_room_and_sends_wait_for_theirs() {
     assert!(matches!(&err, Error::NoRoom(r) if r.contains("still after 100ms")), "{err}");
     assert!(hasty.get(&id("b")).is_none());
 }
+
+/// A transfer under way reports how far it came, and no longer once it ended.
+#[tokio::test]
+async fn a_transfer_reports_its_progress_while_it_lasts() {
+    let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
+    let node = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), small()).unwrap();
+    // A holder that answers the lookup and then sends nothing.
+    let silent = mesh.workers[1].namespace(OBJECT_PUSH).unwrap();
+    let mut requests = silent.am_recv(0).unwrap();
+    let pull = node.pull(id("slow"), mesh.ep(0, 1));
+    let serve = async {
+        let m = requests.recv().await;
+        let Msg::Lookup { req, .. } = Msg::decode(m.header()).unwrap() else { panic!("a lookup") };
+        let layout = Msg::Layout { req, size: 10_000, chunk: 4096 };
+        silent.reply(&m, 1, &layout.encode(), Bytes::from(encode_sums(&[1, 2, 3]))).unwrap().await.0.unwrap();
+        // The fetch comes once the transfer is under way.
+        requests.recv().await;
+        node.progress(&id("slow"))
+    };
+    let progress = tokio::select! {
+        _ = pull => panic!("the pull ended"),
+        p = serve => p,
+    };
+    assert_eq!(progress, Some(ucxkit_object_push::Progress { done: 0, size: 10_000 }));
+    assert_eq!(node.progress(&id("slow")), None, "the pull was dropped");
+}

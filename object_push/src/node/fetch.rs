@@ -117,6 +117,35 @@ pub(super) struct Transfer<'a> {
     unanswered: usize,
     /// Sources with the object standing by.
     standby: Vec<usize>,
+    /// Bytes checked, as [`super::ObjectNode::progress`] reports them.
+    progress: Counted<'a>,
+}
+
+/// A transfer's bytes checked, listed in the node's progress while the transfer lasts.
+struct Counted<'a> {
+    node: &'a Inner,
+    id: ObjectId,
+    done: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<'a> Counted<'a> {
+    fn new(node: &'a Inner, id: ObjectId, size: u64) -> Counted<'a> {
+        let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        node.progress
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id, (done.clone(), size));
+        Counted { node, id, done }
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        let mut p = self.node.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if p.get(&self.id).is_some_and(|(d, _)| Arc::ptr_eq(d, &self.done)) {
+            p.remove(&self.id);
+        }
+    }
 }
 
 impl<'a> Transfer<'a> {
@@ -132,6 +161,7 @@ impl<'a> Transfer<'a> {
     ) -> Transfer<'a> {
         let sources = holders.iter().map(|ep| Source { ep, live: None, inflight: 0 }).collect();
         let limit_ms = u32::try_from(node.opts.deadline.as_millis()).unwrap_or(u32::MAX);
+        let layout_size = layout.size();
         let layout = Arc::new(layout);
         let sink = match into {
             Ok(file) => Sink::file(node, id, file),
@@ -157,6 +187,7 @@ impl<'a> Transfer<'a> {
             first: usize::MAX,
             unanswered: 0,
             standby: Vec::new(),
+            progress: Counted::new(node, id, layout_size),
         }
     }
 
@@ -406,6 +437,7 @@ impl<'a> Transfer<'a> {
             tracing::trace!(id = %self.id, chunk = k, source = s, "chunk checked");
             self.sink.keep(k, piece);
             self.done += 1;
+            self.progress.done.fetch_add(self.layout.range(k).len() as u64, Ordering::Relaxed);
             return Ok(());
         }
         let t = self.tries.entry(k).or_insert(1);
@@ -428,6 +460,7 @@ impl<'a> Transfer<'a> {
                     let want = self.layout.range(k).len();
                     self.again.push_back((k, BytesMut::zeroed(want), None));
                     self.done -= 1;
+                    self.progress.done.fetch_sub(want as u64, Ordering::Relaxed);
                 }
                 Ok(None)
             }

@@ -87,6 +87,15 @@ impl Default for NodeOptions {
     }
 }
 
+/// How far a transfer has come ([`ObjectNode::progress`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Bytes received and checked.
+    pub done: u64,
+    /// The object's size.
+    pub size: u64,
+}
+
 /// What a node counted since it started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
@@ -131,6 +140,8 @@ struct Inner {
     sends: Arc<tokio::sync::Semaphore>,
     /// Woken whenever store room is given back through the node.
     room_freed: tokio::sync::Notify,
+    /// The transfers into this node: bytes checked, and the object's size.
+    progress: Mutex<HashMap<ObjectId, (Arc<AtomicU64>, u64)>>,
     /// Objects arriving into files now (not relayed while they arrive).
     unrelayed: Mutex<std::collections::HashSet<ObjectId>>,
     /// Woken whenever an object is sealed here or starts arriving.
@@ -187,6 +198,7 @@ impl ObjectNode {
             partial: Mutex::default(),
             arrived: tokio::sync::Notify::new(),
             unrelayed: Mutex::default(),
+            progress: Mutex::default(),
             sends: Arc::new(tokio::sync::Semaphore::new(sends)),
             room_freed: tokio::sync::Notify::new(),
             links: Mutex::default(),
@@ -286,6 +298,13 @@ impl ObjectNode {
     /// The node's options.
     pub fn options(&self) -> &NodeOptions {
         &self.inner.opts
+    }
+
+    /// How far the transfer of object `id` into this node has come, while one is under
+    /// way: bytes received and checked, of the object's size.
+    pub fn progress(&self, id: &ObjectId) -> Option<Progress> {
+        let p = self.inner.progress.lock().unwrap_or_else(PoisonError::into_inner);
+        p.get(id).map(|(done, size)| Progress { done: done.load(Ordering::Relaxed), size: *size })
     }
 
     /// What the node counted.

@@ -2,12 +2,15 @@
 //! memory: `serve` reads each chunk from its file as it sends it, `get` writes each
 //! chunk into the output's directory as it checks out (a file-backed store).
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use ucxkit::object_push::{FileStore, MemoryStore, ObjectId, ObjectNode};
+
+use ucxkit_tools::size::format_size;
 
 use crate::NodeArgs;
 
@@ -73,7 +76,13 @@ pub(crate) async fn get(a: GetArgs) -> Result<(), String> {
     let ep = worker.connect(a.from).await.map_err(|e| format!("connecting to {}: {e}", a.from))?;
     let id = ObjectId::try_from(a.name.as_str()).map_err(|e| e.to_string())?;
     let t = Instant::now();
-    let o = node.pull(id, &ep).await.map_err(|e| e.to_string())?;
+    let o = tokio::select! {
+        o = node.pull(id, &ep) => o.map_err(|e| e.to_string())?,
+        never = progress_bar(&node, id, t) => match never {},
+    };
+    if std::io::stderr().is_terminal() {
+        eprint!("\r\x1b[2K");
+    }
     let secs = t.elapsed().as_secs_f64();
     if o.file().is_some() {
         store.persist(&id, &out).map_err(|e| e.to_string())?;
@@ -91,4 +100,28 @@ pub(crate) async fn get(a: GetArgs) -> Result<(), String> {
         crate::role::peak_rss_kib() / 1024
     );
     Ok(())
+}
+
+/// Draws the pull of `id`'s progress on stderr, when it is a terminal, every quarter
+/// second from half a second on; runs until dropped.
+async fn progress_bar(node: &ObjectNode, id: ObjectId, start: Instant) -> std::convert::Infallible {
+    let tty = std::io::stderr().is_terminal();
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    loop {
+        if let Some(p) = node.progress(&id).filter(|p| tty && p.size > 0) {
+            const WIDTH: usize = 30;
+            let frac = p.done as f64 / p.size as f64;
+            let filled = (frac * WIDTH as f64) as usize;
+            let rate = p.done as f64 / start.elapsed().as_secs_f64() / f64::from(1 << 20);
+            eprint!(
+                "\r[{}{}] {:5.1}% {} of {}, {rate:.0} MiB/s",
+                "#".repeat(filled),
+                " ".repeat(WIDTH - filled.min(WIDTH)),
+                frac * 100.0,
+                format_size(p.done as usize),
+                format_size(p.size as usize)
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
 }
