@@ -41,7 +41,7 @@ pub mod wire;
 pub use error::{Error, Result};
 pub use file::{FileStore, ObjectFile};
 pub use id::ObjectId;
-pub use node::{Broadcast, NodeOptions, NodeStats, ObjectNode, Priority, Progress};
+pub use node::{Broadcast, NodeOptions, NodeStats, ObjectNode, Priority, Progress, Verify};
 pub use shape::{LinkCost, Shape};
 pub use store::{MemoryStore, Object, ObjectStore};
 pub use sums::Layout;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ucxkit_object_push::wire::{encode_addresses, Msg};
-use ucxkit_object_push::{Error, MemoryStore, NodeOptions, ObjectId, ObjectNode, Shape};
+use ucxkit_object_push::{Error, MemoryStore, NodeOptions, ObjectId, ObjectNode, Shape, Verify};
 use ucxkit_testkit::payload::payload;
 use ucxkit_testkit::workers::{mesh_with, Mesh};
 use ucxkit_transport::am::AmSendOptions;
@@ -23,7 +23,7 @@ fn id(s: &str) -> ObjectId {
 }
 
 fn small() -> NodeOptions {
-    NodeOptions { chunk: 4096, window: 3, inline_max: 1000, ..NodeOptions::default() }
+    NodeOptions { chunk: 4096, window: 3, inline_max: 1000, verify: Verify::Always, ..NodeOptions::default() }
 }
 
 /// An owner (node 0) and `n - 1` receivers; receiver `i`'s store holds at most

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ucxkit_object_push::{Error, FileStore, MemoryStore, NodeOptions, ObjectId, ObjectNode};
+use ucxkit_object_push::{Error, FileStore, MemoryStore, NodeOptions, ObjectId, ObjectNode, Verify};
 use ucxkit_testkit::payload::payload;
 use ucxkit_testkit::workers::mesh_with;
 use ucxkit_transport::ProgressMode;
@@ -23,7 +23,7 @@ fn id(s: &str) -> ObjectId {
 }
 
 fn small() -> NodeOptions {
-    NodeOptions { chunk: 4096, window: 3, inline_max: 1000, ..NodeOptions::default() }
+    NodeOptions { chunk: 4096, window: 3, inline_max: 1000, verify: Verify::Always, ..NodeOptions::default() }
 }
 
 /// A fresh directory of this test's.

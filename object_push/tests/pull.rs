@@ -11,7 +11,7 @@ use ucxkit_object_push::wire::{encode_sums, Msg};
 mod common;
 
 use common::{take_one, Bent};
-use ucxkit_object_push::{Error, MemoryStore, NodeOptions, Object, ObjectId, ObjectNode};
+use ucxkit_object_push::{Error, MemoryStore, NodeOptions, Object, ObjectId, ObjectNode, Verify};
 use ucxkit_testkit::payload::payload;
 use ucxkit_testkit::workers::{mesh_with, wait_parked_zero, Mesh};
 use ucxkit_transport::am::AmSendOptions;
@@ -26,7 +26,7 @@ fn id(s: &str) -> ObjectId {
 
 /// Small chunks and windows, so that a few KiB take several windows.
 fn small() -> NodeOptions {
-    NodeOptions { chunk: 4096, window: 3, inline_max: 1000, ..NodeOptions::default() }
+    NodeOptions { chunk: 4096, window: 3, inline_max: 1000, verify: Verify::Always, ..NodeOptions::default() }
 }
 
 async fn nodes(tls: &str, n: usize, opts: NodeOptions) -> (Mesh, Vec<ObjectNode>) {
@@ -102,7 +102,7 @@ async fn missing_objects_and_full_stores_are_errors_that_leave_nothing_behind() 
 
 #[tokio::test]
 async fn corrupt_chunks_are_fetched_again_or_reported() {
-    let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
+    let mesh = mesh_with("posix,tcp,self", 3, ProgressMode::Event).await;
     // The first `lies` reads hand out the object with one byte flipped in each chunk
     // after the first (the layout stays the true one).
     let lies = Arc::new(AtomicU32::new(0));
@@ -120,6 +120,7 @@ async fn corrupt_chunks_are_fetched_again_or_reported() {
         }
     });
     let holder = ObjectNode::new(&mesh.workers[0], Arc::new(lying), small()).unwrap();
+    // The holder is on this host: its chunks are checked only when asked (`small`).
     let puller = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), small()).unwrap();
     let bytes = Bytes::from(payload(3, 5 * 4096));
     holder.put(id("o"), bytes.clone()).unwrap();
@@ -134,6 +135,12 @@ async fn corrupt_chunks_are_fetched_again_or_reported() {
     let err = tokio::time::timeout(T, puller.pull(id("p"), mesh.ep(1, 0))).await.unwrap().unwrap_err();
     assert!(matches!(err, Error::Corrupt { chunk: 1..=4, tries: 3, .. }), "{err}");
     assert!(puller.get(&id("p")).is_none(), "nothing unverified is sealed");
+    // By default, a holder on this host is trusted: its chunks are not checked.
+    assert_eq!(NodeOptions::default().verify, Verify::OtherHosts);
+    let default = NodeOptions { verify: Verify::OtherHosts, ..small() };
+    let trusting = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), default).unwrap();
+    let got = tokio::time::timeout(T, trusting.pull(id("p"), mesh.ep(2, 0))).await.unwrap().unwrap();
+    assert!(got.bytes() != Some(&bytes) && trusting.stats().refetched == 0);
 }
 
 /// A peer that speaks the protocol badly: garbage requests and answers are dropped and

@@ -43,6 +43,8 @@ type Checked = (usize, u64, bool, BytesMut);
 /// One holder, as a source of chunks.
 struct Source<'a> {
     ep: &'a Endpoint,
+    /// Whether its chunks are checked against their checksums ([`super::Verify`]).
+    check: bool,
     /// While it serves this transfer.
     live: Option<Live<'a>>,
     inflight: u64,
@@ -159,7 +161,10 @@ impl<'a> Transfer<'a> {
         into: Result<ObjectFile, Vec<u8>>,
         priority: Priority,
     ) -> Transfer<'a> {
-        let sources = holders.iter().map(|ep| Source { ep, live: None, inflight: 0 }).collect();
+        let sources = holders
+            .iter()
+            .map(|ep| Source { ep, check: node.opts.verify.checks(ep), live: None, inflight: 0 })
+            .collect();
         let limit_ms = u32::try_from(node.opts.deadline.as_millis()).unwrap_or(u32::MAX);
         let layout_size = layout.size();
         let layout = Arc::new(layout);
@@ -402,10 +407,15 @@ impl<'a> Transfer<'a> {
             self.sources[s].inflight -= 1;
         }
         match r {
+            Ok(info) if info.len == want && !self.sources[s].check && self.sink.target().is_none() => {
+                // Not checked (a holder on this host, see `Verify`), nothing to write.
+                drop(held);
+                self.checked((s, k, true, piece))?;
+            }
             Ok(info) if info.len == want => {
-                let (layout, file) = (self.layout.clone(), self.sink.target());
+                let (layout, file, verify) = (self.layout.clone(), self.sink.target(), self.sources[s].check);
                 let check = tokio::task::spawn_blocking(move || {
-                    sink::check(&layout, k, &piece, file.as_deref()).map(|good| (s, k, good, piece))
+                    sink::check(&layout, k, &piece, verify, file.as_deref()).map(|good| (s, k, good, piece))
                 });
                 self.checking.push(Box::pin(async move {
                     let checked = check.await.map_err(|e| Error::Store(format!("checking a chunk: {e}")));

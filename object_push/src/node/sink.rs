@@ -115,10 +115,16 @@ impl<'a> Sink<'a> {
     }
 }
 
-/// Checks chunk `k` of `layout` (blocking) and writes it to `file` when it checks out:
-/// whether it did.
-pub(super) fn check(layout: &Layout, k: u64, piece: &[u8], file: Option<&ObjectFile>) -> Result<bool> {
-    if !layout.verify(k, piece) {
+/// Checks chunk `k` of `layout` (blocking; unless `verify` is off) and writes it to
+/// `file` when it checks out: whether it did.
+pub(super) fn check(
+    layout: &Layout,
+    k: u64,
+    piece: &[u8],
+    verify: bool,
+    file: Option<&ObjectFile>,
+) -> Result<bool> {
+    if verify && !layout.verify(k, piece) {
         return Ok(false);
     }
     if let Some(f) = file {

@@ -24,7 +24,7 @@ mod role;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use ucxkit::object_push::NodeOptions;
+use ucxkit::object_push::{NodeOptions, Verify};
 use ucxkit_tools::cli::{self, parse_duration, Output, Progress, Transport};
 
 /// Moves objects between ucxkit object nodes and measures it.
@@ -69,6 +69,10 @@ pub(crate) struct NodeArgs {
     /// Deadline of each pull.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     deadline: Duration,
+    /// Which chunks are checked against their checksums: `always`, or `other-hosts`
+    /// (not those from a holder on this host).
+    #[arg(long, default_value = "other-hosts", value_parser = parse_verify)]
+    verify: Verify,
 }
 
 impl NodeArgs {
@@ -77,6 +81,7 @@ impl NodeArgs {
             chunk: self.chunk,
             window: self.window,
             deadline: self.deadline,
+            verify: self.verify,
             ..NodeOptions::default()
         }
     }
@@ -96,7 +101,23 @@ impl NodeArgs {
             format!("--chunk={}", self.chunk),
             format!("--window={}", self.window),
             format!("--deadline={}s", self.deadline.as_secs_f64()),
+            format!("--verify={}", verify_name(self.verify)),
         ]
+    }
+}
+
+fn parse_verify(s: &str) -> Result<Verify, String> {
+    match s {
+        "always" => Ok(Verify::Always),
+        "other-hosts" => Ok(Verify::OtherHosts),
+        _ => Err(format!("{s}: not always or other-hosts")),
+    }
+}
+
+fn verify_name(v: Verify) -> &'static str {
+    match v {
+        Verify::Always => "always",
+        Verify::OtherHosts => "other-hosts",
     }
 }
 
