@@ -55,7 +55,12 @@ impl Inner {
         let payload = Bytes::from(encode_addresses(relays));
         let (r, _) = self.ns.am_send_with(peer, REQUEST, &offer.encode(), payload, opts).await;
         r?;
-        match tokio::time::timeout(limit, answer).await {
+        // A receiver that dies answers nothing: its endpoint's failure ends the wait.
+        let answered = tokio::select! {
+            a = tokio::time::timeout(limit, answer) => a,
+            status = peer.failed() => return Err(Error::Remote(format!("the receiver failed: {status}"))),
+        };
+        match answered {
             Err(_) => Err(Error::DeadlineExceeded { what: format!("push of object {id}"), limit }),
             Ok(Err(_)) => Err(Error::Remote("the node is closing".into())),
             Ok(Ok((Msg::Done { .. }, _))) => Ok(()),
