@@ -203,21 +203,7 @@ fn sweep(dir: &Path) {
 }
 
 impl ObjectStore for FileStore {
-    fn get(&self, id: &ObjectId) -> Option<Object> {
-        self.ledger.get(id)
-    }
-    fn reserve(&self, id: &ObjectId, size: u64) -> Result<()> {
-        self.ledger.reserve(id, size)
-    }
-    fn unreserve(&self, id: &ObjectId, size: u64) {
-        self.ledger.unreserve(id, size)
-    }
-    fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
-        self.ledger.seal(id, object)
-    }
-    fn release(&self, id: &ObjectId) -> Option<Object> {
-        self.ledger.release(id)
-    }
+    crate::store::ledger_methods!();
 
     fn file_for(&self, id: &ObjectId, size: u64) -> Result<Option<ObjectFile>> {
         let hex: String = id.as_bytes().iter().map(|b| format!("{b:02x}")).collect();

@@ -189,22 +189,30 @@ impl MemoryStore {
 }
 
 impl ObjectStore for MemoryStore {
-    fn get(&self, id: &ObjectId) -> Option<Object> {
-        self.ledger.get(id)
-    }
-    fn reserve(&self, id: &ObjectId, size: u64) -> Result<()> {
-        self.ledger.reserve(id, size)
-    }
-    fn unreserve(&self, id: &ObjectId, size: u64) {
-        self.ledger.unreserve(id, size)
-    }
-    fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
-        self.ledger.seal(id, object)
-    }
-    fn release(&self, id: &ObjectId) -> Option<Object> {
-        self.ledger.release(id)
-    }
+    ledger_methods!();
 }
+
+/// The [`ObjectStore`] methods a store with a `ledger` field hands to its [`Ledger`].
+macro_rules! ledger_methods {
+    () => {
+        fn get(&self, id: &ObjectId) -> Option<Object> {
+            self.ledger.get(id)
+        }
+        fn reserve(&self, id: &ObjectId, size: u64) -> Result<()> {
+            self.ledger.reserve(id, size)
+        }
+        fn unreserve(&self, id: &ObjectId, size: u64) {
+            self.ledger.unreserve(id, size)
+        }
+        fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
+            self.ledger.seal(id, object)
+        }
+        fn release(&self, id: &ObjectId) -> Option<Object> {
+            self.ledger.release(id)
+        }
+    };
+}
+pub(crate) use ledger_methods;
 
 /// The objects of a store and the room they take, up to a capacity: what
 /// [`MemoryStore`] and [`crate::FileStore`] share.

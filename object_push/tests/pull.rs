@@ -473,7 +473,8 @@ async fn pulls_wait_for_room_and_sends_wait_for_theirs() {
     assert!(hasty.get(&id("b")).is_none());
 }
 
-/// A transfer under way reports how far it came, and no longer once it ended.
+/// A transfer under way reports how far it came, and no longer once it ended; the
+/// application cannot put an object of the id it is receiving.
 #[tokio::test]
 async fn a_transfer_reports_its_progress_while_it_lasts() {
     let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
@@ -489,6 +490,9 @@ async fn a_transfer_reports_its_progress_while_it_lasts() {
         silent.reply(&m, 1, &layout.encode(), Bytes::from(encode_sums(&[1, 2, 3]))).unwrap().await.0.unwrap();
         // The fetch comes once the transfer is under way.
         requests.recv().await;
+        // Meanwhile the application cannot put the same id (nor take the pull's room).
+        let put = node.put(id("slow"), Bytes::from_static(b"x"));
+        assert!(matches!(put, Err(Error::Exists(_))), "{put:?}");
         node.progress(&id("slow"))
     };
     let progress = tokio::select! {

@@ -256,7 +256,7 @@ impl ObjectNode {
     pub fn put(&self, id: ObjectId, bytes: Bytes) -> Result<Object> {
         let layout = Layout::of(&bytes, chunk_for(bytes.len() as u64, self.inner.opts.chunk))?;
         let object = Object::new(bytes, layout)?;
-        self.inner.seal(id, object.clone())?;
+        self.inner.seal_new(id, object.clone())?;
         Ok(object)
     }
 
@@ -281,7 +281,7 @@ impl ObjectNode {
         .map_err(|e| crate::Error::Store(format!("summing a file: {e}")))?;
         let (file, layout) = summed?;
         let object = Object::in_file(file, layout)?;
-        self.inner.seal(id, object.clone())?;
+        self.inner.seal_new(id, object.clone())?;
         Ok(object)
     }
 
@@ -361,6 +361,18 @@ impl Drop for ObjectNode {
 }
 
 impl Inner {
+    /// Seals an object the application gives (`put`, `put_file`): in room of its own,
+    /// so that it never takes the room a transfer of the same id reserved (the store
+    /// refuses it while one is under way).
+    fn seal_new(&self, id: ObjectId, object: Object) -> Result<()> {
+        let size = object.len() as u64;
+        self.store.reserve(&id, size).map_err(|e| match e {
+            crate::Error::NoRoom(r) => crate::Error::Store(r),
+            e => e,
+        })?;
+        self.seal(id, object).inspect_err(|_| self.store.unreserve(&id, size))
+    }
+
     /// Seals `object` as `id` in the store and wakes the node's waiters ([`ObjectNode::wait`]).
     fn seal(&self, id: ObjectId, object: Object) -> Result<()> {
         self.store.seal(id, object)?;
