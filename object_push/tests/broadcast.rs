@@ -91,6 +91,11 @@ async fn every_shape_delivers_byte_exact_and_the_owner_sends_only_its_share() {
             "{shape}: the owner's chunks {st:#?}"
         );
     }
+    // Receivers on this host, through shared memory: the model's pick is direct sends.
+    n[0].put(id("auto"), bytes.clone()).unwrap();
+    let b = tokio::time::timeout(T, n[0].broadcast_auto(id("auto"), &to)).await.unwrap().unwrap();
+    assert!(b.is_ok() && b.shape == Shape::Direct, "{b:?}");
+    assert!(n[7].get(&id("auto")).unwrap().bytes() == Some(&bytes));
     for node in &n {
         assert_eq!(node.stats().malformed + node.stats().refetched + node.stats().holders_failed, 0);
     }

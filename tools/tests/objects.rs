@@ -1,7 +1,7 @@
 //! `ucxkit-objects bench` across network-namespace hosts whose links are limited to a
 //! rate: every receiver gets the object byte-exact in every shape, and a chain (each
 //! receiver relaying to the next) beats direct sends from the holder, whose link the
-//! direct sends share.
+//! direct sends share, and is what the holder's cost model picks.
 
 use std::process::Command;
 
@@ -20,7 +20,16 @@ fn a_chain_beats_direct_sends_over_rate_limited_hosts() {
     // sends to 3 receivers. Chunks of 256 KiB, 4 in flight: a relay lags 1 MiB behind.
     let out = Command::new(env!("CARGO_BIN_EXE_ucxkit-objects"))
         .args(["bench", "--netns", "200mbit", "--receivers", "3", "--sizes", "8M", "--chunk", "256K"])
-        .args(["--window", "4", "--ops", "single,direct,chain,tree2", "--reps", "1", "--check", "--json"])
+        .args([
+            "--window",
+            "4",
+            "--ops",
+            "single,direct,chain,tree2,auto",
+            "--reps",
+            "1",
+            "--check",
+            "--json",
+        ])
         .output()
         .expect("running ucxkit-objects");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -38,6 +47,8 @@ fn a_chain_beats_direct_sends_over_rate_limited_hosts() {
         "chain {chain:.2}, tree {tree:.2}, direct {direct:.2}"
     );
     assert!(rows.iter().all(|r| r["netns"] == "200mbit" && r["transport"] == "tcp"), "{stdout}");
+    // Hosts reached over TCP: the holder's cost model picks the chain.
+    assert!(rows.iter().any(|r| r["op"] == "auto:chain"), "{stdout}");
 }
 
 /// Seven receiver processes on this host get every object byte-exact, pulled at once

@@ -41,6 +41,33 @@ impl Broadcast {
 }
 
 impl ObjectNode {
+    /// [`ObjectNode::broadcast`] in the shape the cost model picks
+    /// ([`ObjectNode::auto_shape`]); the shape taken is in [`Broadcast::shape`].
+    ///
+    /// # Errors
+    /// As for [`ObjectNode::broadcast`].
+    pub async fn broadcast_auto(&self, id: ObjectId, receivers: &[Endpoint]) -> Result<Broadcast> {
+        let size = self.inner.store.get(&id).ok_or(Error::NotFound(id))?.len() as u64;
+        self.broadcast(id, receivers, self.auto_shape(size, receivers)).await
+    }
+
+    /// The shape for an object of `size` bytes to `receivers`: direct sends where every
+    /// receiver is on this host and reached through shared memory (each receiver copies
+    /// the object itself whatever the shape, so relays would add only their lag:
+    /// docs/objects.md measures it); otherwise the one [`Shape::choose`] picks with
+    /// [`super::NodeOptions::link`], a relay lagging a window of chunks (TCP delivers a
+    /// window together).
+    pub fn auto_shape(&self, size: u64, receivers: &[Endpoint]) -> Shape {
+        let opts = &self.inner.opts;
+        let shared_memory = self.inner.ns.worker().context().has_shared_memory();
+        let local = |r: &Endpoint| r.peer_identity().is_some_and(|p| p.same_host());
+        if shared_memory && receivers.iter().all(local) {
+            return Shape::Direct;
+        }
+        let lag = u64::from(crate::sums::chunk_for(size, opts.chunk)) * u64::from(opts.window);
+        Shape::choose(receivers.len(), size, lag, &opts.link)
+    }
+
     /// Sends object `id`, held by this node, to every receiver in `shape`: each pulls it
     /// (checked chunk by chunk, within its store's room) from the receiver above it,
     /// which relays the chunks as they check out, or from this node; waits until every

@@ -63,6 +63,9 @@ pub struct NodeOptions {
     /// faults in page by page costs more than the transfer into it); allocations under
     /// 1 MiB are not kept. Default 512 MiB; 0 keeps none.
     pub recycle: u64,
+    /// What the links to other hosts cost, for [`ObjectNode::broadcast_auto`]. Default
+    /// 10 Gbit/s and 50 us, receivers ready at once.
+    pub link: crate::LinkCost,
     /// Which chunks are checked against their checksums. Default
     /// [`Verify::OtherHosts`].
     pub verify: Verify,
@@ -86,6 +89,7 @@ impl Default for NodeOptions {
             recycle: 512 << 20,
             room_wait: Duration::from_secs(5),
             verify: Verify::OtherHosts,
+            link: crate::LinkCost::network(1.25e9, Duration::from_micros(50)),
             send_in_flight: 256 << 20,
         }
     }

@@ -29,7 +29,8 @@ pub(crate) struct BenchArgs {
     receivers: usize,
     /// What to time, comma-separated: `pull` (every receiver pulls from the holder at
     /// once), `single` (the first receiver alone pulls: one transfer, the yardstick of
-    /// the others), or a broadcast from the holder: `direct`, `chain`, `tree<fan-out>`.
+    /// the others), or a broadcast from the holder: `direct`, `chain`, `tree<fan-out>`,
+    /// or `auto` (the shape the holder's cost model picks, reported as `auto:SHAPE`).
     #[arg(long, default_value = "pull", value_delimiter = ',')]
     ops: Vec<Op>,
     /// Repetitions per size (the median is reported).
@@ -65,6 +66,8 @@ enum Op {
     Single,
     /// The holder broadcasts it in a shape.
     Broadcast(Shape),
+    /// The holder broadcasts it in the shape its cost model picks.
+    Auto,
 }
 
 impl std::str::FromStr for Op {
@@ -73,6 +76,7 @@ impl std::str::FromStr for Op {
         match s {
             "pull" => Ok(Op::Pull),
             "single" => Ok(Op::Single),
+            "auto" => Ok(Op::Auto),
             s => s.parse().map(Op::Broadcast).map_err(|e| format!("{e} (or pull, single)")),
         }
     }
@@ -84,6 +88,7 @@ impl std::fmt::Display for Op {
             Op::Pull => write!(f, "pull"),
             Op::Single => write!(f, "single"),
             Op::Broadcast(s) => write!(f, "{s}"),
+            Op::Auto => write!(f, "auto"),
         }
     }
 }
@@ -218,12 +223,19 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         for &op in &a.ops {
             let mut times = Vec::new();
             let mut peak = 0f64;
+            let mut name = op.to_string();
             for _ in 0..a.reps {
                 let (t, p) = match op {
                     Op::Pull => pull(&mut receivers, size, limit).await?,
                     Op::Single => pull(&mut receivers[..1], size, limit).await?,
                     Op::Broadcast(shape) => {
-                        broadcast(&mut holder, &mut receivers, size, shape, limit).await?
+                        broadcast(&mut holder, &mut receivers, size, shape.to_string(), limit).await?.0
+                    }
+                    Op::Auto => {
+                        let (tp, taken) =
+                            broadcast(&mut holder, &mut receivers, size, "auto".into(), limit).await?;
+                        name = format!("auto:{taken}");
+                        tp
                     }
                 };
                 times.push(t);
@@ -232,7 +244,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             times.sort_by(f64::total_cmp);
             let time_us = times[times.len() / 2];
             let receivers = if op == Op::Single { 1 } else { a.receivers };
-            let row = Row { op: op.to_string(), size, receivers, time_us, peak_mib: peak, source: "ucxkit" };
+            let row = Row { op: name, size, receivers, time_us, peak_mib: peak, source: "ucxkit" };
             // Against one transfer of the same size, where measured before it.
             let single = rows.iter().rev().find(|r: &&Row| r.size == size && r.op == "single");
             let x_single = single.filter(|_| op != Op::Single).map(|s| time_us / s.time_us);
@@ -275,29 +287,33 @@ async fn pull(receivers: &mut [Proc], size: usize, limit: Duration) -> Result<(f
     Ok((slowest, peak))
 }
 
-/// The holder broadcasts the object of `size` bytes in `shape`: its time (microseconds)
-/// and the receivers' largest peak resident memory (MiB), read as they release it.
+/// The holder broadcasts the object of `size` bytes in `shape` (a shape's name, or
+/// `auto`): its time (microseconds) and the receivers' largest peak resident memory
+/// (MiB), read as they release it, with the shape it took.
 async fn broadcast(
     holder: &mut Proc,
     receivers: &mut [Proc],
     size: usize,
-    shape: Shape,
+    shape: String,
     limit: Duration,
-) -> Result<(f64, f64), String> {
+) -> Result<((f64, f64), String), String> {
     holder
         .stdin
         .write_all(format!("broadcast {size} {shape}\n").as_bytes())
         .await
         .map_err(|e| e.to_string())?;
     let l = holder.line(limit).await?;
-    let us = l.parse::<f64>().map_err(|_| format!("the holder said {l:?}"))?;
+    let bad = || format!("the holder said {l:?}");
+    let (us, taken) = l.split_once(' ').ok_or_else(bad)?;
+    let us = us.parse::<f64>().map_err(|_| bad())?;
+    let taken = taken.to_string();
     let mut peak = 0f64;
     for r in receivers.iter_mut() {
         r.stdin.write_all(format!("release {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
         let l = r.line(limit).await?;
         peak = peak.max(l.parse::<f64>().map_err(|_| format!("a receiver said {l:?}"))? / 1024.0);
     }
-    Ok((us, peak))
+    Ok(((us, peak), taken))
 }
 
 /// `ucx_perftest -t tag_bw` at `size` on the bench's transports and progress mode.
@@ -381,7 +397,7 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, firs
     }
     if first {
         println!(
-            "{:<8} {:>9} {:>9} {:>12} {:>10} {:>9}  {:<12} {:>6} {:>8}",
+            "{:<11} {:>9} {:>9} {:>12} {:>10} {:>9}  {:<12} {:>6} {:>8}",
             "op", "size", "receivers", "time_us", "MiB/s", "peak_MiB", "source", "ratio", "x_single"
         );
     }
@@ -389,7 +405,7 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, firs
     let x_single = x_single.map_or(String::new(), |x| format!("{x:.2}"));
     let peak = if r.peak_mib > 0.0 { format!("{:.0}", r.peak_mib) } else { "-".into() };
     println!(
-        "{op:<8} {:>9} {:>9} {:>12.1} {:>10.0} {peak:>9}  {:<12} {ratio:>6} {x_single:>8}",
+        "{op:<11} {:>9} {:>9} {:>12.1} {:>10.0} {peak:>9}  {:<12} {ratio:>6} {x_single:>8}",
         format_size(r.size),
         receivers,
         r.time_us,

@@ -1,6 +1,6 @@
 //! The processes `bench` starts: the holder, which seals one object per size, serves
-//! them and broadcasts them on command (`broadcast SIZE SHAPE` on stdin: it prints the
-//! microseconds the broadcast took), and the receivers, which pull on command (`pull
+//! them and broadcasts them on command (`broadcast SIZE SHAPE|auto` on stdin: it prints
+//! the microseconds the broadcast took and the shape it took), and the receivers, which pull on command (`pull
 //! SIZE`: they print their time in microseconds and their peak resident memory in KiB)
 //! and relay what they receive (`release SIZE` after a broadcast: they check it where
 //! asked, drop it and print their peak resident memory).
@@ -108,15 +108,22 @@ pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
         let bad = || format!("unknown command {line:?}");
         let mut words = line.strip_prefix("broadcast ").ok_or_else(bad)?.split(' ');
         let size = words.next().and_then(|s| s.parse::<usize>().ok()).ok_or_else(bad)?;
-        let shape = words.next().ok_or_else(bad)?.parse::<Shape>()?;
+        let shape = match words.next().ok_or_else(bad)? {
+            "auto" => None,
+            s => Some(s.parse::<Shape>()?),
+        };
         let to = eps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let t = Instant::now();
-        let b = node.broadcast(object_id(size), &to, shape).await.map_err(|e| e.to_string())?;
+        let b = match shape {
+            Some(shape) => node.broadcast(object_id(size), &to, shape).await,
+            None => node.broadcast_auto(object_id(size), &to).await,
+        };
+        let b = b.map_err(|e| e.to_string())?;
         let us = t.elapsed().as_secs_f64() * 1e6;
         if let Some((i, e)) = b.first_error() {
             return Err(format!("broadcast of {size} B to receiver {i}: {e}"));
         }
-        println!("{us:.1}");
+        println!("{us:.1} {}", b.shape);
     }
     accept.abort();
     Ok(())
