@@ -51,18 +51,28 @@ fn a_chain_beats_direct_sends_over_rate_limited_hosts() {
     assert!(rows.iter().any(|r| r["op"] == "auto:chain"), "{stdout}");
 }
 
-/// Seven receiver processes on this host get every object byte-exact, pulled at once
+/// Seven receiver processes on this host get every object byte-exact, pulled (from the
+/// holder, and swarming: from the holder and the receivers started before, 2 ms apart)
 /// and broadcast in every shape (the receivers relaying to one another).
 #[test]
 fn seven_receivers_get_every_shape_byte_exact() {
     let out = Command::new(env!("CARGO_BIN_EXE_ucxkit-objects"))
         .args(["bench", "--receivers", "7", "--sizes", "0,100K,3M", "--chunk", "256K", "--window", "4"])
-        .args(["--ops", "pull,direct,chain,tree2,tree3", "--reps", "1", "--check", "--json"])
+        .args([
+            "--ops",
+            "pull,swarm,direct,chain,tree2,tree3",
+            "--skew",
+            "2ms",
+            "--reps",
+            "1",
+            "--check",
+            "--json",
+        ])
         .output()
         .expect("running ucxkit-objects");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let rows = rows(&stdout);
-    assert_eq!(rows.len(), 15, "{stdout}");
+    assert_eq!(rows.len(), 18, "{stdout}");
     assert!(rows.iter().all(|r| r["receivers"] == 7), "{stdout}");
 }

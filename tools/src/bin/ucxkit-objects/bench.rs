@@ -27,12 +27,18 @@ pub(crate) struct BenchArgs {
     /// Receiver processes pulling each object at once.
     #[arg(short, long, default_value_t = 1)]
     receivers: usize,
-    /// What to time, comma-separated: `pull` (every receiver pulls from the holder at
-    /// once), `single` (the first receiver alone pulls: one transfer, the yardstick of
+    /// What to time, comma-separated: `pull` (every receiver pulls from the holder),
+    /// `swarm` (every receiver pulls from the holder and the receivers started before
+    /// it, chunks spread over all of them), `single` (the first receiver alone pulls: one transfer, the yardstick of
     /// the others), or a broadcast from the holder: `direct`, `chain`, `tree<fan-out>`,
     /// or `auto` (the shape the holder's cost model picks, reported as `auto:SHAPE`).
     #[arg(long, default_value = "pull", value_delimiter = ',')]
     ops: Vec<Op>,
+    /// Arrival skew: `pull` and `swarm` start receiver i this much after receiver i-1,
+    /// and are timed from the first start to the last end (broadcasts offer to every
+    /// receiver at once).
+    #[arg(long, default_value = "0", value_parser = parse_skew)]
+    skew: Duration,
     /// Repetitions per size (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -60,8 +66,10 @@ pub(crate) struct BenchArgs {
 /// One way of moving an object to the receivers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
-    /// Every receiver pulls it at once.
+    /// Every receiver pulls it from the holder.
     Pull,
+    /// Every receiver pulls it from the holder and the receivers before it.
+    Swarm,
     /// The first receiver alone pulls it.
     Single,
     /// The holder broadcasts it in a shape.
@@ -75,6 +83,7 @@ impl std::str::FromStr for Op {
     fn from_str(s: &str) -> Result<Op, String> {
         match s {
             "pull" => Ok(Op::Pull),
+            "swarm" => Ok(Op::Swarm),
             "single" => Ok(Op::Single),
             "auto" => Ok(Op::Auto),
             s => s.parse().map(Op::Broadcast).map_err(|e| format!("{e} (or pull, single)")),
@@ -86,11 +95,20 @@ impl std::fmt::Display for Op {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Op::Pull => write!(f, "pull"),
+            Op::Swarm => write!(f, "swarm"),
             Op::Single => write!(f, "single"),
             Op::Broadcast(s) => write!(f, "{s}"),
             Op::Auto => write!(f, "auto"),
         }
     }
+}
+
+/// A skew: `0`, or a duration (`200ms`, `1s`).
+fn parse_skew(s: &str) -> Result<Duration, String> {
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    ucxkit_tools::cli::parse_duration(s)
 }
 
 /// How long a started process may take to say it is ready.
@@ -211,10 +229,14 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let mut holder = Proc::start("holder", port, &list, a.pin.then_some(0), false, &a.node, &place(0))?;
     holder.expect("ready").await?;
     let mut receivers = Vec::new();
+    let mut addrs = Vec::new();
     for i in 0..a.receivers {
         let mut r =
             Proc::start("receiver", port, &list, a.pin.then_some(i + 1), a.check, &a.node, &place(i + 1))?;
-        r.expect("connected").await?;
+        let l = r.line(START_LIMIT).await?;
+        let addr =
+            l.strip_prefix("connected ").ok_or_else(|| format!("expected \"connected ADDR\", got {l:?}"))?;
+        addrs.push(addr.to_string());
         receivers.push(r);
     }
     let limit = a.node.deadline + Duration::from_secs(10);
@@ -226,8 +248,9 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             let mut name = op.to_string();
             for _ in 0..a.reps {
                 let (t, p) = match op {
-                    Op::Pull => pull(&mut receivers, size, limit).await?,
-                    Op::Single => pull(&mut receivers[..1], size, limit).await?,
+                    Op::Pull => pull(&mut receivers, size, a.skew, None, limit).await?,
+                    Op::Swarm => pull(&mut receivers, size, a.skew, Some(&addrs), limit).await?,
+                    Op::Single => pull(&mut receivers[..1], size, Duration::ZERO, None, limit).await?,
                     Op::Broadcast(shape) => {
                         broadcast(&mut holder, &mut receivers, size, shape.to_string(), limit).await?.0
                     }
@@ -270,21 +293,43 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Every receiver pulls the object of `size` bytes at once: the slowest one's time
-/// (microseconds) and the largest peak resident memory (MiB).
-async fn pull(receivers: &mut [Proc], size: usize, limit: Duration) -> Result<(f64, f64), String> {
-    for r in receivers.iter_mut() {
-        r.stdin.write_all(format!("pull {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+/// Every receiver pulls the object of `size` bytes, receiver i starting `skew` after
+/// receiver i-1: from the holder, or (`swarm`: the receivers' listening addresses) from
+/// the holder and the receivers before it. The time from the first start to the last
+/// end (microseconds) and the largest peak resident memory (MiB).
+async fn pull(
+    receivers: &mut [Proc],
+    size: usize,
+    skew: Duration,
+    swarm: Option<&[String]>,
+    limit: Duration,
+) -> Result<(f64, f64), String> {
+    let start = tokio::time::Instant::now();
+    for (i, r) in receivers.iter_mut().enumerate() {
+        tokio::time::sleep_until(start + skew * i as u32).await;
+        let command = match swarm {
+            Some(addrs) => format!("swarm {size} {}\n", addrs[..i].join(",")),
+            None => format!("pull {size}\n"),
+        };
+        r.stdin.write_all(command.as_bytes()).await.map_err(|e| e.to_string())?;
     }
-    let (mut slowest, mut peak) = (0f64, 0f64);
-    for r in receivers.iter_mut() {
+    let (mut end, mut peak) = (0f64, 0f64);
+    for (i, r) in receivers.iter_mut().enumerate() {
         let l = r.line(limit).await?;
         let bad = || format!("a receiver said {l:?}");
         let (us, kib) = l.split_once(' ').ok_or_else(bad)?;
-        slowest = slowest.max(us.parse::<f64>().map_err(|_| bad())?);
+        let at = skew.as_secs_f64() * 1e6 * i as f64;
+        end = end.max(at + us.parse::<f64>().map_err(|_| bad())?);
         peak = peak.max(kib.parse::<f64>().map_err(|_| bad())? / 1024.0);
     }
-    Ok((slowest, peak))
+    if swarm.is_some() {
+        for r in receivers.iter_mut() {
+            r.stdin.write_all(format!("release {size}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+            let l = r.line(limit).await?;
+            peak = peak.max(l.parse::<f64>().map_err(|_| format!("a receiver said {l:?}"))? / 1024.0);
+        }
+    }
+    Ok((end, peak))
 }
 
 /// The holder broadcasts the object of `size` bytes in `shape` (a shape's name, or

@@ -129,17 +129,21 @@ pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Connects to the holder, then pulls each object stdin names (`pull SIZE`), prints the
-/// microseconds it took and releases it.
+/// Connects to the holder and says where it listens (`connected ADDR`), then pulls each
+/// object stdin names: `pull SIZE` from the holder (prints the microseconds it took and
+/// its peak memory, and releases it), `swarm SIZE [ADDR,...]` from the holder and the
+/// receivers listening at those addresses, chunks spread over all of them (prints the
+/// same, keeps it for the others until `release SIZE`).
 pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
     pin(a.cpu);
     let worker = a.node.worker()?;
     let node = ObjectNode::new(&worker, Arc::new(MemoryStore::new()), a.node.options())
         .map_err(|e| e.to_string())?;
-    node.listen(SocketAddr::new(a.ip, 0)).map_err(|e| format!("listening for receivers: {e}"))?;
+    let me = node.listen(SocketAddr::new(a.ip, 0)).map_err(|e| format!("listening for receivers: {e}"))?;
     let holder = SocketAddr::new(a.holder_ip, a.port);
     let ep = worker.connect(holder).await.map_err(|e| format!("connecting to the holder: {e}"))?;
-    println!("connected");
+    println!("connected {me}");
+    let mut peers = std::collections::HashMap::new();
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(line)) = stdin.next_line().await {
         if let Some(size) = line.strip_prefix("release ").and_then(|s| s.trim().parse::<usize>().ok()) {
@@ -153,18 +157,37 @@ pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
             println!("{}", peak_rss_kib());
             continue;
         }
-        let Some(size) = line.strip_prefix("pull ").and_then(|s| s.trim().parse::<usize>().ok()) else {
-            return Err(format!("unknown command {line:?}"));
+        let (size, from) = match line.split_once(' ') {
+            Some(("pull", size)) => (size, None),
+            Some(("swarm", rest)) => {
+                let (size, addrs) = rest.split_once(' ').unwrap_or((rest, ""));
+                (size, Some(addrs))
+            }
+            _ => return Err(format!("unknown command {line:?}")),
         };
+        let size = size.trim().parse::<usize>().map_err(|_| format!("unknown command {line:?}"))?;
+        let mut holders = vec![ep.clone()];
+        for addr in from.unwrap_or("").split(',').filter(|s| !s.is_empty()) {
+            let addr: SocketAddr = addr.parse().map_err(|_| format!("not an address: {addr}"))?;
+            let peer = match peers.entry(addr) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                    worker.connect(addr).await.map_err(|err| format!("connecting to {addr}: {err}"))?,
+                ),
+            };
+            holders.push(peer.clone());
+        }
         let id = object_id(size);
         let t = Instant::now();
-        let o = node.pull(id, &ep).await.map_err(|e| format!("pull of {size} B: {e}"))?;
+        let o = node.pull_from(id, &holders).await.map_err(|e| format!("pull of {size} B: {e}"))?;
         let us = t.elapsed().as_secs_f64() * 1e6;
         if a.check && !o.bytes().is_some_and(|b| is_pattern(b)) {
             return Err(format!("the object of {size} B arrived different"));
         }
         drop(o);
-        node.release(&id);
+        if from.is_none() {
+            node.release(&id);
+        }
         println!("{us:.1} {}", peak_rss_kib());
     }
     Ok(())
