@@ -131,10 +131,12 @@ impl Output {
     }
 }
 
-/// Parses a duration such as `2s`, `500ms` or `1.5` (seconds).
+/// Parses a duration such as `2s`, `500ms`, `50us` or `1.5` (seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let (num, mult) = if let Some(n) = s.strip_suffix("ms") {
+    let (num, mult) = if let Some(n) = s.strip_suffix("us") {
+        (n, 1e-6)
+    } else if let Some(n) = s.strip_suffix("ms") {
         (n, 1e-3)
     } else if let Some(n) = s.strip_suffix('s') {
         (n, 1.0)
@@ -193,6 +195,7 @@ mod tests {
     fn durations() {
         assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("50us"), Ok(Duration::from_micros(50)));
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
         for bad in ["", "0", "-1s", "abc", "nan", "inf", "1e300"] {
             assert!(parse_duration(bad).is_err(), "{bad}");

@@ -60,6 +60,10 @@ pub(crate) struct NodeArgs {
     /// How workers make progress.
     #[arg(long, value_enum, default_value = "event")]
     progress: Progress,
+    /// Event progress: how long a worker keeps polling after its last event before it
+    /// sleeps (`0`: at once).
+    #[arg(long, default_value = "50us", value_parser = parse_linger)]
+    linger: Duration,
     /// Chunk size of the objects sealed (K/M suffixes).
     #[arg(long, default_value = "1M", value_parser = parse_chunk)]
     chunk: u32,
@@ -90,7 +94,11 @@ impl NodeArgs {
     fn worker(&self) -> Result<ucxkit::transport::Worker, String> {
         let ctx =
             self.transport.apply(ucxkit::transport::Context::builder()).build().map_err(|e| e.to_string())?;
-        ctx.worker().progress_mode(self.progress.mode()).build().map_err(|e| e.to_string())
+        ctx.worker()
+            .progress_mode(self.progress.mode())
+            .event_linger(self.linger)
+            .build()
+            .map_err(|e| e.to_string())
     }
 
     /// The same options as command-line arguments, for the processes `bench` starts.
@@ -98,12 +106,20 @@ impl NodeArgs {
         vec![
             format!("--transport={}", self.transport.name()),
             format!("--progress={}", self.progress.name()),
+            format!("--linger={}us", self.linger.as_micros()),
             format!("--chunk={}", self.chunk),
             format!("--window={}", self.window),
             format!("--deadline={}s", self.deadline.as_secs_f64()),
             format!("--verify={}", verify_name(self.verify)),
         ]
     }
+}
+
+fn parse_linger(s: &str) -> Result<Duration, String> {
+    if s == "0" || s == "0us" {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(s)
 }
 
 fn parse_verify(s: &str) -> Result<Verify, String> {
