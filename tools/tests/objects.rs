@@ -5,9 +5,19 @@
 
 use std::process::Command;
 
-/// The rows `bench --json` printed, by op.
-fn rows(stdout: &str) -> Vec<serde_json::Value> {
-    stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+/// Runs `ucxkit-objects bench` with `args` (space-separated), one repetition, bytes
+/// checked, JSON out: what it printed and its rows. Fails the test when it fails.
+fn bench(args: &str) -> (String, Vec<serde_json::Value>) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ucxkit-objects"))
+        .arg("bench")
+        .args(args.split(' '))
+        .args(["--reps", "1", "--check", "--json"])
+        .output()
+        .expect("running ucxkit-objects");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let rows = stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    (stdout, rows)
 }
 
 #[test]
@@ -18,23 +28,9 @@ fn a_chain_beats_direct_sends_over_rate_limited_hosts() {
     }
     // 8 MiB over 200 Mbit/s links: 0.34 s for one transfer, three times that for direct
     // sends to 3 receivers. Chunks of 256 KiB, 4 in flight: a relay lags 1 MiB behind.
-    let out = Command::new(env!("CARGO_BIN_EXE_ucxkit-objects"))
-        .args(["bench", "--netns", "200mbit", "--receivers", "3", "--sizes", "8M", "--chunk", "256K"])
-        .args([
-            "--window",
-            "4",
-            "--ops",
-            "single,direct,chain,tree2,auto",
-            "--reps",
-            "1",
-            "--check",
-            "--json",
-        ])
-        .output()
-        .expect("running ucxkit-objects");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let rows = rows(&stdout);
+    let (stdout, rows) = bench(
+        "--netns 200mbit --receivers 3 --sizes 8M --chunk 256K --window 4 --ops single,direct,chain,tree2,auto",
+    );
     let x = |op: &str| {
         let r = rows.iter().find(|r| r["op"] == op).unwrap_or_else(|| panic!("no {op} row in {stdout}"));
         r["x_single"].as_f64().unwrap_or_else(|| panic!("{op} has no time against one transfer: {r}"))
@@ -56,23 +52,9 @@ fn a_chain_beats_direct_sends_over_rate_limited_hosts() {
 /// and broadcast in every shape (the receivers relaying to one another).
 #[test]
 fn seven_receivers_get_every_shape_byte_exact() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ucxkit-objects"))
-        .args(["bench", "--receivers", "7", "--sizes", "0,100K,3M", "--chunk", "256K", "--window", "4"])
-        .args([
-            "--ops",
-            "pull,swarm,direct,chain,tree2,tree3",
-            "--skew",
-            "2ms",
-            "--reps",
-            "1",
-            "--check",
-            "--json",
-        ])
-        .output()
-        .expect("running ucxkit-objects");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let rows = rows(&stdout);
+    let (stdout, rows) = bench(
+        "--receivers 7 --sizes 0,100K,3M --chunk 256K --window 4 --ops pull,swarm,direct,chain,tree2,tree3 --skew 2ms",
+    );
     assert_eq!(rows.len(), 18, "{stdout}");
     assert!(rows.iter().all(|r| r["receivers"] == 7), "{stdout}");
 }
