@@ -187,8 +187,20 @@ impl Msg {
                 b.extend(count.to_le_bytes());
                 b.extend(limit_ms.to_le_bytes());
             }
-            Msg::Missing { req } => {
-                b.extend([VERSION, MISSING]);
+            // The messages that carry only their request.
+            Msg::Missing { req }
+            | Msg::Hello { req }
+            | Msg::Address { req }
+            | Msg::Done { req }
+            | Msg::Cancel { req } => {
+                let kind = match self {
+                    Msg::Missing { .. } => MISSING,
+                    Msg::Hello { .. } => HELLO,
+                    Msg::Address { .. } => ADDRESS,
+                    Msg::Done { .. } => DONE,
+                    _ => CANCEL,
+                };
+                b.extend([VERSION, kind]);
                 b.extend(req.to_le_bytes());
             }
             Msg::Inline { req, sum } => {
@@ -209,22 +221,7 @@ impl Msg {
                 b.extend(size.to_le_bytes());
                 b.push(*relays);
             }
-            Msg::Hello { req } => {
-                b.extend([VERSION, HELLO]);
-                b.extend(req.to_le_bytes());
-            }
-            Msg::Address { req } => {
-                b.extend([VERSION, ADDRESS]);
-                b.extend(req.to_le_bytes());
-            }
-            Msg::Done { req } => {
-                b.extend([VERSION, DONE]);
-                b.extend(req.to_le_bytes());
-            }
-            Msg::Cancel { req } => {
-                b.extend([VERSION, CANCEL]);
-                b.extend(req.to_le_bytes());
-            }
+
             Msg::Failed { req, reason } => {
                 b.extend([VERSION, FAILED]);
                 b.extend(req.to_le_bytes());

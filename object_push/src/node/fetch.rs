@@ -407,13 +407,14 @@ impl<'a> Transfer<'a> {
             self.sources[s].inflight -= 1;
         }
         match r {
-            Ok(info) if info.len == want && !self.sources[s].check && self.sink.target().is_none() => {
-                // Not checked (a holder on this host, see `Verify`), nothing to write.
-                drop(held);
-                self.checked((s, k, true, piece))?;
-            }
             Ok(info) if info.len == want => {
-                let (layout, file, verify) = (self.layout.clone(), self.sink.target(), self.sources[s].check);
+                let (file, verify) = (self.sink.target(), self.sources[s].check);
+                if !verify && file.is_none() {
+                    // Not checked (a holder on this host, see `Verify`), nothing to write.
+                    drop(held);
+                    return self.checked((s, k, true, piece));
+                }
+                let layout = self.layout.clone();
                 let check = tokio::task::spawn_blocking(move || {
                     sink::check(&layout, k, &piece, verify, file.as_deref()).map(|good| (s, k, good, piece))
                 });

@@ -70,16 +70,15 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
             }
             // Inline up to the smaller of the two nodes' limits.
             let inline_max = u64::from(inline_max.min(node.opts.inline_max));
-            // Still arriving here: its chunks are relayed as they check out. Looked at
-            // before the store: a transfer seals before it stops publishing.
-            let (reply, payload) = match (node.partial_of(&id), node.store.get(&id)) {
-                (Some(p), _) => layout_answer(req, p.layout()),
-                (None, Some(o)) if o.len() as u64 <= inline_max => match read(&o, None).await {
+            // Still arriving here: its chunks are relayed as they check out.
+            let (reply, payload) = match node.find(&id) {
+                Some(Chunks::Arriving(p)) => layout_answer(req, p.layout()),
+                Some(Chunks::Sealed(o)) if o.len() as u64 <= inline_max => match read(&o, None).await {
                     Ok(b) => (Msg::Inline { req, sum: crate::sums::sum(&b) }, b),
                     Err(reason) => (Msg::Failed { req, reason }, Bytes::new()),
                 },
-                (None, Some(o)) => layout_answer(req, o.layout()),
-                (None, None) => (Msg::Missing { req }, Bytes::new()),
+                Some(Chunks::Sealed(o)) => layout_answer(req, o.layout()),
+                None => (Msg::Missing { req }, Bytes::new()),
             };
             send_answer(&node, &ep, &reply, payload).await;
         }
@@ -110,11 +109,9 @@ async fn fetch(
     limit_ms: u32,
 ) {
     let req = sending.key.1;
-    // The arriving object first: a transfer seals before it stops publishing.
-    let from = match (node.partial_of(&id), node.store.get(&id)) {
-        (Some(p), _) => Chunks::Arriving(p),
-        (None, Some(o)) => Chunks::Sealed(o),
-        (None, None) => {
+    let from = match node.find(&id) {
+        Some(from) => from,
+        None => {
             let reply = Msg::Failed { req, reason: format!("object {id} is no longer held") };
             return send_answer(&node, &ep, &reply, Bytes::new()).await;
         }
@@ -297,6 +294,16 @@ impl Drop for Sending {
 }
 
 impl Inner {
+    /// Object `id` as this node has it: arriving, else sealed. The arriving one is
+    /// looked at first (a transfer seals before it stops publishing), and the store only
+    /// when there is none.
+    fn find(&self, id: &ObjectId) -> Option<Chunks> {
+        match self.partial_of(id) {
+            Some(p) => Some(Chunks::Arriving(p)),
+            None => self.store.get(id).map(Chunks::Sealed),
+        }
+    }
+
     /// The send room's size, in its units.
     fn sends_total(&self) -> u32 {
         u32::try_from(super::send_units(self.opts.send_in_flight)).unwrap_or(u32::MAX)
