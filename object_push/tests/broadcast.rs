@@ -9,14 +9,12 @@ use bytes::Bytes;
 use ucxkit_object_push::wire::{encode_addresses, Msg};
 use ucxkit_object_push::{Error, MemoryStore, NodeOptions, ObjectId, ObjectNode, Shape, Verify};
 use ucxkit_testkit::payload::payload;
-use ucxkit_testkit::workers::{mesh_with, Mesh};
+use ucxkit_testkit::workers::{loopback, mesh_with, Mesh};
 use ucxkit_transport::am::AmSendOptions;
 use ucxkit_transport::namespace::OBJECT_PUSH;
 use ucxkit_transport::ProgressMode;
 
 const T: Duration = Duration::from_secs(60);
-const LOOPBACK: std::net::SocketAddr =
-    std::net::SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
 
 fn id(s: &str) -> ObjectId {
     ObjectId::try_from(s).unwrap()
@@ -40,7 +38,7 @@ async fn nodes(tls: &str, n: usize, room: impl Fn(usize) -> Option<u64>) -> (Mes
                 None => MemoryStore::new(),
             };
             let node = ObjectNode::new(w, Arc::new(store), small()).expect("node");
-            node.listen(LOOPBACK).expect("listen");
+            node.listen(loopback()).expect("listen");
             node
         })
         .collect();
@@ -142,11 +140,11 @@ async fn hostile_offers_are_refused_or_pulled_from_the_offerer() {
     let rogue = mesh.workers[0].namespace(OBJECT_PUSH).unwrap();
     let node = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), small()).unwrap();
     let own = node.listen("0.0.0.0:0".parse().unwrap()).unwrap();
-    assert!(node.listen(LOOPBACK).is_err(), "a node listens once");
+    assert!(node.listen(loopback()).is_err(), "a node listens once");
     let mut requests = rogue.am_recv(0).unwrap();
     let mut answers = rogue.am_recv(1).unwrap();
     let closed = {
-        let l = std::net::TcpListener::bind(LOOPBACK).unwrap();
+        let l = std::net::TcpListener::bind(loopback()).unwrap();
         l.local_addr().unwrap()
     };
     let own = std::net::SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), own.port());

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ucxkit_object_push::{Error, FileStore, MemoryStore, NodeOptions, ObjectId, ObjectNode, Verify};
 use ucxkit_testkit::payload::payload;
-use ucxkit_testkit::workers::mesh_with;
+use ucxkit_testkit::workers::{loopback, mesh_with};
 use ucxkit_transport::ProgressMode;
 
 mod common;
@@ -143,7 +143,7 @@ async fn a_relay_receiving_into_a_file_sends_its_receivers_to_the_owner() {
     let relay = ObjectNode::new(&mesh.workers[1], Arc::new(FileStore::new(&d).unwrap()), small()).unwrap();
     let last = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), small()).unwrap();
     for n in [&relay, &last] {
-        n.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        n.listen(loopback()).unwrap();
     }
     let bytes = Bytes::from(payload(6, 100_000));
     owner.put(id("o"), bytes.clone()).unwrap();
