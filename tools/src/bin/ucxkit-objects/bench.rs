@@ -230,14 +230,31 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     holder.expect("ready").await?;
     let mut receivers = Vec::new();
     let mut addrs = Vec::new();
+    let mut lanes = Vec::new();
     for i in 0..a.receivers {
         let mut r =
             Proc::start("receiver", port, &list, a.pin.then_some(i + 1), a.check, &a.node, &place(i + 1))?;
         let l = r.line(START_LIMIT).await?;
-        let addr =
-            l.strip_prefix("connected ").ok_or_else(|| format!("expected \"connected ADDR\", got {l:?}"))?;
+        let (addr, their_lanes) = l
+            .strip_prefix("connected ")
+            .and_then(|l| l.split_once(' '))
+            .ok_or_else(|| format!("expected \"connected ADDR LANES\", got {l:?}"))?;
         addrs.push(addr.to_string());
+        if !lanes.contains(&their_lanes.to_string()) {
+            lanes.push(their_lanes.to_string());
+        }
         receivers.push(r);
+    }
+    // ucx_perftest over the network devices of the first receiver's lanes (the same rails).
+    let net_devices = perftest::net_devices(
+        lanes.first().into_iter().flat_map(|l| l.split(',')).filter_map(|l| Some(l.split_once('/')?.1)),
+    );
+    if a.output.table() {
+        // How the chunks move: the data path is chosen per endpoint by UCX's rendezvous.
+        println!(
+            "# chunks: tagged rendezvous into the receiver's buffer; receivers' lanes to the holder: {}",
+            lanes.join(" | ")
+        );
     }
     let limit = a.node.deadline + Duration::from_secs(10);
     let mut rows = Vec::new();
@@ -275,7 +292,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             rows.push(row);
         }
         if a.compare {
-            let theirs = perftest_row(&a, size)?;
+            let theirs = perftest_row(&a, size, net_devices.as_deref())?;
             let first = &rows[rows.len() - a.ops.len()];
             let ratio = first.mibps() / theirs.mibps();
             print(&a, &theirs, Some(ratio), None, false);
@@ -361,8 +378,9 @@ async fn broadcast(
     Ok(((us, peak), taken))
 }
 
-/// `ucx_perftest -t tag_bw` at `size` on the bench's transports and progress mode.
-fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
+/// `ucx_perftest -t tag_bw` at `size` on the bench's transports, network devices and
+/// progress mode.
+fn perftest_row(a: &BenchArgs, size: usize, net_devices: Option<&str>) -> Result<Row, String> {
     let tls = a.node.transport.tls();
     let setup = perftest::Setup {
         tls: tls.as_deref(),
@@ -371,6 +389,7 @@ fn perftest_row(a: &BenchArgs, size: usize) -> Result<Row, String> {
         cpu: a.pin.then_some(1),
         server_cpu: a.pin.then_some(0),
         window: 32,
+        net_devices,
     };
     // About 4 GiB moved, at least 10 and at most 10,000 messages.
     let iters = ((4u64 << 30) / size.max(1) as u64).clamp(10, 10_000);

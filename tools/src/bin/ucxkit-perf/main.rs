@@ -297,10 +297,14 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         ep
     };
     let transport = ep.transports().map(|t| t.join(",")).unwrap_or_else(|_| "?".into());
-    let lanes = ep
-        .lanes()
-        .map(|l| l.iter().map(|l| format!("{}/{}", l.transport, l.device)).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into());
+    let ep_lanes = ep.lanes().unwrap_or_default();
+    let lanes = if ep_lanes.is_empty() {
+        "?".to_string()
+    } else {
+        ep_lanes.iter().map(|l| format!("{}/{}", l.transport, l.device)).collect::<Vec<_>>().join(" ")
+    };
+    // ucx_perftest over the same network devices (the same rails).
+    let net_devices = perftest::net_devices(ep_lanes.iter().map(|l| l.device.as_str()));
     let tests: Vec<Test> = args.test.iter().flatten().copied().collect();
     for &t in &tests {
         for &size in &sizes {
@@ -327,6 +331,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         cpu: args.cpu,
         server_cpu: args.server_cpu,
         window: args.window,
+        net_devices: net_devices.as_deref(),
     };
     let mut runs: Vec<(Test, usize)> = Vec::new();
     for &test in &tests {

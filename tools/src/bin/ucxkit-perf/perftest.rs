@@ -7,7 +7,7 @@ use crate::AnyResult;
 use ucxkit_tools::perftest::{self, Case, Values};
 use ucxkit_tools::report::Row;
 
-pub(crate) use ucxkit_tools::perftest::Setup;
+pub(crate) use ucxkit_tools::perftest::{net_devices, Setup};
 
 /// Runs one ucx_perftest pair and returns its result.
 pub(crate) fn run(test: Test, size: usize, iters: u64, warmup: u64, setup: &Setup<'_>) -> AnyResult<Row> {
