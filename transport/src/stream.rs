@@ -132,6 +132,7 @@ impl Endpoint {
     pub async fn stream_recv_data(&self) -> Result<Option<StreamData>> {
         let id = self.inner.id;
         let inner = self.worker_inner();
+        let leave = crate::worker::Leave::new(inner, id, crate::worker::List::Stream);
         std::future::poll_fn(|cx| {
             inner.poll_until(
                 cx,
@@ -141,7 +142,7 @@ impl Endpoint {
                     if let Some(e) = open.filter(|e| !e.kept().is_empty()) {
                         // Bytes taken in when the peer closed come first.
                         let kept = e.take_kept();
-                        st.after.wake_all(&mut e.stream_waiters);
+                        st.after.wake_waiters(&mut e.stream_waiters);
                         return Some(Ok(Some(StreamData {
                             ep: self.clone(),
                             handle: std::ptr::null_mut(),
@@ -184,11 +185,7 @@ impl Endpoint {
                     // Woken by any progress that handled events, and by the endpoint's
                     // failure or end of stream.
                     st.add_probe_waiter(waker);
-                    if let Some(e) = st.eps.get_mut(&id) {
-                        if !e.stream_waiters.iter().any(|w| w.will_wake(waker)) {
-                            e.stream_waiters.push(waker.clone());
-                        }
-                    }
+                    leave.register(st, waker);
                 },
             )
         })
@@ -289,7 +286,7 @@ impl Endpoint {
                     unsafe { std::ptr::copy_nonoverlapping(e.kept().as_ptr(), ptr, n) };
                     e.consume_kept(n);
                     if e.stream_ended() {
-                        st.after.wake_all(&mut e.stream_waiters);
+                        st.after.wake_waiters(&mut e.stream_waiters);
                     }
                     return Ok(Posted::Done(Completion::ok(n)));
                 }
@@ -348,18 +345,22 @@ impl Endpoint {
 
     /// Whether the peer's stream ended; if not, the task is woken when it does (or when
     /// the endpoint fails).
-    fn poll_stream_end(&self, cx: &mut Context<'_>) -> bool {
+    /// The waker is registered under `key` (from [`Endpoint::waiter_key`]).
+    fn poll_stream_end(&self, key: u64, cx: &mut Context<'_>) -> bool {
         let id = self.inner.id;
         self.worker_inner().locked(|st| match st.eps.get_mut(&id) {
             Some(e) if e.stream_ended() => true,
             Some(e) => {
-                if !e.stream_waiters.iter().any(|w| w.will_wake(cx.waker())) {
-                    e.stream_waiters.push(cx.waker().clone());
-                }
+                e.stream_waiters.register(key, cx.waker());
                 false
             }
             None => false,
         })
+    }
+
+    /// A key of this worker's for a waiting list ([`crate::worker::Waiters`]).
+    fn waiter_key(&self) -> u64 {
+        self.worker_inner().locked(|st| st.new_id())
     }
 }
 
@@ -397,12 +398,16 @@ pub struct UcxStream {
     in_flight: usize,
     spare: Vec<Vec<u8>>,
     shut: bool,
+    /// This adapter's key in the endpoint's stream waiters (while a read waits for the
+    /// end of the stream).
+    end_key: u64,
 }
 
 impl UcxStream {
     /// An adapter over `ep`'s stream.
     pub fn new(ep: Endpoint) -> UcxStream {
         UcxStream {
+            end_key: ep.waiter_key(),
             ep,
             read_chunk: READ_CHUNK,
             rbuf: Vec::new(),
@@ -445,6 +450,17 @@ impl UcxStream {
             }
         }
         Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for UcxStream {
+    fn drop(&mut self) {
+        let (id, key) = (self.ep.inner.id, self.end_key);
+        self.ep.worker_inner().locked(|st| {
+            if let Some(w) = st.waiters(id, crate::worker::List::Stream) {
+                w.remove(key);
+            }
+        });
     }
 }
 
@@ -505,7 +521,7 @@ impl AsyncRead for UcxStream {
                         }
                     }
                     Poll::Pending if !end_seen => {
-                        if !this.ep.poll_stream_end(cx) {
+                        if !this.ep.poll_stream_end(this.end_key, cx) {
                             return Poll::Pending;
                         }
                         end_seen = true;

@@ -194,19 +194,16 @@ impl Endpoint {
     pub async fn failed(&self) -> Status {
         let id = self.inner.id;
         let inner = self.worker_inner();
+        let leave = crate::worker::Leave::new(inner, id, crate::worker::List::Stream);
         std::future::poll_fn(|cx| {
-            inner.locked(|st| match st.eps.get_mut(&id) {
-                Some(e) => match e.failed.map(|f| f.status) {
-                    Some(s) => Poll::Ready(s),
-                    None => {
-                        // Woken by the endpoint's failure (and by stream events; then
-                        // this looks again).
-                        if !e.stream_waiters.iter().any(|w| w.will_wake(cx.waker())) {
-                            e.stream_waiters.push(cx.waker().clone());
-                        }
-                        Poll::Pending
-                    }
-                },
+            inner.locked(|st| match st.eps.get(&id).map(|e| e.failed.map(|f| f.status)) {
+                Some(Some(s)) => Poll::Ready(s),
+                Some(None) => {
+                    // Woken by the endpoint's failure (and by stream events; then this
+                    // looks again).
+                    leave.register(st, cx.waker());
+                    Poll::Pending
+                }
                 None => Poll::Pending,
             })
         })
@@ -414,7 +411,8 @@ impl Endpoint {
         if parting {
             // The driver moves it on (the flush, the peer's disconnect, the deadline).
             inner.signal.kick();
-            std::future::poll_fn(|cx| inner.locked(|st| st.wait_parting(id, cx.waker()))).await;
+            let leave = crate::worker::Leave::new(inner, id, crate::worker::List::Parting);
+            std::future::poll_fn(|cx| inner.locked(|st| st.wait_parting(id, &leave, cx.waker()))).await;
             return Ok(());
         }
         let posted = self.worker_inner().locked(|st| {

@@ -205,7 +205,7 @@ pub(crate) struct EpState {
     pub(super) kept_at: usize,
     /// Tasks waiting for stream progress (end of stream, failure) or for the endpoint's
     /// failure ([`crate::Endpoint::failed`]).
-    pub(crate) stream_waiters: Vec<Waker>,
+    pub(crate) stream_waiters: Waiters,
     /// The endpoint's handle, for active-message replies.
     pub(crate) endpoint: EndpointRef,
     /// Zero-copy stream data ([`crate::StreamData`]) handed out and not yet released.
@@ -250,7 +250,7 @@ impl EpState {
             closing: false,
             hidden: false,
             by_address: false,
-            stream_waiters: Vec::new(),
+            stream_waiters: Waiters::default(),
             endpoint: std::sync::Weak::<()>::new(),
         }
     }
@@ -332,6 +332,14 @@ impl Deferred {
         self.any = true;
     }
 
+    /// Wakes every waiter in `ws` (emptied) after the lock is released.
+    pub(crate) fn wake_waiters(&mut self, ws: &mut Waiters) {
+        if ws.len() > 0 {
+            ws.drain_into(&mut self.wake);
+            self.any = true;
+        }
+    }
+
     /// Wakes every waker in `ws` (emptied) after the lock is released.
     pub(crate) fn wake_all(&mut self, ws: &mut Vec<Waker>) {
         if !ws.is_empty() {
@@ -386,7 +394,7 @@ mod tests {
             refused: false,
             deadline: Instant::now(),
             flush: None,
-            waiters: Vec::new(),
+            waiters: Waiters::default(),
         }
     }
 

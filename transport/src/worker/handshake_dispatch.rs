@@ -116,7 +116,7 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                 match id.and_then(|id| st.eps.get_mut(&id)) {
                     Some(e) => {
                         e.stream_end = Some(m.nonce);
-                        st.after.wake_all(&mut e.stream_waiters);
+                        st.after.wake_waiters(&mut e.stream_waiters);
                     }
                     None => tracing::debug!("stream end notice for no known endpoint"),
                 }

@@ -41,6 +41,7 @@ mod parting;
 pub(crate) mod progress;
 pub(crate) mod request;
 mod state;
+mod waiters;
 
 pub(crate) use eps::*;
 use handshake_dispatch::*;
@@ -51,6 +52,7 @@ pub use progress::{
     ProgressMode, BUSY_IDLE, DEFAULT_BUSY_SPIN, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET,
 };
 pub(crate) use state::*;
+pub(crate) use waiters::{Leave, List, Waiters};
 
 impl Context {
     /// A builder for a worker on this context.
@@ -575,6 +577,61 @@ mod tests {
         let (a, b) = tokio::join!(l2.accept(), client.connect(l2.local_addr()));
         a.unwrap();
         b.unwrap();
+    }
+
+    /// A waker whose clones have another vtable than itself, as tokio's `block_on`
+    /// waker has in a release build (a borrowed one and its owned clones): `will_wake`
+    /// tells the two apart although they wake the same task.
+    fn two_faced_waker() -> std::task::Waker {
+        use std::task::{RawWaker, RawWakerVTable, Waker};
+        fn clone(d: *const ()) -> RawWaker {
+            RawWaker::new(d, &OWNED)
+        }
+        fn noop(_: *const ()) {}
+        static OWNED: RawWakerVTable = RawWakerVTable::new(clone, noop, noop, noop);
+        static BORROWED: RawWakerVTable = RawWakerVTable::new(clone, noop, noop, noop);
+        static TASK: u8 = 0;
+        // SAFETY: the vtable's functions do nothing with the pointer, which stays valid.
+        unsafe { Waker::from_raw(RawWaker::new(std::ptr::addr_of!(TASK).cast(), &BORROWED)) }
+    }
+
+    /// Futures polled again and again with such a waker keep one waker each in the
+    /// endpoint's list, and dropped ones none.
+    #[test]
+    fn waiting_futures_keep_one_waker_each_however_often_polled() {
+        use std::future::Future;
+        use tokio::io::AsyncRead;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _in_rt = rt.enter();
+        let c = ctx();
+        let server = c.create_worker().unwrap();
+        let client = c.create_worker().unwrap();
+        let (_s, ep) = rt.block_on(async {
+            let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+            let (s, ep) = tokio::join!(l.accept(), client.connect(l.local_addr()));
+            (s.unwrap(), ep.unwrap())
+        });
+        let id = ep.inner.id;
+        let waiting =
+            || client.shared.inner.locked(|st| st.eps.get(&id).map_or(0, |e| e.stream_waiters.len()));
+        let waker = two_faced_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut failed = std::pin::pin!(ep.failed());
+        let mut stream = crate::stream::UcxStream::new(ep.clone());
+        for _ in 0..1000 {
+            assert!(failed.as_mut().poll(&mut cx).is_pending());
+            let mut buf = [0u8; 8];
+            let mut rb = tokio::io::ReadBuf::new(&mut buf);
+            assert!(std::pin::Pin::new(&mut stream).poll_read(&mut cx, &mut rb).is_pending());
+        }
+        assert_eq!(waiting(), 2, "one waker for each of two futures");
+        drop(stream);
+        assert_eq!(waiting(), 1, "one waker for the one future left");
+        // Futures made, polled and dropped one after another leave nothing behind.
+        for _ in 0..100 {
+            assert!(std::pin::pin!(ep.failed()).poll(&mut cx).is_pending());
+        }
+        assert_eq!(waiting(), 1);
     }
 
     /// Hellos for a waiting front accept beyond what collisions explain are dropped and

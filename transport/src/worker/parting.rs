@@ -24,7 +24,7 @@ pub(super) struct Parting {
     /// The flush posted before the notice, while it runs.
     pub(super) flush: Option<request::Request>,
     /// [`crate::Endpoint::close`] calls waiting for the end.
-    pub(super) waiters: Vec<Waker>,
+    pub(super) waiters: Waiters,
 }
 
 /// Parting endpoints, for the worker lock's holder to move on cheaply: the ones with
@@ -163,7 +163,7 @@ impl State {
                 refused: false,
                 deadline,
                 flush,
-                waiters: Vec::new(),
+                waiters: Waiters::default(),
             });
         }
         self.partings.live += 1;
@@ -316,7 +316,7 @@ impl State {
         let Some(l) = self.eps.get_mut(&id).and_then(|e| e.take_parting()) else { return false };
         self.partings.live -= 1;
         let mut waiters = l.waiters;
-        self.after.wake_all(&mut waiters);
+        self.after.wake_waiters(&mut waiters);
         if let Some(r) = l.flush {
             // Parked with the closes, not given back: a worker being destroyed waits for
             // it (bounded) as UCX requires of every request it still runs, then gives it
@@ -348,17 +348,14 @@ impl State {
         self.eps.get(&id).is_some_and(|e| e.parting().is_some())
     }
 
-    /// Until endpoint `id` stops parting: Pending, with `waker` woken at the end.
-    pub(crate) fn wait_parting(&mut self, id: u64, waker: &Waker) -> Poll<()> {
-        match self.eps.get_mut(&id).and_then(|e| e.parting_mut()) {
-            Some(l) => {
-                if !l.waiters.iter().any(|w| w.will_wake(waker)) {
-                    l.waiters.push(waker.clone());
-                }
-                Poll::Pending
-            }
-            None => Poll::Ready(()),
+    /// Until endpoint `id` stops parting: Pending, with `waker` woken at the end
+    /// (registered under `leave`'s key).
+    pub(crate) fn wait_parting(&mut self, id: u64, leave: &Leave<'_>, waker: &Waker) -> Poll<()> {
+        if !self.is_parting(id) {
+            return Poll::Ready(());
         }
+        leave.register(self, waker);
+        Poll::Pending
     }
 
     /// For [`request::parting_flush_cb`]: the flush of parting endpoint `id` finished.

@@ -142,7 +142,7 @@ impl State {
         if let Some(e) = self.eps.get_mut(&ep) {
             e.stream_rx += n as u64;
             if e.stream_ended() {
-                self.after.wake_all(&mut e.stream_waiters);
+                self.after.wake_waiters(&mut e.stream_waiters);
             }
         }
     }
@@ -194,7 +194,7 @@ impl State {
         e.usable.store(std::ptr::null_mut(), Ordering::Relaxed);
         tracing::debug!(ep = id, %status, "endpoint failed");
         let peer_mode = e.peer_mode;
-        self.after.wake_all(&mut e.stream_waiters);
+        self.after.wake_waiters(&mut e.stream_waiters);
         // Collected first: canceling one can complete and unlink it.
         let bound: Vec<_> = self.bound_to(id).collect();
         if !peer_mode && peer_exited && bound.iter().any(|&(_, kind)| kind != OpKind::Cancel) {
@@ -448,7 +448,7 @@ impl State {
         }
         if took {
             tracing::debug!(ep = id, bytes = e.kept().len(), "stream bytes kept from a closing peer");
-            self.after.wake_all(&mut e.stream_waiters);
+            self.after.wake_waiters(&mut e.stream_waiters);
         }
     }
 
