@@ -34,7 +34,6 @@ use crate::ucx_log;
 mod eps;
 mod handshake_dispatch;
 mod inner;
-mod linger;
 mod options;
 pub(crate) mod param;
 mod parting;
@@ -105,10 +104,7 @@ impl WorkerBuilder {
     /// before it arms the event fd and sleeps (default [`crate::DEFAULT_LINGER`]; zero
     /// sleeps at once). An answer that arrives within the linger is picked up without a
     /// sleep and a wake-up, which cost several microseconds each; the price is at most
-    /// this much CPU time after each burst of traffic. An idle worker uses no CPU. The
-    /// driver does not linger while the machine has more runnable threads than CPUs
-    /// (looked at once a millisecond at most): then the polling would take a core from
-    /// work that makes progress.
+    /// this much CPU time after each burst of traffic. An idle worker uses no CPU.
     pub fn event_linger(mut self, linger: Duration) -> Self {
         self.linger = linger;
         self

@@ -9,14 +9,13 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tracing::Instrument;
 use ucx_sys as sys;
 
-use super::linger::{self, Linger};
 use super::WorkerInner;
 
 /// How a worker makes progress.
@@ -127,8 +126,8 @@ impl AsRawFd for EventFd {
 pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
     let span = tracing::debug_span!("ucx_progress", mode = ?inner.mode);
     match inner.mode {
-        ProgressMode::Event => drive_sleeping(&inner, &signal, inner.linger, true).instrument(span).await,
-        ProgressMode::BusyPoll => drive_sleeping(&inner, &signal, BUSY_IDLE, false).instrument(span).await,
+        ProgressMode::Event => drive_sleeping(&inner, &signal, inner.linger).instrument(span).await,
+        ProgressMode::BusyPoll => drive_sleeping(&inner, &signal, BUSY_IDLE).instrument(span).await,
     }
 }
 
@@ -233,11 +232,9 @@ async fn sleep_once(
 /// Both modes: poll the worker while events keep coming (`poll_for`: the event mode's
 /// linger, [`BUSY_IDLE`] in busy-poll mode), then sleep on the event fd until something
 /// happens. In busy-poll mode the waiting futures progress the worker themselves, so a
-/// sleeping driver costs them nothing. With `yields`, the driver lingers only while the
-/// machine's CPUs are not oversubscribed ([`super::linger`]).
-async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration, yields: bool) {
+/// sleeping driver costs them nothing.
+async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration) {
     let mut tick = MIN_TICK;
-    let mut lingering = yields.then_some(Linger::new(Instant::now()));
     let fd = match register_efd(inner) {
         Ok(fd) => fd,
         Err(e) => {
@@ -248,7 +245,7 @@ async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration
         }
     };
     while !signal.is_stopped() {
-        poll_while_busy(inner, signal, poll_for, lingering.as_mut()).await;
+        poll_while_busy(inner, signal, poll_for).await;
         if let Slept::Broken = sleep_once(inner, signal, &fd, &mut tick).await {
             drop(fd);
             return spin(inner, signal).await;
@@ -257,23 +254,12 @@ async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration
 }
 
 /// Keeps progressing the worker, yielding to other tasks between calls, until
-/// `idle` passes without an event (or the driver is stopped), or, with `lingering`, until
-/// the CPUs are found oversubscribed (at once while they are).
-async fn poll_while_busy(
-    inner: &WorkerInner,
-    signal: &Signal,
-    idle: Duration,
-    mut lingering: Option<&mut Linger>,
-) {
+/// `idle` passes without an event (or the driver is stopped).
+async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) {
     if idle.is_zero() {
         return;
     }
-    let mut last = Instant::now();
-    if let Some(l) = lingering.as_deref_mut() {
-        if !l.lingers(last, linger::oversubscribed) {
-            return;
-        }
-    }
+    let mut last = std::time::Instant::now();
     let mut rounds = 0u32;
     let mut yields = signal.yields.load(Ordering::Relaxed);
     while !signal.is_stopped() {
@@ -283,28 +269,20 @@ async fn poll_while_busy(
             // let it run first (`yield_now` lets the runtime's queue drain), rather
             // than spinning ahead of it.
             yields = y;
-            last = Instant::now();
+            last = std::time::Instant::now();
             tokio::task::yield_now().await;
             continue;
         }
         if inner.locked(|st| inner.progress_locked(st)) > 0 {
-            last = Instant::now();
+            last = std::time::Instant::now();
             // Something happened: let the runtime poll everything, the future `block_on`
             // runs included, which it does only after polling its I/O driver.
             tokio::task::yield_now().await;
         } else {
             rounds = rounds.wrapping_add(1);
             // Read the clock only now and then: the spin is what must stay cheap.
-            if rounds % 16 == 0 {
-                let now = Instant::now();
-                if now.duration_since(last) >= idle {
-                    return;
-                }
-                if let Some(l) = lingering.as_deref_mut() {
-                    if !l.lingers(now, linger::oversubscribed) {
-                        return;
-                    }
-                }
+            if rounds % 16 == 0 && last.elapsed() >= idle {
+                return;
             }
             // Nothing happened: let other ready tasks run, without the system call
             // `yield_now` costs.
