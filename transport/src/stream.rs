@@ -39,7 +39,7 @@ use crate::op::{OpState, RecvOp, SendOp};
 use crate::slot::OpKind;
 use crate::worker::param::{param, Callback};
 use crate::worker::request::{stream_recv_cb, Completion, Posted};
-use crate::worker::State;
+use crate::worker::{Leave, List, Place, State};
 
 /// Future of [`Endpoint::stream_send`]: resolves to `(Result<()>, buffer)`.
 ///
@@ -132,7 +132,7 @@ impl Endpoint {
     pub async fn stream_recv_data(&self) -> Result<Option<StreamData>> {
         let id = self.inner.id;
         let inner = self.worker_inner();
-        let leave = crate::worker::Leave::new(inner, id, crate::worker::List::Stream);
+        let leave = Leave::new(inner, id, List::Stream);
         std::future::poll_fn(|cx| {
             inner.poll_until(
                 cx,
@@ -345,22 +345,17 @@ impl Endpoint {
 
     /// Whether the peer's stream ended; if not, the task is woken when it does (or when
     /// the endpoint fails).
-    /// The waker is registered under `key` (from [`Endpoint::waiter_key`]).
-    fn poll_stream_end(&self, key: u64, cx: &mut Context<'_>) -> bool {
+    /// The waker is registered at `place` (in this endpoint's stream waiters).
+    fn poll_stream_end(&self, place: &Place, cx: &mut Context<'_>) -> bool {
         let id = self.inner.id;
-        self.worker_inner().locked(|st| match st.eps.get_mut(&id) {
+        self.worker_inner().locked(|st| match st.eps.get(&id) {
             Some(e) if e.stream_ended() => true,
-            Some(e) => {
-                e.stream_waiters.register(key, cx.waker());
+            Some(_) => {
+                place.register(st, cx.waker());
                 false
             }
             None => false,
         })
-    }
-
-    /// A key of this worker's for a waiting list ([`crate::worker::Waiters`]).
-    fn waiter_key(&self) -> u64 {
-        self.worker_inner().locked(|st| st.new_id())
     }
 }
 
@@ -398,16 +393,16 @@ pub struct UcxStream {
     in_flight: usize,
     spare: Vec<Vec<u8>>,
     shut: bool,
-    /// This adapter's key in the endpoint's stream waiters (while a read waits for the
-    /// end of the stream).
-    end_key: u64,
+    /// This adapter's place in the endpoint's stream waiters (while a read waits for
+    /// the end of the stream).
+    end: Place,
 }
 
 impl UcxStream {
     /// An adapter over `ep`'s stream.
     pub fn new(ep: Endpoint) -> UcxStream {
         UcxStream {
-            end_key: ep.waiter_key(),
+            end: Place::new(ep.inner.id, List::Stream),
             ep,
             read_chunk: READ_CHUNK,
             rbuf: Vec::new(),
@@ -455,12 +450,7 @@ impl UcxStream {
 
 impl Drop for UcxStream {
     fn drop(&mut self) {
-        let (id, key) = (self.ep.inner.id, self.end_key);
-        self.ep.worker_inner().locked(|st| {
-            if let Some(w) = st.waiters(id, crate::worker::List::Stream) {
-                w.remove(key);
-            }
-        });
+        self.end.leave(self.ep.worker_inner());
     }
 }
 
@@ -521,7 +511,7 @@ impl AsyncRead for UcxStream {
                         }
                     }
                     Poll::Pending if !end_seen => {
-                        if !this.ep.poll_stream_end(this.end_key, cx) {
+                        if !this.ep.poll_stream_end(&this.end, cx) {
                             return Poll::Pending;
                         }
                         end_seen = true;

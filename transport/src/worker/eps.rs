@@ -334,7 +334,7 @@ impl Deferred {
 
     /// Wakes every waiter in `ws` (emptied) after the lock is released.
     pub(crate) fn wake_waiters(&mut self, ws: &mut Waiters) {
-        if ws.len() > 0 {
+        if !ws.is_empty() {
             ws.drain_into(&mut self.wake);
             self.any = true;
         }

@@ -51,7 +51,7 @@ pub use progress::{
     ProgressMode, BUSY_IDLE, DEFAULT_BUSY_SPIN, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET,
 };
 pub(crate) use state::*;
-pub(crate) use waiters::{Leave, List, Waiters};
+pub(crate) use waiters::{Leave, List, Place, Waiters};
 
 impl Context {
     /// A builder for a worker on this context.

@@ -2,12 +2,13 @@
 //! stream, the end of its parting), one per future.
 //!
 //! Each future registers under a key of its own, replaces its waker when it is polled
-//! again, and leaves when it is dropped ([`Leave`]). Telling wakers apart by
+//! again, and leaves when it is dropped ([`Place`], [`Leave`]). Telling wakers apart by
 //! `Waker::will_wake` instead let the list grow by one on every poll of a future that
 //! `block_on` runs: tokio polls it with a borrowed waker whose clone has another vtable,
 //! so the stored clone never "will wake" the same task (a connection's waiting list
 //! reached tens of thousands of wakers, and every poll walked it).
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::Waker;
 
 use super::{State, WorkerInner};
@@ -36,8 +37,14 @@ impl Waiters {
     }
 
     /// How many are registered.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.0.len()
+    }
+
+    /// Whether none is.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -61,37 +68,66 @@ impl State {
     }
 }
 
-/// Holds a key in one of an endpoint's waiting lists for a future, and takes its waker
-/// out when the future ends or is dropped.
-pub(crate) struct Leave<'a> {
-    inner: &'a WorkerInner,
+/// A future's place in one of an endpoint's waiting lists: a key of its own, taken
+/// without the worker's lock, and whether the future registered there (only then is
+/// the list looked at when it goes, so a future that never waited costs no lock).
+#[derive(Debug)]
+pub(crate) struct Place {
     ep: u64,
     list: List,
     key: u64,
+    registered: AtomicBool,
 }
 
-impl<'a> Leave<'a> {
-    /// A new key in endpoint `ep`'s `list` (registered at the future's first poll).
-    pub(crate) fn new(inner: &'a WorkerInner, ep: u64, list: List) -> Leave<'a> {
-        let key = inner.locked(|st| st.new_id());
-        Leave { inner, ep, list, key }
+impl Place {
+    /// A new place in endpoint `ep`'s `list`.
+    pub(crate) fn new(ep: u64, list: List) -> Place {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Place { ep, list, key: NEXT.fetch_add(1, Ordering::Relaxed), registered: AtomicBool::new(false) }
     }
 
-    /// Registers `waker` under this key (the state's lock held: `st`).
+    /// Registers `waker` here (the state's lock held: `st`), replacing the one before.
     pub(crate) fn register(&self, st: &mut State, waker: &Waker) {
         if let Some(w) = st.waiters(self.ep, self.list) {
             w.register(self.key, waker);
+            self.registered.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// Takes its waker out of the list, if it ever registered.
+    pub(crate) fn leave(&self, inner: &WorkerInner) {
+        if self.registered.load(Ordering::Relaxed) {
+            inner.locked(|st| {
+                if let Some(w) = st.waiters(self.ep, self.list) {
+                    w.remove(self.key);
+                }
+            });
+        }
+    }
+}
+
+/// A [`Place`] for a future that borrows the worker, left when the future ends or is
+/// dropped.
+pub(crate) struct Leave<'a> {
+    inner: &'a WorkerInner,
+    place: Place,
+}
+
+impl<'a> Leave<'a> {
+    /// A new place in endpoint `ep`'s `list` (registered when the future waits).
+    pub(crate) fn new(inner: &'a WorkerInner, ep: u64, list: List) -> Leave<'a> {
+        Leave { inner, place: Place::new(ep, list) }
+    }
+
+    /// Registers `waker` (the state's lock held: `st`).
+    pub(crate) fn register(&self, st: &mut State, waker: &Waker) {
+        self.place.register(st, waker);
     }
 }
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
-        self.inner.locked(|st| {
-            if let Some(w) = st.waiters(self.ep, self.list) {
-                w.remove(self.key);
-            }
-        });
+        self.place.leave(self.inner);
     }
 }
 
