@@ -164,67 +164,61 @@ impl Msg {
         }
     }
 
-    /// The message's bytes.
+    /// The message's kind on the wire.
+    fn kind(&self) -> u8 {
+        match self {
+            Msg::Lookup { .. } => LOOKUP,
+            Msg::Fetch { .. } => FETCH,
+            Msg::Missing { .. } => MISSING,
+            Msg::Inline { .. } => INLINE,
+            Msg::Layout { .. } => LAYOUT,
+            Msg::Offer { .. } => OFFER,
+            Msg::Done { .. } => DONE,
+            Msg::Cancel { .. } => CANCEL,
+            Msg::Hello { .. } => HELLO,
+            Msg::Address { .. } => ADDRESS,
+            Msg::Failed { .. } => FAILED,
+        }
+    }
+
+    /// The message's bytes: version, kind and request, then its own fields.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(48);
+        b.extend([VERSION, self.kind()]);
+        b.extend(self.req().to_le_bytes());
         let id = |b: &mut Vec<u8>, id: &ObjectId| {
             b.push(id.as_bytes().len() as u8);
             b.extend_from_slice(id.as_bytes());
         };
         match self {
-            Msg::Lookup { req, id: o, inline_max, wait_ms } => {
-                b.extend([VERSION, LOOKUP]);
-                b.extend(req.to_le_bytes());
+            Msg::Lookup { id: o, inline_max, wait_ms, .. } => {
                 id(&mut b, o);
                 b.extend(inline_max.to_le_bytes());
                 b.extend(wait_ms.to_le_bytes());
             }
-            Msg::Fetch { req, id: o, first, count, limit_ms } => {
-                b.extend([VERSION, FETCH]);
-                b.extend(req.to_le_bytes());
+            Msg::Fetch { id: o, first, count, limit_ms, .. } => {
                 id(&mut b, o);
                 b.extend(first.to_le_bytes());
                 b.extend(count.to_le_bytes());
                 b.extend(limit_ms.to_le_bytes());
             }
             // The messages that carry only their request.
-            Msg::Missing { req }
-            | Msg::Hello { req }
-            | Msg::Address { req }
-            | Msg::Done { req }
-            | Msg::Cancel { req } => {
-                let kind = match self {
-                    Msg::Missing { .. } => MISSING,
-                    Msg::Hello { .. } => HELLO,
-                    Msg::Address { .. } => ADDRESS,
-                    Msg::Done { .. } => DONE,
-                    _ => CANCEL,
-                };
-                b.extend([VERSION, kind]);
-                b.extend(req.to_le_bytes());
-            }
-            Msg::Inline { req, sum } => {
-                b.extend([VERSION, INLINE]);
-                b.extend(req.to_le_bytes());
-                b.extend(sum.to_le_bytes());
-            }
-            Msg::Layout { req, size, chunk } => {
-                b.extend([VERSION, LAYOUT]);
-                b.extend(req.to_le_bytes());
+            Msg::Missing { .. }
+            | Msg::Hello { .. }
+            | Msg::Address { .. }
+            | Msg::Done { .. }
+            | Msg::Cancel { .. } => {}
+            Msg::Inline { sum, .. } => b.extend(sum.to_le_bytes()),
+            Msg::Layout { size, chunk, .. } => {
                 b.extend(size.to_le_bytes());
                 b.extend(chunk.to_le_bytes());
             }
-            Msg::Offer { req, id: o, size, relays } => {
-                b.extend([VERSION, OFFER]);
-                b.extend(req.to_le_bytes());
+            Msg::Offer { id: o, size, relays, .. } => {
                 id(&mut b, o);
                 b.extend(size.to_le_bytes());
                 b.push(*relays);
             }
-
-            Msg::Failed { req, reason } => {
-                b.extend([VERSION, FAILED]);
-                b.extend(req.to_le_bytes());
+            Msg::Failed { reason, .. } => {
                 // Cut at a character boundary, within the limit.
                 let mut end = reason.len().min(MAX_REASON);
                 while !reason.is_char_boundary(end) {
