@@ -29,15 +29,16 @@ pub(crate) struct BenchArgs {
     receivers: usize,
     /// What to time, comma-separated: `pull` (every receiver pulls from the holder),
     /// `swarm` (every receiver pulls from the holder and the receivers started before
-    /// it, chunks spread over all of them), `single` (the first receiver alone pulls: one transfer, the yardstick of
-    /// the others), or a broadcast from the holder: `direct`, `chain`, `tree<fan-out>`,
-    /// or `auto` (the shape the holder's cost model picks, reported as `auto:SHAPE`).
+    /// it, chunks spread over all of them), `single` (the first receiver alone pulls: one
+    /// transfer, the yardstick of the others), or a broadcast from the holder: `direct`,
+    /// `chain`, `tree<fan-out>`, or `auto` (the shape the holder's cost model picks,
+    /// reported as `auto:SHAPE`).
     #[arg(long, default_value = "pull", value_delimiter = ',')]
     ops: Vec<Op>,
     /// Arrival skew: `pull` and `swarm` start receiver i this much after receiver i-1,
     /// and are timed from the first start to the last end (broadcasts offer to every
     /// receiver at once).
-    #[arg(long, default_value = "0", value_parser = parse_skew)]
+    #[arg(long, default_value = "0", value_parser = crate::parse_span)]
     skew: Duration,
     /// Repetitions per size (the median is reported).
     #[arg(long, default_value_t = 5)]
@@ -101,14 +102,6 @@ impl std::fmt::Display for Op {
             Op::Auto => write!(f, "auto"),
         }
     }
-}
-
-/// A skew: `0`, or a duration (`200ms`, `1s`).
-fn parse_skew(s: &str) -> Result<Duration, String> {
-    if s == "0" {
-        return Ok(Duration::ZERO);
-    }
-    ucxkit_tools::cli::parse_duration(s)
 }
 
 /// How long a started process may take to say it is ready.

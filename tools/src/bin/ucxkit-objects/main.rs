@@ -62,7 +62,7 @@ pub(crate) struct NodeArgs {
     progress: Progress,
     /// Event progress: how long a worker keeps polling after its last event before it
     /// sleeps (`0`: at once).
-    #[arg(long, default_value = "50us", value_parser = parse_linger)]
+    #[arg(long, default_value = "50us", value_parser = parse_span)]
     linger: Duration,
     /// Chunk size of the objects sealed (K/M suffixes).
     #[arg(long, default_value = "1M", value_parser = parse_chunk)]
@@ -115,7 +115,8 @@ impl NodeArgs {
     }
 }
 
-fn parse_linger(s: &str) -> Result<Duration, String> {
+/// A duration that may be zero (`0`, `0us`), or one such as `50us`, `200ms`, `1s`.
+pub(crate) fn parse_span(s: &str) -> Result<Duration, String> {
     if s == "0" || s == "0us" {
         return Ok(Duration::ZERO);
     }

@@ -1,9 +1,9 @@
 //! The processes `bench` starts: the holder, which seals one object per size, serves
 //! them and broadcasts them on command (`broadcast SIZE SHAPE|auto` on stdin: it prints
-//! the microseconds the broadcast took and the shape it took), and the receivers, which pull on command (`pull
-//! SIZE`: they print their time in microseconds and their peak resident memory in KiB)
-//! and relay what they receive (`release SIZE` after a broadcast: they check it where
-//! asked, drop it and print their peak resident memory).
+//! the microseconds the broadcast took and the shape it took), and the receivers, which
+//! pull on command (`pull SIZE`: they print their time in microseconds and their peak
+//! resident memory in KiB) and relay what they receive (`release SIZE` after a
+//! broadcast: they check it where asked, drop it and print their peak resident memory).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -130,11 +130,11 @@ pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
 }
 
 /// Connects to the holder and says where it listens and which lanes UCX chose to the
-/// holder (`connected ADDR TRANSPORT/DEVICE,...`), then pulls each
-/// object stdin names: `pull SIZE` from the holder (prints the microseconds it took and
-/// its peak memory, and releases it), `swarm SIZE [ADDR,...]` from the holder and the
-/// receivers listening at those addresses, chunks spread over all of them (prints the
-/// same, keeps it for the others until `release SIZE`).
+/// holder (`connected ADDR TRANSPORT/DEVICE,...`), then pulls each object stdin names:
+/// `pull SIZE` from the holder (prints the microseconds it took and its peak memory,
+/// and releases it), `swarm SIZE [ADDR,...]` from the holder and the receivers
+/// listening at those addresses, chunks spread over all of them (prints the same, keeps
+/// it for the others until `release SIZE`).
 pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
     pin(a.cpu);
     let worker = a.node.worker()?;
