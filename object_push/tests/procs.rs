@@ -78,9 +78,7 @@ async fn holder_process() {
         }
     };
     let done = async {
-        while me.exchange.wait("done", Duration::from_millis(1)).is_err() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        published(&me, "done").await;
     };
     let _ = tokio::time::timeout(T, async {
         tokio::select! { () = accept => {}, () = done => {} }
