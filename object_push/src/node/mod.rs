@@ -169,8 +169,10 @@ struct Inner {
     recycler: recycle::Recycler,
     budget: budget::Budget,
     next_req: AtomicU32,
-    /// Room for the chunks this node sends at once, in KiB.
+    /// Room for the chunks this node sends at once, in KiB ([`send_units`]).
     sends: Arc<tokio::sync::Semaphore>,
+    /// The whole of that room, in the same units.
+    send_room: u32,
     /// Woken whenever store room is given back through the node.
     room_freed: tokio::sync::Notify,
     /// The transfers into this node: bytes checked, and the object's size.
@@ -232,7 +234,8 @@ impl ObjectNode {
             arrived: tokio::sync::Notify::new(),
             unrelayed: Mutex::default(),
             progress: Mutex::default(),
-            sends: Arc::new(tokio::sync::Semaphore::new(sends)),
+            sends: Arc::new(tokio::sync::Semaphore::new(sends as usize)),
+            send_room: sends,
             room_freed: tokio::sync::Notify::new(),
             links: Mutex::default(),
             gave_up: Mutex::default(),
@@ -408,9 +411,10 @@ impl Inner {
     }
 }
 
-/// The send room's units (KiB) for `bytes`, at least one, within what a semaphore holds.
-fn send_units(bytes: u64) -> usize {
-    (bytes.div_ceil(1024) as usize).clamp(1, tokio::sync::Semaphore::MAX_PERMITS)
+/// The send room's units (KiB) for `bytes`: at least one, at most `u32::MAX` (what one
+/// acquisition of a semaphore takes, and well within what it holds).
+fn send_units(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).max(1)
 }
 
 /// A request numbering that starts somewhere else in every process, so a peer's late

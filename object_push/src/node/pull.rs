@@ -157,7 +157,7 @@ impl Drop for Room<'_> {
 
 /// How often a transfer waiting for room looks again (a store the application releases
 /// objects from directly does not tell the node).
-const ROOM_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+const ROOM_POLL: Duration = Duration::from_millis(50);
 
 impl Inner {
     /// Takes room in the store for object `id` of `size` bytes, waiting up to the node's

@@ -168,7 +168,8 @@ async fn send_chunk(
     from: &Chunks,
     k: u64,
 ) -> Result<(), String> {
-    let units = |len: usize| (len.div_ceil(1024) as u32).min(node.sends_total());
+    // A chunk larger than the whole room goes alone.
+    let units = |len: usize| super::send_units(len as u64).min(node.send_room);
     let part = match from {
         Chunks::Sealed(o) => o.clone(),
         Chunks::Arriving(p) => match p.lend(k).await {
@@ -302,11 +303,6 @@ impl Inner {
             Some(p) => Some(Chunks::Arriving(p)),
             None => self.store.get(id).map(Chunks::Sealed),
         }
-    }
-
-    /// The send room's size, in its units.
-    fn sends_total(&self) -> u32 {
-        u32::try_from(super::send_units(self.opts.send_in_flight)).unwrap_or(u32::MAX)
     }
 
     /// Waits up to `limit` for object `id` to be sealed here or to start arriving, or
