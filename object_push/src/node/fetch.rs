@@ -20,10 +20,9 @@ use ucxkit_transport::{AmMessage, Endpoint, ErrorKind, TagInfo};
 
 use super::budget::{Held, Priority};
 use super::pull::{Found, Registered};
-use super::sink::{self, Finish, Sink};
+use super::sink::{self, Dest, Finish, Sink};
 use super::{chunk_tag, Inner, REQUEST};
 use crate::error::{Error, Result};
-use crate::file::ObjectFile;
 use crate::id::ObjectId;
 use crate::store::Object;
 use crate::sums::Layout;
@@ -152,13 +151,13 @@ impl Drop for Counted<'_> {
 
 impl<'a> Transfer<'a> {
     /// A transfer of an object of `layout` from `holders` (each taking part once it
-    /// [`Transfer::join`]s) into a file, or into memory (`buf`, of the object's size).
+    /// [`Transfer::join`]s) into `into`: a file, or a buffer of the object's size.
     pub(super) fn new(
         node: &'a Inner,
         id: ObjectId,
         holders: &'a [Endpoint],
         layout: Layout,
-        into: Result<ObjectFile, Vec<u8>>,
+        into: Dest,
         priority: Priority,
     ) -> Transfer<'a> {
         let sources = holders
@@ -169,8 +168,8 @@ impl<'a> Transfer<'a> {
         let layout_size = layout.size();
         let layout = Arc::new(layout);
         let sink = match into {
-            Ok(file) => Sink::file(node, id, file),
-            Err(buf) => Sink::memory(node, id, layout.clone(), buf),
+            Dest::File(file) => Sink::file(node, id, file),
+            Dest::Memory(buf) => Sink::memory(node, id, layout.clone(), buf),
         };
         Transfer {
             node,

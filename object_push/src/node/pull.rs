@@ -15,6 +15,7 @@ use ucxkit_transport::{AmMessage, Endpoint};
 
 use super::budget::Priority;
 use super::fetch::Transfer;
+use super::sink::Dest;
 use super::{Inner, ObjectNode, REQUEST};
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
@@ -252,8 +253,8 @@ async fn transfer(
     node.admit(&id, layout.size()).await?;
     let mut room = Room { node, id, size: layout.size(), armed: true };
     let into = match node.store.file_for(&id, layout.size())? {
-        Some(file) => Ok(file),
-        None => Err(node.recycler.take(usize::try_from(layout.size()).map_err(|_| {
+        Some(file) => Dest::File(file),
+        None => Dest::Memory(node.recycler.take(usize::try_from(layout.size()).map_err(|_| {
             Error::Store(format!("an object of {} bytes does not fit in memory", layout.size()))
         })?)),
     };

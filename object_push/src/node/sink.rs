@@ -19,6 +19,13 @@ use crate::sums::Layout;
 /// How long a transfer at its end waits for relays to give back the pieces they send.
 const RELAY_GIVE_BACK: Duration = Duration::from_secs(2);
 
+/// Where a transfer is to put the object: a file the store gave, or a buffer of the
+/// object's size.
+pub(super) enum Dest {
+    File(ObjectFile),
+    Memory(Vec<u8>),
+}
+
 /// A transfer's destination.
 pub(super) enum Sink<'a> {
     Memory {
