@@ -57,13 +57,29 @@ async fn holder_process() {
     let Some(me) = role() else { return };
     let worker = ctx(&std::env::var("OBJ_TLS").unwrap()).worker().build().unwrap();
     // Rank 1's store kills its process (SIGKILL) on its fifth read: a holder that dies
-    // after it answered the lookup and served some fetches.
+    // after it answered the lookup and served some fetches. Rank 2's store answers the
+    // lookup, then holds its reads (and this process) until rank 1 is gone, so that the
+    // transfer cannot end from rank 2 alone before rank 1 dies, however busy the host.
     let fatal = if me.rank == 1 { 5 } else { u32::MAX };
+    if me.rank == 1 {
+        me.exchange.publish("pid-1", std::process::id().to_string().as_bytes());
+    }
+    let victim = match me.rank {
+        2 => Some(String::from_utf8(me.exchange.wait("pid-1", T).unwrap()).unwrap()),
+        _ => None,
+    };
     let reads = AtomicU32::new(0);
     let store = Arc::new(Bent::new(move |o| {
-        if reads.fetch_add(1, Ordering::SeqCst) + 1 == fatal {
+        let n = reads.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == fatal {
             let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
             std::thread::sleep(Duration::from_secs(10));
+        }
+        if let Some(pid) = victim.as_deref().filter(|_| n >= 2) {
+            let end = std::time::Instant::now() + T;
+            while alive(pid) && std::time::Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
         Some(o)
     }));
@@ -84,6 +100,12 @@ async fn holder_process() {
         tokio::select! { () = accept => {}, () = done => {} }
     })
     .await;
+}
+
+/// Whether process `pid` still runs (a killed one not yet reaped is a zombie: gone).
+fn alive(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
 
 /// The value published under `key`, waited for without holding up this process's
