@@ -192,6 +192,7 @@ impl ContextBuilder {
                 handle,
                 features,
                 resources: read_resources(handle),
+                memory_types: read_memory_types(handle),
                 secret: self.secret.clone(),
                 own_key: OnceLock::new(),
             }),
@@ -276,6 +277,22 @@ fn is_global_setting(name: &str) -> bool {
     st == sys::UCS_OK
 }
 
+/// The memory types a live context's UCX can reach (`UCP_ATTR_FIELD_MEMORY_TYPES`: bit
+/// n for `ucs_memory_type` n); host memory only if the query fails.
+fn read_memory_types(handle: sys::ucp_context_h) -> u64 {
+    let mut attr = sys::ucp_context_attr_t {
+        field_mask: sys::UCP_ATTR_FIELD_MEMORY_TYPES.0 as u64,
+        ..Default::default()
+    };
+    // SAFETY: the caller's context is live; attr is a valid out-parameter.
+    let st = Status(unsafe { sys::ucp_context_query(handle, &mut attr) });
+    if st.is_ok() {
+        attr.memory_types
+    } else {
+        1 << sys::UCS_MEMORY_TYPE_HOST.0
+    }
+}
+
 /// The `(transport, device)` pairs of a live context's resources.
 fn read_resources(handle: sys::ucp_context_h) -> Vec<(String, String)> {
     // SAFETY: the caller's context is live; f is an open stream for the call.
@@ -317,9 +334,19 @@ pub(crate) struct ContextInner {
     pub(crate) features: Features,
     /// `(transport, device)` of each resource UCX opened for the context.
     resources: Vec<(String, String)>,
+    /// The memory types UCX can reach, as `ucp_context_query` reports them.
+    memory_types: u64,
     pub(crate) secret: Option<Secret>,
     /// This context's own key for host memory (read once, see [`Context::own_key`]).
     own_key: OnceLock<std::result::Result<crate::ucx_key::OwnKey, String>>,
+}
+
+impl ContextInner {
+    /// See [`Context::supports`].
+    pub(crate) fn supports(&self, mem: crate::MemoryType) -> bool {
+        let bit = mem.ucs().0;
+        bit < 64 && self.memory_types & (1 << bit) != 0
+    }
 }
 
 // SAFETY: a UCP context is created with `mt_workers_shared = 1`, which makes it safe to use
@@ -408,6 +435,15 @@ impl Context {
     /// gives up UCX's peer error mode for a peer on this host.
     pub fn has_shared_memory(&self) -> bool {
         self.inner.resources.iter().any(|(tl, _)| SHARED_MEMORY_MESSAGES.contains(&tl.as_str()))
+    }
+
+    /// Whether this context's UCX can move memory of type `mem` (UCX's
+    /// `UCP_ATTR_FIELD_MEMORY_TYPES`): always for host memory; for CUDA memory only with a
+    /// UCX built with its CUDA transports, a CUDA driver and device present, and those
+    /// transports enabled. An operation on a buffer it cannot reach is refused
+    /// ([`crate::ErrorKind::Unsupported`]).
+    pub fn supports(&self, mem: crate::MemoryType) -> bool {
+        self.inner.supports(mem)
     }
 
     /// The raw handle: valid while this context (or a clone, or a worker of it) is

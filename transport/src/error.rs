@@ -233,6 +233,13 @@ pub enum Error {
         /// What was asked.
         what: String,
     },
+    /// A CUDA driver call failed (synchronising a device buffer's stream, retaining a
+    /// device's context).
+    #[error("CUDA: {what}")]
+    Device {
+        /// The driver's error.
+        what: String,
+    },
     /// A worker address that is not one (wrong magic, version, length or checksum).
     #[error("malformed worker address: {reason}")]
     BadAddress {

@@ -60,9 +60,14 @@ impl Endpoint {
         let Some(tag) = space.wire(tag) else {
             return SendOp::failed(self, "tag_send", Box::new(space.bad_tag(tag)), bufs);
         };
+        let mem = match crate::device::op_memory_all(self.worker_inner(), "tag_send", &bufs) {
+            Ok(m) => m,
+            Err(e) => return SendOp::failed(self, "tag_send", e, bufs),
+        };
         let iov = IovArray::new(bufs.iter().map(|b| (b.stable_ptr().cast_mut(), b.bytes_init())));
         let (ptr, count) = (iov.0.as_ptr().cast::<u8>(), iov.0.len());
         let posted = self.post_op("tag_send", false, |_, h, param| {
+            crate::device::set(param, mem);
             param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE.0 as u32;
             param.datatype = sys::ucp_dt_make_iov();
             // SAFETY: h is live under the lock; ptr is an iov array of `count` entries
@@ -113,6 +118,10 @@ impl Endpoint {
             Ok(a) => a,
             Err(e) => return fail(*e, bufs),
         };
+        let mem = match crate::device::op_memory_all(self.worker_inner(), "put", &bufs) {
+            Ok(m) => m,
+            Err(e) => return fail(*e, bufs),
+        };
         let rkey = key.inner.rkey;
         let no_imm = self.worker_inner().no_imm;
         let id = self.inner.id;
@@ -120,7 +129,8 @@ impl Endpoint {
             let mut out: Vec<Posted> = Vec::with_capacity(parts.len());
             let mut at = remote;
             for &(ptr, len) in &parts {
-                let param = op_param(st, no_imm);
+                let mut param = op_param(st, no_imm);
+                crate::device::set(&mut param, mem);
                 // SAFETY: h is live under the lock; each buffer and the rkey are kept until
                 // every part completes (parked on drop); the whole range was checked.
                 let p = unsafe { sys::ucp_put_nbx(h, ptr.cast(), len, at, rkey, &param) };
@@ -171,10 +181,15 @@ pub(crate) fn post_recv_iov<B: IoBufMut>(
         Ok(w) => w,
         Err(e) => return TagRecvIov { worker, ep, space, capacity, state: OpState::Failed(e, (bufs, iov)) },
     };
-    let (ptr, count) = (iov.0.as_ptr(), iov.0.len());
     let inner = &worker.shared.inner;
+    let mem = match crate::device::op_memory_all(inner, "tag_recv", &bufs) {
+        Ok(m) => m,
+        Err(e) => return TagRecvIov { worker, ep, space, capacity, state: OpState::Failed(e, (bufs, iov)) },
+    };
+    let (ptr, count) = (iov.0.as_ptr(), iov.0.len());
     let posted = inner.locked(|st| {
-        let param = recv_iov_param(st);
+        let mut param = recv_iov_param(st);
+        crate::device::set(&mut param, mem);
         // SAFETY: ptr is an iov array of `count` entries describing the buffers, all kept
         // (with the array) until UCX completes the request, parked on drop.
         unsafe {

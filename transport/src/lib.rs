@@ -111,6 +111,9 @@ mod auth;
 mod buf;
 mod connect;
 mod context;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod device;
 mod endpoint;
 mod error;
 pub mod front;
@@ -138,7 +141,7 @@ mod worker;
 pub use address::WorkerAddress;
 pub use am::{AmHandler, AmMessage, AmProto, AmReceiver, AmRecv, AmRecvData, AmSend, AmSendOptions};
 pub use auth::{Secret, MIN_SECRET_LEN};
-pub use buf::{IoBuf, IoBufMut, SharedBuf, SharedSlice, Slice};
+pub use buf::{IoBuf, IoBufMut, MemoryType, SharedBuf, SharedSlice, Slice};
 pub use context::{Context, ContextBuilder, Features};
 pub use endpoint::{Endpoint, Lane};
 pub use error::{Error, ErrorKind, Peer, Result, Status};

@@ -190,12 +190,19 @@ impl<B: IoBuf> SendOp<B> {
             &mut sys::ucp_request_param_t,
         ) -> sys::ucs_status_ptr_t,
     ) -> SendOp<B> {
+        let mem = match crate::device::op_memory(ep.worker_inner(), op, &buf) {
+            Ok(m) => m,
+            Err(e) => return SendOp::failed(ep, op, e, buf),
+        };
         let (ptr, len) = (buf.stable_ptr(), buf.bytes_init());
         let posted = ep.post_op(
             op,
             false,
             #[inline(always)]
-            |st, h, param| call(st, h, ptr, len, param),
+            |st, h, param| {
+                crate::device::set(param, mem);
+                call(st, h, ptr, len, param)
+            },
         );
         SendOp::wrap(ep, op, posted, buf, extra)
     }

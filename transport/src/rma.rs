@@ -122,9 +122,14 @@ impl Endpoint {
             Ok(a) => a,
             Err(e) => return fail(e, buf),
         };
+        let mem = match crate::device::op_memory(self.worker_inner(), "get", &buf) {
+            Ok(m) => m,
+            Err(e) => return fail(e, buf),
+        };
         let rkey = key.inner.rkey;
         let ptr = buf.stable_mut_ptr();
         let posted = self.post_op("get", false, |_, h, param| {
+            crate::device::set(param, mem);
             // SAFETY: h is live under the lock; buf is valid for len bytes and kept, with
             // the rkey, until the request completes (parked on drop); the remote range
             // was checked.

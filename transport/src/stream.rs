@@ -201,6 +201,9 @@ impl Endpoint {
     /// Dropping the returned future is memory-safe at any time; the bytes are still sent.
     #[inline]
     pub fn stream_send<B: IoBuf>(&self, buf: B) -> StreamSend<B> {
+        if let Err(e) = crate::device::host_only("stream_send", buf.memory_type()) {
+            return SendOp::failed(self, "stream_send", Box::new(e), buf);
+        }
         let id = self.inner.id;
         SendOp::post(
             self,
@@ -264,6 +267,9 @@ impl Endpoint {
 
     #[inline]
     fn post_stream_recv<B: IoBufMut>(&self, mut buf: B, wait_all: bool) -> StreamRecv<B> {
+        if let Err(e) = crate::device::host_only("stream_recv", buf.memory_type()) {
+            return RecvOp::posted(self, "stream_recv", None, OpState::Failed(Box::new(e), buf), None);
+        }
         let capacity = buf.bytes_total();
         let ptr = buf.stable_mut_ptr();
         let id = self.inner.id;

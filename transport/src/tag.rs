@@ -440,9 +440,14 @@ pub(crate) fn post_recv<B: IoBufMut>(
         Err(e) => return TagRecv::new(worker, ep, space, capacity, OpState::Failed(e, buf)),
     };
     let inner = &worker.shared.inner;
+    let mem = match crate::device::op_memory(inner, "tag_recv", &buf) {
+        Ok(m) => m,
+        Err(e) => return TagRecv::new(worker, ep, space, capacity, OpState::Failed(e, buf)),
+    };
     let ptr = buf.stable_mut_ptr();
     let posted = inner.locked(|st| {
-        let param = recv_param(st, true);
+        let mut param = recv_param(st, true);
+        crate::device::set(&mut param, mem);
         // SAFETY: buf's memory is valid for `capacity` bytes and owned by the returned
         // future until UCX completes (parked on drop).
         unsafe { post_tag_recv(inner, st, ep, ptr.cast(), capacity, tag, mask, &param) }

@@ -158,9 +158,14 @@ impl AmMessage {
         }
         // A payload in hand, copied into `buf` (which has room for it).
         let copied = |data: &[u8], mut buf: B, reply: Option<Endpoint>| {
-            // SAFETY: buf has room for `capacity >= len` bytes; data is the message's.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.stable_mut_ptr(), len) };
-            RecvOp::new(None, reply, "am_recv_data", Some(len), OpState::Done(Completion::ok(len), buf), None)
+            // buf has room for `capacity >= len` bytes (checked above); data holds len
+            // bytes (clipped all the same: what is reported is what was copied).
+            let data = &data[..len.min(data.len())];
+            let state = match crate::device::copy_in("am_recv_data", &mut buf, data) {
+                Ok(()) => OpState::Done(Completion::ok(data.len()), buf),
+                Err(e) => OpState::failed(e, buf),
+            };
+            RecvOp::new(None, reply, "am_recv_data", Some(len), state, None)
         };
         let long = match &mut self.body {
             Body::Short(s) => return copied(s.data(), buf, None),
@@ -195,6 +200,22 @@ impl AmMessage {
                     );
                 };
                 let inner = &owner.shared.inner;
+                let mem = match crate::device::op_memory(inner, "am_recv_data", &buf) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // SAFETY: an unfetched rendezvous descriptor of this worker,
+                        // released once; the lock is held.
+                        inner.locked(|st| unsafe { sys::ucp_am_data_release(st.handle, desc) });
+                        return RecvOp::new(
+                            None,
+                            reply,
+                            "am_recv_data",
+                            Some(len),
+                            OpState::Failed(e, buf),
+                            None,
+                        );
+                    }
+                };
                 let bind = reply.as_ref().map(|e| e.inner.id);
                 let no_imm = inner.no_imm;
                 let posted = inner.locked(|st| {
@@ -207,7 +228,9 @@ impl AmMessage {
                             return Err(e);
                         }
                     }
-                    let param = param(st, Callback { recv_am: Some(len_cb) }, no_imm_bit(no_imm), 0, None);
+                    let mut param =
+                        param(st, Callback { recv_am: Some(len_cb) }, no_imm_bit(no_imm), 0, None);
+                    crate::device::set(&mut param, mem);
                     // SAFETY: desc is an unfetched rendezvous descriptor of this
                     // worker (consumed here, once); buf is valid for len bytes and
                     // owned by the future until UCX completes (parked on drop).

@@ -14,8 +14,13 @@
 //! A part of a buffer is sent or received through a [`Slice`] ([`IoBuf::into_slice`],
 //! [`IoBufMut::into_slice_mut`]), which gives the whole buffer back; several operations
 //! use parts of one buffer at once through a [`SharedBuf`].
+//!
+//! A buffer says where its bytes live ([`IoBuf::memory_type`]); every UCX call on one
+//! that is not in host memory passes the type, so UCX never guesses (see [`MemoryType`]).
 
 use std::ops::RangeBounds;
+
+use ucx_sys as sys;
 
 use crate::error::Error;
 pub use shared::{SharedBuf, SharedSlice};
@@ -23,6 +28,47 @@ pub use slice::Slice;
 
 mod shared;
 mod slice;
+
+/// Where a buffer's bytes live.
+///
+/// Host memory needs nothing; for any other type, each operation checks that the worker's
+/// UCX can reach that memory ([`crate::Context::supports`]; [`crate::ErrorKind::Unsupported`]
+/// otherwise, with the buffer given back), waits for the buffer's pending device work
+/// ([`IoBuf::ready`]) and passes the type to UCX (`UCP_OP_ATTR_FIELD_MEMORY_TYPE`), which
+/// then moves the bytes with its device transports (cuda_copy, cuda_ipc, GPUDirect RDMA)
+/// instead of detecting the type from a cache of allocations it has seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum MemoryType {
+    /// Host memory: what every buffer is unless it says otherwise.
+    #[default]
+    Host,
+    /// Memory of CUDA device `device` (its ordinal), allocated in the device's primary
+    /// context, the one cudarc's `CudaContext::new` uses.
+    Cuda {
+        /// The device's ordinal.
+        device: usize,
+    },
+}
+
+impl MemoryType {
+    /// UCX's name for this memory type.
+    pub(crate) fn ucs(self) -> sys::ucs_memory_type_t {
+        match self {
+            MemoryType::Host => sys::UCS_MEMORY_TYPE_HOST,
+            MemoryType::Cuda { .. } => sys::UCS_MEMORY_TYPE_CUDA,
+        }
+    }
+}
+
+impl std::fmt::Display for MemoryType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryType::Host => f.write_str("host"),
+            MemoryType::Cuda { device } => write!(f, "cuda:{device}"),
+        }
+    }
+}
 
 /// A buffer UCX may read from while an operation owns it.
 ///
@@ -36,6 +82,24 @@ pub unsafe trait IoBuf: Send + 'static {
     fn stable_ptr(&self) -> *const u8;
     /// Number of initialized bytes (what a send transmits).
     fn bytes_init(&self) -> usize;
+
+    /// Where the bytes live: [`MemoryType::Host`] unless the type says otherwise. A
+    /// buffer must report the same type for as long as an operation owns it.
+    #[inline(always)]
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Host
+    }
+
+    /// Makes the bytes ready for UCX; called once before each operation on a buffer
+    /// whose [`IoBuf::memory_type`] is not host memory (never for host memory). A device
+    /// buffer waits here for the work queued on it (a kernel still writing it, a copy
+    /// still reading it), since UCX's own copies run on streams of UCX's.
+    ///
+    /// # Errors
+    /// The device's error, which refuses the operation (the buffer is given back).
+    fn ready(&self) -> Result<(), Error> {
+        Ok(())
+    }
 
     /// Bytes `range` of this buffer's initialized bytes as an operation's buffer, without
     /// copying: a send sends only them, and gives back the [`Slice`], whose

@@ -115,6 +115,13 @@ unsafe impl<B: IoBuf> IoBuf for Slice<B> {
     fn bytes_init(&self) -> usize {
         self.end.min(self.buf.bytes_init()).saturating_sub(self.begin)
     }
+    #[inline(always)]
+    fn memory_type(&self) -> crate::MemoryType {
+        self.buf.memory_type()
+    }
+    fn ready(&self) -> Result<(), Error> {
+        self.buf.ready()
+    }
 }
 
 // SAFETY: `end` is at most the buffer's capacity (checked when made; the capacity of an

@@ -418,8 +418,10 @@ impl MemRegion {
     ///
     /// # Errors
     /// [`Error::ApiMisuse`] when `range` is outside `src`'s bytes or the bytes do not fit
-    /// the region at `offset`; nothing is copied then.
+    /// the region at `offset`; [`Error::Unsupported`] for a `src` outside host memory;
+    /// nothing is copied then.
     pub fn write_from<B: IoBuf>(&self, offset: usize, src: &B, range: Range<usize>) -> Result<()> {
+        crate::device::host_only("write_from", src.memory_type())?;
         let len = range.len();
         if range.start > range.end || range.end > src.bytes_init() {
             return Err(Error::ApiMisuse(format!(

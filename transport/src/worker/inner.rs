@@ -7,7 +7,7 @@ use super::*;
 /// operation are gone.
 pub(crate) struct WorkerInner {
     /// Keeps the context alive until the worker is destroyed.
-    pub(super) ctx: Arc<ContextInner>,
+    pub(crate) ctx: Arc<ContextInner>,
     pub(super) lock: RawLock,
     pub(super) state: UnsafeCell<State>,
     pub(crate) mode: ProgressMode,
@@ -23,6 +23,10 @@ pub(crate) struct WorkerInner {
     pub(crate) namespaces: bool,
     /// Busy-poll mode: progress calls a waiting future makes before it yields.
     pub(crate) busy_spin: std::sync::atomic::AtomicU32,
+    /// The CUDA device this worker serves, bound on the thread of every call into UCX
+    /// once a device buffer has been posted (see [`WorkerInner::bind_device`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) device: std::sync::OnceLock<crate::cuda::Bound>,
 }
 
 // SAFETY: `state` is only accessed while `lock` is held (see `locked`), and the UCX
@@ -41,6 +45,7 @@ impl WorkerInner {
     #[inline(always)]
     pub(crate) fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let guard = self.lock.lock();
+        self.bind_current();
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
@@ -80,11 +85,58 @@ impl WorkerInner {
         }
     }
 
+    /// Makes the device context this worker serves current on this thread, if it serves
+    /// one (a no-op without the `cuda` feature).
+    #[inline(always)]
+    fn bind_current(&self) {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.get() {
+            d.bind();
+        }
+    }
+
+    /// Makes this worker serve the device of `mem` (a buffer of operation `op`): from
+    /// now on its calls into UCX run with the device's context current, which UCX's
+    /// CUDA transports need. A worker serves one device.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a build without the `cuda` feature or a device whose
+    /// context cannot be had; [`Error::ApiMisuse`] for a second device.
+    #[cold]
+    pub(crate) fn bind_device(
+        &self,
+        op: &'static str,
+        mem: crate::MemoryType,
+    ) -> std::result::Result<(), Box<Error>> {
+        #[cfg(feature = "cuda")]
+        {
+            let crate::MemoryType::Cuda { device } = mem else { return Ok(()) };
+            if self.device.get().is_none() {
+                let bound = crate::cuda::Bound::new(device).map_err(Box::new)?;
+                // A race with another thread's first device buffer leaves one of the two.
+                let _ = self.device.set(bound);
+            }
+            let serving = self.device.get().map(|b| b.device());
+            if serving != Some(device) {
+                return Err(Box::new(Error::ApiMisuse(format!(
+                    "{op} on cuda:{device} memory: this worker serves cuda:{} (use a worker per device)",
+                    serving.unwrap_or_default()
+                ))));
+            }
+            Ok(())
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(Box::new(Error::Unsupported {
+            what: format!("{op} on {mem} memory: ucxkit-transport was built without its `cuda` feature"),
+        }))
+    }
+
     /// Progresses the worker once if its lock is free, for another worker's drop (see
     /// `live_workers`). Wakes what the progress finished, but leaves active-message
     /// handlers, which run user code, to this worker's own driver, which it kicks.
     pub(crate) fn progress_if_free(&self) -> u32 {
         let Some(guard) = self.lock.try_lock() else { return 0 };
+        self.bind_current();
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let n = self.progress_locked(st);
@@ -345,6 +397,7 @@ const DROP_IDLE_SLEEP: Duration = Duration::from_micros(200);
 
 impl Drop for WorkerInner {
     fn drop(&mut self) {
+        self.bind_current();
         let st = self.state.get_mut();
         // Active messages held for ids nobody registered give their payloads back first,
         // while the worker can still tell rendezvous senders (UCX sends that during the

@@ -195,6 +195,8 @@ impl WorkerBuilder {
             signal: Arc::default(),
             namespaces: self.namespaces,
             busy_spin: std::sync::atomic::AtomicU32::new(self.busy_spin),
+            #[cfg(feature = "cuda")]
+            device: std::sync::OnceLock::new(),
         });
         let state_ptr = inner.state.get().cast::<c_void>();
         let am = sys::ucp_am_handler_param_t {

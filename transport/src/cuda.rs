@@ -1,0 +1,175 @@
+//! CUDA device memory as operation buffers (feature `cuda`).
+//!
+//! cudarc's device allocations are buffers: a [`CudaSlice`] of plain values
+//! (`CudaSlice<u8>`, `CudaSlice<f32>`, ...) implements [`IoBuf`] and [`IoBufMut`], so it
+//! is sent, received, put and got like a `Vec<u8>`, owned by the operation and given back
+//! with its result. Each operation on one passes `UCS_MEMORY_TYPE_CUDA` to UCX, waits
+//! first for the work queued on the slice's stream, and makes the worker serve the
+//! slice's device: from then on the worker's calls into UCX run with the device's primary
+//! context current (UCX's cuda_copy needs one). A worker serves one device.
+//!
+//! CUDA is loaded at run time (`libcuda.so.1`): a build with this feature runs on
+//! machines without CUDA, where [`probe`] says what is missing and operations on device
+//! buffers are refused with [`crate::ErrorKind::Unsupported`]. So is a UCX built without
+//! its CUDA transports (Debian's 1.13): see [`crate::Context::supports`].
+//!
+//! ```no_run
+//! use ucxkit_transport::cuda::{self, cudarc::driver::CudaContext};
+//! # async fn f(ep: ucxkit_transport::Endpoint) -> ucxkit_transport::Result<()> {
+//! cuda::probe()?;
+//! let stream = CudaContext::new(0).map_err(cuda::error)?.default_stream();
+//! let grads = stream.alloc_zeros::<f32>(1 << 20).map_err(cuda::error)?;
+//! let (sent, grads) = ep.tag_send(7, grads).await;
+//! sent?;
+//! # drop(grads); Ok(()) }
+//! ```
+
+use std::sync::{Arc, OnceLock};
+
+pub use cudarc;
+use cudarc::driver::{CudaContext, CudaSlice, DevicePtr, DriverError};
+
+use crate::buf::{IoBuf, IoBufMut, MemoryType};
+use crate::error::{Error, Result};
+
+/// The CUDA devices this machine has, after checking that CUDA can be used at all.
+///
+/// # Errors
+/// [`Error::Unsupported`] naming what is missing: the driver library (`libcuda.so.1`),
+/// a driver that does not initialise, or a device.
+pub fn probe() -> Result<usize> {
+    static PROBED: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    PROBED
+        .get_or_init(|| {
+            // SAFETY: loads (and unloads) the driver library by its usual names to see
+            // whether it is there; the driver's initialisers are meant to run in any
+            // process that loads it.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err("no CUDA driver library (libcuda.so.1) on this machine".into());
+            }
+            match CudaContext::device_count() {
+                Ok(n) if n > 0 => Ok(n as usize),
+                Ok(_) => Err("the CUDA driver sees no device".into()),
+                Err(e) => Err(format!("the CUDA driver does not initialise: {e}")),
+            }
+        })
+        .clone()
+        .map_err(|what| Error::Unsupported { what })
+}
+
+/// A CUDA driver error as this crate's [`Error`] ([`crate::ErrorKind::Other`]).
+pub fn error(e: DriverError) -> Error {
+    Error::Device { what: e.to_string() }
+}
+
+/// The device context a worker serves, made current on the thread of each of its calls
+/// into UCX.
+pub(crate) struct Bound {
+    ctx: Arc<CudaContext>,
+}
+
+impl Bound {
+    /// The primary context of device `device`, retained.
+    pub(crate) fn new(device: usize) -> Result<Bound> {
+        let n = probe()?;
+        if device >= n {
+            return Err(Error::Unsupported {
+                what: format!("cuda:{device}: this machine has {n} CUDA device(s)"),
+            });
+        }
+        let ctx = CudaContext::new(device).map_err(error)?;
+        Ok(Bound { ctx })
+    }
+
+    /// The device's ordinal.
+    pub(crate) fn device(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Makes the context current on this thread (a no-op when it is).
+    #[inline]
+    pub(crate) fn bind(&self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!(error = %e, "binding the worker's CUDA context failed");
+        }
+    }
+}
+
+/// Copies `data` into device memory at `dst` on device `device`, synchronously.
+///
+/// # Safety
+/// `dst` must be device memory of `device` with room for `data.len()` bytes, not in
+/// use by anything else during the call.
+pub(crate) unsafe fn copy_to_device(device: usize, dst: *mut u8, data: &[u8]) -> Result<()> {
+    let ctx = Bound::new(device)?;
+    ctx.ctx.bind_to_thread().map_err(error)?;
+    // SAFETY: a context of dst's device is current; dst has room for data (contract).
+    unsafe {
+        cudarc::driver::result::memcpy_htod_sync(dst as usize as cudarc::driver::sys::CUdeviceptr, data)
+    }
+    .map_err(error)
+}
+
+// SAFETY: a CudaSlice owns its device allocation, which lives (and keeps its address)
+// until the slice is dropped; the operation owns the slice, so the pointer stays valid
+// for `len * size_of::<T>()` bytes, which are initialized (a safe CudaSlice always is).
+unsafe impl<T: bytemuck::Pod> IoBuf for CudaSlice<T> {
+    fn stable_ptr(&self) -> *const u8 {
+        let (ptr, _record) = self.device_ptr(self.stream());
+        ptr as usize as *const u8
+    }
+
+    fn bytes_init(&self) -> usize {
+        self.num_bytes()
+    }
+
+    #[inline]
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Cuda { device: self.ordinal() }
+    }
+
+    fn ready(&self) -> Result<()> {
+        self.stream().synchronize().map_err(error)
+    }
+}
+
+// SAFETY: as above, and every value of a Pod type is valid, so UCX may write any bytes;
+// the slice's length never changes (a receive of fewer bytes leaves the rest as it was).
+unsafe impl<T: bytemuck::Pod> IoBufMut for CudaSlice<T> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.stable_ptr().cast_mut()
+    }
+
+    fn bytes_total(&self) -> usize {
+        self.num_bytes()
+    }
+
+    unsafe fn set_init(&mut self, _n: usize) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a driver or a device, `probe` says which is missing; with one it counts.
+    #[test]
+    fn probe_names_what_is_missing_or_counts_devices() {
+        match probe() {
+            Ok(n) => assert!(n > 0),
+            Err(e) => {
+                assert_eq!(e.kind(), crate::ErrorKind::Unsupported);
+                let s = e.to_string();
+                assert!(s.contains("CUDA"), "{s}");
+            }
+        }
+    }
+
+    #[test]
+    fn binding_a_device_without_cuda_is_refused_not_a_crash() {
+        if probe().is_ok() {
+            return;
+        }
+        let e = Bound::new(0).err().expect("no CUDA here");
+        assert_eq!(e.kind(), crate::ErrorKind::Unsupported);
+    }
+}
