@@ -49,6 +49,73 @@ impl Transport {
     }
 }
 
+/// Where a buffer lives, for `--mem`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemKind {
+    /// Host memory.
+    Host,
+    /// Memory of CUDA device 0 (feature `cuda`).
+    Cuda,
+}
+
+impl MemKind {
+    /// The name on the command line (and ucx_perftest's, for `-m`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MemKind::Host => "host",
+            MemKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// `--mem SEND[,RECV]`: where each side's send and receive buffers live, as
+/// `ucx_perftest -m` says it (`cuda` alone: both on the device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mem {
+    /// The memory messages are sent from.
+    pub send: MemKind,
+    /// The memory messages are received into.
+    pub recv: MemKind,
+}
+
+impl Mem {
+    /// Host memory on both sides: the default.
+    pub const HOST: Mem = Mem { send: MemKind::Host, recv: MemKind::Host };
+
+    /// Whether every buffer is in host memory.
+    pub fn is_host(self) -> bool {
+        self == Mem::HOST
+    }
+
+    /// `SEND,RECV`, as `--mem` and `ucx_perftest -m` take it.
+    pub fn name(self) -> String {
+        format!("{},{}", self.send.name(), self.recv.name())
+    }
+
+    /// `tls` with UCX's CUDA transports added when a buffer is on the device and the
+    /// list names none of them.
+    pub fn with_device_transports(self, tls: &str) -> String {
+        if self.is_host() || tls.contains("cuda") {
+            tls.to_string()
+        } else {
+            format!("{tls},cuda_copy,cuda_ipc")
+        }
+    }
+}
+
+/// Parses `--mem`: `host`, `cuda`, or two of them, comma-separated (send, receive).
+pub fn parse_mem(s: &str) -> Result<Mem, String> {
+    let kind = |k: &str| match k.trim() {
+        "host" => Ok(MemKind::Host),
+        "cuda" => Ok(MemKind::Cuda),
+        other => Err(format!("unknown memory type {other:?} (host or cuda)")),
+    };
+    match s.split_once(',') {
+        None => kind(s).map(|k| Mem { send: k, recv: k }),
+        Some((a, b)) => Ok(Mem { send: kind(a)?, recv: kind(b)? }),
+    }
+}
+
 /// `--progress`: how workers make progress.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Progress {
@@ -190,6 +257,19 @@ pub fn die(tool: &str, msg: impl std::fmt::Display) -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_types_as_ucx_perftest_spells_them() {
+        assert_eq!(parse_mem("host"), Ok(Mem::HOST));
+        let m = parse_mem("cuda").unwrap();
+        assert_eq!((m.send, m.recv), (MemKind::Cuda, MemKind::Cuda));
+        let m = parse_mem("host,cuda").unwrap();
+        assert_eq!((m.send, m.recv, m.name().as_str()), (MemKind::Host, MemKind::Cuda, "host,cuda"));
+        assert!(parse_mem("gpu").is_err() && parse_mem("cuda,").is_err());
+        assert_eq!(m.with_device_transports("posix,self"), "posix,self,cuda_copy,cuda_ipc");
+        assert_eq!(m.with_device_transports("cuda_copy,tcp"), "cuda_copy,tcp");
+        assert_eq!(Mem::HOST.with_device_transports("tcp"), "tcp");
+    }
 
     #[test]
     fn durations() {

@@ -27,6 +27,8 @@ pub struct Setup<'a> {
     pub window: usize,
     /// `UCX_NET_DEVICES` for both processes (None: inherit the environment).
     pub net_devices: Option<&'a str>,
+    /// Memory types of the send and receive buffers (`-m SEND,RECV`; None: host).
+    pub mem: Option<&'a str>,
 }
 
 /// `UCX_NET_DEVICES` naming the network devices among `devices` (those of the lanes of
@@ -80,6 +82,9 @@ fn command(cpu: Option<usize>, setup: &Setup<'_>, case: &Case<'_>) -> Command {
     }
     if setup.peer_mode {
         c.arg("-e");
+    }
+    if let Some(m) = setup.mem {
+        c.args(["-m", m]);
     }
     // One-sided tests wait by polling memory, which no event announces: ucx_perftest
     // would sleep through them.

@@ -3,7 +3,9 @@
 //! cudarc's device allocations are buffers: a [`CudaSlice`] of plain values
 //! (`CudaSlice<u8>`, `CudaSlice<f32>`, ...) implements [`IoBuf`] and [`IoBufMut`], so it
 //! is sent, received, put and got like a `Vec<u8>`, owned by the operation and given back
-//! with its result. Each operation on one passes `UCS_MEMORY_TYPE_CUDA` to UCX, waits
+//! with its result; an `Arc<CudaSlice<T>>` is one that several operations may use at once
+//! (many sends of one buffer, receives into one scratch buffer), as a
+//! [`crate::MemRegion`] is. Each operation on one passes `UCS_MEMORY_TYPE_CUDA` to UCX, waits
 //! first for the work queued on the slice's stream, and makes the worker serve the
 //! slice's device: from then on the worker's calls into UCX run with the device's primary
 //! context current (UCX's cuda_copy needs one). A worker serves one device.
@@ -136,6 +138,43 @@ unsafe impl<T: bytemuck::Pod> IoBuf for CudaSlice<T> {
 // SAFETY: as above, and every value of a Pod type is valid, so UCX may write any bytes;
 // the slice's length never changes (a receive of fewer bytes leaves the rest as it was).
 unsafe impl<T: bytemuck::Pod> IoBufMut for CudaSlice<T> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.stable_ptr().cast_mut()
+    }
+
+    fn bytes_total(&self) -> usize {
+        self.num_bytes()
+    }
+
+    unsafe fn set_init(&mut self, _n: usize) {}
+}
+
+// SAFETY: the Arc keeps the allocation alive while an operation owns the clone; its
+// pointer and length never change; as for CudaSlice.
+unsafe impl<T: bytemuck::Pod> IoBuf for Arc<CudaSlice<T>> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ref().stable_ptr()
+    }
+
+    fn bytes_init(&self) -> usize {
+        self.num_bytes()
+    }
+
+    #[inline]
+    fn memory_type(&self) -> MemoryType {
+        self.as_ref().memory_type()
+    }
+
+    fn ready(&self) -> Result<()> {
+        self.as_ref().ready()
+    }
+}
+
+// SAFETY: as above. Several operations may write one shared device buffer at once, as
+// they may a MemRegion: no Rust reference to device memory exists (the host reaches it
+// only through driver copies), so concurrent writes cannot break Rust's aliasing rules;
+// what the buffer holds afterwards is up to the order in which the transfers land.
+unsafe impl<T: bytemuck::Pod> IoBufMut for Arc<CudaSlice<T>> {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
         self.stable_ptr().cast_mut()
     }

@@ -383,6 +383,7 @@ fn perftest_row(a: &BenchArgs, size: usize, net_devices: Option<&str>) -> Result
         server_cpu: a.pin.then_some(0),
         window: 32,
         net_devices,
+        mem: None,
     };
     // About 4 GiB moved, at least 10 and at most 10,000 messages.
     let iters = ((4u64 << 30) / size.max(1) as u64).clamp(10, 10_000);

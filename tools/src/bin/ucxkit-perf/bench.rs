@@ -14,10 +14,14 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use hdrhistogram::Histogram;
-use ucxkit::transport::{tag, AmReceiver, Endpoint, MemRegion, RegionSlice, RemoteKey, Worker};
+use ucxkit::transport::{
+    tag, AmReceiver, Endpoint, IoBuf, IoBufMut, MemRegion, RegionSlice, RemoteKey, Worker,
+};
 
 use crate::clock::Clock;
+use crate::device;
 use crate::AnyResult;
+use ucxkit_tools::cli::{self, Mem};
 use ucxkit_tools::report::Row;
 
 /// Control messages (commands and replies).
@@ -187,6 +191,9 @@ pub(crate) struct Side<'a> {
     /// Client, bandwidth tests: move data out of memory never written
     /// (`--unwritten-source`).
     pub(crate) unwritten: bool,
+    /// Client: where the send and receive buffers live (`--mem`), told to the server
+    /// with each test.
+    pub(crate) mem: Mem,
 }
 
 /// Waits until the last byte of `region` reads `marker`, progressing the worker.
@@ -278,6 +285,9 @@ pub(crate) async fn run_client(
         // The server's region is what get_bw moves.
         cmd += &format!(" {UNWRITTEN}");
     }
+    if !side.mem.is_host() {
+        cmd += &format!(" {MEM}{}", side.mem.name());
+    }
     if let Some(r) = &mine {
         cmd += &format!(" {}", hex(&r.pack_key()?));
     }
@@ -319,19 +329,10 @@ pub(crate) async fn run_client(
         // Each iteration posts its message first (as ucx_perftest does) and reads the
         // clock for the previous iteration only then, so that the clock read is not on
         // the round trip's critical path; the time between reads is still one round trip.
-        Test::TagLat => {
-            let mut rbuf = Vec::with_capacity(size);
-            for i in 0..total {
-                let send = ep.tag_send(DATA_C2S, payload);
-                let recv = w.tag_recv(DATA_S2C, tag::EXACT, rbuf);
-                clock.tick_before(i)?;
-                send.await.0?;
-                let (r, b) = recv.await;
-                r?;
-                rbuf = b;
-            }
-            clock.tick_before(total)?;
+        Test::TagLat if side.mem.is_host() => {
+            tag_lat_client(side, &mut clock, total, payload, Vec::with_capacity(size)).await?
         }
+        Test::TagLat => device::tag_lat_client(side, &mut clock, total, size).await?,
         Test::StreamLat => {
             let mut rbuf: Box<[u8]> = vec![0u8; size].into();
             for i in 0..total {
@@ -379,6 +380,7 @@ pub(crate) async fn run_client(
             let try_now = || if immediate { sent_now(test, ep, payload, key) } else { Ok(false) };
             let run = Window { clock: &mut clock, total, warmup, window };
             match test {
+                Test::TagBw if !side.mem.is_host() => device::tag_bw_client(run, ep, side.mem, size).await?,
                 Test::TagBw | Test::StreamBw | Test::AmBw => match &region_source {
                     Some(r) => run.keep(try_now, || send(test, ep, r.slice(0..size))).await?,
                     None => run.keep(try_now, || send(test, ep, payload)).await?,
@@ -419,6 +421,61 @@ pub(crate) async fn run_client(
     Ok(Measured { iters, elapsed, hist: clock.histogram()?.clone() })
 }
 
+/// The client's tag_lat loop: sends `sbuf` (a clone each time), receives into `rbuf`.
+/// Generic, so that host and device buffers run the same loop.
+pub(crate) async fn tag_lat_client<S: IoBuf + Clone, R: IoBufMut>(
+    side: &Side<'_>,
+    clock: &mut Clock,
+    total: u64,
+    sbuf: S,
+    mut rbuf: R,
+) -> AnyResult<()> {
+    let (w, ep) = (side.w, side.ep);
+    for i in 0..total {
+        let send = ep.tag_send(DATA_C2S, sbuf.clone());
+        let recv = w.tag_recv(DATA_S2C, tag::EXACT, rbuf);
+        clock.tick_before(i)?;
+        send.await.0?;
+        let (r, b) = recv.await;
+        r?;
+        rbuf = b;
+    }
+    clock.tick_before(total)?;
+    Ok(())
+}
+
+/// The server's tag_lat loop (see [`tag_lat_client`]).
+pub(crate) async fn tag_lat_server<S: IoBuf + Clone, R: IoBufMut>(
+    side: &Side<'_>,
+    total: u64,
+    sbuf: S,
+    mut rbuf: R,
+) -> AnyResult<()> {
+    let (w, ep) = (side.w, side.ep);
+    for _ in 0..total {
+        let (r, b) = w.tag_recv(DATA_C2S, tag::EXACT, rbuf).await;
+        r?;
+        rbuf = b;
+        let (s, _) = ep.tag_send(DATA_S2C, sbuf.clone()).await;
+        s?;
+    }
+    Ok(())
+}
+
+/// The server's tag_bw receives: `window` kept posted, each into a buffer from `buf`,
+/// until `total` arrived; then the acknowledgement.
+pub(crate) async fn tag_bw_server<R: IoBufMut>(
+    side: &Side<'_>,
+    total: u64,
+    window: usize,
+    buf: impl FnMut() -> R,
+) -> AnyResult<()> {
+    let w = side.w;
+    keep_posted(total, window, buf, |b| w.tag_recv(DATA_C2S, tag::EXACT, b)).await?;
+    side.ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
+    Ok(())
+}
+
 /// Messages of the two-sided bandwidth tests from this size on are sent from a region
 /// UCX allocated (see `run_client`).
 const REGION_SEND_MIN: usize = 64 << 10;
@@ -439,7 +496,7 @@ fn sent_now(test: Test, ep: &Endpoint, payload: &[u8], key: Option<&RemoteKey>) 
 }
 
 /// The send of a two-sided bandwidth test.
-fn send<B: ucxkit::transport::IoBuf>(test: Test, ep: &Endpoint, buf: B) -> ucxkit::transport::SendOp<B> {
+pub(crate) fn send<B: IoBuf>(test: Test, ep: &Endpoint, buf: B) -> ucxkit::transport::SendOp<B> {
     match test {
         Test::TagBw => ep.tag_send(DATA_C2S, buf),
         Test::StreamBw => ep.stream_send(buf),
@@ -450,7 +507,7 @@ fn send<B: ucxkit::transport::IoBuf>(test: Test, ep: &Endpoint, buf: B) -> ucxki
 /// A payload of `size` bytes of `fill` whose last byte is `last`, made once per process
 /// and kept: sends borrow it as `&'static [u8]`, so the hot loop does no reference
 /// counting (as a C benchmark reuses one buffer), and a long-lived server does not grow.
-fn payload(size: usize, fill: u8, last: u8) -> &'static [u8] {
+pub(crate) fn payload(size: usize, fill: u8, last: u8) -> &'static [u8] {
     type Key = (usize, u8, u8);
     static CACHE: Mutex<Vec<(Key, &'static [u8])>> = Mutex::new(Vec::new());
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
@@ -478,6 +535,9 @@ fn unwritten(size: usize) -> &'static [u8] {
 /// The word of a command that asks the server for a region never written (get_bw with
 /// `--unwritten-source`).
 const UNWRITTEN: &str = "unwritten";
+
+/// Prefix of the command word that gives a test's memory types (`mem=cuda,host`).
+const MEM: &str = "mem=";
 
 /// A put_lat payload whose last byte is `marker`.
 fn marked(size: usize, marker: u8) -> &'static [u8] {
@@ -508,7 +568,7 @@ fn fill(r: &MemRegion) {
 
 /// An operation of a bandwidth test: posted when made, and kept in the window until it
 /// completes unless UCX completed it at once.
-trait WindowOp: std::future::Future + Sized {
+pub(crate) trait WindowOp: std::future::Future + Sized {
     fn completed_immediately(&self) -> bool;
     /// The operation's error, from its result.
     fn check(out: Self::Output) -> AnyResult<()>;
@@ -544,7 +604,7 @@ impl WindowOp for ucxkit::transport::Atomic {
 }
 
 /// The client loop of a bandwidth test.
-struct Window<'a> {
+pub(crate) struct Window<'a> {
     clock: &'a mut Clock,
     total: u64,
     warmup: u64,
@@ -559,7 +619,7 @@ impl Window<'_> {
     ///
     /// Generic over the operation, so that the window holds one future type and the hot
     /// loop makes no choice of test.
-    async fn keep<O: WindowOp>(
+    pub(crate) async fn keep<O: WindowOp>(
         self,
         mut sent_now: impl FnMut() -> AnyResult<bool>,
         mut post: impl FnMut() -> O,
@@ -690,12 +750,16 @@ where
 pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
     let (w, ep) = (side.w, side.ep);
     let parts: Vec<&str> = cmd.split_whitespace().collect();
-    // test size total window [unwritten] [key]
-    let (test, size, total, window, unwritten, their_key) = match parts.as_slice() {
+    // test size total window [unwritten] [mem=SEND,RECV] [key]
+    let (test, size, total, window, unwritten, mem, their_key) = match parts.as_slice() {
         [t, s, n, win, rest @ ..] => {
             let (unwritten, rest) = match rest {
                 [UNWRITTEN, rest @ ..] => (true, rest),
                 _ => (false, rest),
+            };
+            let (mem, rest) = match rest {
+                [m, rest @ ..] if m.starts_with(MEM) => (cli::parse_mem(&m[MEM.len()..])?, rest),
+                _ => (Mem::HOST, rest),
             };
             if rest.len() > 1 {
                 return Err(format!("bad command {cmd:?}").into());
@@ -706,12 +770,16 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
                 n.parse::<u64>()?,
                 win.parse::<usize>()?.max(1),
                 unwritten,
+                mem,
                 rest.first().copied(),
             )
         }
         _ => return Err(format!("bad command {cmd:?}").into()),
     };
     test.check_size(size)?;
+    if !mem.is_host() && !matches!(test, Test::TagLat | Test::TagBw) {
+        return Err(format!("{} does not run with --mem {}", test.name(), mem.name()).into());
+    }
     // put_lat polls the last byte the client's put writes: exactly `size` bytes.
     let region = match test {
         Test::PutLat => Some(w.context().alloc(size)?),
@@ -729,16 +797,11 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
     }
     let payload = payload(size, 0xa5, 0xa5);
     match test {
-        Test::TagLat => {
-            let mut rbuf = Vec::with_capacity(size);
-            for _ in 0..total {
-                let (r, b) = w.tag_recv(DATA_C2S, tag::EXACT, rbuf).await;
-                r?;
-                rbuf = b;
-                let (s, _) = ep.tag_send(DATA_S2C, payload).await;
-                s?;
-            }
+        Test::TagLat if mem.is_host() => {
+            tag_lat_server(side, total, payload, Vec::with_capacity(size)).await?
         }
+        Test::TagLat => device::tag_lat_server(side, mem, total, size).await?,
+        Test::TagBw if !mem.is_host() => device::tag_bw_server(side, mem, total, window, size).await?,
         Test::StreamLat => {
             let mut rbuf: Box<[u8]> = vec![0u8; size].into();
             for _ in 0..total {
@@ -776,18 +839,10 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
         Test::TagBw => {
             if size > OWN_BUFFERS_MAX {
                 let shared = w.context().alloc(size)?;
-                keep_posted(total, window, || shared.slice(0..size), |b| w.tag_recv(DATA_C2S, tag::EXACT, b))
-                    .await?;
+                tag_bw_server(side, total, window, || shared.slice(0..size)).await?;
             } else {
-                keep_posted(
-                    total,
-                    window,
-                    || Vec::with_capacity(size),
-                    |b| w.tag_recv(DATA_C2S, tag::EXACT, b),
-                )
-                .await?;
+                tag_bw_server(side, total, window, || Vec::with_capacity(size)).await?;
             }
-            ep.tag_send(DATA_S2C, vec![1u8]).await.0?;
         }
         Test::StreamBw => {
             if size > OWN_BUFFERS_MAX {

@@ -21,6 +21,7 @@
 
 mod bench;
 mod clock;
+mod device;
 mod perftest;
 mod timed;
 
@@ -33,7 +34,7 @@ use clap::{Parser, ValueEnum};
 use ucxkit::transport::{tag, Context, Endpoint, EndpointOptions, Worker, WorkerAddress};
 
 use bench::{recv_ctrl, send_ctrl, Side, Test, CTRL};
-use ucxkit_tools::cli::{self, parse_duration, ErrMode, Progress, Transport};
+use ucxkit_tools::cli::{self, parse_duration, ErrMode, Mem, Progress, Transport};
 use ucxkit_tools::report::Row;
 use ucxkit_tools::{plot, report, size};
 
@@ -81,6 +82,14 @@ struct Args {
     /// be.
     #[arg(long, alias = "unwritten-send")]
     unwritten_source: bool,
+    /// Where the send and receive buffers live: `host`, `cuda` (device 0), or
+    /// `SEND,RECV` (`host,cuda`: host to device), on both sides, as `ucx_perftest -m`
+    /// takes it. Device memory needs a build with the `cuda` feature and runs tag_lat
+    /// and tag_bw; UCX's CUDA transports (cuda_copy, cuda_ipc) are added to the
+    /// transports unless they name one. A standalone `--server` needs it too (for its
+    /// transports).
+    #[arg(long, value_parser = cli::parse_mem, default_value = "host")]
+    mem: cli::Mem,
     /// UCX transports to use.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
     transport: Transport,
@@ -174,6 +183,18 @@ fn main() {
     if args.iters == Some(0) {
         die("--iters must be at least 1");
     }
+    if !args.mem.is_host() {
+        if !cfg!(feature = "cuda") {
+            die("--mem cuda: this ucxkit-perf was built without the `cuda` feature (cargo build --features cuda)");
+        }
+        if let Some(t) = args.test.iter().flatten().find(|t| !matches!(t, Test::TagLat | Test::TagBw)) {
+            die(format!("--mem {} runs tag_lat and tag_bw, not {}", args.mem.name(), t.name()));
+        }
+        #[cfg(feature = "cuda")]
+        if let Err(e) = ucxkit::transport::cuda::probe() {
+            die(format!("--mem {}: {e}", args.mem.name()));
+        }
+    }
     if !args.server {
         let sizes = size::parse_sizes(&args.sizes).unwrap_or_else(|e| die(e));
         for t in args.test.iter().flatten() {
@@ -204,10 +225,10 @@ fn main() {
 
 fn context(args: &Args) -> ucxkit::transport::Result<Context> {
     let b = Context::builder().name("ucxkit-perf");
-    if let Some(tls) = &args.tls {
-        return b.transports(tls.as_str()).build();
+    match effective_tls(args) {
+        Some(tls) => b.transports(tls).build(),
+        None => b.build(),
     }
-    args.transport.apply(b).build()
 }
 
 fn worker(args: &Args, ctx: &Context) -> ucxkit::transport::Result<Worker> {
@@ -237,6 +258,7 @@ async fn loopback(args: &Args) -> AnyResult<()> {
         .args(["--transport", args.transport.name()])
         .args(["--progress", args.progress.name()])
         .args(["--error-mode", args.error_mode.name()])
+        .args(["--mem", &args.mem.name()])
         .args(args.tls.as_ref().map(|t| vec!["--tls".to_string(), t.clone()]).unwrap_or_default())
         .args(if args.require_transport.is_empty() {
             vec![]
@@ -324,6 +346,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         out!("{}", report::CSV_HEADER)?;
     }
     let tls = effective_tls(args);
+    let perftest_mem = (!args.mem.is_host()).then(|| args.mem.name());
     let compare = perftest::Setup {
         tls: tls.as_deref(),
         peer_mode: ep.uses_peer_error_mode(),
@@ -332,6 +355,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
         server_cpu: args.server_cpu,
         window: args.window,
         net_devices: net_devices.as_deref(),
+        mem: perftest_mem.as_deref(),
     };
     let mut runs: Vec<(Test, usize)> = Vec::new();
     for &test in &tests {
@@ -344,8 +368,14 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
     }
     let progress = !args.output.quiet && std::io::stderr().is_terminal();
     let mut rows: Vec<Row> = Vec::new();
-    let mut side =
-        Side { w: &w, ep: &ep, am: &mut am, immediate: args.immediate, unwritten: args.unwritten_source };
+    let mut side = Side {
+        w: &w,
+        ep: &ep,
+        am: &mut am,
+        immediate: args.immediate,
+        unwritten: args.unwritten_source,
+        mem: args.mem,
+    };
     for (k, &(test, size)) in runs.iter().enumerate() {
         if progress {
             eprint!("\r\x1b[K[{}/{}] {} {} ...", k + 1, runs.len(), test.name(), size::format_size(size));
@@ -436,7 +466,7 @@ async fn client(args: &Args, addr: &str) -> AnyResult<()> {
 /// The `UCX_TLS` this run uses, for ucx_perftest (None: UCX's default, from the
 /// environment).
 fn effective_tls(args: &Args) -> Option<String> {
-    args.tls.clone().or_else(|| args.transport.tls())
+    args.tls.clone().or_else(|| args.transport.tls()).map(|t| args.mem.with_device_transports(&t))
 }
 
 /// The receives a bandwidth server keeps posted (see `Args::recv_window`).
@@ -455,8 +485,15 @@ async fn server(args: &Args) -> AnyResult<()> {
         std::io::stdout().flush()?;
         loop {
             let ep = listener.accept().await?;
-            let r =
-                serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false, unwritten: false }).await;
+            let r = serve(&mut Side {
+                w: &w,
+                ep: &ep,
+                am: &mut am,
+                immediate: false,
+                unwritten: false,
+                mem: Mem::HOST,
+            })
+            .await;
             if let Err(e) = &r {
                 eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
             }
@@ -476,7 +513,15 @@ async fn server(args: &Args) -> AnyResult<()> {
             write_frame(&mut sock, w.address()?.as_bytes()).await?;
             let ep = w.connect_address(&theirs).await?;
             write_frame(&mut sock, b"connected").await?;
-            serve(&mut Side { w: &w, ep: &ep, am: &mut am, immediate: false, unwritten: false }).await?;
+            serve(&mut Side {
+                w: &w,
+                ep: &ep,
+                am: &mut am,
+                immediate: false,
+                unwritten: false,
+                mem: Mem::HOST,
+            })
+            .await?;
             // The client may already have destroyed its worker: close gracefully if it
             // answers soon, otherwise let the endpoint close in the background.
             let _ = tokio::time::timeout(Duration::from_secs(1), ep.close()).await;

@@ -1,0 +1,185 @@
+//! CUDA device memory as operation buffers (feature `cuda`; needs a GPU): device to
+//! device, host to device and device to host over tags, active messages and put/get,
+//! slices of device buffers, typed device buffers, and the refusals a device buffer
+//! meets where its context's transports cannot reach it.
+//!
+//! Without a CUDA driver, a device, or a UCX with CUDA transports, each test prints
+//! `GPU test skipped: REASON` and passes; the test command runs these with
+//! `--nocapture` and reports how many were skipped.
+
+use ucxkit_testkit as common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{pair_with, payload};
+use ucxkit::transport::cuda::{self, cudarc::driver::CudaContext, cudarc::driver::CudaStream};
+use ucxkit::transport::{
+    tag, Context, Endpoint, ErrorKind, ErrorMode, IoBuf, MemoryType, ProgressMode, Worker,
+};
+
+const T: Duration = Duration::from_secs(60);
+
+/// Transports with UCX's CUDA ones, shared memory and TCP on loopback.
+const TLS: &str = "cuda_copy,cuda_ipc,posix,cma,self,tcp";
+
+/// Sizes from UCX's eager range to well into rendezvous.
+const SIZES: [usize; 4] = [8, 64 << 10, 1 << 20, 16 << 20];
+
+fn skip(reason: &str) {
+    println!("GPU test skipped: {reason}");
+}
+
+/// Device 0's stream, or `None` (the reason printed) where the test cannot run.
+fn device() -> Option<Arc<CudaStream>> {
+    if let Err(e) = cuda::probe() {
+        skip(&e.to_string());
+        return None;
+    }
+    let ctx = Context::builder().transports(TLS).config("NET_DEVICES", "lo").build().expect("context");
+    if !ctx.supports(MemoryType::Cuda { device: 0 }) {
+        let (a, b, c) = Context::ucx_version();
+        skip(&format!("UCX {a}.{b}.{c} cannot reach CUDA memory (built without its CUDA transports?)"));
+        return None;
+    }
+    Some(CudaContext::new(0).expect("device 0").default_stream())
+}
+
+async fn connected() -> (Worker, Worker, Endpoint, Endpoint) {
+    pair_with(TLS, ErrorMode::Auto, ProgressMode::Event).await
+}
+
+/// The device bytes, copied back to the host.
+fn host_copy(stream: &Arc<CudaStream>, dev: &cuda::cudarc::driver::CudaSlice<u8>) -> Vec<u8> {
+    let v = stream.clone_dtoh(dev).expect("copy back");
+    stream.synchronize().expect("synchronize");
+    v
+}
+
+#[tokio::test]
+async fn tagged_messages_device_to_device() {
+    let Some(stream) = device() else { return };
+    let (_s, _c, sep, cep) = connected().await;
+    for (i, len) in SIZES.into_iter().enumerate() {
+        let data = payload(i as u64, len);
+        let src = stream.clone_htod(&data).unwrap();
+        let dst = stream.alloc_zeros::<u8>(len).unwrap();
+        let recv = sep.tag_recv(10 + i as u64, tag::EXACT, dst);
+        let (r, src) = tokio::time::timeout(T, cep.tag_send(10 + i as u64, src)).await.unwrap();
+        r.unwrap();
+        let (info, dst) = tokio::time::timeout(T, recv).await.unwrap();
+        assert_eq!(info.unwrap().len, len);
+        assert!(host_copy(&stream, &dst) == data, "{len} bytes device to device");
+        assert!(host_copy(&stream, &src) == data, "the source is unchanged");
+    }
+}
+
+#[tokio::test]
+async fn tagged_messages_between_host_and_device() {
+    let Some(stream) = device() else { return };
+    let (_s, _c, sep, cep) = connected().await;
+    for (i, len) in SIZES.into_iter().enumerate() {
+        let data = payload(100 + i as u64, len);
+        // Host to device.
+        let recv = sep.tag_recv(1, tag::EXACT, stream.alloc_zeros::<u8>(len).unwrap());
+        tokio::time::timeout(T, cep.tag_send(1, data.clone())).await.unwrap().0.unwrap();
+        let (info, dst) = tokio::time::timeout(T, recv).await.unwrap();
+        assert_eq!(info.unwrap().len, len);
+        assert!(host_copy(&stream, &dst) == data, "{len} bytes host to device");
+        // Device to host.
+        let recv = sep.tag_recv(2, tag::EXACT, Vec::with_capacity(len));
+        tokio::time::timeout(T, cep.tag_send(2, dst)).await.unwrap().0.unwrap();
+        let (info, got) = tokio::time::timeout(T, recv).await.unwrap();
+        assert_eq!(info.unwrap().len, len);
+        assert!(got == data, "{len} bytes device to host");
+    }
+}
+
+#[tokio::test]
+async fn slices_and_typed_device_buffers() {
+    let Some(stream) = device() else { return };
+    let (_s, _c, sep, cep) = connected().await;
+    let len = 1 << 20;
+    let data = payload(7, len + 64);
+    // Bytes 32..32 + len of a larger device buffer, into bytes 16.. of another.
+    let src = stream.clone_htod(&data).unwrap().into_slice(32..32 + len).unwrap();
+    assert_eq!(src.memory_type(), MemoryType::Cuda { device: 0 });
+    let dst = ucxkit::transport::IoBufMut::into_slice_mut(
+        stream.alloc_zeros::<u8>(len + 64).unwrap(),
+        16..16 + len,
+    )
+    .unwrap();
+    let recv = sep.tag_recv(3, tag::EXACT, dst);
+    tokio::time::timeout(T, cep.tag_send(3, src)).await.unwrap().0.unwrap();
+    let (info, dst) = tokio::time::timeout(T, recv).await.unwrap();
+    assert_eq!(info.unwrap().len, len);
+    let got = host_copy(&stream, &dst.into_inner());
+    assert!(got[..16].iter().all(|&b| b == 0) && got[16 + len..].iter().all(|&b| b == 0));
+    assert!(got[16..16 + len] == data[32..32 + len], "the slice landed in place");
+
+    // f32 values keep their bits.
+    let vals: Vec<f32> = (0..4096).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let src = stream.clone_htod(&vals).unwrap();
+    let recv = sep.tag_recv(4, tag::EXACT, stream.alloc_zeros::<f32>(vals.len()).unwrap());
+    tokio::time::timeout(T, cep.tag_send(4, src)).await.unwrap().0.unwrap();
+    let (info, dst) = tokio::time::timeout(T, recv).await.unwrap();
+    assert_eq!(info.unwrap().len, vals.len() * 4);
+    let back = stream.clone_dtoh(&dst).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(back, vals);
+}
+
+#[tokio::test]
+async fn active_message_payloads_into_device_memory() {
+    let Some(stream) = device() else { return };
+    let (server, _c, _sep, cep) = connected().await;
+    let mut rx = server.am_recv(5).unwrap();
+    for (i, len) in SIZES.into_iter().enumerate() {
+        let data = payload(200 + i as u64, len);
+        // From the device (rendezvous or eager by size), into the device.
+        let sent = cep.am_send(5, b"hdr", stream.clone_htod(&data).unwrap());
+        let m = tokio::time::timeout(T, rx.recv()).await.expect("message");
+        assert_eq!(m.header(), b"hdr");
+        let (r, dst) =
+            tokio::time::timeout(T, m.recv_data(stream.alloc_zeros::<u8>(len).unwrap())).await.unwrap();
+        assert_eq!(r.unwrap(), len);
+        tokio::time::timeout(T, sent).await.unwrap().0.unwrap();
+        assert!(host_copy(&stream, &dst) == data, "{len} byte active message");
+    }
+}
+
+#[tokio::test]
+async fn put_and_get_with_device_buffers() {
+    let Some(stream) = device() else { return };
+    let (server, _c, _sep, cep) = connected().await;
+    let len = 4 << 20;
+    let region = server.context().alloc(len).unwrap();
+    let key = cep.unpack_key(&region.pack_key().unwrap()).unwrap();
+    let data = payload(9, len);
+    let (r, _src) =
+        tokio::time::timeout(T, cep.put(stream.clone_htod(&data).unwrap(), &key, 0)).await.unwrap();
+    r.unwrap();
+    tokio::time::timeout(T, cep.flush()).await.unwrap().unwrap();
+    assert!(region.to_vec() == data, "put from device memory");
+    let (r, dst) =
+        tokio::time::timeout(T, cep.get(stream.alloc_zeros::<u8>(len).unwrap(), len, &key, 0)).await.unwrap();
+    assert_eq!(r.unwrap(), len);
+    assert!(host_copy(&stream, &dst) == data, "get into device memory");
+}
+
+/// A context without UCX's CUDA transports refuses a real device buffer and gives it
+/// back; stream operations refuse device memory on any context.
+#[tokio::test]
+async fn device_buffers_are_refused_where_the_transports_cannot_reach_them() {
+    let Some(stream) = device() else { return };
+    let data = payload(3, 4096);
+    let (_s, _c, sep, cep) = pair_with("tcp,self", ErrorMode::Auto, ProgressMode::Event).await;
+    assert!(!cep.worker().context().supports(MemoryType::Cuda { device: 0 }));
+    let (r, back) = cep.tag_send(1, stream.clone_htod(&data).unwrap()).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Unsupported);
+    assert!(host_copy(&stream, &back) == data, "given back untouched");
+    let (_s, _c, _sep2, cep2) = connected().await;
+    let (r, _) = cep2.stream_send(stream.clone_htod(&data).unwrap()).await;
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Unsupported);
+    drop(sep);
+}
