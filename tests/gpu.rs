@@ -183,3 +183,39 @@ async fn device_buffers_are_refused_where_the_transports_cannot_reach_them() {
     assert_eq!(r.unwrap_err().kind(), ErrorKind::Unsupported);
     drop(sep);
 }
+
+/// Collectives on device buffers, staged through host memory: an allreduce writes the
+/// sum back into each rank's buffer, an allgather (a longer result) gives a new one.
+#[tokio::test]
+async fn collectives_on_device_buffers() {
+    use ucxkit::collectives::{device, Communicator, ReduceOp};
+    use ucxkit::transport::namespace::COLLECTIVES;
+    let Some(stream) = device() else { return };
+    let mesh = common::workers::mesh_with(TLS, 2, ProgressMode::Event).await;
+    let comms: Vec<Communicator> = (0..2)
+        .map(|r| {
+            let ns = mesh.workers[r].namespace(COLLECTIVES).unwrap();
+            Communicator::from_endpoints(&ns, 0, r, mesh.eps[r].clone()).unwrap()
+        })
+        .collect();
+    for count in [1usize, 1000, 1 << 20] {
+        let calls = comms.iter().enumerate().map(|(r, comm)| {
+            let vals: Vec<f32> = (0..count).map(|i| (i % 97) as f32 + r as f32).collect();
+            let buf = stream.clone_htod(&vals).unwrap();
+            async move {
+                let sum = device::staged(buf, |v| comm.allreduce(v, ReduceOp::Sum)).await.unwrap();
+                let all = device::staged(sum, |v| comm.allgather(v)).await.unwrap();
+                (comm.rank(), all)
+            }
+        });
+        for (r, all) in futures_util::future::join_all(calls).await {
+            let got = stream.clone_dtoh(&all).unwrap();
+            stream.synchronize().unwrap();
+            assert_eq!(got.len(), 2 * count, "rank {r}: the allgather's longer result");
+            for (i, v) in got.iter().enumerate() {
+                assert_eq!(*v, 2.0 * ((i % count) % 97) as f32 + 1.0, "rank {r}, element {i}");
+            }
+        }
+    }
+    assert_eq!(device::ROUTE, "host-staged");
+}

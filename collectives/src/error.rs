@@ -56,6 +56,9 @@ pub enum Error {
     /// Forming the group failed.
     #[error("bootstrap: {0}")]
     Bootstrap(String),
+    /// Copying a device buffer to or from host memory failed (feature `cuda`).
+    #[error("device: {0}")]
+    Device(#[source] ucxkit_transport::Error),
 }
 
 fn describe(a: &crate::abort::Abort) -> String {

@@ -74,6 +74,8 @@
 pub mod abort;
 mod bootstrap;
 mod comm;
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod dtype;
 pub mod error;
 mod exec;

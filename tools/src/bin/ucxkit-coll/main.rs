@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 use ucxkit_tools::cli::{self, Output, Progress, Transport};
 use ucxkit_tools::size::parse_sizes;
 
+mod device;
 mod mpi;
 mod rank;
 mod row;
@@ -66,6 +67,10 @@ pub(crate) struct Args {
     /// arrives late), microseconds.
     #[arg(long, default_value_t = 0)]
     pub(crate) skew_us: u64,
+    /// Where the buffers live: `host`, or `cuda` (device 0, f32; each call staged through
+    /// host memory; needs a build with the `cuda` feature).
+    #[arg(long, value_parser = parse_mem_kind, default_value = "host")]
+    pub(crate) mem: cli::MemKind,
     /// Also run Open MPI (`mpi`: mpirun with pml ucx on the same transports and pinning)
     /// and print the ratio per cell.
     #[arg(long)]
@@ -85,6 +90,15 @@ pub(crate) enum Command {
     },
 }
 
+/// `--mem`: one memory type for every buffer.
+fn parse_mem_kind(s: &str) -> Result<cli::MemKind, String> {
+    let m = cli::parse_mem(s)?;
+    if m.send != m.recv {
+        return Err("ucxkit-coll takes one memory type (host or cuda)".into());
+    }
+    Ok(m.send)
+}
+
 /// Sizes from `8,64K` or `8:1M` (doubling).
 pub(crate) fn sizes(s: &str) -> Result<Vec<usize>, String> {
     if let Some((lo, hi)) = s.split_once(':') {
@@ -102,6 +116,18 @@ pub(crate) fn sizes(s: &str) -> Result<Vec<usize>, String> {
 
 fn main() {
     let args = Args::parse();
+    if args.mem == cli::MemKind::Cuda {
+        if args.compare.is_some() {
+            cli::die("ucxkit-coll", "--compare runs Open MPI on host buffers; use it without --mem cuda");
+        }
+        if !cfg!(feature = "cuda") {
+            cli::die("ucxkit-coll", "--mem cuda: this ucxkit-coll was built without the `cuda` feature");
+        }
+        #[cfg(feature = "cuda")]
+        if let Err(e) = ucxkit::transport::cuda::probe() {
+            cli::die("ucxkit-coll", format!("--mem cuda: {e}"));
+        }
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

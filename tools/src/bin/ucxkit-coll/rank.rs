@@ -13,7 +13,7 @@ use crate::Args;
 type Res<T> = Result<T, String>;
 
 /// The longest a cell's timed loop aims to run.
-const CELL_BUDGET: Duration = Duration::from_millis(500);
+pub(crate) const CELL_BUDGET: Duration = Duration::from_millis(500);
 
 /// Forms the group from the launcher's (or `--np`'s) variables and runs every cell.
 pub(crate) async fn run(args: &Args) -> Res<()> {
@@ -57,6 +57,15 @@ pub(crate) async fn run(args: &Args) -> Res<()> {
     } else {
         args.op.clone()
     };
+    let device = args.mem == ucxkit_tools::cli::MemKind::Cuda;
+    if device {
+        if dtype != DataType::F32 {
+            return Err(format!("--mem cuda measures f32, not {dtype}"));
+        }
+        if let Some(op) = ops.iter().find(|o| !crate::device::OPS.contains(&o.as_str())) {
+            return Err(format!("--mem cuda runs {}, not {op}", crate::device::OPS.join(", ")));
+        }
+    }
     let sizes = crate::sizes(&args.sizes)?;
     let machine = crate::spawn::child_rank().is_some() || args.output.json;
     if comm.rank() == 0 && !machine {
@@ -70,6 +79,7 @@ pub(crate) async fn run(args: &Args) -> Res<()> {
         let cells: &[usize] = if op == "barrier" { &[0] } else { &sizes };
         for &bytes in cells {
             let row = match dtype {
+                _ if device => crate::device::cell(&comm, args, op, bytes, redop).await,
                 DataType::I8 => cell::<i8>(&comm, args, op, bytes, redop).await,
                 DataType::I16 => cell::<i16>(&comm, args, op, bytes, redop).await,
                 DataType::I32 => cell::<i32>(&comm, args, op, bytes, redop).await,
@@ -110,7 +120,7 @@ fn input_len(op: &str, count: usize, n: usize, rank: usize, root: usize) -> usiz
 }
 
 /// This rank's input element i: small integers, exact under every reduction.
-fn value<T: Element>(rank: usize, i: usize) -> T {
+pub(crate) fn value<T: Element>(rank: usize, i: usize) -> T {
     T::from_small(((rank * 7 + i * 3) % 5) as u8 + 1)
 }
 
@@ -230,7 +240,7 @@ async fn result<T: Element>(
 
 /// Elements of `got` (this rank's result of one call on the reference inputs) that
 /// differ from what the operation must give.
-fn wrong<T: Element>(
+pub(crate) fn wrong<T: Element>(
     op: &str,
     got: &[T],
     n: usize,
@@ -326,7 +336,6 @@ async fn cell<T: Element>(
     } else {
         None
     };
-    let planned = plan_op(op).map(|o| c.plan(o, plan_bytes(op, count, n) * elem, elem, root));
     Ok(CollRow {
         op: op.into(),
         bytes: count * elem,
@@ -335,12 +344,20 @@ async fn cell<T: Element>(
         redop: redop.name().into(),
         root,
         np: n,
-        algo: planned.map_or_else(|| fixed_algo(op).into(), |p| p.algorithm.to_string()),
+        algo: planned(c, op, count, elem, root),
         time_us: slowest * 1e6,
         wrong,
         iters,
         source: "ucxkit".into(),
     })
+}
+
+/// The algorithm a call of `op` on `count` elements of `elem` bytes takes.
+pub(crate) fn planned(c: &Communicator, op: &str, count: usize, elem: usize, root: usize) -> String {
+    match plan_op(op) {
+        Some(o) => c.plan(o, plan_bytes(op, count, c.size()) * elem, elem, root).algorithm.to_string(),
+        None => fixed_algo(op).into(),
+    }
 }
 
 /// The planner's name for `op`, where the planner chooses.
