@@ -219,3 +219,51 @@ async fn collectives_on_device_buffers() {
     }
     assert_eq!(device::ROUTE, "host-staged");
 }
+
+/// Objects in device memory: pulled into a `DeviceStore` chunk by chunk (each checked
+/// from a copy on the host), from a holder in host memory and from one in device
+/// memory (served from the device), at sizes inline, one chunk and many.
+#[tokio::test]
+async fn objects_pulled_into_and_served_from_device_memory() {
+    use ucxkit::object_push::device::DeviceStore;
+    use ucxkit::object_push::{MemoryStore, NodeOptions, ObjectId, ObjectNode, Verify};
+    let Some(stream) = device() else { return };
+    let mesh = common::workers::mesh_with(TLS, 3, ProgressMode::Event).await;
+    let opts = NodeOptions {
+        chunk: 1 << 20,
+        window: 4,
+        inline_max: 1000,
+        verify: Verify::Always,
+        ..Default::default()
+    };
+    let host = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
+    let dev_store = Arc::new(DeviceStore::new(stream.clone()));
+    let dev = ObjectNode::new(&mesh.workers[1], dev_store.clone(), opts.clone()).unwrap();
+    let back = ObjectNode::new(&mesh.workers[2], Arc::new(MemoryStore::new()), opts).unwrap();
+    for (i, len) in [10usize, 5000, (1 << 20) + 1, 9 << 20].into_iter().enumerate() {
+        let o = ObjectId::try_from(format!("o{i}").as_str()).unwrap();
+        let data = payload(300 + i as u64, len);
+        host.put(o, bytes::Bytes::from(data.clone())).unwrap();
+        // Host to device.
+        let got = tokio::time::timeout(T, dev.pull(o, mesh.ep(1, 0))).await.unwrap().unwrap();
+        let d = got.device().expect("sealed in device memory");
+        let copy = stream.clone_dtoh(d.as_ref()).unwrap();
+        stream.synchronize().unwrap();
+        assert!(copy == data, "{len} bytes pulled into device memory");
+        assert_eq!(got.read(0..len as u64).unwrap(), &data[..], "read back through the object");
+        // Device to host: served from device memory.
+        let got = tokio::time::timeout(T, back.pull(o, mesh.ep(2, 1))).await.unwrap().unwrap();
+        assert!(got.bytes().unwrap() == &data[..], "{len} bytes served from device memory");
+    }
+    assert_eq!(dev_store.used(), 10 + 5000 + (1 << 20) + 1 + (9 << 20));
+    // An object put from device memory.
+    let o = ObjectId::try_from("put").unwrap();
+    let data = payload(9, 3 << 20);
+    let buf = Arc::new(stream.clone_htod(&data).unwrap());
+    dev.put_device(o, buf).await.unwrap();
+    let got = tokio::time::timeout(T, back.pull(o, mesh.ep(2, 1))).await.unwrap().unwrap();
+    assert!(got.bytes().unwrap() == &data[..]);
+    for n in [&host, &dev, &back] {
+        assert_eq!(n.stats().refetched, 0, "no chunk failed its check");
+    }
+}

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 
+use crate::device::buf_len;
 use crate::error::{Error, Result};
 use crate::file::ObjectFile;
 use crate::id::ObjectId;
@@ -25,6 +26,8 @@ pub struct Object {
 enum Body {
     Memory(Bytes),
     File(Arc<ObjectFile>),
+    /// Device memory (feature `cuda`; uninhabited without it).
+    Device(crate::device::DeviceBuf),
 }
 
 impl Object {
@@ -44,15 +47,41 @@ impl Object {
         Object::checked(Body::File(Arc::new(file)), layout)
     }
 
+    /// An object whose bytes are a device buffer a transfer filled.
+    pub(crate) fn in_device(buf: crate::device::DeviceBuf, layout: Layout) -> Result<Object> {
+        Object::checked(Body::Device(buf), layout)
+    }
+
     /// An object whose bytes are a file shared with others (a transfer's).
     pub(crate) fn in_shared_file(file: Arc<ObjectFile>, layout: Layout) -> Result<Object> {
         Object::checked(Body::File(file), layout)
+    }
+
+    /// An object whose bytes are the device buffer `buf`'s, with `layout` (feature
+    /// `cuda`): served from device memory.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the layout is of another size.
+    #[cfg(feature = "cuda")]
+    pub fn on_device(buf: crate::device::DeviceBuf, layout: Layout) -> Result<Object> {
+        Object::checked(Body::Device(buf), layout)
+    }
+
+    /// The device buffer holding the object's bytes, for an object in device memory
+    /// (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    pub fn device(&self) -> Option<&crate::device::DeviceBuf> {
+        match &self.body {
+            Body::Device(d) => Some(d),
+            _ => None,
+        }
     }
 
     fn checked(body: Body, layout: Layout) -> Result<Object> {
         let len = match &body {
             Body::Memory(b) => b.len() as u64,
             Body::File(f) => f.len(),
+            Body::Device(d) => buf_len(d) as u64,
         };
         if layout.size() != len {
             return Err(Error::InvalidArgument(format!(
@@ -68,24 +97,25 @@ impl Object {
     pub fn bytes(&self) -> Option<&Bytes> {
         match &self.body {
             Body::Memory(b) => Some(b),
-            Body::File(_) => None,
+            _ => None,
         }
     }
 
     /// The file holding the object's bytes, for an object in a file.
     pub fn file(&self) -> Option<&ObjectFile> {
         match &self.body {
-            Body::Memory(_) => None,
             Body::File(f) => Some(f),
+            _ => None,
         }
     }
 
     /// Bytes `range` of the object: a slice of it in memory (no copy), or read from its
-    /// file (blocking: call it off the async threads for large reads).
+    /// file or copied from device memory (blocking: call it off the async threads for
+    /// large reads).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a range past the object's end; [`Error::Store`]
-    /// when its file cannot be read.
+    /// when its file or device memory cannot be read.
     pub fn read(&self, range: std::ops::Range<u64>) -> Result<Bytes> {
         if range.start > range.end || range.end > self.layout.size() {
             return Err(Error::InvalidArgument(format!(
@@ -96,6 +126,10 @@ impl Object {
         match &self.body {
             Body::Memory(b) => Ok(b.slice(range.start as usize..range.end as usize)),
             Body::File(f) => f.read(range).map(Bytes::from),
+            Body::Device(d) => {
+                let piece = crate::device::piece_of(d, range.start as usize..range.end as usize)?;
+                crate::device::host_copy(&piece).map(Bytes::from)
+            }
         }
     }
 
@@ -108,7 +142,7 @@ impl Object {
     pub fn into_bytes(self) -> Option<Bytes> {
         match self.body {
             Body::Memory(b) => Some(b),
-            Body::File(_) => None,
+            _ => None,
         }
     }
 
@@ -160,6 +194,19 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// # Errors
     /// [`Error::Store`] when the file cannot be made.
     fn file_for(&self, id: &ObjectId, size: u64) -> Result<Option<ObjectFile>> {
+        let _ = (id, size);
+        Ok(None)
+    }
+
+    /// A device buffer to receive object `id` of `size` bytes into (feature `cuda`; after
+    /// [`ObjectStore::reserve`] took room for it), or `None`, the default: asked before
+    /// [`ObjectStore::file_for`]. An object received into one is sealed as
+    /// [`Object::on_device`] of it (see [`crate::device`]).
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the memory cannot be had.
+    #[cfg(feature = "cuda")]
+    fn device_for(&self, id: &ObjectId, size: u64) -> Result<Option<crate::device::DeviceBuf>> {
         let _ = (id, size);
         Ok(None)
     }

@@ -88,13 +88,68 @@ impl Bound {
         self.ctx.ordinal()
     }
 
-    /// Makes the context current on this thread (a no-op when it is).
+    /// Makes the context current on this thread (a no-op when it is). Through the
+    /// driver directly: cudarc's `bind_to_thread` would first take (and clear) errors
+    /// the context recorded, on every call into UCX.
     #[inline]
     pub(crate) fn bind(&self) {
-        if let Err(e) = self.ctx.bind_to_thread() {
+        let want = self.ctx.cu_ctx();
+        if matches!(cudarc::driver::result::ctx::get_current(), Ok(Some(c)) if c == want) {
+            return;
+        }
+        // SAFETY: `want` is the primary context of a device, retained by `self.ctx` for
+        // as long as this value lives.
+        if let Err(e) = unsafe { cudarc::driver::result::ctx::set_current(want) } {
             tracing::error!(error = %e, "binding the worker's CUDA context failed");
         }
     }
+}
+
+/// Copies the bytes of `src` to `dst` at byte `at`, on the device, and waits for the
+/// copy: for buffers several operations share (`Arc<CudaSlice<u8>>`), whose bytes only
+/// the driver reaches, so a shared one can still be written in place.
+///
+/// # Errors
+/// [`Error::ApiMisuse`] when the bytes do not fit `dst` at `at` or the two ranges
+/// overlap (nothing is copied); the driver's error.
+pub fn copy_into(dst: &Arc<CudaSlice<u8>>, at: usize, src: &crate::Slice<Arc<CudaSlice<u8>>>) -> Result<()> {
+    let len = src.len();
+    if !at.checked_add(len).is_some_and(|end| end <= dst.len()) {
+        return Err(Error::ApiMisuse(format!(
+            "copy_into: {len} bytes at {at} do not fit a {} byte device buffer",
+            dst.len()
+        )));
+    }
+    let (to, from) = (dst.stable_ptr() as usize + at, src.stable_ptr() as usize);
+    if to < from + len && from < to + len && len > 0 {
+        return Err(Error::ApiMisuse("copy_into: the source and destination overlap".into()));
+    }
+    dst.context().bind_to_thread().map_err(error)?;
+    // SAFETY: both ranges lie in live device allocations (checked above; `src`'s by its
+    // Slice), kept by the references for the call; they do not overlap; no Rust
+    // reference to device memory exists, so writing it cannot alias one.
+    unsafe { cudarc::driver::result::memcpy_dtod_sync(to as u64, from as u64, len) }.map_err(error)
+}
+
+/// Copies host bytes `data` to `dst` at byte `at` and waits for the copy (for shared
+/// device buffers, as [`copy_into`]).
+///
+/// # Errors
+/// [`Error::ApiMisuse`] when `data` does not fit `dst` at `at` (nothing is copied); the
+/// driver's error.
+pub fn copy_from_host(dst: &Arc<CudaSlice<u8>>, at: usize, data: &[u8]) -> Result<()> {
+    if !at.checked_add(data.len()).is_some_and(|end| end <= dst.len()) {
+        return Err(Error::ApiMisuse(format!(
+            "copy_from_host: {} bytes at {at} do not fit a {} byte device buffer",
+            data.len(),
+            dst.len()
+        )));
+    }
+    dst.context().bind_to_thread().map_err(error)?;
+    let to = (dst.stable_ptr() as usize + at) as u64;
+    // SAFETY: the range lies in a live device allocation (checked above), kept by the
+    // reference for the call; `data` is readable for its length.
+    unsafe { cudarc::driver::result::memcpy_htod_sync(to, data) }.map_err(error)
 }
 
 /// Copies `data` into device memory at `dst` on device `device`, synchronously.

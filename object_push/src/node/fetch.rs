@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
 use ucxkit_transport::am::AmSendOptions;
@@ -22,6 +22,7 @@ use super::budget::{Held, Priority};
 use super::pull::{Found, Registered};
 use super::sink::{self, Dest, Finish, Sink};
 use super::{chunk_tag, Inner, REQUEST};
+use crate::device::{self, Piece};
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
 use crate::store::Object;
@@ -34,10 +35,10 @@ pub(super) type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// A chunk's receive ended: its source, its index, and the result with its piece, or
 /// `None` when it was abandoned because its source failed (the piece stays with the
 /// transport until UCX lets go of it); with the room it holds until it is checked.
-type Landed<'a> = (usize, u64, Option<(ucxkit_transport::Result<TagInfo>, BytesMut)>, Held<'a>);
+type Landed<'a> = (usize, u64, Option<(ucxkit_transport::Result<TagInfo>, Piece)>, Held<'a>);
 
 /// A checked chunk: its source, its index, whether it is as sealed, and its piece.
-type Checked = (usize, u64, bool, BytesMut);
+type Checked = (usize, u64, bool, Piece);
 
 /// One holder, as a source of chunks.
 struct Source<'a> {
@@ -100,7 +101,7 @@ pub(super) struct Transfer<'a> {
     /// The first chunk never asked for.
     next: u64,
     /// Chunks to ask for again, with their piece and the source to avoid.
-    again: VecDeque<(u64, BytesMut, Option<usize>)>,
+    again: VecDeque<(u64, Piece, Option<usize>)>,
     tries: HashMap<u64, u32>,
     done: u64,
     limit_ms: u32,
@@ -120,6 +121,8 @@ pub(super) struct Transfer<'a> {
     standby: Vec<usize>,
     /// Bytes checked, as [`super::ObjectNode::progress`] reports them.
     progress: Counted<'a>,
+    /// A piece to receive into could not be had (device memory): the transfer ends.
+    broken: Option<Error>,
 }
 
 /// A transfer's bytes checked, listed in the node's progress while the transfer lasts.
@@ -170,6 +173,7 @@ impl<'a> Transfer<'a> {
         let sink = match into {
             Dest::File(file) => Sink::file(node, id, file),
             Dest::Memory(buf) => Sink::memory(node, id, layout.clone(), buf),
+            Dest::Device(buf) => Sink::device(node, id, buf),
         };
         Transfer {
             node,
@@ -192,6 +196,7 @@ impl<'a> Transfer<'a> {
             unanswered: 0,
             standby: Vec::new(),
             progress: Counted::new(node, id, layout_size),
+            broken: None,
         }
     }
 
@@ -274,6 +279,9 @@ impl<'a> Transfer<'a> {
             // Made before the assignment looks for room, so that no release is missed.
             let freed = node.budget.freed();
             self.assign().await;
+            if let Some(e) = self.broken.take() {
+                return Err(e);
+            }
             if self.live() == 0 && lookups.is_empty() && self.receiving.is_empty() && self.checking.is_empty()
             {
                 return Err(self.last.take().unwrap_or_else(|| Error::Remote("every holder failed".into())));
@@ -329,7 +337,13 @@ impl<'a> Transfer<'a> {
                     while n < free.min(self.layout.count() - first).min(u64::from(crate::wire::MAX_FETCH)) {
                         let k = first + n;
                         let Some(held) = self.room(k) else { break };
-                        let piece = self.sink.piece(self.layout.range(k).len());
+                        let piece = match self.sink.piece(self.layout.range(k)) {
+                            Ok(p) => p,
+                            Err(e) => {
+                                self.broken = Some(e);
+                                break;
+                            }
+                        };
                         self.post(s, k, piece, held);
                         n += 1;
                     }
@@ -355,10 +369,10 @@ impl<'a> Transfer<'a> {
 
     /// Posts the receive of chunk `k` from source `s` into `piece`, holding `held` of the
     /// node's room until it ends.
-    fn post(&mut self, s: usize, k: u64, piece: BytesMut, held: Held<'a>) {
+    fn post(&mut self, s: usize, k: u64, piece: Piece, held: Held<'a>) {
         let ep = self.sources[s].ep;
         let Some(live) = &mut self.sources[s].live else { return };
-        live.outstanding.insert(k, piece.len());
+        live.outstanding.insert(k, device::piece_len(&piece));
         let mut dead = live.dead.subscribe();
         let recv = self.node.ns.tag_recv_from(ep, chunk_tag(live.reg.req, k), EXACT, piece);
         self.sources[s].inflight += 1;
@@ -399,7 +413,7 @@ impl<'a> Transfer<'a> {
         let Some((r, piece)) = landed else {
             // Abandoned: the transport keeps its piece until UCX lets go of it (a fresh
             // one takes its place; the join then copies).
-            self.again.push_back((k, BytesMut::zeroed(want), Some(s)));
+            self.again.push_back((k, self.sink.fresh(want)?, Some(s)));
             return Ok(());
         };
         if self.sources[s].live.is_some() {
@@ -445,7 +459,7 @@ impl<'a> Transfer<'a> {
     fn checked(&mut self, (s, k, good, piece): Checked) -> Result<()> {
         if good {
             tracing::trace!(id = %self.id, chunk = k, source = s, "chunk checked");
-            self.sink.keep(k, piece);
+            self.sink.keep(k, self.layout.range(k).start, piece)?;
             self.done += 1;
             self.progress.done.fetch_add(self.layout.range(k).len() as u64, Ordering::Relaxed);
             return Ok(());
@@ -468,7 +482,7 @@ impl<'a> Transfer<'a> {
             Finish::Missing(chunks) => {
                 for k in chunks {
                     let want = self.layout.range(k).len();
-                    self.again.push_back((k, BytesMut::zeroed(want), None));
+                    self.again.push_back((k, self.sink.fresh(want)?, None));
                     self.done -= 1;
                     self.progress.done.fetch_sub(want as u64, Ordering::Relaxed);
                 }

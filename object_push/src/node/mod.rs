@@ -292,6 +292,35 @@ impl ObjectNode {
         Ok(object)
     }
 
+    /// Seals device buffer `buf` as object `id` (feature `cuda`): served from device
+    /// memory (see [`crate::device`]); its checksums are computed here, chunk by chunk
+    /// from copies on the host, on the blocking pool.
+    ///
+    /// # Errors
+    /// [`crate::Error::Store`] when the device memory cannot be read;
+    /// [`crate::Error::Exists`] when `id` is held; the store's refusal.
+    #[cfg(feature = "cuda")]
+    pub async fn put_device(&self, id: ObjectId, buf: crate::device::DeviceBuf) -> Result<Object> {
+        let chunk = chunk_for(buf.len() as u64, self.inner.opts.chunk);
+        let b = buf.clone();
+        let layout = tokio::task::spawn_blocking(move || -> Result<Layout> {
+            let (size, step) = (b.len() as u64, u64::from(chunk));
+            let sums = (0..crate::sums::chunks(size, chunk)?)
+                .map(|k| {
+                    let range = (k * step) as usize..size.min((k + 1) * step) as usize;
+                    let bytes = crate::device::host_copy(&crate::device::piece_of(&b, range)?)?;
+                    Ok(crate::sums::sum(&bytes))
+                })
+                .collect::<Result<Vec<u64>>>()?;
+            Layout::from_parts(size, chunk, sums)
+        })
+        .await
+        .map_err(|e| crate::Error::Store(format!("summing a device buffer: {e}")))??;
+        let object = Object::on_device(buf, layout)?;
+        self.inner.seal_new(id, object.clone())?;
+        Ok(object)
+    }
+
     /// Waits until object `id` is in this node's store (sealed by a pull, a peer's
     /// push or `put`), at most `limit`.
     ///

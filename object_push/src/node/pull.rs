@@ -246,17 +246,24 @@ async fn transfer(
             Ok(Found::Layout(layout)) => break (i, layout),
             Ok(Found::Inline(data)) => {
                 let layout = Layout::of(&data, chunk_for(data.len() as u64, node.opts.chunk))?;
-                return seal(node, id, Object::new(Bytes::from(data), layout)?);
+                let object = match crate::device::dest(&*node.store, &id, data.len() as u64)? {
+                    Some(d) => Object::in_device(crate::device::upload(d, &data)?, layout)?,
+                    None => Object::new(Bytes::from(data), layout)?,
+                };
+                return seal(node, id, object);
             }
         }
     };
     node.admit(&id, layout.size()).await?;
     let mut room = Room { node, id, size: layout.size(), armed: true };
-    let into = match node.store.file_for(&id, layout.size())? {
-        Some(file) => Dest::File(file),
-        None => Dest::Memory(node.recycler.take(usize::try_from(layout.size()).map_err(|_| {
+    let into = if let Some(buf) = crate::device::dest(&*node.store, &id, layout.size())? {
+        Dest::Device(buf)
+    } else if let Some(file) = node.store.file_for(&id, layout.size())? {
+        Dest::File(file)
+    } else {
+        Dest::Memory(node.recycler.take(usize::try_from(layout.size()).map_err(|_| {
             Error::Store(format!("an object of {} bytes does not fit in memory", layout.size()))
-        })?)),
+        })?))
     };
     let mut t = Transfer::new(node, id, holders, layout, into, priority);
     t.choose(choice.first, unanswered);

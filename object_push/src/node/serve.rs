@@ -195,7 +195,14 @@ async fn send_chunk(
             },
         },
     };
-    let room = node.sends.clone().acquire_many_owned(units(part.layout().range(k).len())).await;
+    let range = part.layout().range(k);
+    let room = node.sends.clone().acquire_many_owned(units(range.len())).await;
+    if let Some(piece) = crate::device::chunk_of(&part, range) {
+        // From device memory, as it is: UCX moves it with its CUDA transports.
+        let r = node.ns.tag_send(ep, chunk_tag(req, k), piece.map_err(|e| e.to_string())?).await.0;
+        drop(room);
+        return r.map_err(|e| e.to_string());
+    }
     let bytes = read(&part, k).await?;
     let r = node.ns.tag_send(ep, chunk_tag(req, k), bytes).await.0.map_err(|e| e.to_string());
     drop(room);

@@ -8,9 +8,12 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
+use ucxkit_transport::Either;
+
 use super::partial::Published;
 use super::Inner;
-use crate::error::Result;
+use crate::device::{self, DeviceBuf, Piece};
+use crate::error::{Error, Result};
 use crate::file::ObjectFile;
 use crate::id::ObjectId;
 use crate::store::Object;
@@ -19,11 +22,12 @@ use crate::sums::Layout;
 /// How long a transfer at its end waits for relays to give back the pieces they send.
 const RELAY_GIVE_BACK: Duration = Duration::from_secs(2);
 
-/// Where a transfer is to put the object: a file the store gave, or a buffer of the
-/// object's size.
+/// Where a transfer is to put the object: a file or device buffer the store gave, or a
+/// buffer of the object's size.
 pub(super) enum Dest {
     File(ObjectFile),
     Memory(Vec<u8>),
+    Device(DeviceBuf),
 }
 
 /// A transfer's destination.
@@ -36,6 +40,12 @@ pub(super) enum Sink<'a> {
     },
     File {
         file: Arc<ObjectFile>,
+        /// Held while the transfer lasts.
+        _unrelayed: Unrelayed<'a>,
+    },
+    /// Chunks land in their places in a device buffer (see [`crate::device`]).
+    Device {
+        buf: DeviceBuf,
         /// Held while the transfer lasts.
         _unrelayed: Unrelayed<'a>,
     },
@@ -69,28 +79,47 @@ impl<'a> Sink<'a> {
         Sink::Memory { rest, published: Published::new(node, id, layout) }
     }
 
-    /// A piece to receive the next chunk, of `len` bytes, into: the buffer's next part,
-    /// or a fresh one.
-    pub(super) fn piece(&mut self, len: usize) -> BytesMut {
-        match self {
-            Sink::Memory { rest, .. } => rest.split_to(len),
-            Sink::File { .. } => BytesMut::zeroed(len),
-        }
+    /// A piece to receive the next chunk, bytes `range` of the object, into: the
+    /// buffer's next part, its place in the device buffer, or a fresh one.
+    pub(super) fn piece(&mut self, range: std::ops::Range<usize>) -> Result<Piece> {
+        Ok(match self {
+            Sink::Memory { rest, .. } => Either::Left(rest.split_to(range.len())),
+            Sink::File { .. } => Either::Left(BytesMut::zeroed(range.len())),
+            Sink::Device { buf, .. } => Either::Right(device::piece_of(buf, range)?),
+        })
+    }
+
+    /// A piece of `len` bytes of its own, for a chunk whose place a receive abandoned
+    /// may still write.
+    pub(super) fn fresh(&self, len: usize) -> Result<Piece> {
+        Ok(match self {
+            Sink::Device { buf, .. } => Either::Right(device::fresh(buf, len)?),
+            _ => Either::Left(BytesMut::zeroed(len)),
+        })
     }
 
     /// The file chunks are written to, where they are.
     pub(super) fn target(&self) -> Option<Arc<ObjectFile>> {
         match self {
-            Sink::Memory { .. } => None,
             Sink::File { file, .. } => Some(file.clone()),
+            _ => None,
         }
     }
 
-    /// Chunk `k` checked out (and was written, for a file): kept for relays and the end.
-    pub(super) fn keep(&self, k: u64, piece: BytesMut) {
-        if let Sink::Memory { published, .. } = self {
-            published.put(k, piece);
+    /// Chunk `k` (bytes `at..` of the object) checked out (and was written, for a file):
+    /// kept for relays and the end, or put in its place in device memory.
+    pub(super) fn keep(&self, k: u64, at: usize, piece: Piece) -> Result<()> {
+        match (self, piece) {
+            (Sink::Memory { published, .. }, Either::Left(p)) => published.put(k, p),
+            (Sink::Device { buf, .. }, Either::Right(d)) => device::place(buf, at, d)?,
+            (Sink::File { .. }, _) => {}
+            _ => {
+                return Err(Error::Store(format!(
+                    "chunk {k} arrived in memory of another kind than its object's"
+                )))
+            }
         }
+        Ok(())
     }
 
     /// Every chunk checked out: the object, or the chunks to fetch again.
@@ -98,6 +127,11 @@ impl<'a> Sink<'a> {
         let published = match self {
             Sink::File { file, .. } => {
                 return Ok(Finish::Whole(Object::in_shared_file(file.clone(), layout.clone())?))
+            }
+            // An Arc of the device buffer (uninhabited without the `cuda` feature).
+            #[allow(clippy::clone_on_copy)]
+            Sink::Device { buf, .. } => {
+                return Ok(Finish::Whole(Object::in_device(buf.clone(), layout.clone())?))
             }
             Sink::Memory { published, .. } => published,
         };
@@ -122,25 +156,34 @@ impl<'a> Sink<'a> {
     }
 }
 
-/// Checks chunk `k` of `layout` (blocking; unless `verify` is off) and writes it to
-/// `file` when it checks out: whether it did.
+/// Checks chunk `k` of `layout` (blocking; unless `verify` is off; a device piece is
+/// copied to the host for it) and writes it to `file` when it checks out: whether it
+/// did.
 pub(super) fn check(
     layout: &Layout,
     k: u64,
-    piece: &[u8],
+    piece: &Piece,
     verify: bool,
     file: Option<&ObjectFile>,
 ) -> Result<bool> {
-    if verify && !layout.verify(k, piece) {
+    if !device::verify_piece(layout, k, piece, verify)? {
         return Ok(false);
     }
-    if let Some(f) = file {
-        f.write_at(layout.range(k).start as u64, piece)?;
+    if let (Some(f), Either::Left(p)) = (file, piece) {
+        f.write_at(layout.range(k).start as u64, p)?;
     }
     Ok(true)
 }
 
 impl<'a> Sink<'a> {
+    /// Object `id` received into device buffer `buf` (not relayed while it arrives, as
+    /// for a file).
+    pub(super) fn device(node: &'a Inner, id: ObjectId, buf: DeviceBuf) -> Sink<'a> {
+        node.unrelayed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id);
+        node.arrived.notify_waiters();
+        Sink::Device { buf, _unrelayed: Unrelayed { node, id } }
+    }
+
     /// Object `id` received into `file`; lookups at this node waiting for it to arrive
     /// end at once (it is not relayed while it arrives).
     pub(super) fn file(node: &'a Inner, id: ObjectId, file: ObjectFile) -> Sink<'a> {

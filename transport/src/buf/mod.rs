@@ -23,9 +23,11 @@ use std::ops::RangeBounds;
 use ucx_sys as sys;
 
 use crate::error::Error;
+pub use either::Either;
 pub use shared::{SharedBuf, SharedSlice};
 pub use slice::Slice;
 
+mod either;
 mod shared;
 mod slice;
 
