@@ -4,8 +4,8 @@
 //! meets where its context's transports cannot reach it.
 //!
 //! Without a CUDA driver, a device, or a UCX with CUDA transports, each test prints
-//! `GPU test skipped: REASON` and passes; the test command runs these with
-//! `--nocapture` and reports how many were skipped.
+//! `GPU test skipped: REASON` and passes (fails, with `UCXKIT_REQUIRE_GPU` set); the
+//! test command runs these through scripts/gpu-check, which reports how many skipped.
 
 use ucxkit_testkit as common;
 
@@ -26,7 +26,12 @@ const TLS: &str = "cuda_copy,cuda_ipc,posix,cma,self,tcp";
 /// Sizes from UCX's eager range to well into rendezvous.
 const SIZES: [usize; 4] = [8, 64 << 10, 1 << 20, 16 << 20];
 
+/// Prints why the test cannot run; with `UCXKIT_REQUIRE_GPU` set (scripts/gpu-check sets
+/// it where the machine lists a GPU), fails instead.
 fn skip(reason: &str) {
+    if std::env::var_os("UCXKIT_REQUIRE_GPU").is_some() {
+        panic!("a GPU is required here (UCXKIT_REQUIRE_GPU) but: {reason}");
+    }
     println!("GPU test skipped: {reason}");
 }
 
@@ -265,5 +270,32 @@ async fn objects_pulled_into_and_served_from_device_memory() {
     assert!(got.bytes().unwrap() == &data[..]);
     for n in [&host, &dev, &back] {
         assert_eq!(n.stats().refetched, 0, "no chunk failed its check");
+    }
+}
+
+/// Vectored messages of device buffers, and one shared device buffer (`Arc<CudaSlice>`)
+/// sent by several operations at once.
+#[tokio::test]
+async fn vectored_and_shared_device_buffers() {
+    let Some(stream) = device() else { return };
+    let (_s, _c, sep, cep) = connected().await;
+    let (a, b) = (payload(21, 100_000), payload(22, 3 << 20));
+    let parts = vec![stream.clone_htod(&a).unwrap(), stream.clone_htod(&b).unwrap()];
+    let into = vec![stream.alloc_zeros::<u8>(a.len()).unwrap(), stream.alloc_zeros::<u8>(b.len()).unwrap()];
+    let recv = sep.tag_recv_iov(8, tag::EXACT, into);
+    tokio::time::timeout(T, cep.tag_send_iov(8, parts)).await.unwrap().0.unwrap();
+    let (info, got) = tokio::time::timeout(T, recv).await.unwrap();
+    assert_eq!(info.unwrap().len, a.len() + b.len());
+    assert!(host_copy(&stream, &got[0]) == a && host_copy(&stream, &got[1]) == b, "scattered in order");
+
+    let shared = Arc::new(stream.clone_htod(&b).unwrap());
+    let recvs: Vec<_> =
+        (0..4).map(|i| sep.tag_recv(30 + i, tag::EXACT, Vec::with_capacity(b.len()))).collect();
+    let sends: Vec<_> = (0..4).map(|i| cep.tag_send(30 + i, shared.clone())).collect();
+    for s in futures_util::future::join_all(sends).await {
+        s.0.unwrap();
+    }
+    for r in futures_util::future::join_all(recvs).await {
+        assert!(r.0.unwrap().len == b.len() && r.1 == b, "each send of the shared buffer");
     }
 }

@@ -21,13 +21,14 @@ use crate::error::{Error, Failed};
 /// How this build moves a collective's device buffer: through host memory.
 pub const ROUTE: &str = "host-staged";
 
-/// A collective on a device buffer that failed: the error, and the device buffer as it
-/// was (the host copy the call worked on is dropped; nothing is written back).
+/// A collective on a device buffer that failed: the error, and the device buffer (as it
+/// was when the call failed, the host copy it worked on dropped; when copying the result
+/// back failed, partly written).
 #[derive(Debug)]
 pub struct DeviceFailed<T> {
     /// What went wrong.
     pub error: Error,
-    /// The caller's device buffer, unchanged.
+    /// The caller's device buffer.
     pub buf: CudaSlice<T>,
 }
 
@@ -58,8 +59,8 @@ impl<T: std::fmt::Debug> std::error::Error for DeviceFailed<T> {
 /// ```
 ///
 /// # Errors
-/// The call's error, or the device's ([`Error::Device`]: a copy failed), with
-/// `buf` unchanged.
+/// The call's error (with `buf` unchanged), or the device's ([`Error::Device`]: a copy
+/// failed).
 pub async fn staged<T, F, Fut>(mut buf: CudaSlice<T>, call: F) -> Result<CudaSlice<T>, DeviceFailed<T>>
 where
     T: Element + DeviceRepr,
@@ -77,6 +78,9 @@ where
     };
     let written = if out.len() == buf.len() {
         stream.memcpy_htod(&out, &mut buf).map(|()| None)
+    } else if out.is_empty() {
+        // The driver allocates no zero bytes.
+        stream.null::<T>().map(Some)
     } else {
         stream.clone_htod(&out).map(Some)
     };

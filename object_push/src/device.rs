@@ -131,7 +131,8 @@ mod imp {
     }
 
     /// Objects in device memory, up to a capacity in bytes: pulls land in allocations
-    /// on `stream`'s device (empty objects stay in host memory).
+    /// on `stream`'s device that UCX's cuda_ipc can share with other processes
+    /// ([`ucxkit_transport::cuda::alloc_shareable`]); empty objects stay in host memory.
     pub struct DeviceStore {
         ledger: Ledger,
         stream: Arc<CudaStream>,
@@ -169,8 +170,10 @@ mod imp {
             }
             let len =
                 usize::try_from(size).map_err(|_| Error::Store(format!("{size} bytes do not fit memory")))?;
-            let buf = self.stream.alloc_zeros::<u8>(len).map_err(failed("allocating device memory"))?;
-            self.stream.synchronize().map_err(failed("allocating device memory"))?;
+            // Memory cuda_ipc can share, so that other processes of this node pull it
+            // device to device.
+            let buf = ucxkit_transport::cuda::alloc_shareable(&self.stream, len)
+                .map_err(|e| Error::Store(format!("allocating device memory: {e}")))?;
             Ok(Some(Arc::new(buf)))
         }
     }

@@ -92,14 +92,21 @@ impl Mem {
         format!("{},{}", self.send.name(), self.recv.name())
     }
 
-    /// `tls` with UCX's CUDA transports added when a buffer is on the device and the
-    /// list names none of them.
+    /// `tls` with those of UCX's CUDA transports (cuda_copy, cuda_ipc) it does not name
+    /// added, when a buffer is on the device; a list of exclusions (`^ib`) is left as
+    /// it is (it keeps them unless it names them).
     pub fn with_device_transports(self, tls: &str) -> String {
-        if self.is_host() || tls.contains("cuda") {
-            tls.to_string()
-        } else {
-            format!("{tls},cuda_copy,cuda_ipc")
+        if self.is_host() || tls.starts_with('^') {
+            return tls.to_string();
         }
+        let mut out = tls.to_string();
+        for t in ["cuda_copy", "cuda_ipc"] {
+            if !tls.split(',').any(|x| x.trim() == t) {
+                out.push(',');
+                out.push_str(t);
+            }
+        }
+        out
     }
 }
 
@@ -267,7 +274,9 @@ mod tests {
         assert_eq!((m.send, m.recv, m.name().as_str()), (MemKind::Host, MemKind::Cuda, "host,cuda"));
         assert!(parse_mem("gpu").is_err() && parse_mem("cuda,").is_err());
         assert_eq!(m.with_device_transports("posix,self"), "posix,self,cuda_copy,cuda_ipc");
-        assert_eq!(m.with_device_transports("cuda_copy,tcp"), "cuda_copy,tcp");
+        assert_eq!(m.with_device_transports("cuda_copy,tcp"), "cuda_copy,tcp,cuda_ipc");
+        assert_eq!(m.with_device_transports("tcp,cuda_ipc,cuda_copy"), "tcp,cuda_ipc,cuda_copy");
+        assert_eq!(m.with_device_transports("^ib"), "^ib");
         assert_eq!(Mem::HOST.with_device_transports("tcp"), "tcp");
     }
 

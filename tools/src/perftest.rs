@@ -33,11 +33,13 @@ pub struct Setup<'a> {
 
 /// `UCX_NET_DEVICES` naming the network devices among `devices` (those of the lanes of
 /// the endpoint ucxkit measured, in order, without repeats); `memory` ones (shared
-/// memory, self) are not network devices. None when no network device is among them.
+/// memory, self) and GPUs (`cuda`, `rocm`, `gdr`) are not network devices. None when no
+/// network device is among them.
 pub fn net_devices<'d>(devices: impl IntoIterator<Item = &'d str>) -> Option<String> {
     let mut net: Vec<&str> = Vec::new();
     for d in devices {
-        if !d.starts_with("memory") && !net.contains(&d) {
+        let local = ["memory", "cuda", "rocm", "gdr"].iter().any(|p| d.starts_with(p));
+        if !local && !net.contains(&d) {
             net.push(d);
         }
     }
@@ -218,6 +220,7 @@ mod tests {
         assert_eq!(net_devices(["lo", "eth0", "lo"]).as_deref(), Some("lo,eth0"));
         assert_eq!(net_devices(["memory", "memory0", "lo"]).as_deref(), Some("lo"));
         assert_eq!(net_devices(["memory", "memory0"]), None);
+        assert_eq!(net_devices(["cuda", "cuda0", "memory", "eth0"]).as_deref(), Some("eth0"));
         assert_eq!(net_devices([]), None);
     }
 }

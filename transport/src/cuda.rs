@@ -64,8 +64,12 @@ pub fn error(e: DriverError) -> Error {
     Error::Device { what: e.to_string() }
 }
 
+/// The context that was current on a thread before a worker's call into UCX made its
+/// own current (null: none).
+pub(crate) struct Previous(cudarc::driver::sys::CUcontext);
+
 /// The device context a worker serves, made current on the thread of each of its calls
-/// into UCX.
+/// into UCX, and the thread's own given back after.
 pub(crate) struct Bound {
     ctx: Arc<CudaContext>,
 }
@@ -88,19 +92,36 @@ impl Bound {
         self.ctx.ordinal()
     }
 
-    /// Makes the context current on this thread (a no-op when it is). Through the
-    /// driver directly: cudarc's `bind_to_thread` would first take (and clear) errors
-    /// the context recorded, on every call into UCX.
+    /// Makes the context current on this thread; what was current before, to give
+    /// back with [`Bound::unbind`], when that was another one. Through the driver
+    /// directly: cudarc's `bind_to_thread` would first take (and clear) errors the
+    /// context recorded, on every call into UCX.
     #[inline]
-    pub(crate) fn bind(&self) {
+    pub(crate) fn bind(&self) -> Option<Previous> {
         let want = self.ctx.cu_ctx();
-        if matches!(cudarc::driver::result::ctx::get_current(), Ok(Some(c)) if c == want) {
-            return;
-        }
+        let now = match cudarc::driver::result::ctx::get_current() {
+            Ok(Some(c)) if c == want => return None,
+            Ok(c) => c.unwrap_or(std::ptr::null_mut()),
+            Err(_) => std::ptr::null_mut(),
+        };
         // SAFETY: `want` is the primary context of a device, retained by `self.ctx` for
         // as long as this value lives.
-        if let Err(e) = unsafe { cudarc::driver::result::ctx::set_current(want) } {
-            tracing::error!(error = %e, "binding the worker's CUDA context failed");
+        match unsafe { cudarc::driver::result::ctx::set_current(want) } {
+            Ok(()) => Some(Previous(now)),
+            Err(e) => {
+                tracing::error!(error = %e, "binding the worker's CUDA context failed");
+                None
+            }
+        }
+    }
+
+    /// Makes `prev` current again (the thread's own context, after a call into UCX).
+    #[inline]
+    pub(crate) fn unbind(prev: Previous) {
+        // SAFETY: `prev.0` was current on this thread just before the call (or null,
+        // none), and a context current on a thread is not destroyed under it.
+        if let Err(e) = unsafe { cudarc::driver::result::ctx::set_current(prev.0) } {
+            tracing::error!(error = %e, "restoring the thread's CUDA context failed");
         }
     }
 }
@@ -186,7 +207,41 @@ unsafe impl<T: bytemuck::Pod> IoBuf for CudaSlice<T> {
     }
 
     fn ready(&self) -> Result<()> {
-        self.stream().synchronize().map_err(error)
+        ready(self)
+    }
+}
+
+/// Waits until no queued device work still writes or reads `s`: where cudarc tracks
+/// the slice's uses across several streams (its events), the whole device is
+/// synchronised, since a kernel on another stream may write it (before a send) or read
+/// it (before a receive); otherwise the slice's own stream.
+fn ready<T>(s: &CudaSlice<T>) -> Result<()> {
+    if s.context().is_managing_stream_synchronization() {
+        s.context().synchronize().map_err(error)
+    } else {
+        s.stream().synchronize().map_err(error)
+    }
+}
+
+/// A device buffer of `len` bytes on `stream`, allocated with `cuMemAlloc` rather than
+/// from the device's memory pool, which cudarc's own allocations come from where the
+/// device has one: UCX's cuda_ipc shares memory between processes through IPC handles
+/// (`cuIpcGetMemHandle`), which memory of the default pool does not have, so a buffer
+/// another process of this GPU node reads or writes moves device to device only when
+/// allocated this way. Zeroed.
+///
+/// # Errors
+/// The driver's error.
+pub fn alloc_shareable(stream: &Arc<cudarc::driver::CudaStream>, len: usize) -> Result<CudaSlice<u8>> {
+    stream.context().bind_to_thread().map_err(error)?;
+    // SAFETY: a context of the stream's device is current; the pointer returned is a
+    // fresh allocation of `len` bytes (at least one), owned from here by the slice made
+    // of it, which frees it once (cuMemFreeAsync frees cuMemAlloc memory too).
+    unsafe {
+        let ptr = cudarc::driver::result::malloc_sync(len.max(1)).map_err(error)?;
+        let slice = stream.upgrade_device_ptr::<u8>(ptr, len);
+        cudarc::driver::result::memset_d8_sync(ptr, 0, len.max(1)).map_err(error)?;
+        Ok(slice)
     }
 }
 
@@ -221,7 +276,7 @@ unsafe impl<T: bytemuck::Pod> IoBuf for Arc<CudaSlice<T>> {
     }
 
     fn ready(&self) -> Result<()> {
-        self.as_ref().ready()
+        ready(self.as_ref())
     }
 }
 

@@ -78,7 +78,9 @@ impl std::fmt::Display for MemoryType {
 /// While the value is owned by an operation (moved into it and not yet given back),
 /// `stable_ptr()` must keep returning the same pointer, valid for reads of
 /// `bytes_init()` bytes, even if the value itself is moved in memory. Heap-backed
-/// containers satisfy this; inline arrays do not.
+/// containers satisfy this; inline arrays do not. `memory_type()` must say truly where
+/// those bytes are, and keep saying the same while an operation owns the value: host
+/// memory is copied with the host's own instructions, and UCX is told the type.
 pub unsafe trait IoBuf: Send + 'static {
     /// Start of the bytes to send.
     fn stable_ptr(&self) -> *const u8;

@@ -45,10 +45,11 @@ impl WorkerInner {
     #[inline(always)]
     pub(crate) fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let guard = self.lock.lock();
-        self.bind_current();
+        let bound = self.bind_current();
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let r = f(st);
+        unbind(bound);
         if !st.after.any {
             // The common case on the hot path: nothing to do after unlocking.
             drop(guard);
@@ -86,13 +87,14 @@ impl WorkerInner {
     }
 
     /// Makes the device context this worker serves current on this thread, if it serves
-    /// one (a no-op without the `cuda` feature).
+    /// one (a no-op without the `cuda` feature); what to give back with [`unbind`] once
+    /// the call into UCX is over, so that the thread's own context is left as it was.
     #[inline(always)]
-    fn bind_current(&self) {
+    fn bind_current(&self) -> Bound {
         #[cfg(feature = "cuda")]
-        if let Some(d) = self.device.get() {
-            d.bind();
-        }
+        return self.device.get().and_then(|d| d.bind());
+        #[cfg(not(feature = "cuda"))]
+        Bound
     }
 
     /// Makes this worker serve the device of `mem` (a buffer of operation `op`): from
@@ -136,10 +138,11 @@ impl WorkerInner {
     /// handlers, which run user code, to this worker's own driver, which it kicks.
     pub(crate) fn progress_if_free(&self) -> u32 {
         let Some(guard) = self.lock.try_lock() else { return 0 };
-        self.bind_current();
+        let bound = self.bind_current();
         // SAFETY: the lock is held, so this is the only reference to the state.
         let st = unsafe { &mut *self.state.get() };
         let n = self.progress_locked(st);
+        unbind(bound);
         if !st.after.any {
             return n;
         }
@@ -395,9 +398,27 @@ const DROP_SPIN_ROUNDS: u32 = 1000;
 /// The pause between idle rounds of a worker's drop, once [`DROP_SPIN_ROUNDS`] passed.
 const DROP_IDLE_SLEEP: Duration = Duration::from_micros(200);
 
+/// What [`WorkerInner::bind_current`] changed on the thread.
+#[cfg(feature = "cuda")]
+type Bound = Option<crate::cuda::Previous>;
+/// What [`WorkerInner::bind_current`] changed on the thread: nothing, without `cuda`.
+#[cfg(not(feature = "cuda"))]
+struct Bound;
+
+/// Gives the thread back the context [`WorkerInner::bind_current`] replaced.
+#[inline(always)]
+fn unbind(bound: Bound) {
+    #[cfg(feature = "cuda")]
+    if let Some(prev) = bound {
+        crate::cuda::Bound::unbind(prev);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let Bound = bound;
+}
+
 impl Drop for WorkerInner {
     fn drop(&mut self) {
-        self.bind_current();
+        let bound = self.bind_current();
         let st = self.state.get_mut();
         // Active messages held for ids nobody registered give their payloads back first,
         // while the worker can still tell rendezvous senders (UCX sends that during the
@@ -486,6 +507,7 @@ impl Drop for WorkerInner {
         // left except parked requests, whose memory UCX reclaims here; the event fd's
         // AsyncFd was dropped with the driver before this runs.
         unsafe { sys::ucp_worker_destroy(st.handle) };
+        unbind(bound);
         // Dropped only now: if one of them was the last handle of its worker, that
         // worker's drop runs here, with this worker gone, instead of inside the wait
         // above, where this worker could no longer be progressed for it.

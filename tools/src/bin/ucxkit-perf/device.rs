@@ -33,19 +33,17 @@ mod imp {
         Ok(CudaContext::new(0).map_err(error)?.default_stream())
     }
 
-    /// `size` bytes of `fill` on the device (at least one byte: a zero-length
-    /// allocation is refused by the driver).
+    /// `size` bytes of `fill` on the device, in memory UCX's cuda_ipc can share with the
+    /// other process (as ucx_perftest's `cudaMalloc` buffers are).
     fn filled(s: &Arc<CudaStream>, size: usize, fill: u8) -> AnyResult<Dev> {
-        let d = s.clone_htod(&vec![fill; size.max(1)]).map_err(error)?;
-        s.synchronize().map_err(error)?;
-        Ok(Arc::new(d))
+        let d = zeroed(s, size)?;
+        cuda::copy_from_host(&d, 0, &vec![fill; size])?;
+        Ok(d)
     }
 
-    /// A device receive buffer of `size` bytes.
+    /// A device receive buffer of `size` bytes (see [`filled`]).
     fn zeroed(s: &Arc<CudaStream>, size: usize) -> AnyResult<Dev> {
-        let d = s.alloc_zeros::<u8>(size.max(1)).map_err(error)?;
-        s.synchronize().map_err(error)?;
-        Ok(Arc::new(d))
+        Ok(Arc::new(cuda::alloc_shareable(s, size)?))
     }
 
     /// A send buffer of `size` bytes in `kind` memory; host buffers are the tool's

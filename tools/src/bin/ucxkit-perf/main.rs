@@ -190,6 +190,9 @@ fn main() {
         if let Some(t) = args.test.iter().flatten().find(|t| !matches!(t, Test::TagLat | Test::TagBw)) {
             die(format!("--mem {} runs tag_lat and tag_bw, not {}", args.mem.name(), t.name()));
         }
+        if size::parse_sizes(&args.sizes).is_ok_and(|s| s.contains(&0)) {
+            die(format!("--mem {}: sizes from 1 byte", args.mem.name()));
+        }
         #[cfg(feature = "cuda")]
         if let Err(e) = ucxkit::transport::cuda::probe() {
             die(format!("--mem {}: {e}", args.mem.name()));
