@@ -68,13 +68,18 @@ pub(crate) fn set(param: &mut sys::ucp_request_param_t, mem: Option<sys::ucs_mem
 /// Refuses `op` on a buffer of `mem` where a host copy of ucxkit's own would touch it
 /// (a received eager payload copied out, a region written in place): such copies are
 /// host `memcpy`s, which device memory would crash.
+#[inline(always)]
 pub(crate) fn host_only(op: &'static str, mem: MemoryType) -> Result<(), Error> {
     match mem {
         MemoryType::Host => Ok(()),
-        other => Err(Error::Unsupported {
-            what: format!("{op} copies on the host and takes host memory only, not {other} memory"),
-        }),
+        other => Err(not_host(op, other)),
     }
+}
+
+#[cold]
+#[inline(never)]
+fn not_host(op: &'static str, mem: MemoryType) -> Error {
+    Error::Unsupported { what: format!("{op} copies on the host and takes host memory only, not {mem} memory") }
 }
 
 /// Copies `data` to the start of `buf`, which has room for it, for operation `op`: a
