@@ -299,3 +299,43 @@ async fn vectored_and_shared_device_buffers() {
         assert!(r.0.unwrap().len == b.len() && r.1 == b, "each send of the shared buffer");
     }
 }
+
+/// Device memory registered as a region: its slices are operation buffers (put and get
+/// between it and a peer's host region, tags), its bytes go through the driver
+/// (`read_at`, `write_at`), it has no host view, and a ucxkit peer refuses its key.
+#[tokio::test]
+async fn device_regions() {
+    let Some(stream) = device() else { return };
+    let (server, client, sep, cep) = connected().await;
+    let len = 2 << 20;
+    let data = payload(41, len);
+    let mut region = client.context().register_device(stream.clone_htod(&data).unwrap()).unwrap();
+    assert_eq!(region.memory_type(), MemoryType::Cuda { device: 0 });
+    let mut head = vec![0u8; 64];
+    region.read_at(0, &mut head);
+    assert_eq!(head, &data[..64], "read through the driver");
+    region.write_at(len - 4, b"tail");
+    assert!(region.view().is_err(), "no host view of device memory");
+    // Put from the device region into a peer's host region, get back into it.
+    let host = server.context().alloc(len).unwrap();
+    let key = cep.unpack_key(&host.pack_key().unwrap()).unwrap();
+    tokio::time::timeout(T, cep.put(region.slice(0..len), &key, 0)).await.unwrap().0.unwrap();
+    tokio::time::timeout(T, cep.flush()).await.unwrap().unwrap();
+    let mut want = data.clone();
+    want[len - 4..].copy_from_slice(b"tail");
+    assert!(host.to_vec() == want, "put from device memory");
+    host.write_at(0, b"from the host");
+    let (r, _) = tokio::time::timeout(T, cep.get(region.slice(0..13), 13, &key, 0)).await.unwrap();
+    assert_eq!(r.unwrap(), 13);
+    let mut got = [0u8; 13];
+    region.read_at(0, &mut got);
+    assert_eq!(&got, b"from the host", "get into device memory");
+    // Tagged messages from a region slice.
+    let recv = sep.tag_recv(9, tag::EXACT, Vec::with_capacity(len));
+    tokio::time::timeout(T, cep.tag_send(9, region.slice(0..len))).await.unwrap().0.unwrap();
+    assert_eq!(tokio::time::timeout(T, recv).await.unwrap().0.unwrap().len, len);
+    // Its key goes to plain UCX peers only.
+    assert!(!region.pack_ucx_key().unwrap().is_empty());
+    let e = sep.unpack_key(&region.pack_key().unwrap()).unwrap_err();
+    assert!(e.to_string().contains("host memory only"), "{e}");
+}

@@ -79,7 +79,9 @@ pub(crate) fn host_only(op: &'static str, mem: MemoryType) -> Result<(), Error> 
 #[cold]
 #[inline(never)]
 fn not_host(op: &'static str, mem: MemoryType) -> Error {
-    Error::Unsupported { what: format!("{op} copies on the host and takes host memory only, not {mem} memory") }
+    Error::Unsupported {
+        what: format!("{op} copies on the host and takes host memory only, not {mem} memory"),
+    }
 }
 
 /// Copies `data` to the start of `buf`, which has room for it, for operation `op`: a

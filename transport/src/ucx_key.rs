@@ -123,7 +123,10 @@ pub(crate) fn sanitize(
 ) -> Result<Vec<u8>, String> {
     let w = walk(ucx)?;
     if w.mem_type != HOST {
-        return Err(format!("a key for memory of type {} where host memory is taken", w.mem_type));
+        return Err(format!(
+            "a key for memory of type {} (device memory?): keys of host memory only are taken from peers",
+            w.mem_type
+        ));
     }
     let mut map = 0u64;
     let mut body = Vec::new();

@@ -72,6 +72,10 @@ struct MemInner {
     /// allocated the memory. Kept raw so that moving the region never asserts unique
     /// access to memory UCX and peers write.
     owned: Option<*mut [u8]>,
+    /// Where the bytes are: host memory, or a device's ([`Context::register_device`]).
+    mem: crate::MemoryType,
+    /// The device allocation of a device region, freed (dropped) after unmapping.
+    _device: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: the memory handle is used only through context-level calls, which are
@@ -322,7 +326,18 @@ unsafe fn zero_pages(start: usize, end: usize, page: usize, from: usize, to: usi
 }
 
 fn map(ctx: &Context, ptr: *mut u8, len: usize, flags: u32) -> Result<sys::ucp_mem_h> {
-    let params = sys::ucp_mem_map_params_t {
+    map_of(ctx, ptr, len, flags, crate::MemoryType::Host)
+}
+
+/// [`map`] of memory of type `mem` (passed to UCX when not host memory).
+pub(crate) fn map_of(
+    ctx: &Context,
+    ptr: *mut u8,
+    len: usize,
+    flags: u32,
+    mem: crate::MemoryType,
+) -> Result<sys::ucp_mem_h> {
+    let mut params = sys::ucp_mem_map_params_t {
         field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS.0
             | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH.0
             | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS.0) as u64,
@@ -331,6 +346,10 @@ fn map(ctx: &Context, ptr: *mut u8, len: usize, flags: u32) -> Result<sys::ucp_m
         flags,
         ..Default::default()
     };
+    if mem != crate::MemoryType::Host {
+        params.field_mask |= sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE.0 as u64;
+        params.memory_type = mem.ucs();
+    }
     let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
     // SAFETY: the context is valid; ptr/len describe memory the caller keeps alive for
     // the registration (or NULL with ALLOCATE); memh is a valid out-pointer.
@@ -360,8 +379,33 @@ impl MemRegion {
                 ptr,
                 len,
                 owned,
+                mem: crate::MemoryType::Host,
+                _device: None,
             }),
         }
+    }
+
+    /// The region of mapping `memh` of device memory `mem`, `len` bytes at `ptr`,
+    /// keeping `alloc` (the allocation) until after the unmapping.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn on_device(
+        ctx: Arc<ContextInner>,
+        memh: sys::ucp_mem_h,
+        ptr: *mut u8,
+        len: usize,
+        mem: crate::MemoryType,
+        alloc: Box<dyn std::any::Any + Send + Sync>,
+    ) -> MemRegion {
+        let mut r = MemRegion::new(ctx, memh, ptr, len, None);
+        let inner = Arc::get_mut(&mut r.inner).expect("a region just made has one handle");
+        inner.mem = mem;
+        inner._device = Some(alloc);
+        r
+    }
+
+    /// Where the region's bytes are: host memory, or a device's.
+    pub fn memory_type(&self) -> crate::MemoryType {
+        self.inner.mem
     }
 }
 
@@ -394,6 +438,9 @@ impl MemRegion {
     /// When the range is outside the region.
     pub fn read_at(&self, offset: usize, out: &mut [u8]) {
         self.check(offset, out.len());
+        if self.inner.mem != crate::MemoryType::Host {
+            return self.device_copy(offset, out.as_mut_ptr(), out.len(), false);
+        }
         // SAFETY: in bounds (checked); the region's memory lives as long as self, and out
         // is a distinct Rust buffer.
         unsafe { std::ptr::copy_nonoverlapping(self.inner.ptr.add(offset), out.as_mut_ptr(), out.len()) }
@@ -405,8 +452,42 @@ impl MemRegion {
     /// When the range is outside the region.
     pub fn write_at(&self, offset: usize, data: &[u8]) {
         self.check(offset, data.len());
+        if self.inner.mem != crate::MemoryType::Host {
+            return self.device_copy(offset, data.as_ptr().cast_mut(), data.len(), true);
+        }
         // SAFETY: as in read_at.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.inner.ptr.add(offset), data.len()) }
+    }
+
+    /// The copies of [`MemRegion::read_at`] and [`MemRegion::write_at`] for a device
+    /// region (`to_device`: `len` host bytes at `host` into the region at `offset`; else
+    /// out of it), by the device's driver. A copy the driver fails is logged; a read then
+    /// leaves zeros.
+    #[cold]
+    fn device_copy(&self, offset: usize, host: *mut u8, len: usize, to_device: bool) {
+        #[cfg(feature = "cuda")]
+        {
+            let crate::MemoryType::Cuda { device } = self.inner.mem else { return };
+            // SAFETY: the range was checked against the region, whose device memory lives
+            // as long as self; `host` is the caller's distinct buffer of `len` bytes.
+            let r = unsafe {
+                let dev = self.inner.ptr.add(offset);
+                if to_device {
+                    crate::cuda::copy_to_device(device, dev, std::slice::from_raw_parts(host, len))
+                } else {
+                    crate::cuda::copy_from_device(device, std::slice::from_raw_parts_mut(host, len), dev)
+                }
+            };
+            if let Err(e) = r {
+                tracing::error!(error = %e, offset, len, "copying to or from a device region failed");
+                if !to_device {
+                    // SAFETY: the caller's buffer of `len` writable bytes.
+                    unsafe { std::ptr::write_bytes(host, 0, len) };
+                }
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (offset, host, len, to_device);
     }
 
     /// Copies bytes `range` of an operation's buffer `src` into the region at `offset`,
@@ -422,6 +503,7 @@ impl MemRegion {
     /// nothing is copied then.
     pub fn write_from<B: IoBuf>(&self, offset: usize, src: &B, range: Range<usize>) -> Result<()> {
         crate::device::host_only("write_from", src.memory_type())?;
+        crate::device::host_only("write_from", self.inner.mem)?;
         let len = range.len();
         if range.start > range.end || range.end > src.bytes_init() {
             return Err(Error::ApiMisuse(format!(
@@ -548,6 +630,10 @@ unsafe impl IoBuf for MemRegion {
     fn bytes_init(&self) -> usize {
         self.inner.len
     }
+    #[inline]
+    fn memory_type(&self) -> crate::MemoryType {
+        self.inner.mem
+    }
 }
 
 // SAFETY: as above; every byte is writable.
@@ -569,6 +655,10 @@ unsafe impl IoBuf for RegionSlice {
     }
     fn bytes_init(&self) -> usize {
         self.len
+    }
+    #[inline]
+    fn memory_type(&self) -> crate::MemoryType {
+        self.region.inner.mem
     }
 }
 

@@ -28,8 +28,10 @@ impl MemRegion {
     /// arrives), as any code reading RDMA-written memory must.
     ///
     /// # Errors
-    /// [`Error::ApiMisuse`] when another handle of this process holds the region.
+    /// [`Error::ApiMisuse`] when another handle of this process holds the region;
+    /// [`Error::Unsupported`] for a region in device memory.
     pub fn view(&mut self) -> Result<RegionView<'_>> {
+        crate::device::host_only("a region's view", self.inner.mem)?;
         // Under the lock of the registry that key unpacking takes: no key of this region
         // can be unpacked (and hold it) between the check and the flag.
         let _registry = packed();
