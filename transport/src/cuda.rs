@@ -75,15 +75,28 @@ pub(crate) struct Bound {
 }
 
 impl Bound {
-    /// The primary context of device `device`, retained.
+    /// The primary context of device `device`, retained (once per process and device:
+    /// the driver copies of eager payloads and region bytes take it on every call).
     pub(crate) fn new(device: usize) -> Result<Bound> {
+        static RETAINED: std::sync::Mutex<Vec<Option<Arc<CudaContext>>>> = std::sync::Mutex::new(Vec::new());
         let n = probe()?;
         if device >= n {
             return Err(Error::Unsupported {
                 what: format!("cuda:{device}: this machine has {n} CUDA device(s)"),
             });
         }
-        let ctx = CudaContext::new(device).map_err(error)?;
+        let mut held = RETAINED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.len() < n {
+            held.resize(n, None);
+        }
+        let ctx = match &held[device] {
+            Some(c) => c.clone(),
+            None => {
+                let c = CudaContext::new(device).map_err(error)?;
+                held[device] = Some(c.clone());
+                c
+            }
+        };
         Ok(Bound { ctx })
     }
 
@@ -180,11 +193,15 @@ pub fn copy_from_host(dst: &Arc<CudaSlice<u8>>, at: usize, data: &[u8]) -> Resul
 /// call.
 pub(crate) unsafe fn copy_from_device(device: usize, out: &mut [u8], src: *const u8) -> Result<()> {
     let ctx = Bound::new(device)?;
-    ctx.ctx.bind_to_thread().map_err(error)?;
+    let prev = ctx.bind();
+    let src = src as usize as cudarc::driver::sys::CUdeviceptr;
     // SAFETY: a context of src's device is current; src is readable for out's length
     // (contract).
-    unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src as usize as cudarc::driver::sys::CUdeviceptr) }
-        .map_err(error)
+    let r = unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) };
+    if let Some(p) = prev {
+        Bound::unbind(p);
+    }
+    r.map_err(error)
 }
 
 impl crate::Context {
@@ -227,12 +244,14 @@ impl crate::Context {
 /// use by anything else during the call.
 pub(crate) unsafe fn copy_to_device(device: usize, dst: *mut u8, data: &[u8]) -> Result<()> {
     let ctx = Bound::new(device)?;
-    ctx.ctx.bind_to_thread().map_err(error)?;
+    let prev = ctx.bind();
+    let dst = dst as usize as cudarc::driver::sys::CUdeviceptr;
     // SAFETY: a context of dst's device is current; dst has room for data (contract).
-    unsafe {
-        cudarc::driver::result::memcpy_htod_sync(dst as usize as cudarc::driver::sys::CUdeviceptr, data)
+    let r = unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) };
+    if let Some(p) = prev {
+        Bound::unbind(p);
     }
-    .map_err(error)
+    r.map_err(error)
 }
 
 // SAFETY: a CudaSlice owns its device allocation, which lives (and keeps its address)
