@@ -244,20 +244,49 @@ async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration
             return spin(inner, signal).await;
         }
     };
+    let adapt = inner.mode == ProgressMode::Event;
+    let mut linger = poll_for;
     while !signal.is_stopped() {
-        poll_while_busy(inner, signal, poll_for).await;
-        if let Slept::Broken = sleep_once(inner, signal, &fd, &mut tick).await {
+        let caught = poll_while_busy(inner, signal, linger).await;
+        if adapt {
+            linger = next_linger(poll_for, linger, caught);
+        }
+        let slept = std::time::Instant::now();
+        let woken = sleep_once(inner, signal, &fd, &mut tick).await;
+        if adapt && slept.elapsed() < poll_for {
+            // Woken within the full linger: lingering would have caught it.
+            linger = poll_for;
+        }
+        if let Slept::Broken = woken {
             drop(fd);
             return spin(inner, signal).await;
         }
     }
 }
 
+/// The event mode's next linger, after one of `linger` that `caught` an event or not:
+/// the full `full` again after a linger that caught one (it saved a sleep and a
+/// wake-up), half after one that did not, down to nothing after six in a row. A worker
+/// whose peers answer within the linger (request and reply, a collective's steps) keeps
+/// it; one whose peers are slow (starved of CPU by this very polling, as receivers that
+/// share cores with a holder are) stops spinning for them.
+fn next_linger(full: Duration, linger: Duration, caught: bool) -> Duration {
+    if caught {
+        full
+    } else if linger <= full / 32 {
+        Duration::ZERO
+    } else {
+        linger / 2
+    }
+}
+
 /// Keeps progressing the worker, yielding to other tasks between calls, until
-/// `idle` passes without an event (or the driver is stopped).
-async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) {
+/// `idle` passes without an event (or the driver is stopped); whether it found an
+/// event.
+async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) -> bool {
+    let mut caught = false;
     if idle.is_zero() {
-        return;
+        return caught;
     }
     let mut last = std::time::Instant::now();
     let mut rounds = 0u32;
@@ -274,6 +303,7 @@ async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) {
             continue;
         }
         if inner.locked(|st| inner.progress_locked(st)) > 0 {
+            caught = true;
             last = std::time::Instant::now();
             // Something happened: let the runtime poll everything, the future `block_on`
             // runs included, which it does only after polling its I/O driver.
@@ -282,13 +312,14 @@ async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) {
             rounds = rounds.wrapping_add(1);
             // Read the clock only now and then: the spin is what must stay cheap.
             if rounds % 16 == 0 && last.elapsed() >= idle {
-                return;
+                return caught;
             }
             // Nothing happened: let other ready tasks run, without the system call
             // `yield_now` costs.
             requeue().await;
         }
     }
+    caught
 }
 
 /// Lets the other ready tasks run, then continues: the task wakes itself and returns
@@ -319,6 +350,22 @@ async fn spin(inner: &WorkerInner, signal: &Signal) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lingers_that_catch_nothing_shrink_to_none_and_one_that_catches_restores_it() {
+        let full = DEFAULT_LINGER;
+        let mut l = full;
+        let mut seen = vec![l];
+        for _ in 0..8 {
+            l = next_linger(full, l, false);
+            seen.push(l);
+        }
+        assert_eq!(seen[1], full / 2);
+        assert_eq!(*seen.last().unwrap(), Duration::ZERO);
+        assert_eq!(seen.iter().position(|d| d.is_zero()), Some(6), "six in a row: {seen:?}");
+        assert_eq!(next_linger(full, Duration::ZERO, true), full);
+        assert_eq!(next_linger(full, full / 4, true), full);
+    }
 
     /// Whether a wake-up is stored for the driver (consuming it).
     async fn woken(s: &Signal) -> bool {
