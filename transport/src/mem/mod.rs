@@ -304,6 +304,43 @@ impl Drop for SmallPageMapping {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl Context {
+    /// Registers device buffer `buf` with UCX (`ucp_mem_map` with its memory type); the
+    /// region owns it until the last handle and operation are gone. Operations on the
+    /// region or its slices move device memory without UCX looking it up each time, and
+    /// its key (`pack_ucx_key`) lets a UCX peer put and get it. Its bytes are read and
+    /// written through the driver (`read_at`, `write_at`); it has no host view.
+    ///
+    /// ucxkit peers do not take keys of device memory yet: [`crate::Endpoint::unpack_key`]
+    /// checks keys against the transports of host memory only.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the context's UCX cannot reach the memory;
+    /// [`Error::ApiMisuse`] for an empty buffer; the device's error; [`Error::MemMap`]
+    /// when UCX refuses the registration.
+    pub fn register_device<T: bytemuck::Pod>(
+        &self,
+        buf: crate::cuda::cudarc::driver::CudaSlice<T>,
+    ) -> Result<MemRegion> {
+        let mem = buf.memory_type();
+        if !self.supports(mem) {
+            return Err(Error::Unsupported {
+                what: format!("registering {mem} memory: this context's UCX cannot reach it"),
+            });
+        }
+        let len = buf.num_bytes();
+        if len == 0 {
+            return Err(Error::ApiMisuse("cannot register an empty device buffer".into()));
+        }
+        buf.ready()?;
+        buf.context().bind_to_thread().map_err(crate::cuda::error)?;
+        let ptr = buf.stable_ptr().cast_mut();
+        let memh = map_of(self, ptr, len, 0, mem)?;
+        Ok(MemRegion::on_device(self.inner.clone(), memh, ptr, len, mem, Box::new(buf)))
+    }
+}
+
 /// Page-map entries read at a time (8 bytes each).
 const PAGEMAP_BATCH: usize = 4096;
 /// Page-map entry bit: the page is mapped in.

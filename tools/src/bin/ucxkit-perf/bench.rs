@@ -196,6 +196,13 @@ pub(crate) struct Side<'a> {
     pub(crate) mem: Mem,
 }
 
+impl<'a> Side<'a> {
+    /// The server's side of a connection: what a test runs with comes with its command.
+    pub(crate) fn server(w: &'a Worker, ep: &'a Endpoint, am: &'a mut AmReceiver) -> Side<'a> {
+        Side { w, ep, am, immediate: false, unwritten: false, mem: Mem::HOST }
+    }
+}
+
 /// Waits until the last byte of `region` reads `marker`, progressing the worker.
 async fn wait_marker(w: &Worker, region: &MemRegion, marker: u8) {
     let last = region.len() - 1;

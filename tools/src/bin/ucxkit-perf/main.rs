@@ -34,7 +34,7 @@ use clap::{Parser, ValueEnum};
 use ucxkit::transport::{tag, Context, Endpoint, EndpointOptions, Worker, WorkerAddress};
 
 use bench::{recv_ctrl, send_ctrl, Side, Test, CTRL};
-use ucxkit_tools::cli::{self, parse_duration, ErrMode, Mem, Progress, Transport};
+use ucxkit_tools::cli::{self, parse_duration, ErrMode, Progress, Transport};
 use ucxkit_tools::report::Row;
 use ucxkit_tools::{plot, report, size};
 
@@ -488,15 +488,7 @@ async fn server(args: &Args) -> AnyResult<()> {
         std::io::stdout().flush()?;
         loop {
             let ep = listener.accept().await?;
-            let r = serve(&mut Side {
-                w: &w,
-                ep: &ep,
-                am: &mut am,
-                immediate: false,
-                unwritten: false,
-                mem: Mem::HOST,
-            })
-            .await;
+            let r = serve(&mut Side::server(&w, &ep, &mut am)).await;
             if let Err(e) = &r {
                 eprintln!("ucxkit-perf server: client {}: {e}", ep.peer());
             }
@@ -516,15 +508,7 @@ async fn server(args: &Args) -> AnyResult<()> {
             write_frame(&mut sock, w.address()?.as_bytes()).await?;
             let ep = w.connect_address(&theirs).await?;
             write_frame(&mut sock, b"connected").await?;
-            serve(&mut Side {
-                w: &w,
-                ep: &ep,
-                am: &mut am,
-                immediate: false,
-                unwritten: false,
-                mem: Mem::HOST,
-            })
-            .await?;
+            serve(&mut Side::server(&w, &ep, &mut am)).await?;
             // The client may already have destroyed its worker: close gracefully if it
             // answers soon, otherwise let the endpoint close in the background.
             let _ = tokio::time::timeout(Duration::from_secs(1), ep.close()).await;
