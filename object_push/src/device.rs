@@ -1,20 +1,18 @@
 //! Objects in CUDA device memory (feature `cuda`).
 //!
-//! A store that hands out device allocations ([`ObjectStore::device_for`], as
-//! [`DeviceStore`] does) has its objects pulled straight into device memory: each
+//! A store that hands out device allocations (`ObjectStore::device_for`, as
+//! `DeviceStore` does) has its objects pulled straight into device memory: each
 //! chunk is received into its place in the object's device buffer (UCX moves it with
 //! its CUDA transports: cuda_ipc between processes of one GPU node, device to device,
 //! without host staging), copied to the host only to be checked against the holder's
 //! checksum where the node checks chunks ([`crate::Verify`]). A sealed device object
-//! ([`Object::on_device`], [`crate::ObjectNode::put_device`]) is served from device
-//! memory the same way. Such an object is not relayed while it arrives (as one
-//! arriving into a file is not): receivers of a broadcast pull it from its holders.
+//! (`Object::on_device`, `ObjectNode::put_device`) is served from device memory the
+//! same way. Such an object is not relayed while it arrives (as one arriving into a
+//! file is not): receivers of a broadcast pull it from its holders.
 //!
 //! Without the feature the device types of this module are uninhabited, so the
-//! transfer code that handles them compiles to nothing.
-//!
-//! [`ObjectStore::device_for`]: crate::ObjectStore::device_for
-//! [`Object::on_device`]: crate::Object::on_device
+//! transfer code that handles them compiles to nothing, and the items above do not
+//! exist.
 
 use bytes::BytesMut;
 use ucxkit_transport::Either;

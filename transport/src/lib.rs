@@ -11,7 +11,9 @@
 //! - registered memory, remote keys, put/get and 64-bit atomics ([`mem`], [`rma`]);
 //! - parts of buffers as operation buffers ([`Slice`]) and regions in place
 //!   ([`RegionView`]);
-//! - tag and active-message namespaces for layers sharing a worker ([`namespace`]).
+//! - tag and active-message namespaces for layers sharing a worker ([`namespace`]);
+//! - CUDA device memory as operation buffers, with the memory type passed to UCX on
+//!   every call (module `cuda`, feature `cuda`; [`MemoryType`]).
 //!
 //! # Quick start
 //!

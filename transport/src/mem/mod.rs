@@ -72,7 +72,7 @@ struct MemInner {
     /// allocated the memory. Kept raw so that moving the region never asserts unique
     /// access to memory UCX and peers write.
     owned: Option<*mut [u8]>,
-    /// Where the bytes are: host memory, or a device's ([`Context::register_device`]).
+    /// Where the bytes are: host memory, or a device's (`Context::register_device`).
     mem: crate::MemoryType,
     /// The device allocation of a device region, freed (dropped) after unmapping.
     _device: Option<Box<dyn std::any::Any + Send + Sync>>,
