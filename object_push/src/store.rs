@@ -64,7 +64,7 @@ impl Object {
     /// [`Error::InvalidArgument`] when the layout is of another size.
     #[cfg(feature = "cuda")]
     pub fn on_device(buf: crate::device::DeviceBuf, layout: Layout) -> Result<Object> {
-        Object::checked(Body::Device(buf), layout)
+        Object::in_device(buf, layout)
     }
 
     /// The device buffer holding the object's bytes, for an object in device memory

@@ -139,6 +139,23 @@ impl Bound {
     }
 }
 
+/// Runs `f` with the primary context of device `device` current on this thread, and
+/// gives the thread its own context back after.
+pub(crate) fn with_device<R>(device: usize, f: impl FnOnce() -> R) -> Result<R> {
+    let ctx = Bound::new(device)?;
+    let prev = ctx.bind();
+    let r = f();
+    if let Some(p) = prev {
+        Bound::unbind(p);
+    }
+    Ok(r)
+}
+
+/// [`with_device`] for driver calls.
+fn on_device<R>(device: usize, f: impl FnOnce() -> std::result::Result<R, DriverError>) -> Result<R> {
+    with_device(device, f)?.map_err(error)
+}
+
 /// Copies the bytes of `src` to `dst` at byte `at`, on the device, and waits for the
 /// copy: for buffers several operations share (`Arc<CudaSlice<u8>>`), whose bytes only
 /// the driver reaches, so a shared one can still be written in place.
@@ -158,11 +175,12 @@ pub fn copy_into(dst: &Arc<CudaSlice<u8>>, at: usize, src: &crate::Slice<Arc<Cud
     if to < from + len && from < to + len && len > 0 {
         return Err(Error::ApiMisuse("copy_into: the source and destination overlap".into()));
     }
-    dst.context().bind_to_thread().map_err(error)?;
     // SAFETY: both ranges lie in live device allocations (checked above; `src`'s by its
     // Slice), kept by the references for the call; they do not overlap; no Rust
     // reference to device memory exists, so writing it cannot alias one.
-    unsafe { cudarc::driver::result::memcpy_dtod_sync(to as u64, from as u64, len) }.map_err(error)
+    on_device(dst.ordinal(), || unsafe {
+        cudarc::driver::result::memcpy_dtod_sync(to as u64, from as u64, len)
+    })
 }
 
 /// Copies host bytes `data` to `dst` at byte `at` and waits for the copy (for shared
@@ -179,11 +197,10 @@ pub fn copy_from_host(dst: &Arc<CudaSlice<u8>>, at: usize, data: &[u8]) -> Resul
             dst.len()
         )));
     }
-    dst.context().bind_to_thread().map_err(error)?;
     let to = (dst.stable_ptr() as usize + at) as u64;
     // SAFETY: the range lies in a live device allocation (checked above), kept by the
     // reference for the call; `data` is readable for its length.
-    unsafe { cudarc::driver::result::memcpy_htod_sync(to, data) }.map_err(error)
+    on_device(dst.ordinal(), || unsafe { cudarc::driver::result::memcpy_htod_sync(to, data) })
 }
 
 /// Copies device memory at `src` on device `device` into `out`, synchronously.
@@ -192,16 +209,10 @@ pub fn copy_from_host(dst: &Arc<CudaSlice<u8>>, at: usize, data: &[u8]) -> Resul
 /// `src` must be device memory of `device` readable for `out.len()` bytes during the
 /// call.
 pub(crate) unsafe fn copy_from_device(device: usize, out: &mut [u8], src: *const u8) -> Result<()> {
-    let ctx = Bound::new(device)?;
-    let prev = ctx.bind();
     let src = src as usize as cudarc::driver::sys::CUdeviceptr;
-    // SAFETY: a context of src's device is current; src is readable for out's length
-    // (contract).
-    let r = unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) };
-    if let Some(p) = prev {
-        Bound::unbind(p);
-    }
-    r.map_err(error)
+    // SAFETY: src is readable for out's length (contract), in the device whose context
+    // `on_device` makes current.
+    on_device(device, || unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) })
 }
 
 /// Copies `data` into device memory at `dst` on device `device`, synchronously.
@@ -210,15 +221,10 @@ pub(crate) unsafe fn copy_from_device(device: usize, out: &mut [u8], src: *const
 /// `dst` must be device memory of `device` with room for `data.len()` bytes, not in
 /// use by anything else during the call.
 pub(crate) unsafe fn copy_to_device(device: usize, dst: *mut u8, data: &[u8]) -> Result<()> {
-    let ctx = Bound::new(device)?;
-    let prev = ctx.bind();
     let dst = dst as usize as cudarc::driver::sys::CUdeviceptr;
-    // SAFETY: a context of dst's device is current; dst has room for data (contract).
-    let r = unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) };
-    if let Some(p) = prev {
-        Bound::unbind(p);
-    }
-    r.map_err(error)
+    // SAFETY: dst has room for data (contract), in the device whose context `on_device`
+    // makes current.
+    on_device(device, || unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) })
 }
 
 // SAFETY: a CudaSlice owns its device allocation, which lives (and keeps its address)
@@ -266,16 +272,15 @@ fn ready<T>(s: &CudaSlice<T>) -> Result<()> {
 /// # Errors
 /// The driver's error.
 pub fn alloc_shareable(stream: &Arc<cudarc::driver::CudaStream>, len: usize) -> Result<CudaSlice<u8>> {
-    stream.context().bind_to_thread().map_err(error)?;
     // SAFETY: a context of the stream's device is current; the pointer returned is a
     // fresh allocation of `len` bytes (at least one), owned from here by the slice made
     // of it, which frees it once (cuMemFreeAsync frees cuMemAlloc memory too).
-    unsafe {
-        let ptr = cudarc::driver::result::malloc_sync(len.max(1)).map_err(error)?;
+    on_device(stream.context().ordinal(), || unsafe {
+        let ptr = cudarc::driver::result::malloc_sync(len.max(1))?;
         let slice = stream.upgrade_device_ptr::<u8>(ptr, len);
-        cudarc::driver::result::memset_d8_sync(ptr, 0, len.max(1)).map_err(error)?;
+        cudarc::driver::result::memset_d8_sync(ptr, 0, len.max(1))?;
         Ok(slice)
-    }
+    })
 }
 
 // SAFETY: as above, and every value of a Pod type is valid, so UCX may write any bytes;

@@ -334,9 +334,9 @@ impl Context {
             return Err(Error::ApiMisuse("cannot register an empty device buffer".into()));
         }
         buf.ready()?;
-        buf.context().bind_to_thread().map_err(crate::cuda::error)?;
         let ptr = buf.stable_ptr().cast_mut();
-        let memh = map_of(self, ptr, len, 0, mem)?;
+        // UCX's CUDA domains register with the device's context current.
+        let memh = crate::cuda::with_device(buf.ordinal(), || map_of(self, ptr, len, 0, mem))??;
         Ok(MemRegion::on_device(self.inner.clone(), memh, ptr, len, mem, Box::new(buf)))
     }
 }
