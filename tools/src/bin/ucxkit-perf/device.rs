@@ -7,8 +7,9 @@
 //! Built without the `cuda` feature, `--mem` other than host is refused when the
 //! arguments are read; these functions then say so if reached at all.
 
-use crate::bench::{Side, Window};
+use crate::bench::Side;
 use crate::clock::Clock;
+use crate::window::Window;
 use crate::AnyResult;
 use ucxkit::transport::Endpoint;
 use ucxkit_tools::cli::Mem;

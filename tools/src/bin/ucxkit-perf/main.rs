@@ -24,6 +24,7 @@ mod clock;
 mod device;
 mod perftest;
 mod timed;
+mod window;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
