@@ -339,3 +339,42 @@ async fn device_regions() {
     let e = sep.unpack_key(&region.pack_key().unwrap()).unwrap_err();
     assert!(e.to_string().contains("host memory only"), "{e}");
 }
+
+/// Futures of device operations dropped while UCX may still move their bytes: the
+/// buffers stay with the workers until UCX lets go (the parked requests drain), the
+/// device memory is freed only then, and the endpoints carry the next message whole.
+#[tokio::test]
+async fn dropped_device_operations_keep_their_buffers_until_ucx_is_done() {
+    let Some(stream) = device() else { return };
+    let (server, client, sep, cep) = connected().await;
+    let len = 64 << 20;
+    let data = payload(51, len);
+    for round in 0..3u64 {
+        let recv = sep.tag_recv(60 + round, tag::EXACT, stream.alloc_zeros::<u8>(len).unwrap());
+        let send = cep.tag_send(60 + round, stream.clone_htod(&data).unwrap());
+        // Let the rendezvous start (more each round), then drop both futures mid-flight.
+        for _ in 0..round * 10 {
+            tokio::task::yield_now().await;
+        }
+        drop(recv);
+        drop(send);
+    }
+    // A receive canceled before its message matched leaves the message unexpected and
+    // its send waiting: those are received here; matched ones drain by themselves.
+    let deadline = std::time::Instant::now() + T;
+    while server.parked_requests() + client.parked_requests() > 0 {
+        for t in 60..63 {
+            if server.tag_probe(t, tag::EXACT).is_some() {
+                let (r, _) = server.tag_recv(t, tag::EXACT, Vec::with_capacity(len)).await;
+                assert_eq!(r.unwrap().len, len);
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "parked requests never drained");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let recv = sep.tag_recv(70, tag::EXACT, stream.alloc_zeros::<u8>(len).unwrap());
+    tokio::time::timeout(T, cep.tag_send(70, stream.clone_htod(&data).unwrap())).await.unwrap().0.unwrap();
+    let (info, dst) = tokio::time::timeout(T, recv).await.unwrap();
+    assert_eq!(info.unwrap().len, len);
+    assert!(host_copy(&stream, &dst) == data, "the endpoint works on after the drops");
+}
