@@ -65,7 +65,7 @@ pub fn error(e: DriverError) -> Error {
 }
 
 /// The context that was current on a thread before a worker's call into UCX made its
-/// own current (null: none).
+/// own current.
 pub(crate) struct Previous(cudarc::driver::sys::CUcontext);
 
 /// The device context a worker serves, made current on the thread of each of its calls
@@ -105,10 +105,11 @@ impl Bound {
         self.ctx.ordinal()
     }
 
-    /// Makes the context current on this thread; what was current before, to give
-    /// back with [`Bound::unbind`], when that was another one. Through the driver
-    /// directly: cudarc's `bind_to_thread` would first take (and clear) errors the
-    /// context recorded, on every call into UCX.
+    /// Makes the context current on this thread; the thread's own, to give back with
+    /// [`Bound::unbind`], when it had another one. A thread that had none keeps this one
+    /// (the runtime's threads, which call into UCX over and over, then bind it once, not
+    /// twice a call). Through the driver directly: cudarc's `bind_to_thread` would first
+    /// take (and clear) errors the context recorded, on every call into UCX.
     #[inline]
     pub(crate) fn bind(&self) -> Option<Previous> {
         let want = self.ctx.cu_ctx();
@@ -120,7 +121,7 @@ impl Bound {
         // SAFETY: `want` is the primary context of a device, retained by `self.ctx` for
         // as long as this value lives.
         match unsafe { cudarc::driver::result::ctx::set_current(want) } {
-            Ok(()) => Some(Previous(now)),
+            Ok(()) => (!now.is_null()).then_some(Previous(now)),
             Err(e) => {
                 tracing::error!(error = %e, "binding the worker's CUDA context failed");
                 None
@@ -131,8 +132,8 @@ impl Bound {
     /// Makes `prev` current again (the thread's own context, after a call into UCX).
     #[inline]
     pub(crate) fn unbind(prev: Previous) {
-        // SAFETY: `prev.0` was current on this thread just before the call (or null,
-        // none), and a context current on a thread is not destroyed under it.
+        // SAFETY: `prev.0` was current on this thread just before the call, and a context
+        // current on a thread is not destroyed under it.
         if let Err(e) = unsafe { cudarc::driver::result::ctx::set_current(prev.0) } {
             tracing::error!(error = %e, "restoring the thread's CUDA context failed");
         }

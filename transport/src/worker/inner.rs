@@ -88,7 +88,8 @@ impl WorkerInner {
 
     /// Makes the device context this worker serves current on this thread, if it serves
     /// one (a no-op without the `cuda` feature); what to give back with [`unbind`] once
-    /// the call into UCX is over, so that the thread's own context is left as it was.
+    /// the call into UCX is over, so that a thread's own context is left as it was (one
+    /// that had none keeps the worker's: see `cuda::Bound::bind`).
     #[inline(always)]
     fn bind_current(&self) -> Bound {
         #[cfg(feature = "cuda")]
