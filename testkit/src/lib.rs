@@ -6,7 +6,8 @@
 //!   exchange of addresses;
 //! - [`netns`]: test hosts as network namespaces joined by a veth pair, removed when the
 //!   test ends (also when it fails);
-//! - [`switch`]: several such hosts on one bridge, each link limited to a rate;
+//! - [`rig`]: several hosts on one bridge, and faults on them (link down, loss, rate,
+//!   delay and reordering, frozen or killed processes); the code of `ucxkit-rig`;
 //! - [`payload`](mod@payload): deterministic payloads and a small generator;
 //! - [`forge`]: ucxkit's envelopes forged as an attacker would, for hostile-input tests.
 //!
@@ -19,7 +20,7 @@ pub mod forge;
 pub mod netns;
 pub mod payload;
 pub mod procs;
-pub mod switch;
+pub mod rig;
 pub mod workers;
 
 pub use payload::{payload, Rng};

@@ -12,7 +12,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 use ucxkit::object_push::Shape;
-use ucxkit_testkit::switch::{Host, Switch};
+use ucxkit_testkit::rig::{Host, Rig};
 use ucxkit_tools::perftest;
 use ucxkit_tools::size::{format_size, parse_sizes};
 
@@ -212,11 +212,11 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             }
             a.node.transport = ucxkit_tools::cli::Transport::Tcp;
             let rate = (rate != "none").then_some(rate.as_str());
-            Some(Switch::new(a.receivers + 1, rate)?)
+            Some(Rig::up(a.receivers + 1, rate)?)
         }
         None => None,
     };
-    let host = |i: usize| switch.as_ref().map(|s| &s.hosts[i]);
+    let host = |i: usize| switch.as_ref().map(|s| &s.hosts()[i]);
     let holder_ip = host(0).map_or(IpAddr::from([127, 0, 0, 1]), |h| h.addr);
     let place = |i| Place { host: host(i), holder: holder_ip };
     let mut holder = Proc::start("holder", port, &list, a.pin.then_some(0), false, &a.node, &place(0))?;
