@@ -151,6 +151,10 @@ impl Drop for TwoHosts {
     }
 }
 
+/// The variable naming a command that child tests run under (`valgrind --error-exitcode=99
+/// ...`), split at spaces.
+pub const WRAPPER: &str = "UCXKIT_CHILD_WRAPPER";
+
 /// A process in a namespace, its stdout read line by line; killed when dropped.
 pub struct Proc {
     child: Child,
@@ -163,12 +167,16 @@ impl Proc {
     /// Runs the child test `name` of this test binary in network namespace `ns` and a PID
     /// namespace of its own (as on another machine, its peers cannot watch it through a
     /// pidfd), with `env` set. Its stderr goes to the test's. Killing it kills `unshare`,
-    /// whose death kills the child (`--kill-child`).
+    /// whose death kills the child (`--kill-child`). With [`WRAPPER`] set, the child runs
+    /// under that command (`valgrind ...`).
     pub fn child_test(ns: &str, name: &str, env: &[(&str, String)]) -> Proc {
         let exe = std::env::current_exe().unwrap();
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns, "unshare", "--pid", "--fork", "--kill-child"])
-            .arg(exe)
+        cmd.args(["netns", "exec", ns, "unshare", "--pid", "--fork", "--kill-child"]);
+        if let Ok(w) = std::env::var(WRAPPER) {
+            cmd.args(w.split_whitespace());
+        }
+        cmd.arg(exe)
             .args(["--exact", name, "--ignored", "--nocapture", "--test-threads", "1"])
             .stdout(Stdio::piped());
         for (k, v) in env {

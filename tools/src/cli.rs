@@ -205,7 +205,7 @@ impl Output {
     }
 }
 
-/// Parses a duration such as `2s`, `500ms`, `50us` or `1.5` (seconds).
+/// Parses a duration such as `2s`, `500ms`, `50us`, `10m`, `1h` or `1.5` (seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, mult) = if let Some(n) = s.strip_suffix("us") {
@@ -214,6 +214,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         (n, 1e-3)
     } else if let Some(n) = s.strip_suffix('s') {
         (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = s.strip_suffix('h') {
+        (n, 3600.0)
     } else {
         (s, 1.0)
     };
@@ -286,7 +290,9 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("50us"), Ok(Duration::from_micros(50)));
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
-        for bad in ["", "0", "-1s", "abc", "nan", "inf", "1e300"] {
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        for bad in ["", "0", "-1s", "abc", "nan", "inf", "1e300", "5mm", "1e300h"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
     }

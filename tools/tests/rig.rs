@@ -1,7 +1,7 @@
 //! `ucxkit-rig` as a user runs it: a rig made, used and faulted from separate commands
 //! (the delay served by a detached program of its own), then removed with nothing left;
 //! a rig whose owner ended removed by the next `up`; `--rxe` on a kernel without
-//! soft-RoCE answered in one line with exit code 3.
+//! soft-RoCE answered in one line with exit code 3; a short soak through faults.
 
 use std::process::{Command, Output};
 
@@ -139,5 +139,29 @@ fn soft_roce_is_run_or_refused_with_its_code() {
             let text = ok(&["up", "2", "--rxe", "--name", &name]);
             assert!(text.contains("tag_lat"), "{text}");
         }
+    }
+}
+
+/// A short soak: every layer moves data, faults are injected, no byte is corrupt, and
+/// the rig goes with the run.
+#[test]
+fn a_short_soak_moves_checked_data_through_faults() {
+    if ucxkit_testkit::netns::available().is_err() {
+        return;
+    }
+    let out = rig(&["soak", "--duration", "12s", "--fault-every", "2s", "--seed", "7", "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+    assert_eq!(r["corrupt_bytes"], 0, "{r}");
+    assert_eq!(r["hosts_reported"], 3, "{r}");
+    assert!(r["faults_injected"].as_u64().unwrap() >= 3, "{r}");
+    for layer in ["p2p", "collectives", "objects"] {
+        assert!(r["layers"][layer]["ok"].as_u64().unwrap() > 0, "{layer} moved nothing: {r}");
+    }
+    // The soak's rig went with it: every rig left has a living owner (or none).
+    for name in rig::Rig::names() {
+        let Ok(r) = rig::Rig::open(&name) else { continue };
+        assert!(!matches!(r.record().owner, Some(o) if !o.alive()), "rig {name} outlived its owner");
     }
 }

@@ -8,6 +8,7 @@
 //! ucxkit-rig fault h1 clear            #       freeze, thaw, kill [PID]
 //! ucxkit-rig list
 //! ucxkit-rig down
+//! ucxkit-rig soak --duration 10m        # every layer through random faults, on a rig of its own
 //! ```
 //!
 //! A rig belongs to the process that ran `up` (the calling shell or script) unless
@@ -17,6 +18,8 @@
 #![forbid(unsafe_code)]
 
 mod rxe;
+mod soak;
+mod soak_node;
 
 use std::os::unix::process::CommandExt;
 use std::process::ExitCode;
@@ -99,6 +102,13 @@ enum Cmd {
         #[arg(long, default_value = "rig")]
         name: String,
     },
+    /// Move checked data through every layer between the hosts of a new rig for a
+    /// while, setting faults on random hosts, and report bytes moved, operations done,
+    /// failed and recovered, and corrupt bytes (exit code 1 if any).
+    Soak(soak::SoakArgs),
+    /// (Started by `soak`.) One host's process: traffic until stdin closes.
+    #[command(hide = true)]
+    SoakNode { index: usize, hosts: usize, seed: u64 },
     /// (Started by `fault ... delay`.) Serve a host's delay queue until terminated.
     #[command(hide = true)]
     DelayServe {
@@ -204,6 +214,15 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             r.delay_program = Some(std::env::current_exe().map_err(|e| e.to_string())?);
             r.set(host_index(&host)?, &fault)?;
             println!("h{}: {fault}", host_index(&host)?);
+        }
+        Cmd::Soak(a) => soak::run(a)?,
+        Cmd::SoakNode { index, hosts, seed } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(soak_node::run(index, hosts, seed))?;
         }
         Cmd::DelayServe { rig, host, words } => {
             let mut all = vec!["delay"];

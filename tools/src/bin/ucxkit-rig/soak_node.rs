@@ -1,0 +1,290 @@
+//! One host's process of a soak (`ucxkit-rig soak-node`, started by `soak`): it moves
+//! checked data with its neighbours through every layer until its stdin closes, and
+//! prints its counters as a JSON line every second and once more at the end.
+//!
+//! - point-to-point: tagged messages to the next host, echoed back and compared;
+//! - collectives: allreduce among all hosts, results compared; a failed communicator is
+//!   left for a new one (the next *epoch*, its store on the next port of h0);
+//! - objects: pulls of the previous host's objects, compared, then released.
+//!
+//! A failed operation is counted, and the layer starts over (a new endpoint, a new
+//! communicator) after a pause; the first success after failures counts as recovered.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::json;
+use ucxkit::collectives::{Communicator, InitOptions, Options, ReduceOp};
+use ucxkit::object_push::{MemoryStore, NodeOptions, ObjectId, ObjectNode};
+use ucxkit::transport::{tag, Context, Endpoint, Worker};
+use ucxkit_testkit::payload::{payload, Rng};
+
+/// Every operation's deadline.
+pub(crate) const DEADLINE: Duration = Duration::from_secs(4);
+/// The ports of the echo listener, the object listener and the first store.
+const ECHO_PORT: u16 = 29_600;
+const OBJECT_PORT: u16 = 29_601;
+const STORE_PORT: u16 = 29_700;
+/// Objects each host holds, and their size.
+const OBJECTS: u64 = 8;
+const OBJECT_SIZE: usize = 2 << 20;
+/// How long a layer waits after a failure before it starts over.
+const BACKOFF: Duration = Duration::from_millis(300);
+
+/// The layers, in the order reported.
+pub(crate) const LAYERS: [&str; 3] = ["p2p", "collectives", "objects"];
+
+/// One layer's counters.
+#[derive(Default)]
+struct Counters {
+    bytes: AtomicU64,
+    ok: AtomicU64,
+    failed: AtomicU64,
+    recovered: AtomicU64,
+    corrupt: AtomicU64,
+}
+
+impl Counters {
+    /// Counts a finished operation of `bytes`: good, or with `bad` corrupt bytes.
+    fn done(&self, bytes: u64, bad: u64, after_failure: &mut bool) {
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.corrupt.fetch_add(bad, Ordering::Relaxed);
+        self.ok.fetch_add(1, Ordering::Relaxed);
+        if std::mem::take(after_failure) {
+            self.recovered.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn failed(&self, what: &str, e: impl std::fmt::Display, after_failure: &mut bool) {
+        self.failed.fetch_add(1, Ordering::Relaxed);
+        *after_failure = true;
+        eprintln!("soak-node: {what}: {e}");
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        json!({
+            "bytes": get(&self.bytes), "ok": get(&self.ok), "failed": get(&self.failed),
+            "recovered": get(&self.recovered), "corrupt": get(&self.corrupt),
+        })
+    }
+}
+
+/// The bytes in which `got` differs from `want` (every byte of either's excess too).
+fn differing(got: &[u8], want: &[u8]) -> u64 {
+    let common = got.iter().zip(want).filter(|(a, b)| a != b).count();
+    (common + got.len().abs_diff(want.len())) as u64
+}
+
+/// Host `i`'s address on the rig.
+fn addr(i: usize) -> IpAddr {
+    IpAddr::from([10, 214, 0, i as u8 + 1])
+}
+
+async fn within<T, E: std::fmt::Display>(
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(DEADLINE, f).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {DEADLINE:?}")),
+    }
+}
+
+/// The tag bit of echo requests: a worker's echo server takes only those, and its
+/// client's replies (tagged with the bare sequence number) stay its client's (tag
+/// matching is per worker, not per endpoint).
+const REQUEST: u64 = 1 << 62;
+
+/// Echoes every request of every endpoint that connects.
+async fn echo_server(w: Worker, at: SocketAddr) -> Result<(), String> {
+    let l = w.listen(at).map_err(|e| e.to_string())?;
+    loop {
+        let Ok(ep) = l.accept().await else { continue };
+        tokio::spawn(async move {
+            loop {
+                let (r, b) = ep.tag_recv(REQUEST, REQUEST, Vec::with_capacity(1 << 20)).await;
+                let Ok(info) = r else { return };
+                if ep.tag_send(info.sender_tag & !REQUEST, b).await.0.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+}
+
+/// Sends messages to host `to`'s echo and compares what comes back.
+async fn echo_client(w: Worker, to: usize, seed: u64, c: Arc<Counters>) {
+    let mut rng = Rng::new(seed);
+    let (mut after_failure, mut seq) = (false, 0u64);
+    loop {
+        let ep = match within(w.connect(SocketAddr::new(addr(to), ECHO_PORT))).await {
+            Ok(ep) => ep,
+            Err(e) => {
+                c.failed("p2p connect", e, &mut after_failure);
+                tokio::time::sleep(BACKOFF).await;
+                continue;
+            }
+        };
+        loop {
+            seq += 1;
+            let len = [8, 4 << 10, 64 << 10, 1 << 20][rng.below(4)];
+            let data = payload(seed ^ seq, len);
+            let back = ep.tag_recv(seq, tag::EXACT, Vec::with_capacity(len));
+            let sent = within(async { ep.tag_send(REQUEST | seq, data.clone()).await.0 }).await;
+            let r = match sent {
+                Ok(()) => {
+                    within(async {
+                        let (r, b) = back.await;
+                        r.map(|_| b)
+                    })
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(got) => c.done(2 * len as u64, differing(&got, &data), &mut after_failure),
+                Err(e) => {
+                    c.failed("p2p echo", e, &mut after_failure);
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(BACKOFF).await;
+    }
+}
+
+/// Round `k`'s allreduce input on `rank` (small integers: the f32 sums are exact).
+fn coll_input(k: u64, rank: usize) -> Vec<f32> {
+    (0..16_384u64).map(|j| ((j + k) % 50 + rank as u64) as f32).collect()
+}
+
+/// Allreduces among all `n` hosts, a new communicator after each failure.
+async fn collectives(rank: usize, n: usize, c: Arc<Counters>) {
+    let mut after_failure = false;
+    let mut epoch = 0u64;
+    loop {
+        let store = format!("{}:{}", addr(0), STORE_PORT as u64 + epoch % 200);
+        let opts = InitOptions { deadline: Duration::from_secs(20), ..Default::default() };
+        let comm = match Communicator::init_with(rank, n, &store, opts).await {
+            Ok(comm) => comm.with_options(Options { deadline: Some(DEADLINE), ..Default::default() }),
+            Err(e) => {
+                c.failed(&format!("forming epoch {epoch}"), e, &mut after_failure);
+                epoch += 1;
+                continue;
+            }
+        };
+        for k in 0.. {
+            let want: Vec<f32> = (0..n)
+                .map(|r| coll_input(k, r))
+                .fold(vec![0.0; 16_384], |acc, v| acc.iter().zip(v).map(|(a, b)| a + b).collect());
+            match comm.allreduce(coll_input(k, rank), ReduceOp::Sum).await {
+                Ok(got) => {
+                    let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count() as u64 * 4;
+                    c.done(want.len() as u64 * 4, bad, &mut after_failure);
+                }
+                Err(f) => {
+                    c.failed(&format!("allreduce in epoch {epoch}"), f.error, &mut after_failure);
+                    break;
+                }
+            }
+        }
+        epoch += 1;
+        tokio::time::sleep(BACKOFF).await;
+    }
+}
+
+fn object_id(holder: usize, k: u64) -> ObjectId {
+    ObjectId::try_from(format!("h{holder}-{k}").as_str()).expect("a valid id")
+}
+
+fn object_bytes(holder: usize, k: u64) -> Vec<u8> {
+    payload(((holder as u64) << 32) | k, OBJECT_SIZE)
+}
+
+/// Pulls host `from`'s objects in turn, compares and releases them.
+async fn puller(w: Worker, node: Arc<ObjectNode>, from: usize, c: Arc<Counters>) {
+    let mut after_failure = false;
+    let mut k = 0u64;
+    loop {
+        let ep: Endpoint = match within(w.connect(SocketAddr::new(addr(from), OBJECT_PORT))).await {
+            Ok(ep) => ep,
+            Err(e) => {
+                c.failed("objects connect", e, &mut after_failure);
+                tokio::time::sleep(BACKOFF).await;
+                continue;
+            }
+        };
+        loop {
+            k += 1;
+            let id = object_id(from, k % OBJECTS);
+            // The node's deadline bounds the pull; the outer one only catches a hang.
+            let pulled = tokio::time::timeout(DEADLINE * 2, node.pull(id, &ep)).await;
+            match pulled {
+                Ok(Ok(obj)) => {
+                    let want = object_bytes(from, k % OBJECTS);
+                    let bad = obj.bytes().map_or(want.len() as u64, |b| differing(b, &want));
+                    node.release(&id);
+                    c.done(OBJECT_SIZE as u64, bad, &mut after_failure);
+                }
+                Ok(Err(e)) => {
+                    c.failed("pull", e, &mut after_failure);
+                    break;
+                }
+                Err(_) => {
+                    c.failed("pull", "outlived its deadline", &mut after_failure);
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(BACKOFF).await;
+    }
+}
+
+/// Runs host `index` of `n` until stdin closes.
+pub(crate) async fn run(index: usize, n: usize, seed: u64) -> Result<(), String> {
+    let w =
+        Context::builder().build().map_err(|e| e.to_string())?.create_worker().map_err(|e| e.to_string())?;
+    let counters: Vec<Arc<Counters>> = LAYERS.iter().map(|_| Arc::new(Counters::default())).collect();
+    let node_opts = NodeOptions { chunk: 256 << 10, window: 4, deadline: DEADLINE, ..NodeOptions::default() };
+    let node =
+        Arc::new(ObjectNode::new(&w, Arc::new(MemoryStore::new()), node_opts).map_err(|e| e.to_string())?);
+    for k in 0..OBJECTS {
+        node.put(object_id(index, k), Bytes::from(object_bytes(index, k))).map_err(|e| e.to_string())?;
+    }
+    node.listen(SocketAddr::new(addr(index), OBJECT_PORT)).map_err(|e| e.to_string())?;
+    let tasks = [
+        tokio::spawn({
+            let w = w.clone();
+            async move {
+                if let Err(e) = echo_server(w, SocketAddr::new(addr(index), ECHO_PORT)).await {
+                    eprintln!("soak-node: echo server: {e}");
+                }
+            }
+        }),
+        tokio::spawn(echo_client(w.clone(), (index + 1) % n, seed ^ index as u64, counters[0].clone())),
+        tokio::spawn(collectives(index, n, counters[1].clone())),
+        tokio::spawn(puller(w.clone(), node.clone(), (index + n - 1) % n, counters[2].clone())),
+    ];
+    let report = |last: bool| {
+        let layers: serde_json::Map<_, _> =
+            LAYERS.iter().zip(&counters).map(|(l, c)| (l.to_string(), c.json())).collect();
+        println!("{}", json!({ "node": index, "last": last, "layers": layers }));
+    };
+    // Ends when the driver closes stdin (or goes away).
+    let mut stdin_closed = tokio::task::spawn_blocking(|| {
+        let mut sink = String::new();
+        while std::io::stdin().read_line(&mut sink).is_ok_and(|n| n > 0) {}
+    });
+    loop {
+        tokio::select! {
+            _ = &mut stdin_closed => break,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => report(false),
+        }
+    }
+    tasks.iter().for_each(|t| t.abort());
+    report(true);
+    Ok(())
+}
