@@ -89,9 +89,8 @@ enum Cmd {
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
-    /// Set or clear a fault on a host or its link: link-down | link-up | loss PCT% |
-    /// rate RATE | delay TIME [jitter TIME] [reorder PCT%] | freeze [PID] | thaw [PID] |
-    /// kill [PID] | clear.
+    /// Set or clear a fault on a host or its link (the words: see `--help`).
+    #[command(about = format!("Set or clear a fault on a host or its link: {}", rig::fault::WORDS))]
     Fault {
         /// The host: h0, h1, ... (or 0, 1, ...).
         host: String,
