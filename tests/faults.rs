@@ -111,6 +111,9 @@ fn case(layer: Layer, fault: Fault) {
     runner.finish(Duration::from_secs(60)).expect("the runner ends well");
     if fatal(&fault) {
         assert!(outcome.starts_with("error "), "{layer:?} under {fault}: {outcome}");
+        if matches!(layer, Layer::Coll) {
+            assert!(outcome.contains("rank 1"), "the error names the rank: {outcome}");
+        }
         assert!(
             took <= OP_DEADLINE + SLACK,
             "{layer:?} under {fault}: the error came {took:?} after the fault (bound {:?})",

@@ -47,9 +47,15 @@ pub enum Error {
     /// the live ranks with [`crate::Communicator::shrink`].
     #[error("{}", describe(.0))]
     Aborted(crate::abort::Abort),
-    /// The call's deadline passed before it finished.
-    #[error("the collective did not finish within {0:?}")]
-    DeadlineExceeded(Duration),
+    /// The call's deadline passed before it finished, with transfers to or from
+    /// `waiting_on` still pending (empty where the call waited on no rank in particular).
+    #[error("the collective did not finish within {after:?}{}", still_waiting(waiting_on))]
+    DeadlineExceeded {
+        /// The deadline.
+        after: Duration,
+        /// The ranks the call was still waiting on, in order.
+        waiting_on: Vec<usize>,
+    },
     /// A broken invariant of this crate (a bug): reported rather than panicking.
     #[error("internal error: {0}")]
     Internal(String),
@@ -59,6 +65,17 @@ pub enum Error {
     /// Copying a device buffer to or from host memory failed (feature `cuda`).
     #[error("device: {0}")]
     Device(#[source] ucxkit_transport::Error),
+}
+
+fn still_waiting(ranks: &[usize]) -> String {
+    match ranks {
+        [] => String::new(),
+        [r] => format!(", still waiting on rank {r}"),
+        _ => {
+            let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            format!(", still waiting on ranks {}", list.join(", "))
+        }
+    }
 }
 
 fn describe(a: &crate::abort::Abort) -> String {
@@ -78,7 +95,22 @@ impl Error {
                 Some(*rank)
             }
             Error::Aborted(a) => a.failed,
+            Error::DeadlineExceeded { waiting_on, .. } if waiting_on.len() == 1 => Some(waiting_on[0]),
             _ => None,
+        }
+    }
+
+    /// A deadline error of a call that waited on `peers` (sorted, once each); other
+    /// errors as they are.
+    pub(crate) fn waiting_on(self, peers: impl IntoIterator<Item = usize>) -> Error {
+        match self {
+            Error::DeadlineExceeded { after, .. } => {
+                let mut waiting_on: Vec<usize> = peers.into_iter().collect();
+                waiting_on.sort_unstable();
+                waiting_on.dedup();
+                Error::DeadlineExceeded { after, waiting_on }
+            }
+            e => e,
         }
     }
 }

@@ -175,7 +175,7 @@ impl Communicator {
             }
         }
         if !agreed {
-            return Err(Error::DeadlineExceeded(deadline));
+            return Err(Error::DeadlineExceeded { after: deadline, waiting_on: Vec::new() });
         }
         let members: Vec<usize> = (0..n).filter(|&p| !failed[p]).collect();
         let id = crate::abort::pick_id(&free, crate::abort::first_look(self.id(), 0))?;
@@ -190,7 +190,7 @@ impl Communicator {
         match tokio::time::timeout_at(end.into(), c.barrier()).await {
             Ok(Ok(())) => Ok(c),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(Error::DeadlineExceeded(deadline)),
+            Err(_) => Err(Error::DeadlineExceeded { after: deadline, waiting_on: Vec::new() }),
         }
     }
 }

@@ -457,7 +457,7 @@ impl<'a> Watch<'a> {
         }
         if let Some((d, sleep)) = self.timer.as_mut() {
             if sleep.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Error::DeadlineExceeded(*d));
+                return Poll::Ready(Error::DeadlineExceeded { after: *d, waiting_on: Vec::new() });
             }
         }
         Poll::Pending
@@ -651,7 +651,11 @@ async fn exchange<'w, T: Element>(
             return Poll::Ready(());
         }
         watch.poll_end(cx).map(|e| {
-            first.get_or_insert(e);
+            let peers = flight.iter().filter_map(|f| match f {
+                InFlight::Send { peer, .. } | InFlight::Recv { peer, .. } => Some(*peer),
+                _ => None,
+            });
+            first.get_or_insert(e.waiting_on(peers));
         })
     };
     let worker = w.ns.worker();

@@ -98,7 +98,10 @@ pub(crate) async fn run_one<T: Element>(
     let mut watch: Option<Watch<'_>> = None;
     let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut op_recv).poll(cx) {
         Poll::Ready(done) => Poll::Ready(Ok(done)),
-        Poll::Pending => watch.get_or_insert_with(|| Watch::ending(w.abort, end)).poll_end(cx).map(Err),
+        Poll::Pending => {
+            let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
+            watch.poll_end(cx).map(|e| Err(e.waiting_on([peer])))
+        }
     })
     .await?;
     let got = landed_bytes(peer, want, r, &got)?;
