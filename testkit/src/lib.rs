@@ -4,8 +4,8 @@
 //!   meshes in one process;
 //! - [`procs`]: several processes of one test binary with ranks, roles and a shared
 //!   exchange of addresses;
-//! - [`netns`]: test hosts as network namespaces joined by a veth pair, removed when the
-//!   test ends (also when it fails);
+//! - [`netns`]: two test hosts (of a [`rig`]) and processes run inside hosts, removed
+//!   when the test ends (also when it fails);
 //! - [`rig`]: several hosts on one bridge, and faults on them (link down, loss, rate,
 //!   delay and reordering, frozen or killed processes); the code of `ucxkit-rig`;
 //! - [`payload`](mod@payload): deterministic payloads and a small generator;

@@ -19,15 +19,13 @@ use std::net::IpAddr;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use fault::{DelaySpec, Fault, Target};
 use record::{Daemon, Lock, Owner, Record};
-
-use crate::netns::wait_up;
 
 /// The most hosts a rig has.
 pub const MAX_HOSTS: usize = 64;
@@ -78,21 +76,65 @@ fn port(i: usize) -> String {
     format!("h{i}")
 }
 
-/// Runs one command; an error names it and what it printed, unless it may fail.
-fn run((words, may_fail): &fault::Cmd) -> Result<(), String> {
+/// Distinguishes the rigs of one test process (its tests run in parallel).
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A name part unique to this process and call.
+pub(crate) fn unique() -> String {
+    format!("{}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Runs `words` (a program and its arguments); an error names the command and what it
+/// printed, unless `may_fail`.
+pub(crate) fn run(words: &[String], may_fail: bool) -> Result<(), String> {
     let out = Command::new(&words[0])
         .args(&words[1..])
         .output()
         .map_err(|e| format!("running {}: {e}", words[0]))?;
-    if out.status.success() || *may_fail {
+    if out.status.success() || may_fail {
         Ok(())
     } else {
         Err(format!("{}: {}", words.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
+/// Whether this process may create network namespaces: `Err` with the reason when it
+/// lacks the privilege (not root). Any other failure (no `ip`, say) panics: the suite
+/// runs as root and must not skip these tests quietly.
+pub fn available() -> Result<(), String> {
+    let probe = format!("ucxk{}p", unique());
+    match sh(&["ip", "netns", "add", &probe]) {
+        Ok(()) => {
+            sh(&["ip", "netns", "del", &probe]).unwrap();
+            Ok(())
+        }
+        Err(e) if e.contains("Operation not permitted") || e.contains("Permission denied") => Err(e),
+        Err(e) => panic!("cannot make network namespaces: {e}"),
+    }
+}
+
+/// Waits (at most 10 s) until device `dev` in namespace `ns` reports its carrier.
+pub(crate) fn wait_up(ns: &str, dev: &str) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = Command::new("ip")
+            .args(["-n", ns, "link", "show", dev])
+            .output()
+            .map_err(|e| format!("running ip: {e}"))?;
+        if String::from_utf8_lossy(&out.stdout).contains("state UP") {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(format!("{dev} in {ns} did not come up"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs `words`, which must succeed (see [`run`]).
 fn sh(words: &[&str]) -> Result<(), String> {
-    run(&(words.iter().map(|w| w.to_string()).collect(), false))
+    let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
+    run(&words, false)
 }
 
 /// Whether `name` may name a rig: 1 to 16 lower-case letters and digits.
@@ -231,7 +273,7 @@ impl Rig {
     /// test fails; one left by a killed test is removed by the next); each link limited
     /// to `rate` each way when given (tc's units: `1gbit`, `200mbit`).
     pub fn up(n: usize, rate: Option<&str>) -> Result<Rig, String> {
-        let name = format!("t{}", crate::netns::unique());
+        let name = format!("t{}", unique());
         let mut rig = Rig::create(&name, n, rate, Some(Owner::this()))?;
         rig.owned_here = true;
         Ok(rig)
@@ -294,7 +336,9 @@ impl Rig {
             sh(&["ip", "-n", &h.ns, "link", "set", "lo", "up"])?;
             sh(&["ip", "-n", &h.ns, "link", "set", DEVICE, "up"])?;
             if let Some(rate) = &self.record.rate {
-                self.commands(i, &Fault::Rate(rate.clone())).iter().try_for_each(run)?;
+                self.commands(i, &Fault::Rate(rate.clone()))
+                    .iter()
+                    .try_for_each(|(c, may_fail)| run(c, *may_fail))?;
             }
         }
         // UCX leaves out devices that are not up yet when a context opens them.
@@ -374,7 +418,7 @@ impl Rig {
         if matches!(fault, Fault::Delay(_) | Fault::Clear) {
             self.stop_delay(i)?;
         }
-        self.commands(i, fault).iter().try_for_each(run)?;
+        self.commands(i, fault).iter().try_for_each(|(c, may_fail)| run(c, *may_fail))?;
         match fault {
             Fault::LinkUp | Fault::Clear => wait_up(&ns, DEVICE)?,
             Fault::Delay(spec) => self.start_delay(i, *spec)?,
@@ -467,15 +511,14 @@ impl Rig {
                 self.delays.push(d);
             }
         }
-        if self.record.daemons.iter().any(|d| d.host == i) || self.delay_program.is_some() {
+        if self.record.daemons.iter().any(|d| d.host == i) {
+            // The record as it is now (another process may have changed it).
             let _lock = Lock::take()?;
             if let Some(r) = Record::load(&self.record.name)? {
                 self.record = r;
             }
-            let (mine, others) = self.record.daemons.iter().partition(|d| d.host == i);
-            let mine: Vec<Daemon> = mine;
-            mine.iter().for_each(stop_daemon);
-            self.record.daemons = others;
+            self.record.daemons.iter().filter(|d| d.host == i).for_each(stop_daemon);
+            self.record.daemons.retain(|d| d.host != i);
             self.record.save()?;
         }
         Ok(())

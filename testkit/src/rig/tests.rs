@@ -91,7 +91,7 @@ fn bulk(from: &str, to_ns: &str, to: IpAddr, bytes: usize) -> f64 {
 }
 
 fn skip() -> bool {
-    if let Err(e) = crate::netns::available() {
+    if let Err(e) = available() {
         eprintln!("skipped: {e}");
         return true;
     }
