@@ -98,21 +98,56 @@ async fn within<T, E: std::fmt::Display>(
 /// matching is per worker, not per endpoint).
 const REQUEST: u64 = 1 << 62;
 
-/// Echoes every request of every endpoint that connects.
+/// Echoes every request of every endpoint that connects (each endpoint's buffer used
+/// again from message to message).
 async fn echo_server(w: Worker, at: SocketAddr) -> Result<(), String> {
     let l = w.listen(at).map_err(|e| e.to_string())?;
     loop {
         let Ok(ep) = l.accept().await else { continue };
         tokio::spawn(async move {
+            let mut buf = Vec::with_capacity(1 << 20);
             loop {
-                let (r, b) = ep.tag_recv(REQUEST, REQUEST, Vec::with_capacity(1 << 20)).await;
+                buf.clear();
+                let (r, b) = ep.tag_recv(REQUEST, REQUEST, buf).await;
                 let Ok(info) = r else { return };
-                if ep.tag_send(info.sender_tag & !REQUEST, b).await.0.is_err() {
+                let (r, b) = ep.tag_send(info.sender_tag & !REQUEST, b).await;
+                if r.is_err() {
                     return;
                 }
+                buf = b;
             }
         });
     }
+}
+
+/// An endpoint to `to`, connecting again after each failure (counted in `c` as `what`).
+async fn connect(w: &Worker, to: SocketAddr, what: &str, c: &Counters, after_failure: &mut bool) -> Endpoint {
+    loop {
+        match within(w.connect(to)).await {
+            Ok(ep) => return ep,
+            Err(e) => {
+                c.failed(what, e, after_failure);
+                tokio::time::sleep(BACKOFF).await;
+            }
+        }
+    }
+}
+
+/// One echo of `data` through `ep` under sequence number `seq`: what came back, and the
+/// data sent (the send gives its buffer back, so nothing is copied to compare).
+async fn echo(ep: &Endpoint, seq: u64, data: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let back = ep.tag_recv(seq, tag::EXACT, Vec::with_capacity(data.len()));
+    let data = match tokio::time::timeout(DEADLINE, ep.tag_send(REQUEST | seq, data)).await {
+        Ok((Ok(()), data)) => data,
+        Ok((Err(e), _)) => return Err(e.to_string()),
+        Err(_) => return Err(format!("send: no answer within {DEADLINE:?}")),
+    };
+    let got = within(async {
+        let (r, b) = back.await;
+        r.map(|_| b)
+    })
+    .await?;
+    Ok((got, data))
 }
 
 /// Sends messages to host `to`'s echo and compares what comes back.
@@ -120,32 +155,13 @@ async fn echo_client(w: Worker, to: usize, seed: u64, c: Arc<Counters>) {
     let mut rng = Rng::new(seed);
     let (mut after_failure, mut seq) = (false, 0u64);
     loop {
-        let ep = match within(w.connect(SocketAddr::new(addr(to), ECHO_PORT))).await {
-            Ok(ep) => ep,
-            Err(e) => {
-                c.failed("p2p connect", e, &mut after_failure);
-                tokio::time::sleep(BACKOFF).await;
-                continue;
-            }
-        };
+        let ep =
+            connect(&w, SocketAddr::new(addr(to), ECHO_PORT), "p2p connect", &c, &mut after_failure).await;
         loop {
             seq += 1;
             let len = [8, 4 << 10, 64 << 10, 1 << 20][rng.below(4)];
-            let data = payload(seed ^ seq, len);
-            let back = ep.tag_recv(seq, tag::EXACT, Vec::with_capacity(len));
-            let sent = within(async { ep.tag_send(REQUEST | seq, data.clone()).await.0 }).await;
-            let r = match sent {
-                Ok(()) => {
-                    within(async {
-                        let (r, b) = back.await;
-                        r.map(|_| b)
-                    })
-                    .await
-                }
-                Err(e) => Err(e),
-            };
-            match r {
-                Ok(got) => c.done(2 * len as u64, differing(&got, &data), &mut after_failure),
+            match echo(&ep, seq, payload(seed ^ seq, len)).await {
+                Ok((got, data)) => c.done(2 * len as u64, differing(&got, &data), &mut after_failure),
                 Err(e) => {
                     c.failed("p2p echo", e, &mut after_failure);
                     break;
@@ -209,14 +225,8 @@ async fn puller(w: Worker, node: Arc<ObjectNode>, from: usize, c: Arc<Counters>)
     let mut after_failure = false;
     let mut k = 0u64;
     loop {
-        let ep: Endpoint = match within(w.connect(SocketAddr::new(addr(from), OBJECT_PORT))).await {
-            Ok(ep) => ep,
-            Err(e) => {
-                c.failed("objects connect", e, &mut after_failure);
-                tokio::time::sleep(BACKOFF).await;
-                continue;
-            }
-        };
+        let at = SocketAddr::new(addr(from), OBJECT_PORT);
+        let ep = connect(&w, at, "objects connect", &c, &mut after_failure).await;
         loop {
             k += 1;
             let id = object_id(from, k % OBJECTS);
