@@ -95,7 +95,6 @@ impl Error {
                 Some(*rank)
             }
             Error::Aborted(a) => a.failed,
-            Error::DeadlineExceeded { waiting_on, .. } if waiting_on.len() == 1 => Some(waiting_on[0]),
             _ => None,
         }
     }

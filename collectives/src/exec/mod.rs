@@ -653,7 +653,9 @@ async fn exchange<'w, T: Element>(
         watch.poll_end(cx).map(|e| {
             let peers = flight.iter().filter_map(|f| match f {
                 InFlight::Send { peer, .. } | InFlight::Recv { peer, .. } => Some(*peer),
-                _ => None,
+                InFlight::LaneSend(op) => Some(op.at.peer),
+                InFlight::LaneRecv { op, .. } => Some(op.at.peer),
+                InFlight::Done => None,
             });
             first.get_or_insert(e.waiting_on(peers));
         })

@@ -21,7 +21,8 @@ pub(crate) type Landed<'a, T> = dyn FnMut(&mut Bufs<T>, std::ops::Range<usize>) 
 
 /// The receiving side of one transfer that goes by lane.
 pub(crate) struct LaneRecv<T: Element> {
-    at: LaneAt,
+    /// The transfer (its peer names who a deadline waited on).
+    pub(crate) at: LaneAt,
     /// Where the bytes land.
     into: Region,
     /// Bytes landed so far, and pieces.

@@ -20,7 +20,8 @@ use crate::Element;
 
 /// The sending side of one transfer that goes by lane.
 pub(crate) struct LaneSend<'l, T: Element> {
-    at: LaneAt,
+    /// The transfer (its peer names who a deadline waited on).
+    pub(crate) at: LaneAt,
     /// The bytes it sends.
     bytes: usize,
     stage: SendStage<'l, T>,
