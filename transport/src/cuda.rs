@@ -198,10 +198,10 @@ pub fn copy_from_host(dst: &Arc<CudaSlice<u8>>, at: usize, data: &[u8]) -> Resul
             dst.len()
         )));
     }
-    let to = (dst.stable_ptr() as usize + at) as u64;
-    // SAFETY: the range lies in a live device allocation (checked above), kept by the
-    // reference for the call; `data` is readable for its length.
-    on_device(dst.ordinal(), || unsafe { cudarc::driver::result::memcpy_htod_sync(to, data) })
+    let to = (dst.stable_ptr() as usize + at) as *mut u8;
+    // SAFETY: the range lies in a live device allocation of that device (checked above),
+    // kept by the reference for the call.
+    unsafe { copy_to_device(dst.ordinal(), to, data) }
 }
 
 /// Copies device memory at `src` on device `device` into `out`, synchronously.

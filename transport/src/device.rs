@@ -50,10 +50,8 @@ pub(crate) fn op_memory_all<B: IoBuf>(
     if mem == MemoryType::Host {
         return Ok(None);
     }
-    for b in bufs {
-        op_memory(inner, op, b)?;
-    }
-    Ok(Some(mem.ucs()))
+    // Checked and bound once for all of them; each buffer's own work waited for.
+    prepare(inner, op, mem, &|| bufs.iter().try_for_each(IoBuf::ready)).map(Some)
 }
 
 /// Passes `mem` (from [`op_memory`]) to UCX in `param`.
