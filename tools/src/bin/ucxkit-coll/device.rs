@@ -23,7 +23,6 @@ pub(crate) async fn cell(
     redop: ReduceOp,
 ) -> Res<CollRow> {
     use std::sync::Arc;
-    use std::time::Instant;
 
     use ucxkit::collectives::device::{self, ROUTE};
     use ucxkit::transport::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
@@ -50,24 +49,13 @@ pub(crate) async fn cell(
         };
         out.map_err(|f| f.error.to_string())
     };
-    let mut d = fresh()?;
-    let t = Instant::now();
-    for _ in 0..args.warmup {
-        d = call(d).await?;
-    }
-    let per_call = t.elapsed().as_secs_f64() / args.warmup.max(1) as f64;
-    let fit = (crate::rank::CELL_BUDGET.as_secs_f64() / per_call.max(1e-9)) as u64;
-    let iters = c
-        .allreduce(vec![args.iters.min(fit).max(5)], ReduceOp::Min)
-        .await
-        .map_err(|f| f.error.to_string())?[0];
-    c.barrier().await.map_err(|e| e.to_string())?;
-    let t = Instant::now();
-    for _ in 0..iters {
-        d = call(d).await?;
-    }
-    let mine = t.elapsed().as_secs_f64() / iters as f64;
-    let slowest = c.allreduce(vec![mine], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
+    let run = |mut d: CudaSlice<f32>, k: u64| async move {
+        for _ in 0..k {
+            d = call(d).await?;
+        }
+        Ok(d)
+    };
+    let (slowest, iters, _) = crate::rank::timed(c, args, fresh()?, run).await?;
     let wrong = if args.check {
         let got = stream.clone_dtoh(&call(fresh()?).await?).map_err(e)?;
         stream.synchronize().map_err(e)?;

@@ -297,38 +297,11 @@ async fn cell<T: Element>(
         buf.resize(count, T::zeroed());
         buf.copy_within(0..per, r * per);
     }
-    let mut spare = Vec::new();
-    let t = Instant::now();
-    buf = repeat(c, op, buf, &mut spare, args.warmup, count, redop, root).await?;
-    // As many iterations as fit the cell's budget, judged from the warm-up and agreed on
-    // (every rank must make the same calls).
-    let per_call = t.elapsed().as_secs_f64() / args.warmup.max(1) as f64;
-    let fit = (CELL_BUDGET.as_secs_f64() / per_call.max(1e-9)) as u64;
-    let iters = c
-        .allreduce(vec![args.iters.min(fit).max(5)], ReduceOp::Min)
-        .await
-        .map_err(|f| f.error.to_string())?[0];
-    c.barrier().await.map_err(|e| e.to_string())?;
-    let skew = Duration::from_micros(args.skew_us * r as u64);
-    let mut spent = Duration::ZERO;
-    if args.skew_us == 0 {
-        let t = Instant::now();
-        drop(repeat(c, op, buf, &mut spare, iters, count, redop, root).await?);
-        spent = t.elapsed();
-    } else {
-        for _ in 0..iters {
-            // Every rank takes the same path (rank 0's own skew is zero).
-            c.barrier().await.map_err(|e| e.to_string())?;
-            let s = Instant::now();
-            while s.elapsed() < skew {
-                std::hint::spin_loop();
-            }
-            buf = repeat(c, op, buf, &mut spare, 1, count, redop, root).await?;
-            spent += s.elapsed();
-        }
-    }
-    let mine = spent.as_secs_f64() / iters as f64;
-    let slowest = c.allreduce(vec![mine], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
+    let run = |(buf, mut spare): (Vec<T>, Vec<T>), k| async move {
+        let buf = repeat(c, op, buf, &mut spare, k, count, redop, root).await?;
+        Ok((buf, spare))
+    };
+    let (slowest, iters, _) = timed(c, args, (buf, Vec::new()), run).await?;
     let wrong = if args.check {
         let got = result(c, op, fresh(), count, redop, root).await?;
         let w = wrong(op, &got, n, r, count, redop, root);
@@ -350,6 +323,53 @@ async fn cell<T: Element>(
         iters,
         source: "ucxkit".into(),
     })
+}
+
+/// Times a cell's calls, every cell alike: `run(state, k)` makes `k` calls. A warm-up,
+/// then as many iterations as fit the cell's budget (judged from the warm-up and agreed
+/// on: every rank must make the same calls), after a barrier; with `--skew-us`, each call
+/// after a barrier and this rank's skew. The slowest rank's seconds per call, the
+/// iterations, and the state after them.
+pub(crate) async fn timed<S, F, Fut>(
+    c: &Communicator,
+    args: &Args,
+    state: S,
+    mut run: F,
+) -> Res<(f64, u64, S)>
+where
+    F: FnMut(S, u64) -> Fut,
+    Fut: std::future::Future<Output = Res<S>>,
+{
+    let t = Instant::now();
+    let mut state = run(state, args.warmup).await?;
+    let per_call = t.elapsed().as_secs_f64() / args.warmup.max(1) as f64;
+    let fit = (CELL_BUDGET.as_secs_f64() / per_call.max(1e-9)) as u64;
+    let iters = c
+        .allreduce(vec![args.iters.min(fit).max(5)], ReduceOp::Min)
+        .await
+        .map_err(|f| f.error.to_string())?[0];
+    c.barrier().await.map_err(|e| e.to_string())?;
+    let skew = Duration::from_micros(args.skew_us * c.rank() as u64);
+    let mut spent = Duration::ZERO;
+    if args.skew_us == 0 {
+        let t = Instant::now();
+        state = run(state, iters).await?;
+        spent = t.elapsed();
+    } else {
+        for _ in 0..iters {
+            // Every rank takes the same path (rank 0's own skew is zero).
+            c.barrier().await.map_err(|e| e.to_string())?;
+            let s = Instant::now();
+            while s.elapsed() < skew {
+                std::hint::spin_loop();
+            }
+            state = run(state, 1).await?;
+            spent += s.elapsed();
+        }
+    }
+    let mine = spent.as_secs_f64() / iters as f64;
+    let slowest = c.allreduce(vec![mine], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
+    Ok((slowest, iters, state))
 }
 
 /// The algorithm a call of `op` on `count` elements of `elem` bytes takes.
