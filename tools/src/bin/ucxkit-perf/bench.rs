@@ -22,6 +22,7 @@ use crate::clock::Clock;
 use crate::device;
 use crate::window::{keep_posted, Window};
 use crate::AnyResult;
+use ucxkit_tools::cli::MemKind;
 use ucxkit_tools::cli::{self, Mem};
 use ucxkit_tools::report::Row;
 
@@ -322,7 +323,8 @@ pub(crate) async fn run_client(
     // pages, which copies of many MiB feel), written before the clock runs (real data in
     // pages in place) unless --unwritten-source leaves it as allocated.
     let two_sided = matches!(test, Test::TagBw | Test::StreamBw | Test::AmBw);
-    let region_source = if two_sided && size >= REGION_SEND_MIN {
+    let host_send = side.mem.send == MemKind::Host;
+    let region_source = if two_sided && host_send && size >= REGION_SEND_MIN {
         Some(alloc_region(w, size, !side.unwritten)?)
     } else {
         None
@@ -388,7 +390,8 @@ pub(crate) async fn run_client(
             let try_now = || if immediate { sent_now(test, ep, payload, key) } else { Ok(false) };
             let run = Window { clock: &mut clock, total, warmup, window };
             match test {
-                Test::TagBw if !side.mem.is_host() => device::tag_bw_client(run, ep, side.mem, size).await?,
+                // Only a device side differs: host messages go out as they do without --mem.
+                Test::TagBw if !host_send => device::tag_bw_client(run, ep, size).await?,
                 Test::TagBw | Test::StreamBw | Test::AmBw => match &region_source {
                     Some(r) => run.keep(try_now, || send(test, ep, r.slice(0..size))).await?,
                     None => run.keep(try_now, || send(test, ep, payload)).await?,
@@ -681,7 +684,7 @@ pub(crate) async fn serve_one(cmd: &str, side: &mut Side<'_>) -> AnyResult<()> {
             tag_lat_server(side, total, payload, Vec::with_capacity(size)).await?
         }
         Test::TagLat => device::tag_lat_server(side, mem, total, size).await?,
-        Test::TagBw if !mem.is_host() => device::tag_bw_server(side, mem, total, window, size).await?,
+        Test::TagBw if mem.recv != MemKind::Host => device::tag_bw_server(side, total, window, size).await?,
         Test::StreamLat => {
             let mut rbuf: Box<[u8]> = vec![0u8; size].into();
             for _ in 0..total {

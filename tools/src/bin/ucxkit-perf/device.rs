@@ -102,34 +102,22 @@ mod imp {
         with_bufs!(st, mem, size, 0xa5, |s, r| bench::tag_lat_server(side, total, s, r).await)
     }
 
-    pub(crate) async fn tag_bw_client(
-        run: Window<'_>,
-        ep: &Endpoint,
-        mem: Mem,
-        size: usize,
-    ) -> AnyResult<()> {
-        let st = stream()?;
-        let none = || Ok(false);
-        match send_buf(&st, mem.send, size, 0x5a)? {
-            Send::Host(p) => run.keep(none, || bench::send(Test::TagBw, ep, p)).await,
-            Send::Dev(d) => run.keep(none, || bench::send(Test::TagBw, ep, d.clone())).await,
-        }
+    /// tag_bw's client sending from device memory (a host sender takes the usual path).
+    pub(crate) async fn tag_bw_client(run: Window<'_>, ep: &Endpoint, size: usize) -> AnyResult<()> {
+        let d = filled(&stream()?, size, 0x5a)?;
+        run.keep(|| Ok(false), || bench::send(Test::TagBw, ep, d.clone())).await
     }
 
+    /// tag_bw's server receiving into device memory (a host receiver takes the usual
+    /// path): every receive lands in one device buffer, as ucx_perftest's do.
     pub(crate) async fn tag_bw_server(
         side: &Side<'_>,
-        mem: Mem,
         total: u64,
         window: usize,
         size: usize,
     ) -> AnyResult<()> {
-        match mem.recv {
-            MemKind::Host => bench::tag_bw_server(side, total, window, || Vec::with_capacity(size)).await,
-            MemKind::Cuda => {
-                let d = zeroed(&stream()?, size)?;
-                bench::tag_bw_server(side, total, window, || d.clone()).await
-            }
-        }
+        let d = zeroed(&stream()?, size)?;
+        bench::tag_bw_server(side, total, window, || d.clone()).await
     }
 }
 
@@ -152,11 +140,11 @@ mod imp {
         refused()
     }
 
-    pub(crate) async fn tag_bw_client(_: Window<'_>, _: &Endpoint, _: Mem, _: usize) -> AnyResult<()> {
+    pub(crate) async fn tag_bw_client(_: Window<'_>, _: &Endpoint, _: usize) -> AnyResult<()> {
         refused()
     }
 
-    pub(crate) async fn tag_bw_server(_: &Side<'_>, _: Mem, _: u64, _: usize, _: usize) -> AnyResult<()> {
+    pub(crate) async fn tag_bw_server(_: &Side<'_>, _: u64, _: usize, _: usize) -> AnyResult<()> {
         refused()
     }
 }
