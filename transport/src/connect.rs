@@ -94,7 +94,9 @@ impl Worker {
         let ep = self.create_ep(Target::Address(addr.ucx_bytes()), peer, peer_mode)?;
         ep.set_peer_uuid(crate::ucx_address::uuid_of(addr.ucx_bytes()));
         if opts.handshake {
-            ep.client_handshake(opts.timeout).await?;
+            let lane = ep.client_handshake(opts.timeout).await?;
+            let same_host = addr.identity().same_host();
+            ep.start_keepalive(lane, &crate::ucx_address::tcp_ips(addr.ucx_bytes(), same_host));
         }
         ep.check_required(&opts.require_transports)?;
         Ok(ep)

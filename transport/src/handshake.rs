@@ -11,12 +11,14 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `0x484b4355` ("UCKH") |
-//! | 4 | 1 | version (1) |
+//! | 4 | 1 | version (2; 1 from older ucxkit, without the last two fields) |
 //! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end, 5 close first, 6 closing, 7 closed |
 //! | 6 | 1 | error mode: 0 none, 1 peer |
 //! | 7 | 1 | nack reason; for a hello, 1 when it follows a listener's front; 0 otherwise |
 //! | 8 | 8 | nonce chosen by the connecting side, echoed; for stream end, the total bytes the sender wrote to the stream |
 //! | 16 | 36 | sender's process identity |
+//! | 52 | 2 | the sender's keepalive port (see [`crate::liveness`]); 0: none |
+//! | 54 | 8 | the sender's keepalive token (0 without a port) |
 //!
 //! After the handshake the same message carries three notices: `StreamEnd`, sent on the
 //! endpoint when its stream writer shuts down, so that the peer's reader can report end
@@ -41,14 +43,17 @@
 //! Every field is validated; anything else is rejected with a reason, never trusted.
 
 use crate::identity::{self, ProcessIdentity};
+use crate::liveness::KeepaliveAddr;
 
 /// Active-message id reserved for the handshake.
 pub const AM_ID: u32 = 4095;
 
 const MAGIC: u32 = 0x484b_4355;
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Encoded length.
-pub(crate) const LEN: usize = 16 + identity::ENCODED_LEN;
+pub(crate) const LEN: usize = LEN_V1 + 10;
+/// Encoded length of a version 1 message.
+const LEN_V1: usize = 16 + identity::ENCODED_LEN;
 
 /// Message kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +118,8 @@ pub(crate) struct Message {
     pub(crate) peer_mode: bool,
     pub(crate) nonce: u64,
     pub(crate) identity: ProcessIdentity,
+    /// The sender worker's keepalive lane, if it has one.
+    pub(crate) lane: Option<KeepaliveAddr>,
 }
 
 impl Message {
@@ -135,19 +142,31 @@ impl Message {
         v.push(reason);
         v.extend_from_slice(&self.nonce.to_le_bytes());
         self.identity.encode(&mut v);
+        let (port, token) = self.lane.map_or((0, 0), |l| (l.port, l.token));
+        v.extend_from_slice(&port.to_le_bytes());
+        v.extend_from_slice(&token.to_le_bytes());
         v
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<Message, String> {
-        if b.len() != LEN {
-            return Err(format!("handshake message is {} bytes, expected {LEN}", b.len()));
+        if b.len() < 5 {
+            return Err(format!("handshake message is {} bytes", b.len()));
         }
         let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         if magic != MAGIC {
             return Err(format!("bad handshake magic {magic:#010x}"));
         }
-        if b[4] != VERSION {
-            return Err(format!("unsupported handshake version {}", b[4]));
+        let len = match b[4] {
+            1 => LEN_V1,
+            VERSION => LEN,
+            v => return Err(format!("unsupported handshake version {v}")),
+        };
+        if b.len() != len {
+            return Err(format!(
+                "handshake message of version {} is {} bytes, expected {len}",
+                b[4],
+                b.len()
+            ));
         }
         let kind = match (b[5], b[7]) {
             (1, 0) => Kind::Hello,
@@ -168,8 +187,20 @@ impl Message {
             m => return Err(format!("bad error mode {m} in handshake")),
         };
         let nonce = u64::from_le_bytes(b[8..16].try_into().map_err(|_| "short nonce")?);
-        let identity = ProcessIdentity::decode(&b[16..]).ok_or("short identity")?;
-        Ok(Message { kind, peer_mode, nonce, identity })
+        let identity = ProcessIdentity::decode(&b[16..LEN_V1]).ok_or("short identity")?;
+        let lane = match b.get(LEN_V1..) {
+            Some([p0, p1, token @ ..]) if token.len() == 8 => {
+                let port = u16::from_le_bytes([*p0, *p1]);
+                let token = u64::from_le_bytes(token.try_into().map_err(|_| "short token")?);
+                match (port, token) {
+                    (0, 0) => None,
+                    (0, _) => return Err("a keepalive token without a port".into()),
+                    (port, token) => Some(KeepaliveAddr { port, token }),
+                }
+            }
+            _ => None,
+        };
+        Ok(Message { kind, peer_mode, nonce, identity, lane })
     }
 }
 
@@ -189,7 +220,13 @@ mod tests {
     use super::*;
 
     fn sample(kind: Kind) -> Message {
-        Message { kind, peer_mode: true, nonce: 0xdead_beef_1234, identity: ProcessIdentity::current() }
+        Message {
+            kind,
+            peer_mode: true,
+            nonce: 0xdead_beef_1234,
+            identity: ProcessIdentity::current(),
+            lane: Some(KeepaliveAddr { port: 40_000, token: 0x5eed }),
+        }
     }
 
     #[test]
@@ -218,12 +255,31 @@ mod tests {
         let good = sample(Kind::Hello).encode();
         assert!(Message::decode(&good[..LEN - 1]).is_err());
         assert!(Message::decode(&[good.clone(), vec![0]].concat()).is_err());
-        for (at, val) in [(0, 0u8), (4, 9), (5, 8), (6, 2), (7, 9)] {
+        for (at, val) in [(0, 0u8), (4, 9), (4, 1), (5, 8), (6, 2), (7, 9)] {
             let mut b = good.clone();
             b[at] = val;
             assert!(Message::decode(&b).is_err(), "byte {at}={val} accepted");
         }
         assert!(Message::decode(&[]).is_err());
         assert!(Message::decode(&[0xff; LEN]).is_err());
+        // A token needs a port.
+        let mut b = good.clone();
+        b[LEN_V1..LEN_V1 + 2].fill(0);
+        assert!(Message::decode(&b).is_err());
+    }
+
+    /// A version 1 message (an older ucxkit's) is read, without a keepalive lane; a
+    /// message of either version without a lane reads back the same.
+    #[test]
+    fn version_1_and_no_lane() {
+        let mut m = sample(Kind::Hello);
+        m.lane = None;
+        let b = m.encode();
+        assert_eq!(Message::decode(&b), Ok(m));
+        let mut v1 = b[..LEN_V1].to_vec();
+        v1[4] = 1;
+        assert_eq!(Message::decode(&v1), Ok(m));
+        v1.push(0);
+        assert!(Message::decode(&v1).is_err(), "a version 1 message of another length");
     }
 }

@@ -151,6 +151,7 @@ pub use handshake::AM_ID as HANDSHAKE_AM_ID;
 pub use identity::ProcessIdentity;
 pub use iov::{PutIov, TagRecvIov, TagSendIov};
 pub use listener::{ConnectionRequest, Listener};
+pub use liveness::Keepalive;
 pub use mem::{MemRegion, RegionSlice, RegionView, RemoteKey};
 pub use namespace::Namespace;
 pub use op::{RecvOp, SendOp};

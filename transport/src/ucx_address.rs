@@ -34,6 +34,47 @@ pub(crate) fn uuid_of(ucx: &[u8]) -> Option<u64> {
     };
     Some(u64::from_ne_bytes(ucx.get(at..at + 8)?.try_into().ok()?))
 }
+
+/// The addresses of the tcp devices in a packed worker address, without repeats, at
+/// most [`MAX_TCP_IPS`]: where a peer reached by that address may be. A loopback device
+/// counts only for a peer on this host (`same_host`), as its family's loopback address;
+/// link-local IPv6 addresses (which need an interface) do not count. None when the
+/// walk fails.
+pub(crate) fn tcp_ips(b: &[u8], same_host: bool) -> Vec<std::net::IpAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let Ok(w) = walk(b) else { return Vec::new() };
+    let mut ips = Vec::new();
+    for e in w.entries.iter().filter(|e| e.tl_csum == crc16(b"tcp")) {
+        // A tcp device address: flags, address family, the address.
+        let d = &b[e.dev.clone()];
+        let loopback = d.first().is_some_and(|f| f & TCP_LOOPBACK != 0);
+        let ip = match (d.get(1).map(|&f| i32::from(f)), loopback) {
+            (Some(libc::AF_INET), true) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            (Some(libc::AF_INET6), true) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            (Some(libc::AF_INET), false) => match d.get(2..6).and_then(|a| <[u8; 4]>::try_from(a).ok()) {
+                Some(a) => IpAddr::from(a),
+                None => continue,
+            },
+            (Some(libc::AF_INET6), false) => match d.get(2..18).and_then(|a| <[u8; 16]>::try_from(a).ok()) {
+                Some(a) => IpAddr::from(a),
+                None => continue,
+            },
+            _ => continue,
+        };
+        let link_local = matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80);
+        if ip.is_unspecified() || link_local || (ip.is_loopback() && !same_host) || ips.contains(&ip) {
+            continue;
+        }
+        ips.push(ip);
+        if ips.len() == MAX_TCP_IPS {
+            break;
+        }
+    }
+    ips
+}
+
+/// At most this many addresses from [`tcp_ips`].
+const MAX_TCP_IPS: usize = 8;
 const FLAG_CLIENT_ID: u8 = 1 << 2;
 const FLAG_AM_ONLY: u8 = 1 << 3;
 /// Device length byte: last device; number of paths follows; system device follows.
@@ -496,6 +537,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The tcp device addresses of a worker's own address: on loopback, the loopback
+    /// address, for a peer on this host only; on the host's other devices, their
+    /// addresses (the ones `ip` lists).
+    #[tokio::test]
+    async fn tcp_device_addresses_are_read() {
+        let lo =
+            crate::Context::builder().transports("tcp,self").config("NET_DEVICES", "lo").build().unwrap();
+        let own = lo.create_worker().unwrap().address().unwrap();
+        assert_eq!(tcp_ips(own.ucx_bytes(), true), vec![std::net::IpAddr::from([127, 0, 0, 1])]);
+        assert!(tcp_ips(own.ucx_bytes(), false).is_empty());
+        let all = crate::Context::builder().transports("tcp,self").build().unwrap();
+        let own = all.create_worker().unwrap().address().unwrap();
+        let ips = tcp_ips(own.ucx_bytes(), false);
+        let listed = std::process::Command::new("ip").args(["-o", "addr"]).output().map(|o| o.stdout);
+        if let Ok(listed) = listed {
+            let listed = String::from_utf8_lossy(&listed);
+            for ip in &ips {
+                assert!(listed.contains(&format!(" {ip}/")), "{ip} is none of the host's: {listed}");
+            }
+        }
+        assert!(tcp_ips(&[0xff; 8], false).is_empty());
     }
 
     /// A tcp device address with a flag bit UCX does not look at is still read by UCX's

@@ -13,7 +13,7 @@ use super::{Endpoint, EndpointInner};
 use crate::error::{Error, Peer, Result, Status};
 use crate::handshake::{Kind, Message};
 use crate::identity::ProcessIdentity;
-use crate::liveness::PidWatch;
+use crate::liveness::{KeepaliveAddr, PidWatch};
 use crate::worker::{self, EpState, HsWait, State, Worker};
 
 /// Whether `ip` is an address of this host (in this network namespace).
@@ -252,23 +252,30 @@ impl Drop for HsGuard<'_> {
 }
 
 impl Endpoint {
-    pub(crate) async fn client_handshake(&self, timeout: std::time::Duration) -> Result<()> {
+    /// Sends the hello and waits for the answer; returns the peer's keepalive lane.
+    pub(crate) async fn client_handshake(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<Option<KeepaliveAddr>> {
         self.client_handshake_with(nonce(), false, timeout).await
     }
 
     /// Sends the hello with `nonce` (a front hello when `front`, whose nonce is the
-    /// connection id of its request on the listener's front) and waits for the answer.
+    /// connection id of its request on the listener's front) and waits for the answer;
+    /// returns the peer's keepalive lane (watched already where the peer's address is
+    /// known: see [`Endpoint::start_watch`]).
     pub(crate) async fn client_handshake_with(
         &self,
         nonce: u64,
         front: bool,
         timeout: std::time::Duration,
-    ) -> Result<()> {
+    ) -> Result<Option<KeepaliveAddr>> {
         let hello = Message {
             kind: if front { Kind::FrontHello } else { Kind::Hello },
             peer_mode: self.inner.peer_mode,
             nonce,
             identity: ProcessIdentity::current(),
+            lane: self.inner.worker.shared.lane.as_ref().map(|l| l.addr()),
         };
         let id = self.inner.id;
         let peer_mode = self.inner.peer_mode;
@@ -278,10 +285,10 @@ impl Endpoint {
             Ok(())
         })?;
         let guard = HsGuard { ep: self, key: HsKey::Connect(nonce) };
-        let identity = self.await_handshake(&guard, timeout, "connect").await?;
+        let (identity, lane) = self.await_handshake(&guard, timeout, "connect").await?;
         drop(guard);
-        self.start_watch(identity);
-        Ok(())
+        self.start_watch(identity, lane);
+        Ok(lane)
     }
 
     /// Without the handshake, on an endpoint made through a listener (either side):
@@ -325,9 +332,9 @@ impl Endpoint {
             Ok(HsKey::Accept(h as usize))
         })?;
         let guard = HsGuard { ep: self, key };
-        let identity = self.await_handshake(&guard, timeout, "accept").await?;
+        let (identity, lane) = self.await_handshake(&guard, timeout, "accept").await?;
         drop(guard);
-        self.start_watch(identity);
+        self.start_watch(identity, lane);
         Ok(())
     }
 
@@ -336,7 +343,7 @@ impl Endpoint {
         guard: &HsGuard<'_>,
         timeout: std::time::Duration,
         op: &'static str,
-    ) -> Result<ProcessIdentity> {
+    ) -> Result<(ProcessIdentity, Option<KeepaliveAddr>)> {
         let key = guard.key;
         let id = self.inner.id;
         let wait = poll_fn(|cx| {
@@ -371,14 +378,22 @@ impl Endpoint {
     }
 
     #[cfg(test)]
-    pub(crate) async fn await_hs_for_test(&self, nonce: u64) -> Result<ProcessIdentity> {
+    pub(crate) async fn await_hs_for_test(
+        &self,
+        nonce: u64,
+    ) -> Result<(ProcessIdentity, Option<KeepaliveAddr>)> {
         let guard = HsGuard { ep: self, key: HsKey::Connect(nonce) };
         self.await_handshake(&guard, std::time::Duration::from_secs(5), "connect").await
     }
 
-    /// Records the peer's identity and, for a peer process on this host, watches it.
-    pub(crate) fn start_watch(&self, identity: ProcessIdentity) {
+    /// Records the peer's identity; for a peer process on this host, watches it; where
+    /// the peer's address is known (a connect through a listener, an accepted
+    /// endpoint), watches its keepalive `lane` (see [`crate::liveness`]).
+    pub(crate) fn start_watch(&self, identity: ProcessIdentity, lane: Option<KeepaliveAddr>) {
         *self.inner.identity.lock().unwrap_or_else(|e| e.into_inner()) = Some(identity);
+        if let Peer::Socket(a) | Peer::Accepted(Some(a)) = &self.inner.peer {
+            self.start_keepalive(lane, &[a.ip()]);
+        }
         if !identity.watchable() {
             return;
         }
@@ -402,6 +417,18 @@ impl Endpoint {
             }
         });
         *self.inner.watch.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+    }
+}
+
+impl Endpoint {
+    /// Has the worker's keepalive lane watch this endpoint's peer, whose lane is `lane`
+    /// at one of `ips`: only in UCX's peer error mode (the pidfd watches the others) and
+    /// when both sides have a lane.
+    pub(crate) fn start_keepalive(&self, lane: Option<KeepaliveAddr>, ips: &[IpAddr]) {
+        let (Some(peer), Some(own)) = (lane, self.inner.worker.shared.lane.as_ref()) else { return };
+        if self.inner.peer_mode {
+            own.watch(ips, peer, &self.inner);
+        }
     }
 }
 

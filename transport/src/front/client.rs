@@ -96,7 +96,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
             e = gave_up(&mut conn, &peer) => Err(e),
         };
         match outcome {
-            Ok(()) => {
+            Ok(_) => {
                 ep.set_peer_uuid(Some(accept.uuid));
                 ep.check_required(&opts.require_transports)?;
                 tracing::debug!(%addr, "connected through the front");

@@ -40,6 +40,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Peer, Result};
 use crate::handshake::{Kind, NackReason};
 use crate::identity::ProcessIdentity;
+use crate::liveness::KeepaliveAddr;
 use crate::pairing::Adopt;
 use crate::worker::{EndpointOptions, FrontWait, Worker};
 
@@ -306,7 +307,7 @@ async fn accept_pending(worker: &Worker, p: Pending, opts: &EndpointOptions) -> 
     let adopt = async {
         let mut seen = 0u32;
         loop {
-            let (reply_ep, hello_mode) = next_hello(worker, conn_id).await;
+            let (reply_ep, hello_mode, lane) = next_hello(worker, conn_id).await;
             seen += 1;
             let outcome = worker.shared.inner.locked(|st| {
                 if hello_mode != peer_mode {
@@ -335,7 +336,7 @@ async fn accept_pending(worker: &Worker, p: Pending, opts: &EndpointOptions) -> 
                 }
             });
             match outcome {
-                Ok(id) => return Ok(id),
+                Ok(id) => return Ok((id, lane)),
                 Err(Some(reason)) => return Err(Error::Handshake { peer: peer.clone(), reason }),
                 Err(None) if seen > super::MAX_COLLISIONS => {
                     return Err(Error::Handshake {
@@ -348,7 +349,7 @@ async fn accept_pending(worker: &Worker, p: Pending, opts: &EndpointOptions) -> 
             }
         }
     };
-    let id = tokio::select! {
+    let (id, lane) = tokio::select! {
         r = tokio::time::timeout(opts.timeout, adopt) => match r {
             Ok(r) => r?,
             Err(_) => return Err(Error::Timeout { op: "accept", peer, after: opts.timeout }),
@@ -357,7 +358,7 @@ async fn accept_pending(worker: &Worker, p: Pending, opts: &EndpointOptions) -> 
     };
     let ep = Endpoint::from_registered(worker, id, peer, peer_mode);
     ep.set_peer_uuid(Some(request.uuid));
-    ep.start_watch(request.identity);
+    ep.start_watch(request.identity, lane);
     ep.check_required(&opts.require_transports)?;
     tracing::debug!(ep = id, "accepted through the front");
     Ok(ep)
@@ -450,8 +451,8 @@ fn mode(peer_mode: bool) -> &'static str {
 }
 
 /// Takes connection `conn`'s next hello, once one came: the endpoint it came through and
-/// the error mode it says the connecting side uses.
-async fn next_hello(worker: &Worker, conn: u64) -> (ucx_sys::ucp_ep_h, bool) {
+/// the error mode it says the connecting side uses, and its keepalive lane.
+async fn next_hello(worker: &Worker, conn: u64) -> (ucx_sys::ucp_ep_h, bool, Option<KeepaliveAddr>) {
     let inner = &worker.shared.inner;
     std::future::poll_fn(|cx| {
         inner.poll_until(

@@ -287,7 +287,8 @@ impl EpState {
 /// A pending handshake.
 pub(crate) struct HsWait {
     pub(crate) waker: Option<Waker>,
-    pub(crate) result: Option<std::result::Result<ProcessIdentity, String>>,
+    /// The peer's identity and keepalive lane, or why the handshake failed.
+    pub(crate) result: Option<std::result::Result<(ProcessIdentity, Option<KeepaliveAddr>), String>>,
     pub(crate) peer_mode: bool,
     pub(crate) ep: u64,
     /// An accept that takes only a hello with this nonce (the connection id a listener's
@@ -300,8 +301,8 @@ pub(crate) struct HsWait {
 pub(crate) struct FrontWait {
     /// The hellos not taken yet (a collision makes the connecting side send another):
     /// the endpoint each came through (UCX's reply endpoint) and the error mode it says
-    /// the connecting side uses.
-    pub(crate) hellos: std::collections::VecDeque<(sys::ucp_ep_h, bool)>,
+    /// the connecting side uses, and its keepalive lane.
+    pub(crate) hellos: std::collections::VecDeque<(sys::ucp_ep_h, bool, Option<KeepaliveAddr>)>,
     pub(crate) waker: Option<Waker>,
 }
 

@@ -48,6 +48,7 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                     peer_mode: false,
                     nonce: 0,
                     identity: me,
+                    lane: None,
                 };
                 st.reply(reply_ep, nack);
             }
@@ -66,7 +67,7 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                     }
                     Some(w) => {
                         // Answered once the accept took the endpoint over (see `pairing`).
-                        w.hellos.push_back((reply_ep, m.peer_mode));
+                        w.hellos.push_back((reply_ep, m.peer_mode, m.lane));
                         if let Some(k) = w.waker.take() {
                             st.after.wake(k);
                         }
@@ -79,6 +80,7 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                             peer_mode: m.peer_mode,
                             nonce: m.nonce,
                             identity: me,
+                            lane: None,
                         };
                         st.reply(reply_ep, nack);
                     }
@@ -102,14 +104,15 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                             mode_name(w.peer_mode)
                         )));
                     } else {
-                        w.result = Some(Ok(m.identity));
+                        w.result = Some(Ok((m.identity, m.lane)));
                     }
                     if let Some(k) = w.waker.take() {
                         st.after.wake(k);
                     }
                 }
                 let peer_mode = m.peer_mode;
-                st.reply(reply_ep, Message { kind, peer_mode, nonce: m.nonce, identity: me });
+                let lane = st.lane;
+                st.reply(reply_ep, Message { kind, peer_mode, nonce: m.nonce, identity: me, lane });
             }
             Kind::StreamEnd => {
                 let id = st.by_handle.get(&(reply_ep as usize)).copied();
@@ -155,7 +158,7 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                             mode_name(m.peer_mode),
                             mode_name(w.peer_mode)
                         )),
-                        _ => Ok(m.identity),
+                        _ => Ok((m.identity, m.lane)),
                     });
                     if let Some(k) = w.waker.take() {
                         st.after.wake(k);

@@ -26,6 +26,7 @@ use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Status};
 use crate::handshake::{self, Kind, Message, NackReason};
 use crate::identity::ProcessIdentity;
+use crate::liveness::{Keepalive, KeepaliveAddr, KeepaliveLane};
 use crate::lock::RawLock;
 
 use crate::slot::{OpKind, Slot};
@@ -75,6 +76,7 @@ pub struct WorkerBuilder {
     linger: Duration,
     namespaces: bool,
     busy_spin: u32,
+    keepalive: Option<Keepalive>,
 }
 
 impl WorkerBuilder {
@@ -87,7 +89,19 @@ impl WorkerBuilder {
             linger: progress::DEFAULT_LINGER,
             namespaces: true,
             busy_spin: DEFAULT_BUSY_SPIN,
+            keepalive: Some(Keepalive::default()),
         }
+    }
+
+    /// The keepalive that fails an endpoint whose peer across the network went silent
+    /// (its link down, its host frozen or gone), within `timeout` plus one `interval`
+    /// (see [`crate::liveness`]; default [`Keepalive::default`]: 1 s, 10 s). `None` turns
+    /// it off: the worker then opens no UDP socket and starts no thread, and such a peer
+    /// is found only by UCX (UCX 1.22's TCP user timeout) or the application's deadlines.
+    /// The settings are checked when the worker is built ([`Error::ApiMisuse`]).
+    pub fn keepalive(mut self, keepalive: Option<Keepalive>) -> Self {
+        self.keepalive = keepalive;
+        self
     }
 
     /// Busy-poll mode: how many times a waiting future progresses the worker without
@@ -156,6 +170,9 @@ impl WorkerBuilder {
     ) -> Result<Worker> {
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| Error::ApiMisuse("Worker::build must run inside a tokio runtime".into()))?;
+        if let Some(k) = &self.keepalive {
+            k.check().map_err(Error::ApiMisuse)?;
+        }
         let params = sys::ucp_worker_params_t {
             field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE.0 as u64,
             thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
@@ -217,6 +234,15 @@ impl WorkerBuilder {
         inner.locked(|st| st.am = Some(tables));
         // Before the driver starts: a failure here drops the worker whole.
         let own_address = inner.locked(|st| ucx_address_of(st.handle))?;
+        // A worker without its keepalive still works: its peers are then found as before.
+        let lane = self.keepalive.and_then(|k| match KeepaliveLane::start(k, rt.clone()) {
+            Ok(lane) => Some(lane),
+            Err(e) => {
+                tracing::warn!("no keepalive for this worker: {e}");
+                None
+            }
+        });
+        inner.locked(|st| st.lane = lane.as_ref().map(|l| l.addr()));
         // Only now may another thread progress it (see `live_workers`).
         register_live(&inner);
         rt.spawn(progress::drive(inner.clone(), inner.signal.clone()));
@@ -237,6 +263,7 @@ impl WorkerBuilder {
                 namespaces: std::sync::Mutex::new(0),
                 closers: std::sync::Mutex::new(Vec::new()),
                 shut: std::sync::atomic::AtomicBool::new(false),
+                lane,
             }),
         })
     }
@@ -327,6 +354,8 @@ pub(crate) struct WorkerShared {
     pub(crate) closers: std::sync::Mutex<Vec<std::sync::Weak<dyn Closer>>>,
     /// [`Worker::shutdown`] ran: no new listener or connection.
     pub(crate) shut: std::sync::atomic::AtomicBool,
+    /// The keepalive lane, where it is on.
+    pub(crate) lane: Option<Arc<KeepaliveLane>>,
 }
 
 /// Something of a worker that [`Worker::shutdown`] closes while handles to it may live
@@ -342,6 +371,9 @@ impl Drop for WorkerShared {
             own_workers().remove(&u);
         }
         self.inner.signal.shutdown();
+        if let Some(lane) = &self.lane {
+            lane.stop();
+        }
     }
 }
 
@@ -349,6 +381,13 @@ impl Worker {
     /// This worker's address in UCX's own form (`ucp_worker_get_address`).
     pub(crate) fn ucx_address(&self) -> Result<Vec<u8>> {
         self.shared.inner.locked(|st| ucx_address_of(st.handle))
+    }
+
+    /// The UDP port of this worker's keepalive lane (on every address of the host), for
+    /// firewalls between hosts; `None` where the keepalive is off (see
+    /// [`WorkerBuilder::keepalive`]).
+    pub fn keepalive_port(&self) -> Option<u16> {
+        self.shared.lane.as_ref().map(|l| l.addr().port)
     }
 
     /// Refuses `op` after [`Worker::shutdown`].
@@ -650,6 +689,7 @@ mod tests {
             peer_mode: false,
             nonce: 55,
             identity: ProcessIdentity::current(),
+            lane: None,
         };
         let sent = 100u64;
         for _ in 0..sent {
@@ -692,6 +732,7 @@ mod tests {
             peer_mode: false,
             nonce: 77,
             identity: ProcessIdentity::current(),
+            lane: None,
         }
         .encode();
         junk[4] = 200; // unknown version

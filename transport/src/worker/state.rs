@@ -27,6 +27,8 @@ pub(crate) trait RunAfter: Send + Sync {
 /// Everything under the worker lock.
 pub(crate) struct State {
     pub(crate) handle: sys::ucp_worker_h,
+    /// The worker's keepalive lane, which its handshake messages carry.
+    pub(crate) lane: Option<KeepaliveAddr>,
     /// What to do once the lock is released.
     pub(crate) after: Deferred,
     pub(crate) parked: usize,
@@ -77,6 +79,7 @@ impl State {
     pub(super) fn new(handle: sys::ucp_worker_h) -> State {
         State {
             handle,
+            lane: None,
             after: Deferred::default(),
             parked: 0,
             closes: IdSet::default(),
@@ -486,7 +489,7 @@ impl State {
 
     /// Sends a handshake notice of `kind` (after the handshake) on `ep`.
     pub(crate) fn send_notice(&mut self, ep: sys::ucp_ep_h, kind: Kind, peer_mode: bool, nonce: u64) {
-        let m = Message { kind, peer_mode, nonce, identity: ProcessIdentity::current() };
+        let m = Message { kind, peer_mode, nonce, identity: ProcessIdentity::current(), lane: self.lane };
         self.send_handshake(ep, m.encode(), true);
     }
 

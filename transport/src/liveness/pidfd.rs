@@ -1,14 +1,4 @@
-//! Peer liveness on one host without UCX's help.
-//!
-//! UCX 1.13's shared-memory transports have no peer-failure handler, so an endpoint that
-//! uses them (error mode [`crate::ErrorMode::None`]) would wait forever on a dead peer.
-//! When the handshake shows that the peer is a process on this host in this pid
-//! namespace, ucxkit opens a pidfd on it (`pidfd_open(2)`, Linux 5.3+) and watches it
-//! with tokio: the moment the process exits, the endpoint is failed, its bound receives
-//! are canceled and the endpoint is force-closed, so every pending operation on it ends
-//! with [`crate::Error::ConnectionReset`]. Detection is as fast as the kernel reaps the
-//! process (well under a second), costs nothing while the peer lives, and works
-//! whatever transport the endpoint uses.
+//! Watching a peer process on this host through a pidfd (see [`super`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

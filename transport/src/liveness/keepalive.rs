@@ -1,0 +1,529 @@
+//! The keepalive (see [`super`]): its settings, a worker's socket and thread, and the
+//! judgement of each watched endpoint's peer.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use ucx_sys as sys;
+
+use super::wire::{Datagram, Kind};
+use crate::endpoint::{Endpoint, EndpointInner};
+use crate::error::Status;
+
+/// A worker's keepalive settings ([`crate::WorkerBuilder::keepalive`]; see
+/// [`crate::liveness`]). An endpoint whose peer went silent fails within `timeout` plus
+/// one `interval`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Keepalive {
+    /// How often each watched endpoint pings its peer (default 1 s; at least 10 ms).
+    pub interval: Duration,
+    /// How long an endpoint that has heard its peer may then hear nothing before it
+    /// fails (default 10 s; at least two intervals).
+    pub timeout: Duration,
+}
+
+impl Default for Keepalive {
+    fn default() -> Self {
+        Keepalive { interval: Duration::from_secs(1), timeout: Duration::from_secs(10) }
+    }
+}
+
+/// The shortest interval taken.
+const MIN_INTERVAL: Duration = Duration::from_millis(10);
+
+impl Keepalive {
+    /// Why these settings cannot work, if they cannot.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if self.interval < MIN_INTERVAL {
+            return Err(format!("a keepalive interval of {:?} is under {MIN_INTERVAL:?}", self.interval));
+        }
+        if self.timeout < self.interval * 2 {
+            return Err(format!(
+                "a keepalive timeout of {:?} is under two intervals of {:?}",
+                self.timeout, self.interval
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a gap of `gap` between two ticks means that the thread itself did not
+    /// run (this process frozen or starved), not that the peers were silent.
+    fn stalled(&self, gap: Duration) -> bool {
+        gap > (self.interval * 2).max(self.timeout / 2)
+    }
+}
+
+/// A keepalive lane's address as the handshake carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeepaliveAddr {
+    /// Its UDP port (never 0).
+    pub(crate) port: u16,
+    /// The token its pings must carry.
+    pub(crate) token: u64,
+}
+
+/// Whether a watched endpoint has heard its peer, and when last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Heard {
+    Never,
+    At(Instant),
+}
+
+/// What a tick does with a watched endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    Ping,
+    Fail,
+}
+
+/// One tick's judgement of a watched endpoint. After a stall of the thread itself, the
+/// count starts again.
+fn judge(heard: &mut Heard, now: Instant, stalled: bool, timeout: Duration) -> Verdict {
+    match *heard {
+        Heard::Never => Verdict::Ping,
+        Heard::At(_) if stalled => {
+            *heard = Heard::At(now);
+            Verdict::Ping
+        }
+        Heard::At(t) if now.saturating_duration_since(t) > timeout => Verdict::Fail,
+        Heard::At(_) => Verdict::Ping,
+    }
+}
+
+/// An endpoint the lane watches.
+struct Watched {
+    /// Where its peer's lane may be: every address until one answers, then that one.
+    to: Vec<SocketAddr>,
+    /// The peer lane's token.
+    token: u64,
+    heard: Heard,
+    ep: Weak<EndpointInner>,
+    /// The endpoint's handle while usable: once it is closed or failed, it is not
+    /// watched any more.
+    usable: Weak<AtomicPtr<sys::ucp_ep>>,
+}
+
+/// A worker's keepalive lane: its UDP socket, the endpoints it watches, and (in
+/// [`KeepaliveLane::start`]) the thread that pings and answers.
+pub(crate) struct KeepaliveLane {
+    socket: UdpSocket,
+    addr: KeepaliveAddr,
+    cfg: Keepalive,
+    watched: Mutex<HashMap<u64, Watched>>,
+    /// Datagrams that were not a ping for this lane nor an answer for one of its
+    /// endpoints.
+    dropped: AtomicU64,
+    stop: AtomicBool,
+}
+
+impl KeepaliveLane {
+    /// Opens the socket (IPv6 with IPv4 mapped where the host has it, else IPv4) and
+    /// starts the thread, which runs in `rt`'s context (failing an endpoint may spawn).
+    pub(crate) fn start(cfg: Keepalive, rt: tokio::runtime::Handle) -> io::Result<Arc<KeepaliveLane>> {
+        let socket = match UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0)) {
+            Ok(s) if takes_ipv4(&s) => s,
+            _ => UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?,
+        };
+        let port = socket.local_addr()?.port();
+        let token =
+            u64::from_le_bytes(crate::auth::random::<8>().map_err(|e| io::Error::other(e.to_string()))?);
+        let lane = Arc::new(KeepaliveLane {
+            socket,
+            addr: KeepaliveAddr { port, token },
+            cfg,
+            watched: Mutex::default(),
+            dropped: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
+        let run = lane.clone();
+        std::thread::Builder::new().name("ucxkit-keepalive".into()).spawn(move || {
+            let _rt = rt.enter();
+            run.run();
+        })?;
+        Ok(lane)
+    }
+
+    /// The lane's address for the handshake.
+    pub(crate) fn addr(&self) -> KeepaliveAddr {
+        self.addr
+    }
+
+    /// Datagrams dropped so far.
+    #[cfg(test)]
+    fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// How many endpoints it watches, and how many of them have heard their peer.
+    #[cfg(test)]
+    fn watching(&self) -> (usize, usize) {
+        let w = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
+        (w.len(), w.values().filter(|t| t.heard != Heard::Never).count())
+    }
+
+    /// Watches `ep`, whose peer's lane is `peer` at one of `ips`, and pings it at once
+    /// (an endpoint is judged only once it has heard its peer).
+    pub(crate) fn watch(&self, ips: &[IpAddr], peer: KeepaliveAddr, ep: &Arc<EndpointInner>) {
+        let to: Vec<SocketAddr> =
+            ips.iter().map(|&ip| SocketAddr::new(ip.to_canonical(), peer.port)).collect();
+        if to.is_empty() {
+            return;
+        }
+        let mut w = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cookie = crate::endpoint::nonce();
+        while w.contains_key(&cookie) {
+            cookie = crate::endpoint::nonce();
+        }
+        let usable = Arc::downgrade(ep.usable_flag());
+        let ping = Datagram { kind: Kind::Ping, token: peer.token, cookie }.encode();
+        for &a in &to {
+            let _ = self.send(&ping, a);
+        }
+        w.insert(
+            cookie,
+            Watched { to, token: peer.token, heard: Heard::Never, ep: Arc::downgrade(ep), usable },
+        );
+    }
+
+    /// Ends the thread (within one interval, at once where loopback works).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        for ip in [IpAddr::V6(Ipv6Addr::LOCALHOST), IpAddr::V4(Ipv4Addr::LOCALHOST)] {
+            let _ = self.send(&[0], SocketAddr::new(ip, self.addr.port));
+        }
+    }
+
+    /// The thread: answers and ticks until stopped.
+    fn run(&self) {
+        let mut buf = [0u8; 64];
+        let mut last_tick = Instant::now();
+        let mut next = last_tick;
+        while !self.stop.load(Ordering::Acquire) {
+            let now = Instant::now();
+            if now >= next {
+                self.tick(now, now - last_tick);
+                last_tick = now;
+                next = now + self.cfg.interval;
+                continue;
+            }
+            let _ = self.socket.set_read_timeout(Some((next - now).max(Duration::from_millis(1))));
+            match self.socket.recv_from(&mut buf) {
+                Ok((n, from)) => self.take(&buf[..n], from),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => {
+                    tracing::debug!("keepalive receive: {e}");
+                    std::thread::sleep(MIN_INTERVAL);
+                }
+            }
+        }
+    }
+
+    /// Takes one datagram from `from`.
+    fn take(&self, b: &[u8], from: SocketAddr) {
+        let from = SocketAddr::new(from.ip().to_canonical(), from.port());
+        match Datagram::decode(b) {
+            Ok(d) if d.kind == Kind::Ping && d.token == self.addr.token => {
+                let _ = self.send(&Datagram { kind: Kind::Answer, ..d }.encode(), from);
+            }
+            Ok(d) if d.kind == Kind::Answer => {
+                let mut w = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
+                match w.get_mut(&d.cookie) {
+                    Some(t) if t.token == d.token && t.to.contains(&from) => {
+                        t.heard = Heard::At(Instant::now());
+                        t.to = vec![from];
+                    }
+                    _ => {
+                        self.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            _ => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Pings every watched endpoint's peer, fails those silent past the timeout and
+    /// forgets those closed, failed or dropped. `gap`: the time since the last tick.
+    fn tick(&self, now: Instant, gap: Duration) {
+        let stalled = self.cfg.stalled(gap);
+        let mut pings = Vec::new();
+        let mut silent = Vec::new();
+        self.watched.lock().unwrap_or_else(PoisonError::into_inner).retain(|&cookie, t| {
+            if !t.usable.upgrade().is_some_and(|u| !u.load(Ordering::Relaxed).is_null()) {
+                return false;
+            }
+            match judge(&mut t.heard, now, stalled, self.cfg.timeout) {
+                Verdict::Ping => {
+                    let d = Datagram { kind: Kind::Ping, token: t.token, cookie }.encode();
+                    pings.extend(t.to.iter().map(|&a| (a, d)));
+                    true
+                }
+                Verdict::Fail => {
+                    silent.push(t.ep.clone());
+                    false
+                }
+            }
+        });
+        for (to, d) in pings {
+            if let Err(e) = self.send(&d, to) {
+                tracing::trace!(%to, "keepalive ping: {e}");
+            }
+        }
+        for ep in silent {
+            if let Some(inner) = ep.upgrade() {
+                tracing::warn!(
+                    ep = inner.id,
+                    peer = %inner.peer,
+                    "the peer did not answer the keepalive for {:?}: endpoint failed",
+                    self.cfg.timeout
+                );
+                Endpoint { inner }.fail(Status::ENDPOINT_TIMEOUT);
+            }
+        }
+    }
+
+    /// Sends `b` to `to` (an IPv4 address mapped on an IPv6 socket).
+    fn send(&self, b: &[u8], to: SocketAddr) -> io::Result<usize> {
+        let to = match to {
+            SocketAddr::V4(a) if self.socket.local_addr().is_ok_and(|l| l.is_ipv6()) => {
+                SocketAddr::new(IpAddr::V6(a.ip().to_ipv6_mapped()), a.port())
+            }
+            a => a,
+        };
+        self.socket.send_to(b, to)
+    }
+}
+
+/// Whether an IPv6 socket also takes IPv4 (mapped): `IPV6_V6ONLY` off, as Linux has it
+/// unless `net.ipv6.bindv6only` is set.
+fn takes_ipv4(s: &UdpSocket) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut only: libc::c_int = 1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a valid socket fd, an int out-parameter and its length.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IPV6,
+            libc::IPV6_V6ONLY,
+            (&mut only as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    r == 0 && only == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each state under each circumstance of a tick: what it does and what it becomes.
+    #[test]
+    fn judgement_table() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(10);
+        let s = Duration::from_secs;
+        let at = |d: u64| Heard::At(t0 + s(d));
+        let now = t0 + s(20);
+        // (state, stalled, verdict, state after)
+        let table = [
+            (Heard::Never, false, Verdict::Ping, Heard::Never),
+            (Heard::Never, true, Verdict::Ping, Heard::Never),
+            (at(15), false, Verdict::Ping, at(15)),
+            (at(10), false, Verdict::Ping, at(10)),
+            (at(9), false, Verdict::Fail, at(9)),
+            (at(9), true, Verdict::Ping, Heard::At(now)),
+            (at(0), true, Verdict::Ping, Heard::At(now)),
+        ];
+        for (i, (mut heard, stalled, verdict, after)) in table.into_iter().enumerate() {
+            assert_eq!(judge(&mut heard, now, stalled, timeout), verdict, "row {i}");
+            assert_eq!(heard, after, "row {i}");
+        }
+    }
+
+    #[test]
+    fn settings_are_checked() {
+        let ms = Duration::from_millis;
+        assert!(Keepalive::default().check().is_ok());
+        for (interval, timeout, ok) in [
+            (ms(10), ms(20), true),
+            (ms(9), ms(100), false),
+            (ms(100), ms(199), false),
+            (ms(0), ms(0), false),
+        ] {
+            assert_eq!(Keepalive { interval, timeout }.check().is_ok(), ok, "{interval:?} / {timeout:?}");
+        }
+    }
+
+    #[test]
+    fn a_stall_is_longer_than_two_intervals_and_half_the_timeout() {
+        let ms = Duration::from_millis;
+        let k = Keepalive { interval: ms(200), timeout: ms(1500) };
+        assert!(!k.stalled(ms(250)));
+        assert!(!k.stalled(ms(750)));
+        assert!(k.stalled(ms(751)));
+        let tight = Keepalive { interval: ms(100), timeout: ms(200) };
+        assert!(!tight.stalled(ms(150)), "a late tick of the tightest settings is no stall");
+        assert!(tight.stalled(ms(201)));
+    }
+
+    use crate::{Context, Endpoint, ErrorKind, Worker};
+
+    const FAST: Keepalive =
+        Keepalive { interval: Duration::from_millis(50), timeout: Duration::from_millis(300) };
+
+    fn worker(k: Option<Keepalive>) -> Worker {
+        let ctx = Context::builder().transports("tcp,self").config("NET_DEVICES", "lo").build().unwrap();
+        ctx.worker().keepalive(k).build().unwrap()
+    }
+
+    fn lane(w: &Worker) -> &Arc<KeepaliveLane> {
+        w.shared.lane.as_ref().expect("a keepalive lane")
+    }
+
+    /// Connects a client to a server through a listener (TCP: UCX's peer error mode).
+    async fn pair(server: &Worker, client: &Worker) -> (Endpoint, Endpoint) {
+        let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let (s, c) = tokio::join!(l.accept(), client.connect(l.local_addr()));
+        (s.unwrap(), c.unwrap())
+    }
+
+    /// Waits until `w`'s lane watches `n` endpoints that have all heard their peers.
+    async fn all_heard(w: &Worker, n: usize) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while lane(w).watching() != (n, n) {
+            assert!(Instant::now() < end, "watching {:?}, not {n} heard", lane(w).watching());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Both ends of a connection watch each other; when one side's lane goes quiet (as a
+    /// frozen or cut-off peer's does), the other's endpoint fails within the timeout
+    /// plus an interval, pending operations included, with the endpoint-timeout reason.
+    #[tokio::test]
+    async fn a_silent_peer_fails_the_endpoint_in_bound() {
+        let (server, client) = (worker(Some(FAST)), worker(Some(FAST)));
+        let (accepted, ep) = pair(&server, &client).await;
+        all_heard(&server, 1).await;
+        all_heard(&client, 1).await;
+        let recv = ep.tag_recv(7, crate::tag::EXACT, vec![0u8; 8]);
+        lane(&server).stop();
+        let quiet = Instant::now();
+        let status =
+            tokio::time::timeout(Duration::from_secs(10), ep.failed()).await.expect("the endpoint fails");
+        let took = quiet.elapsed();
+        assert_eq!(status, Status::ENDPOINT_TIMEOUT);
+        // Detection takes the timeout plus at most an interval; the rest is scheduling.
+        assert!(took >= FAST.timeout - FAST.interval, "failed after {took:?}");
+        assert!(took < FAST.timeout + FAST.interval + Duration::from_secs(2), "failed after {took:?}");
+        let (r, _) = recv.await;
+        assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset);
+        // Failed: no longer watched. (The forced close resets the server's side.)
+        tokio::time::sleep(FAST.interval * 3).await;
+        assert_eq!(lane(&client).watching(), (0, 0));
+        drop(accepted);
+    }
+
+    /// A connection whose peer answers stays up however long it idles; endpoints dropped
+    /// or closed are forgotten.
+    #[tokio::test]
+    async fn a_live_peer_is_kept_and_a_closed_endpoint_forgotten() {
+        let (server, client) = (worker(Some(FAST)), worker(Some(FAST)));
+        let (accepted, ep) = pair(&server, &client).await;
+        all_heard(&client, 1).await;
+        tokio::time::sleep(FAST.timeout * 4).await;
+        assert!(ep.failure().is_none() && accepted.failure().is_none());
+        ep.close().await.unwrap();
+        drop(accepted);
+        tokio::time::sleep(FAST.interval * 3).await;
+        assert_eq!(lane(&client).watching(), (0, 0));
+        assert_eq!(lane(&server).watching(), (0, 0));
+    }
+
+    /// A peer whose lane never answers (UDP filtered, say) is never judged: the
+    /// endpoint lives.
+    #[tokio::test]
+    async fn a_lane_never_heard_fails_nothing() {
+        let (server, client) = (worker(Some(FAST)), worker(None));
+        assert_eq!(client.keepalive_port(), None);
+        let (accepted, ep) = pair(&server, &client).await;
+        // The client sent no lane: the server watches nothing.
+        assert_eq!(lane(&server).watching(), (0, 0));
+        // Watched at a port where nobody answers.
+        let nobody = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let silent = KeepaliveAddr { port: nobody.local_addr().unwrap().port(), token: 1 };
+        lane(&server).watch(&["127.0.0.1".parse().unwrap()], silent, &accepted.inner);
+        tokio::time::sleep(FAST.timeout * 3).await;
+        assert_eq!(lane(&server).watching(), (1, 0));
+        assert!(accepted.failure().is_none() && ep.failure().is_none());
+    }
+
+    /// Whatever arrives at a lane is dropped unless it is a ping with its token or an
+    /// answer for one of its endpoints from that endpoint's peer: garbage, forged
+    /// answers and foreign pings change nothing, and no answer goes to a wrong token.
+    #[tokio::test]
+    async fn foreign_datagrams_are_dropped() {
+        let (server, client) = (worker(Some(FAST)), worker(Some(FAST)));
+        let (_accepted, ep) = pair(&server, &client).await;
+        all_heard(&client, 1).await;
+        let target = SocketAddr::from(([127, 0, 0, 1], client.keepalive_port().unwrap()));
+        let (token, cookie) = {
+            let w = lane(&client).watched.lock().unwrap();
+            let (&cookie, t) = w.iter().next().unwrap();
+            (t.token, cookie)
+        };
+        let before = lane(&client).dropped();
+        let sender = UdpSocket::bind("127.0.0.1:0").unwrap();
+        sender.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let garbage: Vec<Vec<u8>> = vec![
+            vec![],
+            vec![0xff; 24],
+            vec![0; 1000],
+            // A ping with a wrong token, an answer with a wrong token or cookie, and a
+            // right answer from an address that is not the peer's.
+            Datagram { kind: Kind::Ping, token: lane(&client).addr().token ^ 1, cookie: 9 }.encode().to_vec(),
+            Datagram { kind: Kind::Answer, token: token ^ 1, cookie }.encode().to_vec(),
+            Datagram { kind: Kind::Answer, token, cookie: cookie ^ 1 }.encode().to_vec(),
+            Datagram { kind: Kind::Answer, token, cookie }.encode().to_vec(),
+        ];
+        for g in &garbage {
+            sender.send_to(g, target).unwrap();
+        }
+        let end = Instant::now() + Duration::from_secs(5);
+        while lane(&client).dropped() < before + garbage.len() as u64 {
+            assert!(
+                Instant::now() < end,
+                "{} of {} dropped",
+                lane(&client).dropped() - before,
+                garbage.len()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut buf = [0u8; 64];
+        assert!(sender.recv_from(&mut buf).is_err(), "a foreign ping was answered");
+        // A ping with the lane's token is answered, to whoever sent it.
+        let ping = Datagram { kind: Kind::Ping, token: lane(&client).addr().token, cookie: 5 };
+        sender.send_to(&ping.encode(), target).unwrap();
+        let (n, _) = sender.recv_from(&mut buf).unwrap();
+        assert_eq!(Datagram::decode(&buf[..n]), Ok(Datagram { kind: Kind::Answer, ..ping }));
+        assert!(ep.failure().is_none());
+    }
+
+    #[tokio::test]
+    async fn settings_that_cannot_work_are_refused_at_build() {
+        let ctx = Context::builder().transports("tcp,self").build().unwrap();
+        let bad = Keepalive { interval: Duration::from_secs(1), timeout: Duration::from_secs(1) };
+        let e = ctx.worker().keepalive(Some(bad)).build().unwrap_err();
+        assert!(matches!(e, crate::Error::ApiMisuse(_)), "{e}");
+        assert!(ctx.create_worker().unwrap().keepalive_port().is_some(), "on by default");
+    }
+}
