@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use ucxkit_transport::{namespace::COLLECTIVES, Context, ProgressMode, Worker, WorkerAddress};
+use ucxkit_transport::{namespace::COLLECTIVES, Context, Keepalive, ProgressMode, Worker, WorkerAddress};
 
 use crate::abort::{pick_id, Registry};
 use crate::comm::Communicator;
@@ -28,12 +28,21 @@ pub struct InitOptions {
     pub progress: ProgressMode,
     /// UCX transports for the context it makes (`UCX_TLS` syntax; None: UCX's choice).
     pub transports: Option<String>,
+    /// The keepalive of the worker it makes, which fails the endpoint to a rank that went
+    /// silent across the network, and with it the group's operations (see
+    /// [`ucxkit_transport::liveness`]; `None`: off).
+    pub keepalive: Option<Keepalive>,
 }
 
 impl Default for InitOptions {
-    /// 60 s, event-driven progress, UCX's transports.
+    /// 60 s, event-driven progress, UCX's transports, the transport's default keepalive.
     fn default() -> Self {
-        InitOptions { deadline: Duration::from_secs(60), progress: ProgressMode::Event, transports: None }
+        InitOptions {
+            deadline: Duration::from_secs(60),
+            progress: ProgressMode::Event,
+            transports: None,
+            keepalive: Some(Keepalive::default()),
+        }
     }
 }
 
@@ -90,6 +99,7 @@ impl Communicator {
         let worker = ctx
             .worker()
             .progress_mode(opts.progress)
+            .keepalive(opts.keepalive)
             .build()
             .map_err(|e| boot(format!("making a worker: {e}")))?;
         let (store, _server) = open(&addr, rank, opts.deadline).await?;

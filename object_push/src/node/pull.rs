@@ -298,15 +298,27 @@ async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint, wait_ms: u32) -> 
         let opts = AmSendOptions { reply: true, ..Default::default() };
         let (r, _) = node.ns.am_send_with(holder, REQUEST, &msg.encode(), Bytes::new(), opts).await;
         r?;
+        // A holder whose endpoint fails (it died, or went silent: see the transport's
+        // keepalive) will not answer.
+        let answer = async {
+            tokio::select! {
+                a = answer => Ok(a),
+                source = holder.failed() => Err(Error::Transport(ucxkit_transport::Error::ConnectionReset {
+                    op: "an object lookup",
+                    peer: holder.peer().clone(),
+                    source,
+                })),
+            }
+        };
         let answered = if wait_ms == 0 {
-            answer.await
+            answer.await?
         } else {
             // A relay that never answers lets the pull turn to the others.
             let limit = Duration::from_millis(u64::from(wait_ms)) + RELAY_ANSWER;
             tokio::time::timeout(limit, answer).await.map_err(|_| Error::DeadlineExceeded {
                 what: format!("a relay's answer about {id}"),
                 limit,
-            })?
+            })??
         };
         let (msg, m) = answered.map_err(|_| Error::Remote("the node is closing".into()))?;
         match msg {

@@ -25,6 +25,7 @@ pub(crate) async fn run(args: &Args) -> Res<()> {
         progress: args.progress.mode(),
         transports: args.transport.tls(),
         deadline: Duration::from_secs(60),
+        ..Default::default()
     };
     let mut comm = Communicator::from_launch(&launch, opts).await.map_err(|e| e.to_string())?;
     if let Some(spec) = &args.algo {
