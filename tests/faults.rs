@@ -8,7 +8,10 @@
 //! must complete. The process on h0 must then end by itself, cleanly: the test command
 //! runs the loss and kill cases again with both processes under valgrind
 //! ([`netns::WRAPPER`]), where that means without memory errors or definite leaks.
-//! docs/faults.md has the table of cases and bounds.
+//! The cut and frozen peers are then found again with no deadline at all, by the
+//! transport's keepalive alone ([`KEEPALIVE`]; bound: its timeout and interval plus
+//! [`SLACK`]), and the keepalive must leave a run under a tight rate (slower rounds than
+//! its timeout) alone. docs/faults.md has the table of cases and bounds.
 //!
 //! Creating namespaces needs root: without it each case prints why and does nothing.
 
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ucxkit::collectives::{Communicator, InitOptions, Options, ReduceOp};
 use ucxkit::object_push::{MemoryStore, NodeOptions, ObjectId, ObjectNode};
-use ucxkit::transport::{tag, Context, Endpoint, Worker};
+use ucxkit::transport::{tag, Context, Endpoint, Keepalive, Worker};
 use ucxkit_testkit::netns::{self, Proc};
 use ucxkit_testkit::payload;
 use ucxkit_testkit::rig::{DelaySpec, Fault, Rig, Target};
@@ -30,6 +33,12 @@ use ucxkit_testkit::rig::{DelaySpec, Fault, Rig, Target};
 const OP_DEADLINE: Duration = Duration::from_secs(4);
 /// What a case may take past its deadline: the processes' own reaction and reporting.
 const SLACK: Duration = Duration::from_secs(3);
+/// The keepalive of the cases without deadlines.
+const KEEPALIVE: Keepalive =
+    Keepalive { interval: Duration::from_millis(200), timeout: Duration::from_millis(1500) };
+/// How the cases without deadlines limit a rate: a 1 MiB round takes about 2.1 s, longer
+/// than [`KEEPALIVE`]'s timeout.
+const SLOW_RATE: &str = "4mbit";
 /// Rounds of a run, and the pause between them (so that a fault lands mid-run).
 const ROUNDS: u64 = 40;
 const PAUSE: Duration = Duration::from_millis(25);
@@ -38,6 +47,9 @@ const CHILD_LIMIT: Duration = Duration::from_secs(90);
 /// The collectives' store (rank 0's, on h0; a fresh namespace has every port free).
 const STORE_PORT: u16 = 29_500;
 const ACK: u64 = 1 << 32;
+/// The round after which a run says it has started (and the fault comes): by then both
+/// sides' keepalives have heard each other.
+const STARTED_AFTER: u64 = 3;
 
 /// The bytes of round `i`: mostly 64 KiB (eager over TCP), every tenth 1 MiB
 /// (rendezvous).
@@ -73,9 +85,33 @@ fn fatal(f: &Fault) -> bool {
     matches!(f, Fault::LinkDown | Fault::Freeze(_) | Fault::Kill(_))
 }
 
+/// How a case's processes find a dead peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Finder {
+    /// Each operation's deadline ([`OP_DEADLINE`]).
+    Deadline,
+    /// The keepalive ([`KEEPALIVE`]) alone: no operation has a deadline.
+    Keepalive,
+}
+
+impl Finder {
+    /// How soon after a fatal fault the run must have ended in an error.
+    fn bound(self) -> Duration {
+        match self {
+            Finder::Deadline => OP_DEADLINE + SLACK,
+            Finder::Keepalive => KEEPALIVE.timeout + KEEPALIVE.interval + SLACK,
+        }
+    }
+}
+
 /// Runs one case: the layer's two processes on a fresh rig, `fault` on h1 once the run
 /// has started; checks the outcome and its time.
 fn case(layer: Layer, fault: Fault) {
+    case_with(layer, fault, Finder::Deadline)
+}
+
+/// [`case`], finding dead peers by `finder`.
+fn case_with(layer: Layer, fault: Fault, finder: Finder) {
     if let Err(e) = netns::available() {
         eprintln!("{layer:?} under {fault}: skipped, network namespaces are not available here ({e})");
         return;
@@ -88,6 +124,9 @@ fn case(layer: Layer, fault: Fault) {
             ("UCX_WARN_UNUSED_ENV_VARS", "n".to_string()),
             ("FAULTS_STORE", format!("{}:{STORE_PORT}", h0.addr)),
         ];
+        if finder == Finder::Keepalive {
+            e.push(("FAULTS_KEEPALIVE", "1".to_string()));
+        }
         e.extend(extra);
         e
     };
@@ -105,7 +144,7 @@ fn case(layer: Layer, fault: Fault) {
     let limit = OP_DEADLINE * (ROUNDS as u32 / 4) + SLACK;
     let outcome = runner.expect_line("OUTCOME", limit).expect("an outcome within the run's limit");
     let took = set.elapsed();
-    eprintln!("{layer:?} under {fault}: {outcome} ({took:?} after the fault)");
+    eprintln!("{layer:?} under {fault}, found by {finder:?}: {outcome} ({took:?} after the fault)");
     // The runner ends by itself after its outcome, cleanly (under valgrind: without
     // memory errors or definite leaks).
     runner.finish(Duration::from_secs(60)).expect("the runner ends well");
@@ -115,9 +154,9 @@ fn case(layer: Layer, fault: Fault) {
             assert!(outcome.contains("rank 1"), "the error names the rank: {outcome}");
         }
         assert!(
-            took <= OP_DEADLINE + SLACK,
+            took <= finder.bound(),
             "{layer:?} under {fault}: the error came {took:?} after the fault (bound {:?})",
-            OP_DEADLINE + SLACK
+            finder.bound()
         );
     } else {
         assert_eq!(outcome, format!("ok {ROUNDS} rounds checked"), "{layer:?} under {fault}");
@@ -168,14 +207,54 @@ cases! {
     object_with_the_holder_killed: Layer::Object, Fault::Kill(Target::All);
 }
 
+macro_rules! keepalive_cases {
+    ($($name:ident: $layer:expr, $fault:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            case_with($layer, $fault, Finder::Keepalive);
+        }
+    )*};
+}
+
+keepalive_cases! {
+    p2p_link_down_found_by_keepalive: Layer::P2p, Fault::LinkDown;
+    p2p_frozen_peer_found_by_keepalive: Layer::P2p, Fault::Freeze(Target::All);
+    p2p_slow_rounds_kept_by_keepalive: Layer::P2p, Fault::Rate(SLOW_RATE.into());
+    coll_link_down_found_by_keepalive: Layer::Coll, Fault::LinkDown;
+    coll_frozen_peer_found_by_keepalive: Layer::Coll, Fault::Freeze(Target::All);
+    coll_slow_rounds_kept_by_keepalive: Layer::Coll, Fault::Rate(SLOW_RATE.into());
+    object_link_down_found_by_keepalive: Layer::Object, Fault::LinkDown;
+    object_frozen_holder_found_by_keepalive: Layer::Object, Fault::Freeze(Target::All);
+    object_slow_rounds_kept_by_keepalive: Layer::Object, Fault::Rate(SLOW_RATE.into());
+}
+
 // The children. Each returns at once outside a case (no variables set).
 
 fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
+/// Whether this child finds dead peers by the keepalive alone (no deadlines).
+fn by_keepalive() -> bool {
+    var("FAULTS_KEEPALIVE").is_some()
+}
+
+/// Each operation's deadline: none to speak of when the keepalive alone finds dead peers.
+fn op_deadline() -> Duration {
+    if by_keepalive() {
+        CHILD_LIMIT
+    } else {
+        OP_DEADLINE
+    }
+}
+
+/// The child's keepalive: [`KEEPALIVE`] when it alone finds dead peers, else the default.
+fn keepalive() -> Option<Keepalive> {
+    Some(if by_keepalive() { KEEPALIVE } else { Keepalive::default() })
+}
+
 fn worker() -> Worker {
-    Context::builder().build().expect("context").create_worker().expect("worker")
+    Context::builder().build().expect("context").worker().keepalive(keepalive()).build().expect("worker")
 }
 
 /// Prints the run's outcome: every round checked, or the first error (with the round).
@@ -186,15 +265,16 @@ fn report(r: Result<(), String>) {
     }
 }
 
-/// `f` within [`OP_DEADLINE`], its error as text.
+/// `f` within [`op_deadline`], its error as text.
 async fn within<T, E: std::fmt::Display>(
     what: String,
     f: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, String> {
-    match tokio::time::timeout(OP_DEADLINE, f).await {
+    let deadline = op_deadline();
+    match tokio::time::timeout(deadline, f).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(format!("{what}: {e}")),
-        Err(_) => Err(format!("{what}: no answer within {OP_DEADLINE:?}")),
+        Err(_) => Err(format!("{what}: no answer within {deadline:?}")),
     }
 }
 
@@ -227,7 +307,8 @@ async fn p2p_runner() {
     let run = async {
         let ep = within("connecting".into(), w.connect(peer.parse().unwrap())).await?;
         for i in 0..ROUNDS {
-            let ack = w.tag_recv(ACK + i, tag::EXACT, vec![0u8; 1]);
+            // Bound to the endpoint: its failure ends the receive.
+            let ack = ep.tag_recv(ACK + i, tag::EXACT, vec![0u8; 1]);
             within(format!("round {i}: send"), async { ep.tag_send(i, payload(i, round_len(i))).await.0 })
                 .await?;
             let got = within(format!("round {i}: acknowledgement"), async {
@@ -238,7 +319,7 @@ async fn p2p_runner() {
             if got != [1] {
                 return Err(format!("round {i}: the peer found its bytes different"));
             }
-            if i == 0 {
+            if i == STARTED_AFTER {
                 println!("STARTED");
             }
             tokio::time::sleep(PAUSE).await;
@@ -255,9 +336,11 @@ fn coll_input(i: u64, rank: usize) -> Vec<f32> {
 
 async fn coll_rank(rank: usize) -> Result<(), String> {
     let store = var("FAULTS_STORE").unwrap();
-    let opts = InitOptions { deadline: Duration::from_secs(30), ..Default::default() };
+    let opts =
+        InitOptions { deadline: Duration::from_secs(30), keepalive: keepalive(), ..Default::default() };
     let comm = Communicator::init_with(rank, 2, &store, opts).await.map_err(|e| format!("forming: {e}"))?;
-    let comm = comm.with_options(Options { deadline: Some(OP_DEADLINE), ..Default::default() });
+    let deadline = (!by_keepalive()).then_some(OP_DEADLINE);
+    let comm = comm.with_options(Options { deadline, ..Default::default() });
     for i in 0..ROUNDS {
         let want: Vec<f32> = coll_input(i, 0).iter().zip(coll_input(i, 1)).map(|(a, b)| a + b).collect();
         let got = comm
@@ -267,7 +350,7 @@ async fn coll_rank(rank: usize) -> Result<(), String> {
         if got != want {
             return Err(format!("round {i}: the allreduce's result is wrong"));
         }
-        if i == 0 && rank == 0 {
+        if i == STARTED_AFTER && rank == 0 {
             println!("STARTED");
         }
         tokio::time::sleep(PAUSE).await;
@@ -299,7 +382,7 @@ async fn coll_runner() {
 }
 
 fn object_opts() -> NodeOptions {
-    NodeOptions { chunk: 64 << 10, window: 4, deadline: OP_DEADLINE, ..NodeOptions::default() }
+    NodeOptions { chunk: 64 << 10, window: 4, deadline: op_deadline(), ..NodeOptions::default() }
 }
 
 fn object_id(i: u64) -> ObjectId {
@@ -330,7 +413,7 @@ async fn object_runner() {
         let holder: Endpoint = within("connecting".into(), w.connect(peer.parse().unwrap())).await?;
         for i in 0..ROUNDS {
             // The node's own deadline bounds the pull; the outer one only catches a hang.
-            let got = tokio::time::timeout(OP_DEADLINE + SLACK, node.pull(object_id(i), &holder))
+            let got = tokio::time::timeout(op_deadline() + SLACK, node.pull(object_id(i), &holder))
                 .await
                 .map_err(|_| format!("round {i}: the pull outlived its deadline"))?
                 .map_err(|e| format!("round {i}: {e}"))?;
@@ -338,7 +421,7 @@ async fn object_runner() {
                 return Err(format!("round {i}: the object arrived different"));
             }
             node.release(&object_id(i));
-            if i == 0 {
+            if i == STARTED_AFTER {
                 println!("STARTED");
             }
             tokio::time::sleep(PAUSE).await;
