@@ -107,7 +107,14 @@ enum Cmd {
     Soak(soak::SoakArgs),
     /// (Started by `soak`.) One host's process: traffic until stdin closes.
     #[command(hide = true)]
-    SoakNode { index: usize, hosts: usize, seed: u64 },
+    SoakNode {
+        index: usize,
+        hosts: usize,
+        seed: u64,
+        /// The collectives epoch to join first (a process started again after a kill).
+        #[arg(default_value_t = 0)]
+        epoch: u64,
+    },
     /// (Started by `fault ... delay`.) Serve a host's delay queue until terminated.
     #[command(hide = true)]
     DelayServe {
@@ -215,13 +222,13 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             println!("h{}: {fault}", host_index(&host)?);
         }
         Cmd::Soak(a) => soak::run(a)?,
-        Cmd::SoakNode { index, hosts, seed } => {
+        Cmd::SoakNode { index, hosts, seed, epoch } => {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
                 .map_err(|e| e.to_string())?;
-            rt.block_on(soak_node::run(index, hosts, seed))?;
+            rt.block_on(soak_node::run(index, hosts, seed, epoch))?;
         }
         Cmd::DelayServe { rig, host, words } => {
             let mut all = vec!["delay"];

@@ -1,7 +1,9 @@
 //! `ucxkit-rig soak`: a rig of its own with one process per host moving checked data
 //! through every layer ([`crate::soak_node`]), while faults are set on random hosts and
-//! cleared again; at the end, per layer, the bytes moved, operations done, failed and
-//! recovered, and corrupt bytes (which must be 0), as a table or JSON.
+//! cleared again (a killed process is started again, joining the next collectives
+//! epoch); at the end, per layer, the bytes moved, operations done, failed and
+//! recovered, and corrupt bytes (which must be 0), as a table or JSON, every process
+//! that ran counted.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -38,10 +40,10 @@ pub(crate) struct SoakArgs {
     json: bool,
 }
 
-/// A random fault: loss, a rate, delay with reordering, the link down, or the host's
-/// processes frozen.
+/// A random fault: loss, a rate, delay with reordering, the link down, the host's
+/// processes frozen, or its process killed.
 fn draw(rng: &mut Rng) -> Fault {
-    match rng.below(5) {
+    match rng.below(6) {
         0 => Fault::Loss(1.0 + rng.below(9) as f64),
         1 => Fault::Rate(format!("{}mbit", 20 + 20 * rng.below(10))),
         2 => Fault::Delay(DelaySpec {
@@ -50,7 +52,8 @@ fn draw(rng: &mut Rng) -> Fault {
             reorder: rng.below(20) as f64,
         }),
         3 => Fault::LinkDown,
-        _ => Fault::Freeze(Target::All),
+        4 => Fault::Freeze(Target::All),
+        _ => Fault::Kill(Target::All),
     }
 }
 
@@ -61,16 +64,32 @@ fn kind(f: &Fault) -> &'static str {
         Fault::Rate(_) => "rate",
         Fault::Delay(_) => "delay",
         Fault::LinkDown => "link-down",
-        _ => "freeze",
+        Fault::Freeze(_) => "freeze",
+        Fault::Kill(_) => "kill",
+        _ => "other",
     }
 }
 
-/// Starts host `i`'s process; its lines go to `tx`.
-fn start(rig: &Rig, i: usize, n: usize, seed: u64, tx: mpsc::Sender<String>) -> Result<Child, String> {
+/// A started process: which one it is (every start has a number of its own) and its
+/// handle.
+struct Node {
+    run: usize,
+    child: Child,
+}
+
+/// Starts host `i`'s process, number `run`, joining collectives epoch `epoch`; its lines
+/// go to `tx` with its number.
+fn start(
+    rig: &Rig,
+    i: usize,
+    a: &SoakArgs,
+    (run, epoch): (usize, u64),
+    tx: mpsc::Sender<(usize, String)>,
+) -> Result<Node, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = rig
         .command(i, exe.to_str().ok_or("the tool's path is not UTF-8")?)?
-        .args(["soak-node", &i.to_string(), &n.to_string(), &seed.to_string()])
+        .args(["soak-node", &i.to_string(), &a.hosts.to_string(), &a.seed.to_string(), &epoch.to_string()])
         .env("UCX_TLS", "tcp,self")
         .env("UCX_WARN_UNUSED_ENV_VARS", "n")
         .stdin(Stdio::piped())
@@ -81,12 +100,12 @@ fn start(rig: &Rig, i: usize, n: usize, seed: u64, tx: mpsc::Sender<String>) -> 
     let out = child.stdout.take().expect("piped");
     std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
+            if tx.send((run, line)).is_err() {
                 break;
             }
         }
     });
-    Ok(child)
+    Ok(Node { run, child })
 }
 
 pub(crate) fn run(a: SoakArgs) -> Result<(), String> {
@@ -98,71 +117,102 @@ pub(crate) fn run(a: SoakArgs) -> Result<(), String> {
     }
     let mut rig = Rig::up(a.hosts, None)?;
     let (tx, rx) = mpsc::channel();
-    let mut nodes =
-        (0..a.hosts).map(|i| start(&rig, i, a.hosts, a.seed, tx.clone())).collect::<Result<Vec<_>, _>>()?;
-    drop(tx);
+    let mut runs = 0..;
+    let mut nodes = (0..a.hosts)
+        .map(|i| start(&rig, i, &a, (runs.next().unwrap_or_default(), 0), tx.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut rng = Rng::new(a.seed);
     let mut faults: BTreeMap<&str, u64> = BTreeMap::new();
-    let mut last: BTreeMap<u64, Value> = BTreeMap::new();
-    let take = |line: String, last: &mut BTreeMap<u64, Value>| {
+    // The last report of every process that ran, by its number.
+    let mut last: BTreeMap<usize, Value> = BTreeMap::new();
+    let take = |(run, line): (usize, String), last: &mut BTreeMap<usize, Value>| {
         if let Ok(v) = serde_json::from_str::<Value>(&line) {
-            if let Some(n) = v["node"].as_u64() {
-                last.insert(n, v);
-            }
+            last.insert(run, v);
         }
     };
     let t0 = Instant::now();
     let end = t0 + a.duration;
     let mut next_fault = t0 + a.fault_every;
-    let mut active: Option<(usize, Instant)> = None;
+    let mut active: Option<(usize, Instant, bool)> = None;
     while Instant::now() < end {
         while let Ok(line) = rx.try_recv() {
             take(line, &mut last);
         }
         let now = Instant::now();
-        if let Some((host, until)) = active {
+        if let Some((host, until, killed)) = active {
             if now >= until {
-                rig.set(host, &Fault::Clear)?;
+                end_fault(&mut rig, &a, &mut nodes, (host, killed), (&mut runs, &last), &tx)?;
                 active = None;
             }
         } else if now >= next_fault {
             let host = rng.below(a.hosts);
             let f = draw(&mut rng);
             rig.set(host, &f)?;
+            let killed = matches!(f, Fault::Kill(_));
+            if killed {
+                let _ = nodes[host].child.wait();
+            }
             *faults.entry(kind(&f)).or_default() += 1;
-            active = Some((host, now + Duration::from_millis(1000 + rng.below(2001) as u64)));
+            active = Some((host, now + Duration::from_millis(1000 + rng.below(2001) as u64), killed));
             next_fault = now + a.fault_every;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    if let Some((host, _)) = active {
-        rig.set(host, &Fault::Clear)?;
+    if let Some((host, _, killed)) = active {
+        end_fault(&mut rig, &a, &mut nodes, (host, killed), (&mut runs, &last), &tx)?;
     }
+    drop(tx);
     // Closing stdin ends each process after one last report.
     for n in &mut nodes {
-        drop(n.stdin.take());
+        drop(n.child.stdin.take());
     }
+    let done = |last: &BTreeMap<usize, Value>| {
+        nodes.iter().filter(|n| last.get(&n.run).is_some_and(|v| v["last"] == true)).count()
+    };
     let until = Instant::now() + Duration::from_secs(10);
-    while last.values().filter(|v| v["last"] == true).count() < a.hosts && Instant::now() < until {
+    while done(&last) < a.hosts && Instant::now() < until {
         if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
             take(line, &mut last);
         }
     }
+    let reported = done(&last);
     for n in &mut nodes {
-        let _ = n.kill();
-        let _ = n.wait();
+        let _ = n.child.kill();
+        let _ = n.child.wait();
     }
     drop(rig);
-    report(&a, t0.elapsed(), &faults, &last)
+    report(&a, t0.elapsed(), &faults, &last, reported)
 }
 
-/// Prints the totals per layer; an error when a byte was corrupt or a host never
-/// reported.
+/// Ends the fault on `host`: clears it, or after a kill starts the host's process
+/// again (the next number of `runs`), in the epoch the others are in by now (as they
+/// last reported): the one after the killed process's, or a later one.
+fn end_fault(
+    rig: &mut Rig,
+    a: &SoakArgs,
+    nodes: &mut [Node],
+    (host, killed): (usize, bool),
+    (runs, last): (&mut std::ops::RangeFrom<usize>, &BTreeMap<usize, Value>),
+    tx: &mpsc::Sender<(usize, String)>,
+) -> Result<(), String> {
+    if !killed {
+        return rig.set(host, &Fault::Clear);
+    }
+    let epoch_of = |n: &Node| last.get(&n.run).and_then(|v| v["epoch"].as_u64()).unwrap_or(0);
+    let others = nodes.iter().enumerate().filter(|&(i, _)| i != host).map(|(_, n)| epoch_of(n)).max();
+    let epoch = others.unwrap_or(0).max(epoch_of(&nodes[host]) + 1);
+    nodes[host] = start(rig, host, a, (runs.next().unwrap_or_default(), epoch), tx.clone())?;
+    Ok(())
+}
+
+/// Prints the totals per layer over every process that ran; an error when a byte was
+/// corrupt or a host's last process did not report at the end (`reported` hosts did).
 fn report(
     a: &SoakArgs,
     took: Duration,
     faults: &BTreeMap<&str, u64>,
-    last: &BTreeMap<u64, Value>,
+    last: &BTreeMap<usize, Value>,
+    reported: usize,
 ) -> Result<(), String> {
     let fields = ["bytes", "ok", "failed", "recovered", "corrupt"];
     let mut totals: BTreeMap<&str, BTreeMap<&str, u64>> = BTreeMap::new();
@@ -182,7 +232,7 @@ fn report(
             json!({
                 "seconds": took.as_secs_f64(), "hosts": a.hosts, "seed": a.seed,
                 "faults": faults, "faults_injected": injected, "layers": totals,
-                "corrupt_bytes": corrupt, "hosts_reported": last.len(),
+                "corrupt_bytes": corrupt, "hosts_reported": reported,
             })
         );
     } else {
@@ -207,8 +257,8 @@ fn report(
             );
         }
     }
-    if last.len() < a.hosts {
-        return Err(format!("{} of {} hosts reported", last.len(), a.hosts));
+    if reported < a.hosts {
+        return Err(format!("{reported} of {} hosts reported at the end", a.hosts));
     }
     if corrupt > 0 {
         return Err(format!("{corrupt} corrupt bytes"));

@@ -4,7 +4,8 @@
 //!
 //! - point-to-point: tagged messages to the next host, echoed back and compared;
 //! - collectives: allreduce among all hosts, results compared; a failed communicator is
-//!   left for a new one (the next *epoch*, its store on the next port of h0);
+//!   left for a new one (the next *epoch*, its store on the next port of h0; a process
+//!   started again after a kill joins the epoch it is given);
 //! - objects: pulls of the previous host's objects, compared, then released.
 //!
 //! A failed operation is counted, and the layer starts over (a new endpoint, a new
@@ -177,11 +178,13 @@ fn coll_input(k: u64, rank: usize) -> Vec<f32> {
     (0..16_384u64).map(|j| ((j + k) % 50 + rank as u64) as f32).collect()
 }
 
-/// Allreduces among all `n` hosts, a new communicator after each failure.
-async fn collectives(rank: usize, n: usize, c: Arc<Counters>) {
+/// Allreduces among all `n` hosts, a new communicator after each failure, from epoch
+/// `first` on; the current epoch in `now`.
+async fn collectives(rank: usize, n: usize, c: Arc<Counters>, first: u64, now: Arc<AtomicU64>) {
     let mut after_failure = false;
-    let mut epoch = 0u64;
+    let mut epoch = first;
     loop {
+        now.store(epoch, Ordering::Relaxed);
         let store = format!("{}:{}", addr(0), STORE_PORT as u64 + epoch % 200);
         let opts = InitOptions { deadline: Duration::from_secs(20), ..Default::default() };
         let comm = match Communicator::init_with(rank, n, &store, opts).await {
@@ -253,11 +256,12 @@ async fn puller(w: Worker, node: Arc<ObjectNode>, from: usize, c: Arc<Counters>)
     }
 }
 
-/// Runs host `index` of `n` until stdin closes.
-pub(crate) async fn run(index: usize, n: usize, seed: u64) -> Result<(), String> {
+/// Runs host `index` of `n`, from collectives epoch `epoch` on, until stdin closes.
+pub(crate) async fn run(index: usize, n: usize, seed: u64, epoch: u64) -> Result<(), String> {
     let w =
         Context::builder().build().map_err(|e| e.to_string())?.create_worker().map_err(|e| e.to_string())?;
     let counters: Vec<Arc<Counters>> = LAYERS.iter().map(|_| Arc::new(Counters::default())).collect();
+    let now = Arc::new(AtomicU64::new(epoch));
     let node_opts = NodeOptions { chunk: 256 << 10, window: 4, deadline: DEADLINE, ..NodeOptions::default() };
     let node =
         Arc::new(ObjectNode::new(&w, Arc::new(MemoryStore::new()), node_opts).map_err(|e| e.to_string())?);
@@ -275,13 +279,14 @@ pub(crate) async fn run(index: usize, n: usize, seed: u64) -> Result<(), String>
             }
         }),
         tokio::spawn(echo_client(w.clone(), (index + 1) % n, seed ^ index as u64, counters[0].clone())),
-        tokio::spawn(collectives(index, n, counters[1].clone())),
+        tokio::spawn(collectives(index, n, counters[1].clone(), epoch, now.clone())),
         tokio::spawn(puller(w.clone(), node.clone(), (index + n - 1) % n, counters[2].clone())),
     ];
     let report = |last: bool| {
         let layers: serde_json::Map<_, _> =
             LAYERS.iter().zip(&counters).map(|(l, c)| (l.to_string(), c.json())).collect();
-        println!("{}", json!({ "node": index, "last": last, "layers": layers }));
+        let epoch = now.load(Ordering::Relaxed);
+        println!("{}", json!({ "node": index, "last": last, "epoch": epoch, "layers": layers }));
     };
     // Ends when the driver closes stdin (or goes away).
     let mut stdin_closed = tokio::task::spawn_blocking(|| {
