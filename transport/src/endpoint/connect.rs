@@ -13,7 +13,7 @@ use super::{Endpoint, EndpointInner};
 use crate::error::{Error, Peer, Result, Status};
 use crate::handshake::{Kind, Message};
 use crate::identity::ProcessIdentity;
-use crate::liveness::{KeepaliveAddr, PidWatch};
+use crate::liveness::{KeepaliveAddr, KeepaliveTarget, PidWatch};
 use crate::worker::{self, EpState, HsWait, State, Worker};
 
 /// Whether `ip` is an address of this host (in this network namespace).
@@ -427,8 +427,20 @@ impl Endpoint {
     pub(crate) fn start_keepalive(&self, lane: Option<KeepaliveAddr>, ips: &[IpAddr]) {
         let (Some(peer), Some(own)) = (lane, self.inner.worker.shared.lane.as_ref()) else { return };
         if self.inner.peer_mode {
-            own.watch(ips, peer, &self.inner);
+            let target: std::sync::Weak<EndpointInner> = Arc::downgrade(&self.inner);
+            own.watch(ips, peer, target, Arc::downgrade(self.inner.usable_flag()));
         }
+    }
+}
+
+impl KeepaliveTarget for EndpointInner {
+    fn silent(self: Arc<Self>, silent: std::time::Duration) {
+        tracing::warn!(
+            ep = self.id,
+            peer = %self.peer,
+            "the peer did not answer the keepalive for {silent:?}: endpoint failed"
+        );
+        Endpoint { inner: self }.fail(Status::ENDPOINT_TIMEOUT);
     }
 }
 

@@ -11,8 +11,22 @@ use std::time::{Duration, Instant};
 use ucx_sys as sys;
 
 use super::wire::{Datagram, Kind};
-use crate::endpoint::{Endpoint, EndpointInner};
-use crate::error::Status;
+
+/// What a keepalive lane watches: an endpoint (implemented where endpoints are).
+pub(crate) trait KeepaliveTarget: Send + Sync {
+    /// Fails the endpoint: its peer has not answered for `silent`.
+    fn silent(self: Arc<Self>, silent: Duration);
+}
+
+/// A random 64-bit number that nobody off this host can predict: SipHash under the
+/// process's random keys, of a counter.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
 
 /// A worker's keepalive settings ([`crate::WorkerBuilder::keepalive`]; see
 /// [`crate::liveness`]). An endpoint whose peer went silent fails within `timeout` plus
@@ -101,7 +115,7 @@ struct Watched {
     /// The peer lane's token.
     token: u64,
     heard: Heard,
-    ep: Weak<EndpointInner>,
+    ep: Weak<dyn KeepaliveTarget>,
     /// The endpoint's handle while usable: once it is closed or failed, it is not
     /// watched any more.
     usable: Weak<AtomicPtr<sys::ucp_ep>>,
@@ -129,8 +143,7 @@ impl KeepaliveLane {
             _ => UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?,
         };
         let port = socket.local_addr()?.port();
-        let token =
-            u64::from_le_bytes(crate::auth::random::<8>().map_err(|e| io::Error::other(e.to_string()))?);
+        let token = random_u64();
         let lane = Arc::new(KeepaliveLane {
             socket,
             addr: KeepaliveAddr { port, token },
@@ -165,28 +178,31 @@ impl KeepaliveLane {
         (w.len(), w.values().filter(|t| t.heard != Heard::Never).count())
     }
 
-    /// Watches `ep`, whose peer's lane is `peer` at one of `ips`, and pings it at once
-    /// (an endpoint is judged only once it has heard its peer).
-    pub(crate) fn watch(&self, ips: &[IpAddr], peer: KeepaliveAddr, ep: &Arc<EndpointInner>) {
+    /// Watches `ep`, whose peer's lane is `peer` at one of `ips` and whose handle is
+    /// `usable` (NULL once the endpoint is closed or failed: then it is forgotten), and
+    /// pings it at once (an endpoint is judged only once it has heard its peer).
+    pub(crate) fn watch(
+        &self,
+        ips: &[IpAddr],
+        peer: KeepaliveAddr,
+        ep: Weak<dyn KeepaliveTarget>,
+        usable: Weak<AtomicPtr<sys::ucp_ep>>,
+    ) {
         let to: Vec<SocketAddr> =
             ips.iter().map(|&ip| SocketAddr::new(ip.to_canonical(), peer.port)).collect();
         if to.is_empty() {
             return;
         }
         let mut w = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut cookie = crate::endpoint::nonce();
+        let mut cookie = random_u64();
         while w.contains_key(&cookie) {
-            cookie = crate::endpoint::nonce();
+            cookie = random_u64();
         }
-        let usable = Arc::downgrade(ep.usable_flag());
         let ping = Datagram { kind: Kind::Ping, token: peer.token, cookie }.encode();
         for &a in &to {
             let _ = self.send(&ping, a);
         }
-        w.insert(
-            cookie,
-            Watched { to, token: peer.token, heard: Heard::Never, ep: Arc::downgrade(ep), usable },
-        );
+        w.insert(cookie, Watched { to, token: peer.token, heard: Heard::Never, ep, usable });
     }
 
     /// Ends the thread (within one interval, at once where loopback works).
@@ -279,14 +295,8 @@ impl KeepaliveLane {
             }
         }
         for ep in silent {
-            if let Some(inner) = ep.upgrade() {
-                tracing::warn!(
-                    ep = inner.id,
-                    peer = %inner.peer,
-                    "the peer did not answer the keepalive for {:?}: endpoint failed",
-                    self.cfg.timeout
-                );
-                Endpoint { inner }.fail(Status::ENDPOINT_TIMEOUT);
+            if let Some(ep) = ep.upgrade() {
+                ep.silent(self.cfg.timeout);
             }
         }
     }
@@ -376,6 +386,7 @@ mod tests {
         assert!(tight.stalled(ms(201)));
     }
 
+    use crate::error::Status;
     use crate::{Context, Endpoint, ErrorKind, Worker};
 
     const FAST: Keepalive =
@@ -461,7 +472,9 @@ mod tests {
         // Watched at a port where nobody answers.
         let nobody = UdpSocket::bind("127.0.0.1:0").unwrap();
         let silent = KeepaliveAddr { port: nobody.local_addr().unwrap().port(), token: 1 };
-        lane(&server).watch(&["127.0.0.1".parse().unwrap()], silent, &accepted.inner);
+        let target: Weak<crate::endpoint::EndpointInner> = Arc::downgrade(&accepted.inner);
+        let usable = Arc::downgrade(accepted.inner.usable_flag());
+        lane(&server).watch(&["127.0.0.1".parse().unwrap()], silent, target, usable);
         tokio::time::sleep(FAST.timeout * 3).await;
         assert_eq!(lane(&server).watching(), (1, 0));
         assert!(accepted.failure().is_none() && ep.failure().is_none());

@@ -47,5 +47,5 @@ mod pidfd;
 pub(crate) mod wire;
 
 pub use keepalive::Keepalive;
-pub(crate) use keepalive::{KeepaliveAddr, KeepaliveLane};
+pub(crate) use keepalive::{KeepaliveAddr, KeepaliveLane, KeepaliveTarget};
 pub(crate) use pidfd::PidWatch;
