@@ -11,7 +11,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `0x484b4355` ("UCKH") |
-//! | 4 | 1 | version (2; 1 from older ucxkit, without the last two fields) |
+//! | 4 | 1 | version: 2 with a keepalive lane, else 1 (without the last two fields) |
 //! | 5 | 1 | kind: 1 hello, 2 ack, 3 nack, 4 stream end, 5 close first, 6 closing, 7 closed |
 //! | 6 | 1 | error mode: 0 none, 1 peer |
 //! | 7 | 1 | nack reason; for a hello, 1 when it follows a listener's front; 0 otherwise |
@@ -123,10 +123,11 @@ pub(crate) struct Message {
 }
 
 impl Message {
+    /// Version 2 with a lane, else version 1, which ucxkit before the keepalive reads.
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(LEN);
         v.extend_from_slice(&MAGIC.to_le_bytes());
-        v.push(VERSION);
+        v.push(if self.lane.is_some() { VERSION } else { 1 });
         let (kind, reason) = match self.kind {
             Kind::Hello => (1, 0),
             Kind::FrontHello => (1, 1),
@@ -142,9 +143,10 @@ impl Message {
         v.push(reason);
         v.extend_from_slice(&self.nonce.to_le_bytes());
         self.identity.encode(&mut v);
-        let (port, token) = self.lane.map_or((0, 0), |l| (l.port, l.token));
-        v.extend_from_slice(&port.to_le_bytes());
-        v.extend_from_slice(&token.to_le_bytes());
+        if let Some(l) = self.lane {
+            v.extend_from_slice(&l.port.to_le_bytes());
+            v.extend_from_slice(&l.token.to_le_bytes());
+        }
         v
     }
 
@@ -246,6 +248,7 @@ mod tests {
             let m = sample(k);
             let b = m.encode();
             assert_eq!(b.len(), LEN);
+            assert_eq!(b[4], 2);
             assert_eq!(Message::decode(&b), Ok(m));
         }
     }
@@ -268,17 +271,20 @@ mod tests {
         assert!(Message::decode(&b).is_err());
     }
 
-    /// A version 1 message (an older ucxkit's) is read, without a keepalive lane; a
-    /// message of either version without a lane reads back the same.
+    /// A message without a lane goes out as version 1 (what an older ucxkit reads) and
+    /// reads back the same; a version 2 message without a lane (port and token 0) reads
+    /// as one without a lane.
     #[test]
     fn version_1_and_no_lane() {
         let mut m = sample(Kind::Hello);
         m.lane = None;
-        let b = m.encode();
-        assert_eq!(Message::decode(&b), Ok(m));
-        let mut v1 = b[..LEN_V1].to_vec();
-        v1[4] = 1;
+        let mut v1 = m.encode();
+        assert_eq!((v1.len(), v1[4]), (LEN_V1, 1));
         assert_eq!(Message::decode(&v1), Ok(m));
+        let mut v2 = v1.clone();
+        v2[4] = 2;
+        v2.extend_from_slice(&[0; 10]);
+        assert_eq!(Message::decode(&v2), Ok(m));
         v1.push(0);
         assert!(Message::decode(&v1).is_err(), "a version 1 message of another length");
     }

@@ -38,7 +38,7 @@ pub(crate) fn uuid_of(ucx: &[u8]) -> Option<u64> {
 /// The addresses of the tcp devices in a packed worker address, without repeats, at
 /// most [`MAX_TCP_IPS`]: where a peer reached by that address may be. A loopback device
 /// counts only for a peer on this host (`same_host`), as its family's loopback address;
-/// link-local IPv6 addresses (which need an interface) do not count. None when the
+/// link-local IPv6 addresses (which need an interface) do not count. Empty when the
 /// walk fails.
 pub(crate) fn tcp_ips(b: &[u8], same_host: bool) -> Vec<std::net::IpAddr> {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

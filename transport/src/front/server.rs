@@ -320,7 +320,7 @@ async fn accept_pending(worker: &Worker, p: Pending, opts: &EndpointOptions) -> 
                 }
                 match st.adopt(request.uuid, reply_ep, peer_mode) {
                     Ok(id) => {
-                        st.send_notice(reply_ep, Kind::Ack, peer_mode, conn_id);
+                        st.send_ack(reply_ep, peer_mode, conn_id, lane.is_some());
                         Ok(id)
                     }
                     Err(Adopt::Collision) => {

@@ -33,10 +33,10 @@ fn random_u64() -> u64 {
 /// one `interval`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Keepalive {
-    /// How often each watched endpoint pings its peer (default 1 s; at least 10 ms).
+    /// How often each watched peer is pinged (default 1 s; 10 ms to 1 h).
     pub interval: Duration,
-    /// How long an endpoint that has heard its peer may then hear nothing before it
-    /// fails (default 10 s; at least two intervals).
+    /// How long an endpoint whose peer has answered may then hear nothing before it
+    /// fails (default 10 s; at least two intervals, at most 1 h).
     pub timeout: Duration,
 }
 
@@ -48,12 +48,17 @@ impl Default for Keepalive {
 
 /// The shortest interval taken.
 const MIN_INTERVAL: Duration = Duration::from_millis(10);
+/// The longest interval or timeout taken.
+const MAX_SETTING: Duration = Duration::from_secs(3600);
 
 impl Keepalive {
     /// Why these settings cannot work, if they cannot.
     pub(crate) fn check(&self) -> Result<(), String> {
         if self.interval < MIN_INTERVAL {
             return Err(format!("a keepalive interval of {:?} is under {MIN_INTERVAL:?}", self.interval));
+        }
+        if self.interval > MAX_SETTING || self.timeout > MAX_SETTING {
+            return Err(format!("keepalive settings over {MAX_SETTING:?}: {self:?}"));
         }
         if self.timeout < self.interval * 2 {
             return Err(format!(
@@ -110,26 +115,48 @@ fn judge(heard: &mut Heard, now: Instant, stalled: bool, timeout: Duration) -> V
 
 /// An endpoint the lane watches.
 struct Watched {
-    /// Where its peer's lane may be: every address until one answers, then that one.
-    to: Vec<SocketAddr>,
-    /// The peer lane's token.
-    token: u64,
-    heard: Heard,
     ep: Weak<dyn KeepaliveTarget>,
     /// The endpoint's handle while usable: once it is closed or failed, it is not
     /// watched any more.
     usable: Weak<AtomicPtr<sys::ucp_ep>>,
 }
 
-/// A worker's keepalive lane: its UDP socket, the endpoints it watches, and (in
-/// [`KeepaliveLane::start`]) the thread that pings and answers.
+impl Watched {
+    fn usable(&self) -> bool {
+        self.usable.upgrade().is_some_and(|u| !u.load(Ordering::Relaxed).is_null())
+    }
+}
+
+/// A peer worker's lane and the endpoints to it: one ping an interval whatever their
+/// number, so that a worker with many peers, or many endpoints to one, sends and gets
+/// back no more datagrams than it has peer workers.
+struct PeerLane {
+    /// Where the peer's lane may be (each is pinged: a peer answers from whichever of
+    /// its addresses its routing picks).
+    to: Vec<SocketAddr>,
+    /// The peer lane's token.
+    token: u64,
+    heard: Heard,
+    eps: Vec<Watched>,
+}
+
+/// At most this many addresses are pinged for one peer.
+const MAX_ADDRESSES: usize = 8;
+/// Datagrams taken in one go, so that a flood cannot hold off the ticks.
+const MAX_TAKEN: usize = 1024;
+/// Pings sent between two looks at the answers, so that answers do not overflow the
+/// socket's receive buffer while a tick pings many peers.
+const PINGS_PER_LOOK: usize = 64;
+
+/// A worker's keepalive lane: its UDP socket, the peers it watches (by the cookie their
+/// pings carry), and (in [`KeepaliveLane::start`]) the thread that pings and answers.
 pub(crate) struct KeepaliveLane {
     socket: UdpSocket,
     addr: KeepaliveAddr,
     cfg: Keepalive,
-    watched: Mutex<HashMap<u64, Watched>>,
+    peers: Mutex<HashMap<u64, PeerLane>>,
     /// Datagrams that were not a ping for this lane nor an answer for one of its
-    /// endpoints.
+    /// peers.
     dropped: AtomicU64,
     stop: AtomicBool,
 }
@@ -142,13 +169,14 @@ impl KeepaliveLane {
             Ok(s) if takes_ipv4(&s) => s,
             _ => UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?,
         };
+        socket.set_nonblocking(true)?;
         let port = socket.local_addr()?.port();
         let token = random_u64();
         let lane = Arc::new(KeepaliveLane {
             socket,
             addr: KeepaliveAddr { port, token },
             cfg,
-            watched: Mutex::default(),
+            peers: Mutex::default(),
             dropped: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
@@ -171,16 +199,16 @@ impl KeepaliveLane {
         self.dropped.load(Ordering::Relaxed)
     }
 
-    /// How many endpoints it watches, and how many of them have heard their peer.
+    /// How many peers it watches, and how many of them it has heard.
     #[cfg(test)]
     fn watching(&self) -> (usize, usize) {
-        let w = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
-        (w.len(), w.values().filter(|t| t.heard != Heard::Never).count())
+        let p = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        (p.len(), p.values().filter(|t| t.heard != Heard::Never).count())
     }
 
     /// Watches `ep`, whose peer's lane is `peer` at one of `ips` and whose handle is
-    /// `usable` (NULL once the endpoint is closed or failed: then it is forgotten), and
-    /// pings it at once (an endpoint is judged only once it has heard its peer).
+    /// `usable` (NULL once the endpoint is closed or failed: then it is forgotten). A
+    /// peer not watched yet is pinged at once (it is judged only once it has answered).
     pub(crate) fn watch(
         &self,
         ips: &[IpAddr],
@@ -188,21 +216,36 @@ impl KeepaliveLane {
         ep: Weak<dyn KeepaliveTarget>,
         usable: Weak<AtomicPtr<sys::ucp_ep>>,
     ) {
-        let to: Vec<SocketAddr> =
-            ips.iter().map(|&ip| SocketAddr::new(ip.to_canonical(), peer.port)).collect();
+        let mut to: Vec<SocketAddr> = Vec::new();
+        for &ip in ips {
+            let a = SocketAddr::new(ip.to_canonical(), peer.port);
+            if !to.contains(&a) && to.len() < MAX_ADDRESSES {
+                to.push(a);
+            }
+        }
         if to.is_empty() {
             return;
         }
-        let mut w = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
+        let watched = Watched { ep, usable };
+        let mut peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(p) = peers.values_mut().find(|p| p.token == peer.token) {
+            for a in to {
+                if !p.to.contains(&a) && p.to.len() < MAX_ADDRESSES {
+                    p.to.push(a);
+                }
+            }
+            p.eps.push(watched);
+            return;
+        }
         let mut cookie = random_u64();
-        while w.contains_key(&cookie) {
+        while peers.contains_key(&cookie) {
             cookie = random_u64();
         }
         let ping = Datagram { kind: Kind::Ping, token: peer.token, cookie }.encode();
         for &a in &to {
             let _ = self.send(&ping, a);
         }
-        w.insert(cookie, Watched { to, token: peer.token, heard: Heard::Never, ep, usable });
+        peers.insert(cookie, PeerLane { to, token: peer.token, heard: Heard::Never, eps: vec![watched] });
     }
 
     /// Ends the thread (within one interval, at once where loopback works).
@@ -213,36 +256,48 @@ impl KeepaliveLane {
         }
     }
 
-    /// The thread: answers and ticks until stopped.
+    /// The thread: answers and ticks until stopped; what arrived is always taken in
+    /// before a tick judges.
     fn run(&self) {
-        let mut buf = [0u8; 64];
         let mut last_tick = Instant::now();
         let mut next = last_tick;
         while !self.stop.load(Ordering::Acquire) {
             let now = Instant::now();
             if now >= next {
+                self.take_all();
+                let now = Instant::now();
                 self.tick(now, now - last_tick);
                 last_tick = now;
                 next = now + self.cfg.interval;
                 continue;
             }
-            let _ = self.socket.set_read_timeout(Some((next - now).max(Duration::from_millis(1))));
+            if let Err(e) = readable(&self.socket, next - now) {
+                tracing::debug!("keepalive wait: {e}");
+                std::thread::sleep(MIN_INTERVAL);
+            }
+            self.take_all();
+        }
+    }
+
+    /// Takes in what arrived (at most [`MAX_TAKEN`] datagrams).
+    fn take_all(&self) {
+        let mut buf = [0u8; 64];
+        for _ in 0..MAX_TAKEN {
             match self.socket.recv_from(&mut buf) {
                 Ok((n, from)) => self.take(&buf[..n], from),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
-                    ) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    tracing::debug!("keepalive receive: {e}");
-                    std::thread::sleep(MIN_INTERVAL);
+                    if e.kind() != io::ErrorKind::WouldBlock {
+                        tracing::debug!("keepalive receive: {e}");
+                    }
+                    return;
                 }
             }
         }
     }
 
-    /// Takes one datagram from `from`.
+    /// Takes one datagram from `from`: answers a ping with this lane's token (to
+    /// whoever sent it), notes an answer for one of its peers.
     fn take(&self, b: &[u8], from: SocketAddr) {
         let from = SocketAddr::new(from.ip().to_canonical(), from.port());
         match Datagram::decode(b) {
@@ -250,12 +305,9 @@ impl KeepaliveLane {
                 let _ = self.send(&Datagram { kind: Kind::Answer, ..d }.encode(), from);
             }
             Ok(d) if d.kind == Kind::Answer => {
-                let mut w = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
-                match w.get_mut(&d.cookie) {
-                    Some(t) if t.token == d.token && t.to.contains(&from) => {
-                        t.heard = Heard::At(Instant::now());
-                        t.to = vec![from];
-                    }
+                let mut peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+                match peers.get_mut(&d.cookie) {
+                    Some(p) if p.token == d.token => p.heard = Heard::At(Instant::now()),
                     _ => {
                         self.dropped.fetch_add(1, Ordering::Relaxed);
                     }
@@ -267,29 +319,34 @@ impl KeepaliveLane {
         }
     }
 
-    /// Pings every watched endpoint's peer, fails those silent past the timeout and
-    /// forgets those closed, failed or dropped. `gap`: the time since the last tick.
+    /// Pings every watched peer, fails the endpoints of those silent past the timeout
+    /// and forgets endpoints closed, failed or dropped (and peers left with none).
+    /// `gap`: the time since the last tick.
     fn tick(&self, now: Instant, gap: Duration) {
         let stalled = self.cfg.stalled(gap);
         let mut pings = Vec::new();
         let mut silent = Vec::new();
-        self.watched.lock().unwrap_or_else(PoisonError::into_inner).retain(|&cookie, t| {
-            if !t.usable.upgrade().is_some_and(|u| !u.load(Ordering::Relaxed).is_null()) {
+        self.peers.lock().unwrap_or_else(PoisonError::into_inner).retain(|&cookie, p| {
+            p.eps.retain(Watched::usable);
+            if p.eps.is_empty() {
                 return false;
             }
-            match judge(&mut t.heard, now, stalled, self.cfg.timeout) {
+            match judge(&mut p.heard, now, stalled, self.cfg.timeout) {
                 Verdict::Ping => {
-                    let d = Datagram { kind: Kind::Ping, token: t.token, cookie }.encode();
-                    pings.extend(t.to.iter().map(|&a| (a, d)));
+                    let d = Datagram { kind: Kind::Ping, token: p.token, cookie }.encode();
+                    pings.extend(p.to.iter().map(|&a| (a, d)));
                     true
                 }
                 Verdict::Fail => {
-                    silent.push(t.ep.clone());
+                    silent.extend(p.eps.drain(..).map(|w| w.ep));
                     false
                 }
             }
         });
-        for (to, d) in pings {
+        for (i, (to, d)) in pings.into_iter().enumerate() {
+            if i % PINGS_PER_LOOK == PINGS_PER_LOOK - 1 {
+                self.take_all();
+            }
             if let Err(e) = self.send(&d, to) {
                 tracing::trace!(%to, "keepalive ping: {e}");
             }
@@ -311,6 +368,21 @@ impl KeepaliveLane {
         };
         self.socket.send_to(b, to)
     }
+}
+
+/// Waits until `s` is readable or `limit` has passed (`poll(2)`).
+fn readable(s: &UdpSocket, limit: Duration) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ms = libc::c_int::try_from(limit.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one valid pollfd for the call.
+    if unsafe { libc::poll(&mut fd, 1, ms) } < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// Whether an IPv6 socket also takes IPv4 (mapped): `IPV6_V6ONLY` off, as Linux has it
@@ -369,6 +441,9 @@ mod tests {
             (ms(9), ms(100), false),
             (ms(100), ms(199), false),
             (ms(0), ms(0), false),
+            (ms(1_800_000), ms(3_600_000), true),
+            (ms(1000), ms(3_600_001), false),
+            (Duration::MAX, Duration::MAX, false),
         ] {
             assert_eq!(Keepalive { interval, timeout }.check().is_ok(), ok, "{interval:?} / {timeout:?}");
         }
@@ -460,6 +535,30 @@ mod tests {
         assert_eq!(lane(&server).watching(), (0, 0));
     }
 
+    /// Several endpoints between the same two workers make one peer to ping; it is
+    /// forgotten with the last of them.
+    #[tokio::test]
+    async fn endpoints_to_one_worker_share_its_pings() {
+        let (server, client) = (worker(Some(FAST)), worker(Some(FAST)));
+        let l = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut eps = Vec::new();
+        for _ in 0..3 {
+            let (s, c) = tokio::join!(l.accept(), client.connect(l.local_addr()));
+            eps.push((s.unwrap(), c.unwrap()));
+        }
+        all_heard(&client, 1).await;
+        all_heard(&server, 1).await;
+        eps.truncate(1);
+        tokio::time::sleep(FAST.interval * 3).await;
+        assert_eq!(lane(&client).watching(), (1, 1));
+        eps.clear();
+        let end = Instant::now() + Duration::from_secs(10);
+        while lane(&client).watching() != (0, 0) || lane(&server).watching() != (0, 0) {
+            assert!(Instant::now() < end, "peers kept after their endpoints went");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// A peer whose lane never answers (UDP filtered, say) is never judged: the
     /// endpoint lives.
     #[tokio::test]
@@ -481,8 +580,8 @@ mod tests {
     }
 
     /// Whatever arrives at a lane is dropped unless it is a ping with its token or an
-    /// answer for one of its endpoints from that endpoint's peer: garbage, forged
-    /// answers and foreign pings change nothing, and no answer goes to a wrong token.
+    /// answer with one of its peers' token and cookie: garbage, forged answers and
+    /// foreign pings change nothing, and no answer goes to a wrong token.
     #[tokio::test]
     async fn foreign_datagrams_are_dropped() {
         let (server, client) = (worker(Some(FAST)), worker(Some(FAST)));
@@ -490,8 +589,8 @@ mod tests {
         all_heard(&client, 1).await;
         let target = SocketAddr::from(([127, 0, 0, 1], client.keepalive_port().unwrap()));
         let (token, cookie) = {
-            let w = lane(&client).watched.lock().unwrap();
-            let (&cookie, t) = w.iter().next().unwrap();
+            let p = lane(&client).peers.lock().unwrap();
+            let (&cookie, t) = p.iter().next().unwrap();
             (t.token, cookie)
         };
         let before = lane(&client).dropped();
@@ -501,12 +600,10 @@ mod tests {
             vec![],
             vec![0xff; 24],
             vec![0; 1000],
-            // A ping with a wrong token, an answer with a wrong token or cookie, and a
-            // right answer from an address that is not the peer's.
+            // A ping with a wrong token, and answers with a wrong token or cookie.
             Datagram { kind: Kind::Ping, token: lane(&client).addr().token ^ 1, cookie: 9 }.encode().to_vec(),
             Datagram { kind: Kind::Answer, token: token ^ 1, cookie }.encode().to_vec(),
             Datagram { kind: Kind::Answer, token, cookie: cookie ^ 1 }.encode().to_vec(),
-            Datagram { kind: Kind::Answer, token, cookie }.encode().to_vec(),
         ];
         for g in &garbage {
             sender.send_to(g, target).unwrap();

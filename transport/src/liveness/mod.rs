@@ -20,27 +20,33 @@
 //! travel in the handshake, and a thread that answers pings on it and sends the pings
 //! of the worker's endpoints.
 //!
-//! - An endpoint in UCX's peer error mode whose peer has a lane pings it every
-//!   [`Keepalive::interval`], at the peer's address: the address the connect reached,
-//!   the client's address for an accepted endpoint, the addresses of the tcp devices in
-//!   a worker address.
-//! - Once it has heard its peer, an endpoint that hears nothing for
+//! - An endpoint in UCX's peer error mode, made with ucxkit's handshake, whose peer has
+//!   a lane, is watched: its peer worker is pinged every [`Keepalive::interval`] (once
+//!   for all the endpoints to it), at the peer's addresses: the address the connect
+//!   reached, the client's address for an accepted endpoint, the addresses of the tcp
+//!   devices in a worker address (a worker address without any, InfiniBand only say,
+//!   is not watched).
+//! - Once its peer has answered, an endpoint whose peer then does not answer for
 //!   [`Keepalive::timeout`] fails with [`crate::Status::ENDPOINT_TIMEOUT`]
 //!   ([`crate::ErrorKind::ConnectionReset`]), as a killed peer's would: pending
 //!   operations end, [`crate::Endpoint::failed`] resolves. The bound is the timeout plus
 //!   one interval.
-//! - Pings and answers never queue behind bulk data: they have their own socket and
-//!   thread, so a connection that is merely slow (a saturated or rate-limited link) is
-//!   not failed while its peer answers. Nor does a busy tokio runtime delay them.
-//! - A lane never heard from (UDP filtered between the hosts, a peer without a lane)
-//!   fails nothing: the endpoint then has no bound but UCX's own. A gap in the thread's
-//!   own schedule longer than half the timeout (this process was frozen or starved)
-//!   starts every count again.
+//! - Pings and answers do not queue behind the connection's data in UCX or TCP: they
+//!   have their own socket and thread, so a connection that is merely slow is not failed
+//!   while its peer answers, nor does a busy tokio runtime delay them. They do share the
+//!   links and their queues: a link that drops most datagrams for a whole timeout fails
+//!   the endpoints over it.
+//! - A peer never heard from (UDP filtered between the hosts, an older ucxkit without a
+//!   lane) fails nothing: such an endpoint has no bound but UCX's own. A gap in the
+//!   thread's own schedule of more than two intervals and half the timeout (this
+//!   process was frozen or starved) starts every count again, and what arrived during
+//!   it is taken in first.
 //! - Endpoints without peer error handling (shared memory with a peer on this host)
 //!   have the pidfd watch instead.
 //!
-//! Datagrams are 24 bytes; anything else, or one with a wrong token or from another
-//! address than the peer's, is dropped.
+//! Datagrams are 24 bytes. A lane answers pings with its token, to whoever sent them;
+//! an answer counts with the peer's token and the cookie of its pings. Anything else is
+//! dropped.
 
 mod keepalive;
 mod pidfd;

@@ -111,7 +111,9 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                     }
                 }
                 let peer_mode = m.peer_mode;
-                let lane = st.lane;
+                // A hello without a lane may come from an older ucxkit, which reads
+                // version 1 only: the answer carries no lane then.
+                let lane = m.lane.and(st.lane);
                 st.reply(reply_ep, Message { kind, peer_mode, nonce: m.nonce, identity: me, lane });
             }
             Kind::StreamEnd => {
@@ -160,6 +162,22 @@ pub(super) unsafe extern "C" fn handshake_am_cb(
                         )),
                         _ => Ok((m.identity, m.lane)),
                     });
+                    if let Some(k) = w.waker.take() {
+                        st.after.wake(k);
+                    }
+                } else if let Some(w) = (m.kind == Kind::Nack(NackReason::Malformed) && m.nonce == 0)
+                    .then(|| st.by_handle.get(&(reply_ep as usize)).copied())
+                    .flatten()
+                    .and_then(|id| st.connects.values_mut().find(|w| w.ep == id && w.result.is_none()))
+                {
+                    // A peer that could not read our hello at all answers without its
+                    // nonce: one that reads only version 1, an older ucxkit.
+                    w.result = Some(Err(
+                        "the peer could not read our hello (handshake version 2, with a \
+                                         keepalive lane): it may run an older ucxkit; turn the keepalive \
+                                         off on this side (WorkerBuilder::keepalive(None)) to connect to it"
+                            .into(),
+                    ));
                     if let Some(k) = w.waker.take() {
                         st.after.wake(k);
                     }

@@ -709,6 +709,38 @@ mod tests {
         }
     }
 
+    /// An older ucxkit, which reads handshake version 1 only, refuses a hello with a
+    /// keepalive lane without its nonce: the connect waiting on that endpoint fails at
+    /// once, saying so, instead of at its timeout.
+    #[tokio::test]
+    async fn a_refusal_from_an_older_peer_fails_the_connect_at_once() {
+        let c = ctx();
+        let server = c.create_worker().unwrap();
+        let client = c.create_worker().unwrap();
+        let l = server.listen_with("127.0.0.1:0".parse().unwrap(), no_handshake()).unwrap();
+        let (s, ep) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), no_handshake()));
+        let (s, ep) = (s.unwrap(), ep.unwrap());
+        let id = ep.inner.id;
+        ep.with_handle("test", |st, _| {
+            st.connects.insert(
+                78,
+                HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id, expect: None },
+            );
+            Ok(())
+        })
+        .unwrap();
+        let nack = crate::handshake::Message {
+            kind: Kind::Nack(NackReason::Malformed),
+            peer_mode: false,
+            nonce: 0,
+            identity: ProcessIdentity::current(),
+            lane: None,
+        };
+        send_garbage(&s, &nack.encode());
+        let err = ep.await_hs_for_test(78).await.unwrap_err();
+        assert!(err.to_string().contains("older ucxkit"), "{err}");
+    }
+
     #[tokio::test]
     async fn garbage_reply_fails_the_connect() {
         let c = ctx();

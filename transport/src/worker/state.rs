@@ -487,9 +487,17 @@ impl State {
         self.bound_to(id).any(|(r, kind)| kind == OpKind::Finish && unsafe { request::is_running(r) })
     }
 
-    /// Sends a handshake notice of `kind` (after the handshake) on `ep`.
+    /// Sends a handshake notice of `kind` (after the handshake, or a refusal) on `ep`.
     pub(crate) fn send_notice(&mut self, ep: sys::ucp_ep_h, kind: Kind, peer_mode: bool, nonce: u64) {
-        let m = Message { kind, peer_mode, nonce, identity: ProcessIdentity::current(), lane: self.lane };
+        let m = Message { kind, peer_mode, nonce, identity: ProcessIdentity::current(), lane: None };
+        self.send_handshake(ep, m.encode(), true);
+    }
+
+    /// Sends the answer to a hello on `ep`, with this worker's keepalive lane when
+    /// `lane` (the hello had one: its sender reads version 2).
+    pub(crate) fn send_ack(&mut self, ep: sys::ucp_ep_h, peer_mode: bool, nonce: u64, lane: bool) {
+        let lane = if lane { self.lane } else { None };
+        let m = Message { kind: Kind::Ack, peer_mode, nonce, identity: ProcessIdentity::current(), lane };
         self.send_handshake(ep, m.encode(), true);
     }
 
