@@ -17,6 +17,8 @@ use crate::worker::request::{Completion, Posted, Request};
 use crate::worker::{State, Worker};
 
 mod connect;
+#[cfg(test)]
+mod keepalive_tests;
 mod lanes;
 
 pub(crate) use connect::{is_local_ip, nonce, sockaddr_of, socket_addr_from, Target};
