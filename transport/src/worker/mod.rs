@@ -709,68 +709,55 @@ mod tests {
         }
     }
 
+    /// A client endpoint that waits for the answer to its hello `nonce` gets `answer`
+    /// from the server: the error its connect ends with, and the client's count of bad
+    /// handshake messages.
+    async fn connect_answered(nonce: u64, answer: Vec<u8>) -> (Error, u64) {
+        let c = ctx();
+        let server = c.create_worker().unwrap();
+        let client = c.create_worker().unwrap();
+        let l = server.listen_with("127.0.0.1:0".parse().unwrap(), no_handshake()).unwrap();
+        let (s, ep) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), no_handshake()));
+        let (s, ep) = (s.unwrap(), ep.unwrap());
+        let id = ep.inner.id;
+        ep.with_handle("test", |st, _| {
+            st.connects.insert(
+                nonce,
+                HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id, expect: None },
+            );
+            Ok(())
+        })
+        .unwrap();
+        send_garbage(&s, &answer);
+        let err = ep.await_hs_for_test(nonce).await.unwrap_err();
+        (err, client.bad_handshakes())
+    }
+
+    fn message(kind: Kind, nonce: u64) -> crate::handshake::Message {
+        crate::handshake::Message {
+            kind,
+            peer_mode: false,
+            nonce,
+            identity: ProcessIdentity::current(),
+            lane: None,
+        }
+    }
+
     /// An older ucxkit, which reads handshake version 1 only, refuses a hello with a
     /// keepalive lane without its nonce: the connect waiting on that endpoint fails at
     /// once, saying so, instead of at its timeout.
     #[tokio::test]
     async fn a_refusal_from_an_older_peer_fails_the_connect_at_once() {
-        let c = ctx();
-        let server = c.create_worker().unwrap();
-        let client = c.create_worker().unwrap();
-        let l = server.listen_with("127.0.0.1:0".parse().unwrap(), no_handshake()).unwrap();
-        let (s, ep) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), no_handshake()));
-        let (s, ep) = (s.unwrap(), ep.unwrap());
-        let id = ep.inner.id;
-        ep.with_handle("test", |st, _| {
-            st.connects.insert(
-                78,
-                HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id, expect: None },
-            );
-            Ok(())
-        })
-        .unwrap();
-        let nack = crate::handshake::Message {
-            kind: Kind::Nack(NackReason::Malformed),
-            peer_mode: false,
-            nonce: 0,
-            identity: ProcessIdentity::current(),
-            lane: None,
-        };
-        send_garbage(&s, &nack.encode());
-        let err = ep.await_hs_for_test(78).await.unwrap_err();
+        let (err, _) = connect_answered(78, message(Kind::Nack(NackReason::Malformed), 0).encode()).await;
         assert!(err.to_string().contains("older ucxkit"), "{err}");
     }
 
     #[tokio::test]
     async fn garbage_reply_fails_the_connect() {
-        let c = ctx();
-        let server = c.create_worker().unwrap();
-        let client = c.create_worker().unwrap();
-        let l = server.listen_with("127.0.0.1:0".parse().unwrap(), no_handshake()).unwrap();
-        let (s, ep) = tokio::join!(l.accept(), client.connect_with(l.local_addr(), no_handshake()));
-        let (s, ep) = (s.unwrap(), ep.unwrap());
-        // The client waits for a handshake answer; the server answers with garbage.
-        let id = ep.inner.id;
-        ep.with_handle("test", |st, _| {
-            st.connects.insert(
-                77,
-                HsWait { waker: None, result: None, peer_mode: ep.inner.peer_mode, ep: id, expect: None },
-            );
-            Ok(())
-        })
-        .unwrap();
-        let mut junk = crate::handshake::Message {
-            kind: Kind::Ack,
-            peer_mode: false,
-            nonce: 77,
-            identity: ProcessIdentity::current(),
-            lane: None,
-        }
-        .encode();
+        let mut junk = message(Kind::Ack, 77).encode();
         junk[4] = 200; // unknown version
-        send_garbage(&s, &junk);
-        let err = ep.await_hs_for_test(77).await.unwrap_err();
+        let (err, bad) = connect_answered(77, junk).await;
         assert!(err.to_string().contains("malformed"), "{err}");
-        assert_eq!(client.bad_handshakes(), 1);
+        assert_eq!(bad, 1);
     }
 }
