@@ -190,17 +190,18 @@ impl Message {
         };
         let nonce = u64::from_le_bytes(b[8..16].try_into().map_err(|_| "short nonce")?);
         let identity = ProcessIdentity::decode(&b[16..LEN_V1]).ok_or("short identity")?;
-        let lane = match b.get(LEN_V1..) {
-            Some([p0, p1, token @ ..]) if token.len() == 8 => {
-                let port = u16::from_le_bytes([*p0, *p1]);
-                let token = u64::from_le_bytes(token.try_into().map_err(|_| "short token")?);
+        // Version 2: the length checked above holds the lane's port and token.
+        let lane = match b.get(LEN_V1..).filter(|_| b[4] == VERSION) {
+            Some(l) => {
+                let port = u16::from_le_bytes([l[0], l[1]]);
+                let token = u64::from_le_bytes(l[2..10].try_into().map_err(|_| "short token")?);
                 match (port, token) {
                     (0, 0) => None,
                     (0, _) => return Err("a keepalive token without a port".into()),
                     (port, token) => Some(KeepaliveAddr { port, token }),
                 }
             }
-            _ => None,
+            None => None,
         };
         Ok(Message { kind, peer_mode, nonce, identity, lane })
     }

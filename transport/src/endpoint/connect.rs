@@ -428,12 +428,16 @@ impl Endpoint {
         let (Some(peer), Some(own)) = (lane, self.inner.worker.shared.lane.as_ref()) else { return };
         if self.inner.peer_mode {
             let target: std::sync::Weak<EndpointInner> = Arc::downgrade(&self.inner);
-            own.watch(ips, peer, target, Arc::downgrade(self.inner.usable_flag()));
+            own.watch(ips, peer, target);
         }
     }
 }
 
 impl KeepaliveTarget for EndpointInner {
+    fn usable(&self) -> bool {
+        !self.usable.load(Ordering::Relaxed).is_null()
+    }
+
     fn silent(self: Arc<Self>, silent: std::time::Duration) {
         tracing::warn!(
             ep = self.id,

@@ -119,8 +119,7 @@ async fn a_lane_never_heard_fails_nothing() {
     let nobody = UdpSocket::bind("127.0.0.1:0").unwrap();
     let silent = KeepaliveAddr { port: nobody.local_addr().unwrap().port(), token: 1 };
     let target: Weak<crate::endpoint::EndpointInner> = Arc::downgrade(&accepted.inner);
-    let usable = Arc::downgrade(accepted.inner.usable_flag());
-    lane(&server).watch(&["127.0.0.1".parse().unwrap()], silent, target, usable);
+    lane(&server).watch(&["127.0.0.1".parse().unwrap()], silent, target);
     tokio::time::sleep(FAST.timeout * 3).await;
     assert_eq!(lane(&server).watching(), (1, 0));
     assert!(accepted.failure().is_none() && ep.failure().is_none());

@@ -55,13 +55,6 @@ impl EndpointInner {
     }
 }
 
-impl EndpointInner {
-    /// The handle while usable, NULL once closed or failed.
-    pub(crate) fn usable_flag(&self) -> &Arc<AtomicPtr<sys::ucp_ep>> {
-        &self.usable
-    }
-}
-
 impl Drop for EndpointInner {
     fn drop(&mut self) {
         if let Some(w) = self.watch.lock().unwrap_or_else(|e| e.into_inner()).take() {

@@ -4,16 +4,17 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
-
-use ucx_sys as sys;
 
 use super::wire::{Datagram, Kind};
 
 /// What a keepalive lane watches: an endpoint (implemented where endpoints are).
 pub(crate) trait KeepaliveTarget: Send + Sync {
+    /// Whether the endpoint still works: once it is closed or failed, it is not watched
+    /// any more.
+    fn usable(&self) -> bool;
     /// Fails the endpoint: its peer has not answered for `silent`.
     fn silent(self: Arc<Self>, silent: Duration);
 }
@@ -113,20 +114,6 @@ fn judge(heard: &mut Heard, now: Instant, stalled: bool, timeout: Duration) -> V
     }
 }
 
-/// An endpoint the lane watches.
-struct Watched {
-    ep: Weak<dyn KeepaliveTarget>,
-    /// The endpoint's handle while usable: once it is closed or failed, it is not
-    /// watched any more.
-    usable: Weak<AtomicPtr<sys::ucp_ep>>,
-}
-
-impl Watched {
-    fn usable(&self) -> bool {
-        self.usable.upgrade().is_some_and(|u| !u.load(Ordering::Relaxed).is_null())
-    }
-}
-
 /// A peer worker's lane and the endpoints to it: one ping an interval whatever their
 /// number, so that a worker with many peers, or many endpoints to one, sends and gets
 /// back no more datagrams than it has peer workers.
@@ -137,7 +124,7 @@ struct PeerLane {
     /// The peer lane's token.
     token: u64,
     heard: Heard,
-    eps: Vec<Watched>,
+    eps: Vec<Weak<dyn KeepaliveTarget>>,
 }
 
 /// At most this many addresses are pinged for one peer.
@@ -152,6 +139,8 @@ const PINGS_PER_LOOK: usize = 64;
 /// pings carry), and (in [`KeepaliveLane::start`]) the thread that pings and answers.
 pub(crate) struct KeepaliveLane {
     socket: UdpSocket,
+    /// The socket is IPv6 (IPv4 addresses are sent to mapped).
+    v6: bool,
     addr: KeepaliveAddr,
     cfg: Keepalive,
     peers: Mutex<HashMap<u64, PeerLane>>,
@@ -170,10 +159,12 @@ impl KeepaliveLane {
             _ => UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?,
         };
         socket.set_nonblocking(true)?;
-        let port = socket.local_addr()?.port();
+        let local = socket.local_addr()?;
+        let (port, v6) = (local.port(), local.is_ipv6());
         let token = random_u64();
         let lane = Arc::new(KeepaliveLane {
             socket,
+            v6,
             addr: KeepaliveAddr { port, token },
             cfg,
             peers: Mutex::default(),
@@ -213,16 +204,10 @@ impl KeepaliveLane {
         p.iter().next().map(|(&cookie, t)| (t.token, cookie))
     }
 
-    /// Watches `ep`, whose peer's lane is `peer` at one of `ips` and whose handle is
-    /// `usable` (NULL once the endpoint is closed or failed: then it is forgotten). A
-    /// peer not watched yet is pinged at once (it is judged only once it has answered).
-    pub(crate) fn watch(
-        &self,
-        ips: &[IpAddr],
-        peer: KeepaliveAddr,
-        ep: Weak<dyn KeepaliveTarget>,
-        usable: Weak<AtomicPtr<sys::ucp_ep>>,
-    ) {
+    /// Watches `ep`, whose peer's lane is `peer` at one of `ips`, until it is closed,
+    /// failed or dropped. A peer not watched yet is pinged at once (it is judged only
+    /// once it has answered).
+    pub(crate) fn watch(&self, ips: &[IpAddr], peer: KeepaliveAddr, ep: Weak<dyn KeepaliveTarget>) {
         let mut to: Vec<SocketAddr> = Vec::new();
         for &ip in ips {
             let a = SocketAddr::new(ip.to_canonical(), peer.port);
@@ -233,7 +218,6 @@ impl KeepaliveLane {
         if to.is_empty() {
             return;
         }
-        let watched = Watched { ep, usable };
         let mut peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(p) = peers.values_mut().find(|p| p.token == peer.token) {
             for a in to {
@@ -241,7 +225,7 @@ impl KeepaliveLane {
                     p.to.push(a);
                 }
             }
-            p.eps.push(watched);
+            p.eps.push(ep);
             return;
         }
         let mut cookie = random_u64();
@@ -252,7 +236,7 @@ impl KeepaliveLane {
         for &a in &to {
             let _ = self.send(&ping, a);
         }
-        peers.insert(cookie, PeerLane { to, token: peer.token, heard: Heard::Never, eps: vec![watched] });
+        peers.insert(cookie, PeerLane { to, token: peer.token, heard: Heard::Never, eps: vec![ep] });
     }
 
     /// Ends the thread (within one interval, at once where loopback works).
@@ -334,7 +318,7 @@ impl KeepaliveLane {
         let mut pings = Vec::new();
         let mut silent = Vec::new();
         self.peers.lock().unwrap_or_else(PoisonError::into_inner).retain(|&cookie, p| {
-            p.eps.retain(Watched::usable);
+            p.eps.retain(|ep| ep.upgrade().is_some_and(|ep| ep.usable()));
             if p.eps.is_empty() {
                 return false;
             }
@@ -345,7 +329,7 @@ impl KeepaliveLane {
                     true
                 }
                 Verdict::Fail => {
-                    silent.extend(p.eps.drain(..).map(|w| w.ep));
+                    silent.append(&mut p.eps);
                     false
                 }
             }
@@ -368,9 +352,7 @@ impl KeepaliveLane {
     /// Sends `b` to `to` (an IPv4 address mapped on an IPv6 socket).
     fn send(&self, b: &[u8], to: SocketAddr) -> io::Result<usize> {
         let to = match to {
-            SocketAddr::V4(a) if self.socket.local_addr().is_ok_and(|l| l.is_ipv6()) => {
-                SocketAddr::new(IpAddr::V6(a.ip().to_ipv6_mapped()), a.port())
-            }
+            SocketAddr::V4(a) if self.v6 => SocketAddr::new(IpAddr::V6(a.ip().to_ipv6_mapped()), a.port()),
             a => a,
         };
         self.socket.send_to(b, to)
