@@ -105,13 +105,8 @@ impl Finder {
 }
 
 /// Runs one case: the layer's two processes on a fresh rig, `fault` on h1 once the run
-/// has started; checks the outcome and its time.
-fn case(layer: Layer, fault: Fault) {
-    case_with(layer, fault, Finder::Deadline)
-}
-
-/// [`case`], finding dead peers by `finder`.
-fn case_with(layer: Layer, fault: Fault, finder: Finder) {
+/// has started, dead peers found by `finder`; checks the outcome and its time.
+fn case(layer: Layer, fault: Fault, finder: Finder) {
     if let Err(e) = netns::available() {
         eprintln!("{layer:?} under {fault}: skipped, network namespaces are not available here ({e})");
         return;
@@ -177,55 +172,48 @@ fn delay() -> Fault {
     })
 }
 
+/// One test per line, grouped by how the processes find a dead peer.
 macro_rules! cases {
-    ($($name:ident: $layer:expr, $fault:expr;)*) => {$(
+    ($($finder:ident { $($name:ident: $layer:expr, $fault:expr;)* })*) => {$($(
         #[test]
         fn $name() {
-            case($layer, $fault);
+            case($layer, $fault, Finder::$finder);
         }
-    )*};
+    )*)*};
 }
 
 cases! {
-    p2p_under_loss: Layer::P2p, Fault::Loss(3.0);
-    p2p_under_rate: Layer::P2p, Fault::Rate("50mbit".into());
-    p2p_under_delay_and_reordering: Layer::P2p, delay();
-    p2p_with_the_link_down: Layer::P2p, Fault::LinkDown;
-    p2p_with_the_peer_frozen: Layer::P2p, Fault::Freeze(Target::All);
-    p2p_with_the_peer_killed: Layer::P2p, Fault::Kill(Target::All);
-    coll_under_loss: Layer::Coll, Fault::Loss(3.0);
-    coll_under_rate: Layer::Coll, Fault::Rate("50mbit".into());
-    coll_under_delay_and_reordering: Layer::Coll, delay();
-    coll_with_the_link_down: Layer::Coll, Fault::LinkDown;
-    coll_with_the_peer_frozen: Layer::Coll, Fault::Freeze(Target::All);
-    coll_with_the_peer_killed: Layer::Coll, Fault::Kill(Target::All);
-    object_under_loss: Layer::Object, Fault::Loss(3.0);
-    object_under_rate: Layer::Object, Fault::Rate("50mbit".into());
-    object_under_delay_and_reordering: Layer::Object, delay();
-    object_with_the_link_down: Layer::Object, Fault::LinkDown;
-    object_with_the_holder_frozen: Layer::Object, Fault::Freeze(Target::All);
-    object_with_the_holder_killed: Layer::Object, Fault::Kill(Target::All);
-}
-
-macro_rules! keepalive_cases {
-    ($($name:ident: $layer:expr, $fault:expr;)*) => {$(
-        #[test]
-        fn $name() {
-            case_with($layer, $fault, Finder::Keepalive);
-        }
-    )*};
-}
-
-keepalive_cases! {
-    p2p_link_down_found_by_keepalive: Layer::P2p, Fault::LinkDown;
-    p2p_frozen_peer_found_by_keepalive: Layer::P2p, Fault::Freeze(Target::All);
-    p2p_slow_rounds_kept_by_keepalive: Layer::P2p, Fault::Rate(SLOW_RATE.into());
-    coll_link_down_found_by_keepalive: Layer::Coll, Fault::LinkDown;
-    coll_frozen_peer_found_by_keepalive: Layer::Coll, Fault::Freeze(Target::All);
-    coll_slow_rounds_kept_by_keepalive: Layer::Coll, Fault::Rate(SLOW_RATE.into());
-    object_link_down_found_by_keepalive: Layer::Object, Fault::LinkDown;
-    object_frozen_holder_found_by_keepalive: Layer::Object, Fault::Freeze(Target::All);
-    object_slow_rounds_kept_by_keepalive: Layer::Object, Fault::Rate(SLOW_RATE.into());
+    Deadline {
+        p2p_under_loss: Layer::P2p, Fault::Loss(3.0);
+        p2p_under_rate: Layer::P2p, Fault::Rate("50mbit".into());
+        p2p_under_delay_and_reordering: Layer::P2p, delay();
+        p2p_with_the_link_down: Layer::P2p, Fault::LinkDown;
+        p2p_with_the_peer_frozen: Layer::P2p, Fault::Freeze(Target::All);
+        p2p_with_the_peer_killed: Layer::P2p, Fault::Kill(Target::All);
+        coll_under_loss: Layer::Coll, Fault::Loss(3.0);
+        coll_under_rate: Layer::Coll, Fault::Rate("50mbit".into());
+        coll_under_delay_and_reordering: Layer::Coll, delay();
+        coll_with_the_link_down: Layer::Coll, Fault::LinkDown;
+        coll_with_the_peer_frozen: Layer::Coll, Fault::Freeze(Target::All);
+        coll_with_the_peer_killed: Layer::Coll, Fault::Kill(Target::All);
+        object_under_loss: Layer::Object, Fault::Loss(3.0);
+        object_under_rate: Layer::Object, Fault::Rate("50mbit".into());
+        object_under_delay_and_reordering: Layer::Object, delay();
+        object_with_the_link_down: Layer::Object, Fault::LinkDown;
+        object_with_the_holder_frozen: Layer::Object, Fault::Freeze(Target::All);
+        object_with_the_holder_killed: Layer::Object, Fault::Kill(Target::All);
+    }
+    Keepalive {
+        p2p_link_down_found_by_keepalive: Layer::P2p, Fault::LinkDown;
+        p2p_frozen_peer_found_by_keepalive: Layer::P2p, Fault::Freeze(Target::All);
+        p2p_slow_rounds_kept_by_keepalive: Layer::P2p, Fault::Rate(SLOW_RATE.into());
+        coll_link_down_found_by_keepalive: Layer::Coll, Fault::LinkDown;
+        coll_frozen_peer_found_by_keepalive: Layer::Coll, Fault::Freeze(Target::All);
+        coll_slow_rounds_kept_by_keepalive: Layer::Coll, Fault::Rate(SLOW_RATE.into());
+        object_link_down_found_by_keepalive: Layer::Object, Fault::LinkDown;
+        object_frozen_holder_found_by_keepalive: Layer::Object, Fault::Freeze(Target::All);
+        object_slow_rounds_kept_by_keepalive: Layer::Object, Fault::Rate(SLOW_RATE.into());
+    }
 }
 
 // The children. Each returns at once outside a case (no variables set).
