@@ -92,6 +92,21 @@ fn parse_target(rest: &[&str]) -> Result<Target, String> {
 }
 
 impl Fault {
+    /// The fault's first word: its kind.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Fault::LinkDown => "link-down",
+            Fault::LinkUp => "link-up",
+            Fault::Loss(_) => "loss",
+            Fault::Rate(_) => "rate",
+            Fault::Delay(_) => "delay",
+            Fault::Freeze(_) => "freeze",
+            Fault::Thaw(_) => "thaw",
+            Fault::Kill(_) => "kill",
+            Fault::Clear => "clear",
+        }
+    }
+
     /// A fault from its words (see [`WORDS`]).
     pub fn parse(words: &[&str]) -> Result<Fault, String> {
         let bad = || format!("{:?}: a fault is one of: {WORDS}", words.join(" "));
@@ -123,17 +138,17 @@ impl Fault {
 
 impl fmt::Display for Fault {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = self.name();
         let target = |t: &Target| match t {
             Target::All => String::new(),
             Target::Pid(p) => format!(" {p}"),
         };
         match self {
-            Fault::LinkDown => write!(f, "link-down"),
-            Fault::LinkUp => write!(f, "link-up"),
-            Fault::Loss(p) => write!(f, "loss {p}%"),
-            Fault::Rate(r) => write!(f, "rate {r}"),
+            Fault::LinkDown | Fault::LinkUp | Fault::Clear => write!(f, "{name}"),
+            Fault::Loss(p) => write!(f, "{name} {p}%"),
+            Fault::Rate(r) => write!(f, "{name} {r}"),
             Fault::Delay(d) => {
-                write!(f, "delay {}", time(d.delay))?;
+                write!(f, "{name} {}", time(d.delay))?;
                 if !d.jitter.is_zero() {
                     write!(f, " jitter {}", time(d.jitter))?;
                 }
@@ -142,10 +157,7 @@ impl fmt::Display for Fault {
                 }
                 Ok(())
             }
-            Fault::Freeze(t) => write!(f, "freeze{}", target(t)),
-            Fault::Thaw(t) => write!(f, "thaw{}", target(t)),
-            Fault::Kill(t) => write!(f, "kill{}", target(t)),
-            Fault::Clear => write!(f, "clear"),
+            Fault::Freeze(t) | Fault::Thaw(t) | Fault::Kill(t) => write!(f, "{name}{}", target(t)),
         }
     }
 }

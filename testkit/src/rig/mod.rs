@@ -64,6 +64,11 @@ pub struct Rig {
     pub delay_program: Option<PathBuf>,
 }
 
+/// Host `i`'s address on its rig's bridge (the same in every rig: each has its own).
+pub fn host_addr(i: usize) -> IpAddr {
+    IpAddr::from([10, 214, 0, i as u8 + 1])
+}
+
 fn host_ns(rig: &str, i: usize) -> String {
     format!("ucxr-{rig}-h{i}")
 }
@@ -234,11 +239,17 @@ fn remove_stale_locked() -> Vec<String> {
             removed.push(name);
         }
     }
+    // Namespaces without a record: each such rig removed once, whatever its hosts.
     let recorded = Record::names();
-    for ns in namespaces() {
-        let Some(rig) = ns.strip_prefix("ucxr-").and_then(|r| r.split('-').next()) else { continue };
-        if !recorded.iter().any(|r| r == rig) && remove_locked(rig).is_ok() {
-            removed.push(rig.to_string());
+    let unrecorded: std::collections::BTreeSet<String> = namespaces()
+        .iter()
+        .filter_map(|ns| ns.strip_prefix("ucxr-").and_then(|r| r.split('-').next()))
+        .filter(|rig| !recorded.iter().any(|r| r == rig))
+        .map(str::to_string)
+        .collect();
+    for rig in unrecorded {
+        if remove_locked(&rig).is_ok() {
+            removed.push(rig);
         }
     }
     removed
@@ -310,11 +321,7 @@ impl Rig {
 
     fn from_record(record: Record) -> Rig {
         let hosts = (0..record.hosts)
-            .map(|i| Host {
-                ns: host_ns(&record.name, i),
-                addr: IpAddr::from([10, 214, 0, i as u8 + 1]),
-                dev: DEVICE.into(),
-            })
+            .map(|i| Host { ns: host_ns(&record.name, i), addr: host_addr(i), dev: DEVICE.into() })
             .collect();
         Rig { record, hosts, owned_here: false, delays: Vec::new(), delay_program: None }
     }

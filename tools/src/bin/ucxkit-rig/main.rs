@@ -156,9 +156,7 @@ fn print_hosts(r: &Rig) {
 
 /// The process that called this one (the owner of a rig made without `--keep`).
 fn caller() -> Option<Owner> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    let ppid = stat[stat.rfind(')')? + 1..].split_whitespace().nth(1)?.parse().ok()?;
-    Owner::of(ppid)
+    Owner::of(std::os::unix::process::parent_id())
 }
 
 fn run(cli: Cli) -> Result<ExitCode, String> {

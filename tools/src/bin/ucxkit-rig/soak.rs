@@ -57,19 +57,6 @@ fn draw(rng: &mut Rng) -> Fault {
     }
 }
 
-/// A fault's kind, as counted in the report.
-fn kind(f: &Fault) -> &'static str {
-    match f {
-        Fault::Loss(_) => "loss",
-        Fault::Rate(_) => "rate",
-        Fault::Delay(_) => "delay",
-        Fault::LinkDown => "link-down",
-        Fault::Freeze(_) => "freeze",
-        Fault::Kill(_) => "kill",
-        _ => "other",
-    }
-}
-
 /// A started process: which one it is (every start has a number of its own) and its
 /// handle.
 struct Node {
@@ -152,7 +139,7 @@ pub(crate) fn run(a: SoakArgs) -> Result<(), String> {
             if killed {
                 let _ = nodes[host].child.wait();
             }
-            *faults.entry(kind(&f)).or_default() += 1;
+            *faults.entry(f.name()).or_default() += 1;
             active = Some((host, now + Duration::from_millis(1000 + rng.below(2001) as u64), killed));
             next_fault = now + a.fault_every;
         }

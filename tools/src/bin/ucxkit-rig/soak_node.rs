@@ -11,7 +11,7 @@
 //! A failed operation is counted, and the layer starts over (a new endpoint, a new
 //! communicator) after a pause; the first success after failures counts as recovered.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +22,7 @@ use ucxkit::collectives::{Communicator, InitOptions, Options, ReduceOp};
 use ucxkit::object_push::{MemoryStore, NodeOptions, ObjectId, ObjectNode};
 use ucxkit::transport::{tag, Context, Endpoint, Worker};
 use ucxkit_testkit::payload::{payload, Rng};
+use ucxkit_testkit::rig::host_addr as addr;
 
 /// Every operation's deadline.
 pub(crate) const DEADLINE: Duration = Duration::from_secs(4);
@@ -78,11 +79,6 @@ impl Counters {
 fn differing(got: &[u8], want: &[u8]) -> u64 {
     let common = got.iter().zip(want).filter(|(a, b)| a != b).count();
     (common + got.len().abs_diff(want.len())) as u64
-}
-
-/// Host `i`'s address on the rig.
-fn addr(i: usize) -> IpAddr {
-    IpAddr::from([10, 214, 0, i as u8 + 1])
 }
 
 async fn within<T, E: std::fmt::Display>(
