@@ -55,7 +55,7 @@ pub(crate) async fn cell(
         }
         Ok(d)
     };
-    let (slowest, iters, _) = crate::rank::timed(c, args, fresh()?, run).await?;
+    let (slowest, iters) = crate::rank::timed(c, args, fresh()?, run).await?;
     let wrong = if args.check {
         let got = stream.clone_dtoh(&call(fresh()?).await?).map_err(e)?;
         stream.synchronize().map_err(e)?;

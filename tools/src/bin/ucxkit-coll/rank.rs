@@ -302,7 +302,7 @@ async fn cell<T: Element>(
         let buf = repeat(c, op, buf, &mut spare, k, count, redop, root).await?;
         Ok((buf, spare))
     };
-    let (slowest, iters, _) = timed(c, args, (buf, Vec::new()), run).await?;
+    let (slowest, iters) = timed(c, args, (buf, Vec::new()), run).await?;
     let wrong = if args.check {
         let got = result(c, op, fresh(), count, redop, root).await?;
         let w = wrong(op, &got, n, r, count, redop, root);
@@ -329,14 +329,9 @@ async fn cell<T: Element>(
 /// Times a cell's calls, every cell alike: `run(state, k)` makes `k` calls. A warm-up,
 /// then as many iterations as fit the cell's budget (judged from the warm-up and agreed
 /// on: every rank must make the same calls), after a barrier; with `--skew-us`, each call
-/// after a barrier and this rank's skew. The slowest rank's seconds per call, the
-/// iterations, and the state after them.
-pub(crate) async fn timed<S, F, Fut>(
-    c: &Communicator,
-    args: &Args,
-    state: S,
-    mut run: F,
-) -> Res<(f64, u64, S)>
+/// after a barrier and this rank's skew. The slowest rank's seconds per call and the
+/// iterations.
+pub(crate) async fn timed<S, F, Fut>(c: &Communicator, args: &Args, state: S, mut run: F) -> Res<(f64, u64)>
 where
     F: FnMut(S, u64) -> Fut,
     Fut: std::future::Future<Output = Res<S>>,
@@ -354,7 +349,7 @@ where
     let mut spent = Duration::ZERO;
     if args.skew_us == 0 {
         let t = Instant::now();
-        state = run(state, iters).await?;
+        run(state, iters).await?;
         spent = t.elapsed();
     } else {
         for _ in 0..iters {
@@ -370,7 +365,7 @@ where
     }
     let mine = spent.as_secs_f64() / iters as f64;
     let slowest = c.allreduce(vec![mine], ReduceOp::Max).await.map_err(|f| f.error.to_string())?[0];
-    Ok((slowest, iters, state))
+    Ok((slowest, iters))
 }
 
 /// The algorithm a call of `op` on `count` elements of `elem` bytes takes.
