@@ -8,12 +8,11 @@ use std::collections::{BTreeSet, HashMap};
 use bytes::Bytes;
 use futures_util::future::join_all;
 use std::net::SocketAddr;
-use ucxkit_transport::am::AmSendOptions;
 
 use ucxkit_transport::{Endpoint, Peer};
 
-use super::pull::{payload, Registered};
-use super::{Inner, ObjectNode, REQUEST};
+use super::pull::payload;
+use super::{Inner, ObjectNode};
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
 use crate::shape::Shape;
@@ -105,17 +104,10 @@ impl Inner {
     /// The address the node at `ep` listens on for receivers; a node listening on all of
     /// its addresses is given the one this node reaches it by.
     async fn hello(&self, ep: &Endpoint) -> Result<SocketAddr> {
-        let limit = self.opts.deadline;
-        let (req, answer) = self.register();
-        let _registered = Registered { node: self, req };
-        let opts = AmSendOptions { reply: true, ..Default::default() };
-        let (r, _) =
-            self.ns.am_send_with(ep, REQUEST, &Msg::Hello { req }.encode(), Bytes::new(), opts).await;
-        r?;
-        match tokio::time::timeout(limit, answer).await {
-            Err(_) => Err(Error::DeadlineExceeded { what: "a receiver's address".into(), limit }),
-            Ok(Err(_)) => Err(Error::Remote("the node is closing".into())),
-            Ok(Ok((Msg::Address { .. }, m))) => {
+        let limit = Some(self.opts.deadline);
+        let hello = |req| Msg::Hello { req };
+        match self.ask(ep, hello, Bytes::new(), limit, || "a receiver's address".into()).await? {
+            (Msg::Address { .. }, m) => {
                 let mut a = decode_address(&payload(m, crate::wire::MAX_ADDRESS).await?)?;
                 if a.ip().is_unspecified() {
                     match ep.peer() {
@@ -125,8 +117,8 @@ impl Inner {
                 }
                 Ok(a)
             }
-            Ok(Ok((Msg::Failed { reason, .. }, _))) => Err(Error::Remote(reason)),
-            Ok(Ok((other, _))) => Err(Error::Protocol(format!("{other:?} in answer to a hello"))),
+            (Msg::Failed { reason, .. }, _) => Err(Error::Remote(reason)),
+            (other, _) => Err(Error::Protocol(format!("{other:?} in answer to a hello"))),
         }
     }
 }

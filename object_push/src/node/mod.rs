@@ -11,9 +11,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 use ucxkit_transport::namespace::OBJECT_PUSH;
-use ucxkit_transport::{AmMessage, Namespace, Worker};
+use ucxkit_transport::{AmMessage, AmSendOptions, Endpoint, Namespace, Worker};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::file::ObjectFile;
 use crate::id::ObjectId;
 use crate::store::{Object, ObjectStore};
@@ -437,6 +437,41 @@ impl Inner {
     /// Stops waiting for request `req`'s answer.
     fn forget(&self, req: u32) {
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&req);
+    }
+
+    /// Sends the request `msg(req)` with `payload` to `peer` and waits for its answer:
+    /// up to `limit` where one is given (`what` then names the wait in the error), and
+    /// only while `peer`'s endpoint works (a peer that died or went silent answers
+    /// nothing: its failure ends the wait).
+    pub(super) async fn ask(
+        &self,
+        peer: &Endpoint,
+        msg: impl FnOnce(u32) -> Msg,
+        payload: Bytes,
+        limit: Option<Duration>,
+        what: impl FnOnce() -> String,
+    ) -> Result<(Msg, AmMessage)> {
+        let (req, answer) = self.register();
+        let _registered = pull::Registered { node: self, req };
+        let opts = AmSendOptions { reply: true, ..Default::default() };
+        let (r, _) = self.ns.am_send_with(peer, REQUEST, &msg(req).encode(), payload, opts).await;
+        r?;
+        let answer = async {
+            tokio::select! {
+                a = answer => a.map_err(|_| Error::Remote("the node is closing".into())),
+                source = peer.failed() => Err(Error::Transport(ucxkit_transport::Error::ConnectionReset {
+                    op: "an object request",
+                    peer: peer.peer().clone(),
+                    source,
+                })),
+            }
+        };
+        match limit {
+            None => answer.await,
+            Some(limit) => tokio::time::timeout(limit, answer)
+                .await
+                .map_err(|_| Error::DeadlineExceeded { what: what(), limit })?,
+        }
     }
 }
 

@@ -10,13 +10,12 @@ use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
-use ucxkit_transport::am::AmSendOptions;
 use ucxkit_transport::{AmMessage, Endpoint};
 
 use super::budget::Priority;
 use super::fetch::Transfer;
 use super::sink::Dest;
-use super::{Inner, ObjectNode, REQUEST};
+use super::{Inner, ObjectNode};
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
 use crate::store::Object;
@@ -292,35 +291,12 @@ const RELAY_ANSWER: Duration = Duration::from_secs(5);
 /// layout (checked).
 async fn lookup(node: &Inner, id: ObjectId, holder: &Endpoint, wait_ms: u32) -> Result<Found> {
     for _ in 0..node.opts.tries {
-        let (req, answer) = node.register();
-        let _registered = Registered { node, req };
-        let msg = Msg::Lookup { req, id, inline_max: node.opts.inline_max, wait_ms };
-        let opts = AmSendOptions { reply: true, ..Default::default() };
-        let (r, _) = node.ns.am_send_with(holder, REQUEST, &msg.encode(), Bytes::new(), opts).await;
-        r?;
-        // A holder whose endpoint fails (it died, or went silent: see the transport's
-        // keepalive) will not answer.
-        let answer = async {
-            tokio::select! {
-                a = answer => Ok(a),
-                source = holder.failed() => Err(Error::Transport(ucxkit_transport::Error::ConnectionReset {
-                    op: "an object lookup",
-                    peer: holder.peer().clone(),
-                    source,
-                })),
-            }
-        };
-        let answered = if wait_ms == 0 {
-            answer.await?
-        } else {
-            // A relay that never answers lets the pull turn to the others.
-            let limit = Duration::from_millis(u64::from(wait_ms)) + RELAY_ANSWER;
-            tokio::time::timeout(limit, answer).await.map_err(|_| Error::DeadlineExceeded {
-                what: format!("a relay's answer about {id}"),
-                limit,
-            })??
-        };
-        let (msg, m) = answered.map_err(|_| Error::Remote("the node is closing".into()))?;
+        let lookup = |req| Msg::Lookup { req, id, inline_max: node.opts.inline_max, wait_ms };
+        // A relay that never answers lets the pull turn to the others (the node's
+        // deadline bounds the rest).
+        let limit = (wait_ms > 0).then(|| Duration::from_millis(u64::from(wait_ms)) + RELAY_ANSWER);
+        let what = || format!("a relay's answer about {id}");
+        let (msg, m) = node.ask(holder, lookup, Bytes::new(), limit, what).await?;
         match msg {
             Msg::Missing { .. } => return Ok(Found::Missing),
             Msg::Failed { reason, .. } => return Err(Error::Remote(reason)),

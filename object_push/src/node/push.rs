@@ -10,11 +10,10 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use ucxkit_transport::am::AmSendOptions;
 use ucxkit_transport::{AmMessage, Endpoint};
 
-use super::pull::{payload, Choice, Registered};
-use super::{Inner, ObjectNode, REQUEST};
+use super::pull::{payload, Choice};
+use super::{Inner, ObjectNode};
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
 use crate::wire::{decode_addresses, encode_addresses, Msg};
@@ -47,25 +46,13 @@ impl Inner {
         peer: &Endpoint,
         relays: &[SocketAddr],
     ) -> Result<()> {
-        let limit = self.opts.deadline;
-        let (req, answer) = self.register();
-        let _registered = Registered { node: self, req };
-        let offer = Msg::Offer { req, id, size, relays: relays.len() as u8 };
-        let opts = AmSendOptions { reply: true, ..Default::default() };
+        let offer = |req| Msg::Offer { req, id, size, relays: relays.len() as u8 };
         let payload = Bytes::from(encode_addresses(relays));
-        let (r, _) = self.ns.am_send_with(peer, REQUEST, &offer.encode(), payload, opts).await;
-        r?;
-        // A receiver that dies answers nothing: its endpoint's failure ends the wait.
-        let answered = tokio::select! {
-            a = tokio::time::timeout(limit, answer) => a,
-            status = peer.failed() => return Err(Error::Remote(format!("the receiver failed: {status}"))),
-        };
-        match answered {
-            Err(_) => Err(Error::DeadlineExceeded { what: format!("push of object {id}"), limit }),
-            Ok(Err(_)) => Err(Error::Remote("the node is closing".into())),
-            Ok(Ok((Msg::Done { .. }, _))) => Ok(()),
-            Ok(Ok((Msg::Failed { reason, .. }, _))) => Err(Error::Remote(reason)),
-            Ok(Ok((other, _))) => Err(Error::Protocol(format!("{other:?} in answer to an offer"))),
+        let limit = Some(self.opts.deadline);
+        match self.ask(peer, offer, payload, limit, || format!("push of object {id}")).await?.0 {
+            Msg::Done { .. } => Ok(()),
+            Msg::Failed { reason, .. } => Err(Error::Remote(reason)),
+            other => Err(Error::Protocol(format!("{other:?} in answer to an offer"))),
         }
     }
 }
