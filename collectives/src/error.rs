@@ -98,20 +98,6 @@ impl Error {
             _ => None,
         }
     }
-
-    /// A deadline error of a call that waited on `peers` (sorted, once each); other
-    /// errors as they are.
-    pub(crate) fn waiting_on(self, peers: impl IntoIterator<Item = usize>) -> Error {
-        match self {
-            Error::DeadlineExceeded { after, .. } => {
-                let mut waiting_on: Vec<usize> = peers.into_iter().collect();
-                waiting_on.sort_unstable();
-                waiting_on.dedup();
-                Error::DeadlineExceeded { after, waiting_on }
-            }
-            e => e,
-        }
-    }
 }
 
 /// Result of this crate's calls.

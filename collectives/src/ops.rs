@@ -594,7 +594,7 @@ impl Communicator {
                     drop(slice);
                     return Poll::Ready(Ok(r));
                 }
-                watch.poll_end(cx).map(|e| Err(e.waiting_on([peer])))
+                watch.poll_end(cx, || [peer]).map(Err)
             })
             .await
         };

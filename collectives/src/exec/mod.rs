@@ -441,8 +441,13 @@ impl<'a> Watch<'a> {
     }
 
     /// The error that ends the wait, if the communicator was aborted or the deadline
-    /// passed; otherwise pending, with the task woken when either happens.
-    pub(crate) fn poll_end(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Error> {
+    /// passed (naming the ranks `pending` gives, whose transfers are still pending);
+    /// otherwise pending, with the task woken when either happens.
+    pub(crate) fn poll_end<P: IntoIterator<Item = usize>>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        pending: impl FnOnce() -> P,
+    ) -> Poll<Error> {
         let abort = self.abort;
         // Registered before the check, so an abort between the two wakes the task.
         let wake = self.aborted.get_or_insert_with(|| {
@@ -457,7 +462,10 @@ impl<'a> Watch<'a> {
         }
         if let Some((d, sleep)) = self.timer.as_mut() {
             if sleep.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Error::DeadlineExceeded { after: *d, waiting_on: Vec::new() });
+                let mut waiting_on: Vec<usize> = pending().into_iter().collect();
+                waiting_on.sort_unstable();
+                waiting_on.dedup();
+                return Poll::Ready(Error::DeadlineExceeded { after: *d, waiting_on });
             }
         }
         Poll::Pending
@@ -650,14 +658,16 @@ async fn exchange<'w, T: Element>(
         if !pending || first.is_some() {
             return Poll::Ready(());
         }
-        watch.poll_end(cx).map(|e| {
-            let peers = flight.iter().filter_map(|f| match f {
+        let peers = || {
+            flight.iter().filter_map(|f| match f {
                 InFlight::Send { peer, .. } | InFlight::Recv { peer, .. } => Some(*peer),
                 InFlight::LaneSend(op) => Some(op.at.peer),
                 InFlight::LaneRecv { op, .. } => Some(op.at.peer),
                 InFlight::Done => None,
-            });
-            first.get_or_insert(e.waiting_on(peers));
+            })
+        };
+        watch.poll_end(cx, peers).map(|e| {
+            first.get_or_insert(e);
         })
     };
     let worker = w.ns.worker();

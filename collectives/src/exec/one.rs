@@ -100,7 +100,7 @@ pub(crate) async fn run_one<T: Element>(
         Poll::Ready(done) => Poll::Ready(Ok(done)),
         Poll::Pending => {
             let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
-            watch.poll_end(cx).map(|e| Err(e.waiting_on([peer])))
+            watch.poll_end(cx, || [peer]).map(Err)
         }
     })
     .await?;

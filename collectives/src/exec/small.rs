@@ -220,10 +220,13 @@ async fn exchange<'w, T: Element>(
             return Poll::Ready(());
         }
         let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
-        watch.poll_end(cx).map(|e| {
+        let peers = || {
             let sending = sends.iter().filter(|(_, op)| op.is_some()).map(|(p, _)| *p);
             let receiving = recvs.iter().filter(|r| r.op.is_some()).map(|r| r.peer);
-            first.get_or_insert(e.waiting_on(sending.chain(receiving)));
+            sending.chain(receiving)
+        };
+        watch.poll_end(cx, peers).map(|e| {
+            first.get_or_insert(e);
         })
     })
     .await;
