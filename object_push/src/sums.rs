@@ -11,6 +11,14 @@ pub const MIN_CHUNK: u32 = 4096;
 pub const MAX_CHUNK: u32 = 1 << 30;
 /// The most chunks an object may have (a receiver keeps a little per chunk).
 pub const MAX_CHUNKS: u64 = 1 << 20;
+/// The chunk size that grows with the object ([`chunk_for`]): the default of
+/// `NodeOptions::chunk`.
+pub const AUTO_CHUNK: u32 = 0;
+/// An automatic chunk's smallest and largest size, and the chunk count above which it
+/// doubles.
+const AUTO_MIN: u32 = 1 << 20;
+const AUTO_MAX: u32 = 4 << 20;
+const AUTO_CHUNKS: u64 = 64;
 
 /// An object's size, its chunk size and the checksum of every chunk (the last may be
 /// short).
@@ -89,8 +97,18 @@ pub fn sum(bytes: &[u8]) -> u64 {
 }
 
 /// The chunk size for an object of `size` bytes: `want`, or larger where `want` would
-/// cut it in more than [`MAX_CHUNKS`] chunks.
+/// cut it in more than [`MAX_CHUNKS`] chunks. [`AUTO_CHUNK`] wants 1 MiB, doubled while
+/// the object would have more than 64 chunks, up to 4 MiB: a holder handles each chunk
+/// it sends, and on one host of two cores 1 MiB chunks to two receivers kept it busy
+/// enough to cost them a fifth of their time (docs/objects.md).
 pub fn chunk_for(size: u64, want: u32) -> u32 {
+    let mut want = want;
+    if want == AUTO_CHUNK {
+        want = AUTO_MIN;
+        while want < AUTO_MAX && size > AUTO_CHUNKS * u64::from(want) {
+            want *= 2;
+        }
+    }
     let least = size.div_ceil(MAX_CHUNKS).next_multiple_of(u64::from(MIN_CHUNK));
     u32::try_from(least.max(u64::from(want))).unwrap_or(MAX_CHUNK).min(MAX_CHUNK)
 }
@@ -136,7 +154,7 @@ mod tests {
     }
 
     #[test]
-    fn chunks_grow_for_objects_that_would_have_too_many() {
+    fn chunks_grow_for_objects_that_would_have_too_many_and_automatic_ones_with_size() {
         let table = [
             // (size, wanted chunk, chunk)
             (0, 4096, 4096),
@@ -145,6 +163,13 @@ mod tests {
             (1 << 42, 1 << 20, 1 << 22),
             ((1 << 40) + 1, 4096, (1 << 20) + 4096),
             (u64::MAX, 4096, MAX_CHUNK),
+            // Automatic: 1 MiB up to 64 of them, doubling to 4 MiB, then as any.
+            (0, AUTO_CHUNK, 1 << 20),
+            (64 << 20, AUTO_CHUNK, 1 << 20),
+            ((64 << 20) + 1, AUTO_CHUNK, 2 << 20),
+            (256 << 20, AUTO_CHUNK, 4 << 20),
+            (1 << 40, AUTO_CHUNK, 4 << 20),
+            (1 << 43, AUTO_CHUNK, 8 << 20),
         ];
         for (size, want, chunk) in table {
             assert_eq!(chunk_for(size, want), chunk, "{size} {want}");

@@ -55,7 +55,7 @@ impl ObjectNode {
     /// the object itself whatever the shape, so relays would add only their lag:
     /// docs/objects.md measures it); otherwise the one [`Shape::choose`] picks with
     /// [`super::NodeOptions::link`], a relay lagging a window of chunks (TCP delivers a
-    /// window together).
+    /// window together; `NodeOptions::network_window` bounds it).
     pub fn auto_shape(&self, size: u64, receivers: &[Endpoint]) -> Shape {
         let opts = &self.inner.opts;
         let shared_memory = self.inner.ns.worker().context().has_shared_memory();
@@ -63,7 +63,8 @@ impl ObjectNode {
         if shared_memory && receivers.iter().all(local) {
             return Shape::Direct;
         }
-        let lag = u64::from(crate::sums::chunk_for(size, opts.chunk)) * u64::from(opts.window);
+        let chunk = crate::sums::chunk_for(size, opts.chunk);
+        let lag = u64::from(chunk) * super::fetch::window_for(opts.window, opts.network_window, chunk);
         Shape::choose(receivers.len(), size, lag, &opts.link)
     }
 

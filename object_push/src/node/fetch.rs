@@ -45,6 +45,9 @@ struct Source<'a> {
     ep: &'a Endpoint,
     /// Whether its chunks are checked against their checksums ([`super::Verify`]).
     check: bool,
+    /// Whether its window is held to `NodeOptions::network_window` bytes: UCX reaches
+    /// it over a network (not shared memory), and the bound is below `window` chunks.
+    far: bool,
     /// While it serves this transfer.
     live: Option<Live<'a>>,
     inflight: u64,
@@ -152,6 +155,19 @@ impl Drop for Counted<'_> {
     }
 }
 
+/// The chunks in flight per holder reached over a network: `window`, fewer where they
+/// would be over `bytes` together, at least one.
+pub(super) fn window_for(window: u32, bytes: u64, chunk: u32) -> u64 {
+    u64::from(window).min(bytes / u64::from(chunk).max(1)).max(1)
+}
+
+/// Whether UCX carries `ep`'s messages over shared memory (one of its lanes is a
+/// shared-memory transport); false where the lanes cannot be read.
+fn over_shared_memory(ep: &Endpoint) -> bool {
+    const SHARED: [&str; 5] = ["posix", "sysv", "cma", "xpmem", "knem"];
+    ep.lanes().is_ok_and(|lanes| lanes.iter().any(|l| SHARED.contains(&l.transport.as_str())))
+}
+
 impl<'a> Transfer<'a> {
     /// A transfer of an object of `layout` from `holders` (each taking part once it
     /// [`Transfer::join`]s) into `into`: a file, or a buffer of the object's size.
@@ -163,9 +179,18 @@ impl<'a> Transfer<'a> {
         into: Dest,
         priority: Priority,
     ) -> Transfer<'a> {
+        let opts = &node.opts;
+        // The lanes are looked up only where the bound would change the window.
+        let narrower = window_for(opts.window, opts.network_window, layout.chunk()) < u64::from(opts.window);
         let sources = holders
             .iter()
-            .map(|ep| Source { ep, check: node.opts.verify.checks(ep), live: None, inflight: 0 })
+            .map(|ep| Source {
+                ep,
+                check: opts.verify.checks(ep),
+                far: narrower && !over_shared_memory(ep),
+                live: None,
+                inflight: 0,
+            })
             .collect();
         let limit_ms = u32::try_from(node.opts.deadline.as_millis()).unwrap_or(u32::MAX);
         let layout_size = layout.size();
@@ -317,9 +342,12 @@ impl<'a> Transfer<'a> {
     /// Gives each live source chunks up to its window: chunks to fetch again first
     /// (one request each), then new ones (one request for a run).
     async fn assign(&mut self) {
-        let window = u64::from(self.node.opts.window);
+        let opts = &self.node.opts;
+        let near_window = u64::from(opts.window);
+        let far_window = window_for(opts.window, opts.network_window, self.layout.chunk());
         self.starved = false;
         for s in 0..self.sources.len() {
+            let window = if self.sources[s].far { far_window } else { near_window };
             while self.sources[s].live.is_some() && self.sources[s].inflight < window {
                 let free = window - self.sources[s].inflight;
                 if let Some(i) =
@@ -488,6 +516,27 @@ impl<'a> Transfer<'a> {
                 }
                 Ok(None)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::window_for;
+
+    #[test]
+    fn far_windows_hold_to_their_bytes() {
+        let table = [
+            // (window, bytes, chunk, chunks in flight)
+            (8, 8 << 20, 1 << 20, 8),
+            (8, 8 << 20, 4 << 20, 2),
+            (8, 8 << 20, 16 << 20, 1),
+            (4, 8 << 20, 64 << 10, 4),
+            (8, 0, 1 << 20, 1),
+            (8, u64::MAX, 4096, 8),
+        ];
+        for (window, bytes, chunk, want) in table {
+            assert_eq!(window_for(window, bytes, chunk), want, "{window} {bytes} {chunk}");
         }
     }
 }

@@ -46,10 +46,17 @@ const GAVE_UP_KEPT: usize = 64;
 pub struct NodeOptions {
     /// The chunk size of the objects this node seals (`put`; larger for objects that
     /// would have over [`crate::sums::MAX_CHUNKS`] chunks); a pulled object keeps its
-    /// holder's. Default 1 MiB.
+    /// holder's. Default [`crate::sums::AUTO_CHUNK`]: 1 MiB, up to 4 MiB for objects of
+    /// over 64 MiB.
     pub chunk: u32,
     /// Chunks in flight per holder of a pull. Default 8.
     pub window: u32,
+    /// Bytes of chunks in flight per holder that UCX reaches over a network (no
+    /// shared-memory lane), at most: fewer than `window` chunks where chunks are large,
+    /// never less than one. A relay passes a chunk on only once it arrived, and over TCP
+    /// a window's chunks arrive together, so this is what each relay of a broadcast lags.
+    /// Default 8 MiB.
+    pub network_window: u64,
     /// Bytes of chunks in flight for all of the node's pulls together (a prefetch uses
     /// at most half). Default 256 MiB.
     pub in_flight: u64,
@@ -80,8 +87,9 @@ pub struct NodeOptions {
 impl Default for NodeOptions {
     fn default() -> Self {
         NodeOptions {
-            chunk: 1 << 20,
+            chunk: crate::sums::AUTO_CHUNK,
             window: 8,
+            network_window: 8 << 20,
             in_flight: 256 << 20,
             inline_max: 64 << 10,
             deadline: Duration::from_secs(60),
@@ -211,7 +219,7 @@ impl ObjectNode {
     /// [`crate::Error::InvalidArgument`] for options out of range; the transport's error
     /// when the namespace is taken.
     pub fn new(worker: &Worker, store: Arc<dyn ObjectStore>, opts: NodeOptions) -> Result<ObjectNode> {
-        Layout::of(&[], opts.chunk)?;
+        Layout::of(&[], chunk_for(0, opts.chunk))?;
         if opts.window == 0 || opts.tries == 0 {
             return Err(crate::Error::InvalidArgument("window and tries must be at least 1".into()));
         }

@@ -418,10 +418,12 @@ fn plot_rows(r: &Row) -> [ucxkit_tools::report::Row; 2] {
 fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, first: bool) {
     let (op, receivers) = (r.op.as_str(), r.receivers);
     let net = a.netns.as_deref().unwrap_or("");
+    // The chunk the object was cut in (an automatic one grows with the size).
+    let chunk = ucxkit::object_push::sums::chunk_for(r.size as u64, a.node.chunk);
     if a.output.json {
         let mut v = json!({
             "op": op, "bytes": r.size, "receivers": receivers, "time_us": (r.time_us * 10.0).round() / 10.0,
-            "mibps": r.mibps().round(), "peak_rss_mib": r.peak_mib.round(), "chunk": a.node.chunk, "window": a.node.window,
+            "mibps": r.mibps().round(), "peak_rss_mib": r.peak_mib.round(), "chunk": chunk, "window": a.node.window,
             "transport": a.node.transport.name(), "netns": net, "source": r.source,
         });
         if let Some(x) = ratio {
@@ -446,7 +448,7 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, firs
             r.time_us,
             r.mibps(),
             r.peak_mib,
-            a.node.chunk,
+            chunk,
             a.node.window,
             a.node.transport.name(),
             r.source

@@ -64,8 +64,9 @@ pub(crate) struct NodeArgs {
     /// sleeps (`0`: at once).
     #[arg(long, default_value = "50us", value_parser = parse_span)]
     linger: Duration,
-    /// Chunk size of the objects sealed (K/M suffixes).
-    #[arg(long, default_value = "1M", value_parser = parse_chunk)]
+    /// Chunk size of the objects sealed (K/M suffixes), or `auto` (1 MiB, up to 4 MiB
+    /// for objects of over 64 MiB).
+    #[arg(long, default_value = "auto", value_parser = parse_chunk)]
     chunk: u32,
     /// Chunks in flight per pull.
     #[arg(long, default_value_t = 8)]
@@ -138,7 +139,11 @@ fn verify_name(v: Verify) -> &'static str {
     }
 }
 
+/// A chunk size, or `auto` (also written as 0, as `to_args` passes it on).
 fn parse_chunk(s: &str) -> Result<u32, String> {
+    if s == "auto" {
+        return Ok(ucxkit::object_push::sums::AUTO_CHUNK);
+    }
     let n = ucxkit_tools::size::parse_size(s)?;
     u32::try_from(n).map_err(|_| format!("{s}: chunk too large"))
 }
