@@ -230,3 +230,15 @@ fn a_rig_whose_owner_died_is_removed_by_the_next() {
     drop(next);
     assert!(Rig::open(&name).is_err() && check_name("Bad-Name").is_err() && Rig::up(0, None).is_err());
 }
+
+#[test]
+fn a_probe_left_behind_is_removed_by_the_next_rig() {
+    if skip() {
+        return;
+    }
+    let left = probe_ns();
+    sh(&["ip", "netns", "add", &left]).unwrap();
+    let next = Rig::up(1, None).unwrap();
+    assert!(!namespaces().contains(&left), "{left} outlived the next rig");
+    drop(next);
+}
