@@ -71,6 +71,9 @@ pub(crate) struct NodeArgs {
     /// Chunks in flight per pull.
     #[arg(long, default_value_t = 8)]
     window: u32,
+    /// Bytes in flight per holder reached over a network, at most (K/M suffixes).
+    #[arg(long, default_value = "8M", value_parser = parse_chunk)]
+    network_window: u32,
     /// Deadline of each pull.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     deadline: Duration,
@@ -85,6 +88,7 @@ impl NodeArgs {
         NodeOptions {
             chunk: self.chunk,
             window: self.window,
+            network_window: u64::from(self.network_window),
             deadline: self.deadline,
             verify: self.verify,
             ..NodeOptions::default()
@@ -110,6 +114,7 @@ impl NodeArgs {
             format!("--linger={}us", self.linger.as_micros()),
             format!("--chunk={}", self.chunk),
             format!("--window={}", self.window),
+            format!("--network-window={}", self.network_window),
             format!("--deadline={}s", self.deadline.as_secs_f64()),
             format!("--verify={}", verify_name(self.verify)),
         ]
