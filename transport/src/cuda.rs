@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 ///
 /// # Errors
 /// [`Error::Unsupported`] naming what is missing: the driver library (`libcuda.so.1`),
-/// a driver that does not initialise, or a device.
+/// a driver of CUDA 12.2 or newer, a driver that initialises, or a device.
 pub fn probe() -> Result<usize> {
     static PROBED: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
     PROBED
@@ -49,6 +49,16 @@ pub fn probe() -> Result<usize> {
             if !unsafe { cudarc::driver::sys::is_culib_present() } {
                 return Err("no CUDA driver library (libcuda.so.1) on this machine".into());
             }
+            let mut version = 0;
+            // SAFETY: writes one int; every driver has the function, callable before
+            // cuInit.
+            let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                return Err(format!("the CUDA driver does not say its version: {r:?}"));
+            }
+            if let Some(why) = too_old(version) {
+                return Err(why);
+            }
             match CudaContext::device_count() {
                 Ok(n) if n > 0 => Ok(n as usize),
                 Ok(_) => Err("the CUDA driver sees no device".into()),
@@ -57,6 +67,23 @@ pub fn probe() -> Result<usize> {
         })
         .clone()
         .map_err(|what| Error::Unsupported { what })
+}
+
+/// The oldest driver this build works with (`cuDriverGetVersion`'s form: 1000 x major +
+/// 10 x minor): the CUDA bindings are those of 12.2 (cudarc's `cuda-12020`), which call
+/// driver functions by their 12.2 names, and calling one an older driver lacks panics.
+const OLDEST_DRIVER: i32 = 12020;
+
+/// Why a driver of `version` is refused, if it is older than [`OLDEST_DRIVER`].
+fn too_old(version: i32) -> Option<String> {
+    let name = |v: i32| format!("{}.{}", v / 1000, (v % 1000) / 10);
+    (version < OLDEST_DRIVER).then(|| {
+        format!(
+            "the CUDA driver supports CUDA {}; this build needs {} or newer",
+            name(version),
+            name(OLDEST_DRIVER)
+        )
+    })
 }
 
 /// A CUDA driver error as this crate's [`Error`] ([`crate::ErrorKind::Other`]).
@@ -348,6 +375,26 @@ mod tests {
                 assert_eq!(e.kind(), crate::ErrorKind::Unsupported);
                 let s = e.to_string();
                 assert!(s.contains("CUDA"), "{s}");
+            }
+        }
+    }
+
+    #[test]
+    fn drivers_older_than_the_bindings_are_refused() {
+        let table = [
+            // (cuDriverGetVersion, refusal naming the version)
+            (11080, Some("CUDA 11.8")),
+            (12010, Some("CUDA 12.1")),
+            (12020, None),
+            (12080, None),
+            (13000, None),
+            (0, Some("CUDA 0.0")),
+        ];
+        for (version, want) in table {
+            let got = too_old(version);
+            assert_eq!(got.is_some(), want.is_some(), "{version}: {got:?}");
+            if let (Some(g), Some(w)) = (got, want) {
+                assert!(g.contains(w) && g.contains("12.2 or newer"), "{g}");
             }
         }
     }
