@@ -46,7 +46,7 @@ struct Source<'a> {
     /// Whether its chunks are checked against their checksums ([`super::Verify`]).
     check: bool,
     /// Whether its window is held to `NodeOptions::network_window` bytes: UCX reaches
-    /// it over a network (not shared memory), and the bound is below `window` chunks.
+    /// it over a network only, and the bound is below `window` chunks.
     far: bool,
     /// While it serves this transfer.
     live: Option<Live<'a>>,
@@ -161,11 +161,12 @@ pub(super) fn window_for(window: u32, bytes: u64, chunk: u32) -> u64 {
     u64::from(window).min(bytes / u64::from(chunk).max(1)).max(1)
 }
 
-/// Whether UCX carries `ep`'s messages over shared memory (one of its lanes is a
-/// shared-memory transport); false where the lanes cannot be read.
-fn over_shared_memory(ep: &Endpoint) -> bool {
-    const SHARED: [&str; 5] = ["posix", "sysv", "cma", "xpmem", "knem"];
-    ep.lanes().is_ok_and(|lanes| lanes.iter().any(|l| SHARED.contains(&l.transport.as_str())))
+/// Whether UCX reaches `ep` without a network: one of its lanes is a transport within
+/// one host (shared memory, the process itself, a device's IPC); false where the lanes
+/// cannot be read.
+fn without_network(ep: &Endpoint) -> bool {
+    const LOCAL: [&str; 8] = ["posix", "sysv", "cma", "xpmem", "knem", "self", "cuda_ipc", "rocm_ipc"];
+    ep.lanes().is_ok_and(|lanes| lanes.iter().any(|l| LOCAL.contains(&l.transport.as_str())))
 }
 
 impl<'a> Transfer<'a> {
@@ -187,7 +188,7 @@ impl<'a> Transfer<'a> {
             .map(|ep| Source {
                 ep,
                 check: opts.verify.checks(ep),
-                far: narrower && !over_shared_memory(ep),
+                far: narrower && !without_network(ep),
                 live: None,
                 inflight: 0,
             })

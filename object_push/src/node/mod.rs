@@ -46,12 +46,12 @@ const GAVE_UP_KEPT: usize = 64;
 pub struct NodeOptions {
     /// The chunk size of the objects this node seals (`put`; larger for objects that
     /// would have over [`crate::sums::MAX_CHUNKS`] chunks); a pulled object keeps its
-    /// holder's. Default [`crate::sums::AUTO_CHUNK`]: 1 MiB, up to 4 MiB for objects of
-    /// over 64 MiB.
+    /// holder's. Default [`crate::sums::AUTO_CHUNK`]: 1 MiB, doubled while an object
+    /// would have over 64 chunks, up to 4 MiB (objects of over 128 MiB).
     pub chunk: u32,
     /// Chunks in flight per holder of a pull. Default 8.
     pub window: u32,
-    /// Bytes of chunks in flight per holder that UCX reaches over a network (no
+    /// Bytes of chunks in flight per holder that UCX reaches over a network only (no
     /// shared-memory lane), at most: fewer than `window` chunks where chunks are large,
     /// never less than one. A relay passes a chunk on only once it arrived, and over TCP
     /// a window's chunks arrive together, so this is what each relay of a broadcast lags.
@@ -219,7 +219,9 @@ impl ObjectNode {
     /// [`crate::Error::InvalidArgument`] for options out of range; the transport's error
     /// when the namespace is taken.
     pub fn new(worker: &Worker, store: Arc<dyn ObjectStore>, opts: NodeOptions) -> Result<ObjectNode> {
-        Layout::of(&[], chunk_for(0, opts.chunk))?;
+        if opts.chunk != crate::sums::AUTO_CHUNK {
+            crate::sums::chunks(0, opts.chunk)?;
+        }
         if opts.window == 0 || opts.tries == 0 {
             return Err(crate::Error::InvalidArgument("window and tries must be at least 1".into()));
         }

@@ -119,10 +119,21 @@ pub fn available() -> Result<(), String> {
 }
 
 /// A name for [`available`]'s probe namespace: one of a rig without a record, so that a
-/// probe left by a process killed during it goes with the next stale rigs (and may be
-/// gone before its own process deletes it: not an error).
+/// probe left by a process killed during it goes with the next stale rigs; named after
+/// its process, which the cleanup leaves alone while it lives ([`probe_of_live`]).
 fn probe_ns() -> String {
     host_ns(&format!("probe{}", unique()), 0)
+}
+
+/// Whether rig name `rig` is a probe's (see [`probe_ns`]) whose process lives.
+fn probe_of_live(rig: &str) -> bool {
+    let pid = rig.strip_prefix("probe").and_then(|r| r.split('x').next()).and_then(|p| p.parse::<i32>().ok());
+    pid.is_some_and(|p| {
+        // SAFETY: kill(2) with signal 0 only checks that the process exists.
+        p > 0
+            && (unsafe { libc::kill(p, 0) } == 0
+                || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+    })
 }
 
 /// Waits (at most 10 s) until device `dev` in namespace `ns` reports its carrier.
@@ -251,7 +262,7 @@ fn remove_stale_locked() -> Vec<String> {
     let unrecorded: std::collections::BTreeSet<String> = namespaces()
         .iter()
         .filter_map(|ns| ns.strip_prefix("ucxr-").and_then(|r| r.split('-').next()))
-        .filter(|rig| !recorded.iter().any(|r| r == rig))
+        .filter(|rig| !recorded.iter().any(|r| r == rig) && !probe_of_live(rig))
         .map(str::to_string)
         .collect();
     for rig in unrecorded {

@@ -236,9 +236,17 @@ fn a_probe_left_behind_is_removed_by_the_next_rig() {
     if skip() {
         return;
     }
-    let left = probe_ns();
+    // The probe of a process that is gone goes; this process's own probe stays.
+    let mut gone = Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let left = host_ns(&format!("probe{}x0", gone.id()), 0);
+    let mine = probe_ns();
     sh(&["ip", "netns", "add", &left]).unwrap();
+    sh(&["ip", "netns", "add", &mine]).unwrap();
     let next = Rig::up(1, None).unwrap();
-    assert!(!namespaces().contains(&left), "{left} outlived the next rig");
+    let after = namespaces();
+    let _ = sh(&["ip", "netns", "del", &mine]);
+    assert!(!after.contains(&left), "{left} outlived the next rig");
+    assert!(after.contains(&mine), "a live process's probe was removed");
     drop(next);
 }

@@ -423,7 +423,7 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, firs
     if a.output.json {
         let mut v = json!({
             "op": op, "bytes": r.size, "receivers": receivers, "time_us": (r.time_us * 10.0).round() / 10.0,
-            "mibps": r.mibps().round(), "peak_rss_mib": r.peak_mib.round(), "chunk": chunk, "window": a.node.window,
+            "mibps": r.mibps().round(), "peak_rss_mib": r.peak_mib.round(), "chunk": chunk, "window": a.node.window, "network_window": a.node.network_window,
             "transport": a.node.transport.name(), "netns": net, "source": r.source,
         });
         if let Some(x) = ratio {
@@ -437,12 +437,12 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, firs
     }
     if a.output.csv {
         if first {
-            println!("op,bytes,receivers,time_us,mibps,peak_rss_mib,chunk,window,transport,netns,source,ratio,x_single");
+            println!("op,bytes,receivers,time_us,mibps,peak_rss_mib,chunk,window,network_window,transport,netns,source,ratio,x_single");
         }
         let ratio = ratio.map_or(String::new(), |x| format!("{x:.3}"));
         let x_single = x_single.map_or(String::new(), |x| format!("{x:.3}"));
         println!(
-            "{op},{},{},{:.1},{:.0},{:.0},{},{},{},{net},{},{ratio},{x_single}",
+            "{op},{},{},{:.1},{:.0},{:.0},{},{},{},{},{net},{},{ratio},{x_single}",
             r.size,
             receivers,
             r.time_us,
@@ -450,6 +450,7 @@ fn print(a: &BenchArgs, r: &Row, ratio: Option<f64>, x_single: Option<f64>, firs
             r.peak_mib,
             chunk,
             a.node.window,
+            a.node.network_window,
             a.node.transport.name(),
             r.source
         );

@@ -64,16 +64,16 @@ pub(crate) struct NodeArgs {
     /// sleeps (`0`: at once).
     #[arg(long, default_value = "50us", value_parser = parse_span)]
     linger: Duration,
-    /// Chunk size of the objects sealed (K/M suffixes), or `auto` (1 MiB, up to 4 MiB
-    /// for objects of over 64 MiB).
+    /// Chunk size of the objects sealed (K/M suffixes), or `auto` (1 MiB, doubled while
+    /// an object would have over 64 chunks, up to 4 MiB).
     #[arg(long, default_value = "auto", value_parser = parse_chunk)]
     chunk: u32,
     /// Chunks in flight per pull.
     #[arg(long, default_value_t = 8)]
     window: u32,
-    /// Bytes in flight per holder reached over a network, at most (K/M suffixes).
-    #[arg(long, default_value = "8M", value_parser = parse_chunk)]
-    network_window: u32,
+    /// Bytes in flight per holder reached over a network, at most (K/M/G suffixes).
+    #[arg(long, default_value = "8M", value_parser = parse_bytes)]
+    network_window: u64,
     /// Deadline of each pull.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     deadline: Duration,
@@ -88,7 +88,7 @@ impl NodeArgs {
         NodeOptions {
             chunk: self.chunk,
             window: self.window,
-            network_window: u64::from(self.network_window),
+            network_window: self.network_window,
             deadline: self.deadline,
             verify: self.verify,
             ..NodeOptions::default()
@@ -142,6 +142,11 @@ fn verify_name(v: Verify) -> &'static str {
         Verify::Always => "always",
         Verify::OtherHosts => "other-hosts",
     }
+}
+
+/// A byte count (K/M/G suffixes).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    ucxkit_tools::size::parse_size(s).map(|n| n as u64)
 }
 
 /// A chunk size, or `auto` (also written as 0, as `to_args` passes it on).
