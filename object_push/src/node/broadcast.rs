@@ -59,7 +59,11 @@ impl ObjectNode {
     pub fn auto_shape(&self, size: u64, receivers: &[Endpoint]) -> Shape {
         let opts = &self.inner.opts;
         let shared_memory = self.inner.ns.worker().context().has_shared_memory();
-        let local = |r: &Endpoint| r.peer_identity().is_some_and(|p| p.same_host());
+        // The boot id first (no lookup); then the lanes: hosts in network namespaces share
+        // this kernel but may be reached over TCP only.
+        let local = |r: &Endpoint| {
+            r.peer_identity().is_some_and(|p| p.same_host()) && super::fetch::without_network(r)
+        };
         if shared_memory && receivers.iter().all(local) {
             return Shape::Direct;
         }

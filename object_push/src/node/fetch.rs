@@ -164,7 +164,7 @@ pub(super) fn window_for(window: u32, bytes: u64, chunk: u32) -> u64 {
 /// Whether UCX reaches `ep` without a network: one of its lanes is a transport within
 /// one host (shared memory, the process itself, a device's IPC); false where the lanes
 /// cannot be read.
-fn without_network(ep: &Endpoint) -> bool {
+pub(super) fn without_network(ep: &Endpoint) -> bool {
     const LOCAL: [&str; 8] = ["posix", "sysv", "cma", "xpmem", "knem", "self", "cuda_ipc", "rocm_ipc"];
     ep.lanes().is_ok_and(|lanes| lanes.iter().any(|l| LOCAL.contains(&l.transport.as_str())))
 }
