@@ -273,6 +273,64 @@ async fn objects_pulled_into_and_served_from_device_memory() {
     }
 }
 
+/// A holder that loses the object in the middle of a pull into device memory: the
+/// receives it had in their places are abandoned (UCX may still write there), those
+/// chunks come from the other holder into pieces of their own, and the object is sealed
+/// byte-exact from a copy of the buffer with them in their places.
+#[tokio::test]
+async fn a_holder_lost_mid_pull_into_device_memory() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use ucxkit::object_push::device::DeviceStore;
+    use ucxkit::object_push::{MemoryStore, NodeOptions, Object, ObjectId, ObjectNode, ObjectStore, Verify};
+    let Some(stream) = device() else { return };
+
+    /// A store whose objects are gone after `reads` reads (its node then answers
+    /// fetches with `Failed`).
+    struct Forgetful {
+        inner: MemoryStore,
+        reads: AtomicU32,
+    }
+    impl ObjectStore for Forgetful {
+        fn get(&self, id: &ObjectId) -> Option<Object> {
+            let left = self.reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            left.ok().and_then(|_| self.inner.get(id))
+        }
+        fn reserve(&self, id: &ObjectId, size: u64) -> ucxkit::object_push::Result<()> {
+            self.inner.reserve(id, size)
+        }
+        fn unreserve(&self, id: &ObjectId, size: u64) {
+            self.inner.unreserve(id, size)
+        }
+        fn seal(&self, id: ObjectId, object: Object) -> ucxkit::object_push::Result<()> {
+            self.inner.seal(id, object)
+        }
+        fn release(&self, id: &ObjectId) -> Option<Object> {
+            self.inner.release(id)
+        }
+    }
+
+    let mesh = common::workers::mesh_with(TLS, 3, ProgressMode::Event).await;
+    let opts = NodeOptions { chunk: 64 << 10, window: 4, verify: Verify::Always, ..Default::default() };
+    let forgetful = Arc::new(Forgetful { inner: MemoryStore::new(), reads: AtomicU32::new(u32::MAX) });
+    let a = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts.clone()).unwrap();
+    let b = ObjectNode::new(&mesh.workers[1], forgetful.clone(), opts.clone()).unwrap();
+    let dev = ObjectNode::new(&mesh.workers[2], Arc::new(DeviceStore::new(stream.clone())), opts).unwrap();
+    let o = ObjectId::try_from("lost").unwrap();
+    let data = payload(51, 64 * (64 << 10) + 7);
+    a.put(o, bytes::Bytes::from(data.clone())).unwrap();
+    b.put(o, bytes::Bytes::from(data.clone())).unwrap();
+    // B answers its lookup and a few fetches, then has lost the object.
+    forgetful.reads.store(4, Ordering::SeqCst);
+    let holders = [mesh.ep(2, 0).clone(), mesh.ep(2, 1).clone()];
+    let got = tokio::time::timeout(T, dev.pull_from(o, &holders)).await.unwrap().unwrap();
+    assert_eq!(dev.stats().holders_failed, 1, "B failed mid-pull");
+    let d = got.device().expect("sealed in device memory");
+    let copy = stream.clone_dtoh(d.as_ref()).unwrap();
+    stream.synchronize().unwrap();
+    assert!(copy == data, "sealed byte-exact");
+    assert_eq!(got.read(0..data.len() as u64).unwrap(), &data[..]);
+}
+
 /// Vectored messages of device buffers, and one shared device buffer (`Arc<CudaSlice>`)
 /// sent by several operations at once.
 #[tokio::test]

@@ -102,13 +102,34 @@ mod imp {
     }
 
     /// Puts piece `d`, checked, at `at` in `buf`: nothing to do when it was received
-    /// there; a copy on the device otherwise.
-    pub(crate) fn place(buf: &DeviceBuf, at: usize, d: DevicePiece) -> Result<()> {
-        if Arc::ptr_eq(d.get_ref(), buf) && d.begin() == at {
-            return Ok(());
+    /// there. A piece of its own stands for a chunk whose receive in place was
+    /// abandoned and may still write there: it is kept in `apart`, for [`sealed`].
+    pub(crate) fn place(buf: &DeviceBuf, at: usize, d: DevicePiece, apart: &mut Vec<(usize, DevicePiece)>) {
+        if !(Arc::ptr_eq(d.get_ref(), buf) && d.begin() == at) {
+            apart.push((at, d));
         }
-        ucxkit_transport::cuda::copy_into(buf, at, &d)
-            .map_err(|e| Error::Store(format!("placing a chunk: {e}")))
+    }
+
+    /// The buffer to seal an object received into `buf` in: `buf` itself, or, with
+    /// chunks kept `apart` (see [`place`]), a copy of it in an allocation of its own with
+    /// those chunks in their places, so that no late write of an abandoned receive
+    /// reaches the sealed bytes.
+    pub(crate) fn sealed(buf: &DeviceBuf, apart: &[(usize, DevicePiece)]) -> Result<DeviceBuf> {
+        if apart.is_empty() || buf.is_empty() {
+            return Ok(buf.clone());
+        }
+        let stream = buf.stream();
+        let own = Arc::new(stream.alloc_zeros::<u8>(buf.len()).map_err(failed("a device copy"))?);
+        stream.synchronize().map_err(failed("a device copy"))?;
+        let copy = |at: usize, d: &DevicePiece| {
+            ucxkit_transport::cuda::copy_into(&own, at, d)
+                .map_err(|e| Error::Store(format!("sealing a device object: {e}")))
+        };
+        copy(0, &piece_of(buf, 0..buf.len())?)?;
+        for (at, d) in apart {
+            copy(*at, d)?;
+        }
+        Ok(own)
     }
 
     /// `buf`, its bytes `data` (an object that came inline).
@@ -207,7 +228,15 @@ mod none {
     pub(crate) fn fresh(buf: &DeviceBuf, _len: usize) -> Result<DevicePiece> {
         match *buf {}
     }
-    pub(crate) fn place(buf: &DeviceBuf, _at: usize, _d: DevicePiece) -> Result<()> {
+    pub(crate) fn place(
+        buf: &DeviceBuf,
+        _at: usize,
+        _d: DevicePiece,
+        _apart: &mut Vec<(usize, DevicePiece)>,
+    ) {
+        match *buf {}
+    }
+    pub(crate) fn sealed(buf: &DeviceBuf, _apart: &[(usize, DevicePiece)]) -> Result<DeviceBuf> {
         match *buf {}
     }
     pub(crate) fn upload(buf: DeviceBuf, _data: &[u8]) -> Result<DeviceBuf> {

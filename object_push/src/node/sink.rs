@@ -12,7 +12,7 @@ use ucxkit_transport::Either;
 
 use super::partial::Published;
 use super::Inner;
-use crate::device::{self, DeviceBuf, Piece};
+use crate::device::{self, DeviceBuf, DevicePiece, Piece};
 use crate::error::{Error, Result};
 use crate::file::ObjectFile;
 use crate::id::ObjectId;
@@ -46,6 +46,8 @@ pub(super) enum Sink<'a> {
     /// Chunks land in their places in a device buffer (see [`crate::device`]).
     Device {
         buf: DeviceBuf,
+        /// Chunks received apart from their places (see `device::place`).
+        apart: Vec<(usize, DevicePiece)>,
         /// Held while the transfer lasts.
         _unrelayed: Unrelayed<'a>,
     },
@@ -107,11 +109,11 @@ impl<'a> Sink<'a> {
     }
 
     /// Chunk `k` (bytes `at..` of the object) checked out (and was written, for a file):
-    /// kept for relays and the end, or put in its place in device memory.
-    pub(super) fn keep(&self, k: u64, at: usize, piece: Piece) -> Result<()> {
+    /// kept for relays and the end, or in its place in device memory (or kept apart).
+    pub(super) fn keep(&mut self, k: u64, at: usize, piece: Piece) -> Result<()> {
         match (self, piece) {
             (Sink::Memory { published, .. }, Either::Left(p)) => published.put(k, p),
-            (Sink::Device { buf, .. }, Either::Right(d)) => device::place(buf, at, d)?,
+            (Sink::Device { buf, apart, .. }, Either::Right(d)) => device::place(buf, at, d, apart),
             (Sink::File { .. }, _) => {}
             _ => {
                 return Err(Error::Store(format!(
@@ -128,10 +130,8 @@ impl<'a> Sink<'a> {
             Sink::File { file, .. } => {
                 return Ok(Finish::Whole(Object::in_shared_file(file.clone(), layout.clone())?))
             }
-            // An Arc of the device buffer (uninhabited without the `cuda` feature).
-            #[allow(clippy::clone_on_copy)]
-            Sink::Device { buf, .. } => {
-                return Ok(Finish::Whole(Object::in_device(buf.clone(), layout.clone())?))
+            Sink::Device { buf, apart, .. } => {
+                return Ok(Finish::Whole(Object::in_device(device::sealed(buf, apart)?, layout.clone())?))
             }
             Sink::Memory { published, .. } => published,
         };
@@ -181,7 +181,7 @@ impl<'a> Sink<'a> {
     pub(super) fn device(node: &'a Inner, id: ObjectId, buf: DeviceBuf) -> Sink<'a> {
         node.unrelayed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id);
         node.arrived.notify_waiters();
-        Sink::Device { buf, _unrelayed: Unrelayed { node, id } }
+        Sink::Device { buf, apart: Vec::new(), _unrelayed: Unrelayed { node, id } }
     }
 
     /// Object `id` received into `file`; lookups at this node waiting for it to arrive
