@@ -155,6 +155,19 @@ fn direction(side: Side) -> &'static [u8] {
     }
 }
 
+/// A random 64-bit value, different at each call, that nobody off this host can
+/// predict: SipHash, under the process's random keys, of a counter and the process id
+/// (handshake nonces and connection ids, keepalive tokens and cookies, the process
+/// token of packed memory keys).
+pub(crate) fn nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
 /// `N` bytes from the operating system's random source.
 pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
     let mut b = [0u8; N];

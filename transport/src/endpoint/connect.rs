@@ -204,17 +204,6 @@ impl Worker {
     }
 }
 
-/// A random 64-bit value, different at each call (handshake nonces, the process token of
-/// packed memory keys).
-pub(crate) fn nonce() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-    h.write_u32(std::process::id());
-    h.finish()
-}
-
 /// Removes a pending handshake entry when the waiting future goes away.
 struct HsGuard<'a> {
     ep: &'a Endpoint,
@@ -257,7 +246,7 @@ impl Endpoint {
         &self,
         timeout: std::time::Duration,
     ) -> Result<Option<KeepaliveAddr>> {
-        self.client_handshake_with(nonce(), false, timeout).await
+        self.client_handshake_with(crate::auth::nonce(), false, timeout).await
     }
 
     /// Sends the hello with `nonce` (a front hello when `front`, whose nonce is the

@@ -21,7 +21,7 @@ mod connect;
 mod keepalive_tests;
 mod lanes;
 
-pub(crate) use connect::{is_local_ip, nonce, sockaddr_of, socket_addr_from, Target};
+pub(crate) use connect::{is_local_ip, sockaddr_of, socket_addr_from, Target};
 pub use lanes::Lane;
 
 pub(crate) struct EndpointInner {

@@ -40,7 +40,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
     let broken = |e: Broken| front_error(&peer, e);
     conn.open_client(ctx.secret(), left()).await.map_err(broken)?;
     let uuid = worker.uuid()?;
-    let conn_id = crate::endpoint::nonce();
+    let conn_id = crate::auth::nonce();
     let request = Request {
         conn: conn_id,
         identity: ProcessIdentity::current(),
@@ -108,7 +108,7 @@ pub(crate) async fn connect(worker: &Worker, addr: SocketAddr, opts: &EndpointOp
                 // workers connecting to each other at once do not meet again).
                 ep.hide();
                 attempt += 1;
-                let pause = crate::endpoint::nonce() % (1u64 << attempt.min(6));
+                let pause = crate::auth::nonce() % (1u64 << attempt.min(6));
                 tokio::time::sleep(Duration::from_millis(pause)).await;
             }
             Err(e) => {

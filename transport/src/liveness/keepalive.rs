@@ -19,16 +19,6 @@ pub(crate) trait KeepaliveTarget: Send + Sync {
     fn silent(self: Arc<Self>, silent: Duration);
 }
 
-/// A random 64-bit number that nobody off this host can predict: SipHash under the
-/// process's random keys, of a counter.
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.finish()
-}
-
 /// A worker's keepalive settings ([`crate::WorkerBuilder::keepalive`]; see
 /// [`crate::liveness`]). An endpoint whose peer went silent fails within `timeout` plus
 /// one `interval`.
@@ -161,7 +151,7 @@ impl KeepaliveLane {
         socket.set_nonblocking(true)?;
         let local = socket.local_addr()?;
         let (port, v6) = (local.port(), local.is_ipv6());
-        let token = random_u64();
+        let token = crate::auth::nonce();
         let lane = Arc::new(KeepaliveLane {
             socket,
             v6,
@@ -228,9 +218,9 @@ impl KeepaliveLane {
             p.eps.push(ep);
             return;
         }
-        let mut cookie = random_u64();
+        let mut cookie = crate::auth::nonce();
         while peers.contains_key(&cookie) {
-            cookie = random_u64();
+            cookie = crate::auth::nonce();
         }
         let ping = Datagram { kind: Kind::Ping, token: peer.token, cookie }.encode();
         for &a in &to {

@@ -28,7 +28,7 @@ pub(super) struct Origin {
 /// This process's token in [`Origin`].
 pub(super) fn process_token() -> u64 {
     static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *TOKEN.get_or_init(crate::endpoint::nonce)
+    *TOKEN.get_or_init(crate::auth::nonce)
 }
 
 pub(super) fn next_region_id() -> u64 {
