@@ -59,11 +59,9 @@ impl ObjectNode {
     pub fn auto_shape(&self, size: u64, receivers: &[Endpoint]) -> Shape {
         let opts = &self.inner.opts;
         let shared_memory = self.inner.ns.worker().context().has_shared_memory();
-        // The boot id first (no lookup); then the lanes: hosts in network namespaces share
-        // this kernel but may be reached over TCP only.
-        let local = |r: &Endpoint| {
-            r.peer_identity().is_some_and(|p| p.same_host()) && super::fetch::without_network(r)
-        };
+        // The boot id first (no lookup), then the lanes.
+        let local =
+            |r: &Endpoint| r.peer_identity().is_some_and(|p| p.same_host()) && super::without_network(r);
         if shared_memory && receivers.iter().all(local) {
             return Shape::Direct;
         }

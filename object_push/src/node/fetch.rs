@@ -45,9 +45,9 @@ struct Source<'a> {
     ep: &'a Endpoint,
     /// Whether its chunks are checked against their checksums ([`super::Verify`]).
     check: bool,
-    /// Whether its window is held to `NodeOptions::network_window` bytes: UCX reaches
-    /// it over a network only, and the bound is below `window` chunks.
-    far: bool,
+    /// Chunks in flight it is given, at most: `NodeOptions::window`, held to
+    /// `NodeOptions::network_window` bytes where UCX reaches it over a network only.
+    window: u64,
     /// While it serves this transfer.
     live: Option<Live<'a>>,
     inflight: u64,
@@ -161,14 +161,6 @@ pub(super) fn window_for(window: u32, bytes: u64, chunk: u32) -> u64 {
     u64::from(window).min(bytes / u64::from(chunk).max(1)).max(1)
 }
 
-/// Whether UCX reaches `ep` without a network: one of its lanes is a transport within
-/// one host (shared memory, the process itself, a device's IPC); false where the lanes
-/// cannot be read.
-pub(super) fn without_network(ep: &Endpoint) -> bool {
-    const LOCAL: [&str; 8] = ["posix", "sysv", "cma", "xpmem", "knem", "self", "cuda_ipc", "rocm_ipc"];
-    ep.lanes().is_ok_and(|lanes| lanes.iter().any(|l| LOCAL.contains(&l.transport.as_str())))
-}
-
 impl<'a> Transfer<'a> {
     /// A transfer of an object of `layout` from `holders` (each taking part once it
     /// [`Transfer::join`]s) into `into`: a file, or a buffer of the object's size.
@@ -181,14 +173,15 @@ impl<'a> Transfer<'a> {
         priority: Priority,
     ) -> Transfer<'a> {
         let opts = &node.opts;
-        // The lanes are looked up only where the bound would change the window.
-        let narrower = window_for(opts.window, opts.network_window, layout.chunk()) < u64::from(opts.window);
+        let (near, far) =
+            (u64::from(opts.window), window_for(opts.window, opts.network_window, layout.chunk()));
         let sources = holders
             .iter()
             .map(|ep| Source {
                 ep,
                 check: opts.verify.checks(ep),
-                far: narrower && !without_network(ep),
+                // The lanes are looked up only where the bound changes the window.
+                window: if far < near && !super::without_network(ep) { far } else { near },
                 live: None,
                 inflight: 0,
             })
@@ -343,12 +336,9 @@ impl<'a> Transfer<'a> {
     /// Gives each live source chunks up to its window: chunks to fetch again first
     /// (one request each), then new ones (one request for a run).
     async fn assign(&mut self) {
-        let opts = &self.node.opts;
-        let near_window = u64::from(opts.window);
-        let far_window = window_for(opts.window, opts.network_window, self.layout.chunk());
         self.starved = false;
         for s in 0..self.sources.len() {
-            let window = if self.sources[s].far { far_window } else { near_window };
+            let window = self.sources[s].window;
             while self.sources[s].live.is_some() && self.sources[s].inflight < window {
                 let free = window - self.sources[s].inflight;
                 if let Some(i) =

@@ -128,6 +128,15 @@ impl Verify {
     }
 }
 
+/// Whether UCX reaches `ep` without a network: one of its lanes is a transport within
+/// one host (shared memory, the process itself, a device's IPC); false where the lanes
+/// cannot be read. (The boot id says only that the peer shares this kernel: hosts in
+/// network namespaces do, and may be reached over TCP only.)
+fn without_network(ep: &Endpoint) -> bool {
+    const LOCAL: [&str; 8] = ["posix", "sysv", "cma", "xpmem", "knem", "self", "cuda_ipc", "rocm_ipc"];
+    ep.lanes().is_ok_and(|lanes| lanes.iter().any(|l| LOCAL.contains(&l.transport.as_str())))
+}
+
 /// How far a transfer has come ([`ObjectNode::progress`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
