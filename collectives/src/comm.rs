@@ -71,6 +71,8 @@ struct PlanCache {
 pub(crate) struct Planned {
     pub(crate) plan: Plan,
     pub(crate) sched: Schedule,
+    /// The schedule as a one-step call, if it is one (see [`crate::exec::one`]).
+    pub(crate) one: Option<crate::exec::one::OneStep>,
 }
 
 pub(crate) struct Inner {
@@ -477,7 +479,8 @@ impl Communicator {
             plan.phases.as_ref(),
             &costs,
         );
-        let p = Arc::new(Planned { plan, sched });
+        let one = crate::exec::one::OneStep::of(&sched);
+        let p = Arc::new(Planned { plan, sched, one });
         cache.map.insert(key, p.clone());
         cache.last = Some((key, p.clone()));
         p

@@ -16,7 +16,7 @@ use ucxkit_transport::cuda::cudarc::driver::{CudaSlice, DeviceRepr};
 use ucxkit_transport::cuda::error as device_error;
 
 use crate::dtype::Element;
-use crate::error::{Error, Failed};
+use crate::error::{CallResult, Error};
 
 /// How this build moves a collective's device buffer: through host memory.
 pub const ROUTE: &str = "host-staged";
@@ -65,7 +65,7 @@ pub async fn staged<T, F, Fut>(mut buf: CudaSlice<T>, call: F) -> Result<CudaSli
 where
     T: Element + DeviceRepr,
     F: FnOnce(Vec<T>) -> Fut,
-    Fut: Future<Output = Result<Vec<T>, Failed<T>>>,
+    Fut: Future<Output = CallResult<T>>,
 {
     let stream = buf.stream().clone();
     let host = match stream.clone_dtoh(&buf).and_then(|v| stream.synchronize().map(|()| v)) {

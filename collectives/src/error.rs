@@ -103,6 +103,11 @@ impl Error {
 /// Result of this crate's calls.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What a collective call that takes buffers of `T` gives back: its result `V` (the
+/// buffer), or what failed, boxed (it is large, and a result is moved several times on
+/// its way to the caller).
+pub type CallResult<T, V = Vec<T>> = std::result::Result<V, Box<Failed<T>>>;
+
 /// A failed collective: the error, and the caller's buffer when it could be given back
 /// (always for [`Error::InvalidArgument`]; after a failure in flight only once the
 /// transport released every part of it, else it is kept until the transport does, and
@@ -119,8 +124,8 @@ pub struct Failed<T> {
 }
 
 impl<T> Failed<T> {
-    pub(crate) fn new(error: Error, buf: Option<Vec<T>>) -> Failed<T> {
-        Failed { error, buf, output: None }
+    pub(crate) fn new(error: Error, buf: Option<Vec<T>>) -> Box<Failed<T>> {
+        Box::new(Failed { error, buf, output: None })
     }
 }
 
@@ -138,6 +143,12 @@ impl<T: std::fmt::Debug> std::error::Error for Failed<T> {
 
 impl<T> From<Failed<T>> for Error {
     fn from(f: Failed<T>) -> Error {
+        f.error
+    }
+}
+
+impl<T> From<Box<Failed<T>>> for Error {
+    fn from(f: Box<Failed<T>>) -> Error {
         f.error
     }
 }

@@ -33,7 +33,7 @@ impl<T> Outcome for Result<T> {
     }
 }
 
-impl<T, U> Outcome for std::result::Result<T, Failed<U>> {
+impl<T, U> Outcome for std::result::Result<T, Box<Failed<U>>> {
     fn error(&self) -> Option<&Error> {
         self.as_ref().err().map(|f| &f.error)
     }

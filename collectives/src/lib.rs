@@ -91,7 +91,7 @@ pub mod tag;
 pub use bootstrap::{InitOptions, CROWDED_SPIN};
 pub use comm::{Communicator, Options, DEFAULT_SEGMENT, SEGMENT_ENV};
 pub use dtype::{bf16, f16, DataType, Element};
-pub use error::{Error, Failed, Result};
+pub use error::{CallResult, Error, Failed, Result};
 pub use exec::lane::{LaneCounts, LANES_ENV};
 pub use hosts::Hosts;
 pub use plan::{Algorithm, Op, Plan};

@@ -11,8 +11,8 @@ use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{SharedBuf, SharedSlice};
 
 use crate::comm::Communicator;
-use crate::error::{Error, Failed, Result};
-use crate::exec;
+use crate::error::{CallResult, Error, Failed, Result};
+use crate::exec::{self, one::OneStep};
 use crate::plan::{self, Op};
 use crate::schedule::{blocks_of, even_blocks, linear, ring, Schedule};
 use crate::tag::{tag, P2P_STEP};
@@ -23,31 +23,31 @@ use crate::{Element, ReduceOp};
 const RELEASE_WAIT: Duration = Duration::from_millis(100);
 
 /// An error for a malformed call, with the buffer given back.
-fn invalid<T>(buf: Vec<T>, msg: String) -> Failed<T> {
+fn invalid<T>(buf: Vec<T>, msg: String) -> Box<Failed<T>> {
     Failed::new(Error::InvalidArgument(msg), Some(buf))
 }
 
 /// A call's buffers after its schedule ran: how it went, and the data and input
 /// buffers where the transport let go of them.
 struct Ran<T> {
-    result: Result<()>,
+    /// Boxed, as in the calls' results: the error is large, and a result is moved several
+    /// times on its way out (at 8 bytes those moves were a tenth of a broadcast's time).
+    result: std::result::Result<(), Box<Error>>,
     data: Option<Vec<T>>,
     input: Option<Vec<T>>,
 }
 
 impl<T> Ran<T> {
     /// The data buffer, or the error with the caller's buffer (the data buffer when
-    /// `data_is_callers`, else the input). (The calls' own result type, large error
-    /// included.)
-    #[allow(clippy::result_large_err)]
-    fn data_back(self, data_is_callers: bool) -> Result<Vec<T>, Failed<T>> {
+    /// `data_is_callers`, else the input).
+    fn data_back(self, data_is_callers: bool) -> CallResult<T> {
         match (self.result, self.data) {
             (Ok(()), Some(d)) => Ok(d),
             (Ok(()), None) => {
                 Err(Failed::new(Error::Internal("the result buffer is still in use".into()), None))
             }
-            (Err(e), d) if data_is_callers => Err(Failed::new(e, d)),
-            (Err(e), _) => Err(Failed::new(e, self.input)),
+            (Err(e), d) if data_is_callers => Err(Failed::new(*e, d)),
+            (Err(e), _) => Err(Failed::new(*e, self.input)),
         }
     }
 }
@@ -76,10 +76,12 @@ impl Communicator {
     /// `fresh`: the data buffer holds values this core just wrote (see
     /// `Bufs::data_just_written`). A small call runs on the vectors themselves
     /// (`exec::small`); others on shared buffers, kept from call to call.
+    #[allow(clippy::too_many_arguments)]
     async fn run<T: Element>(
         &self,
         seq: u16,
         sched: &Schedule,
+        one: Option<&OneStep>,
         mut data: Vec<T>,
         input: Vec<T>,
         op: ReduceOp,
@@ -89,10 +91,10 @@ impl Communicator {
         let limit = self.h.opts.deadline;
         let elems = data.len() + input.len() + sched.scratch;
         if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
-            if let Some(one) = exec::one::OneStep::of(sched) {
-                match exec::one::run_one(&wire, seq, &one, &mut data, &input, op, limit).await {
+            if let Some(one) = one {
+                match exec::one::run_one(&wire, seq, sched, one, &mut data, &input, op, limit).await {
                     Ok(true) => return Ran { result: Ok(()), data: Some(data), input: Some(input) },
-                    Err(e) => return Ran { result: Err(e), data: Some(data), input: Some(input) },
+                    Err(e) => return Ran { result: Err(Box::new(e)), data: Some(data), input: Some(input) },
                     // The send could not go out during the call: the usual way.
                     Ok(false) => {}
                 }
@@ -100,7 +102,7 @@ impl Communicator {
             let mut kept = self.take_small();
             let result = exec::small::run(&wire, seq, sched, &mut data, &input, &mut kept, op, limit).await;
             self.keep_small(kept);
-            return Ran { result, data: Some(data), input: Some(input) };
+            return Ran { result: result.map_err(Box::new), data: Some(data), input: Some(input) };
         }
         let mut bufs = self.bufs(data, input, sched.scratch);
         if fresh {
@@ -111,7 +113,7 @@ impl Communicator {
         let result = Box::pin(exec::run(&wire, seq, sched, &mut bufs, op, limit)).await;
         let (data, input) = (bufs.take_data(), bufs.take_input());
         self.keep(bufs);
-        Ran { result, data, input }
+        Ran { result: result.map_err(Box::new), data, input }
     }
 
     fn check_reduce<T: Element>(&self, op: ReduceOp) -> Option<String> {
@@ -139,14 +141,14 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         op: ReduceOp,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op) {
                 break 'call Err(invalid(buf, m));
             }
             let planned = comm.planned(Op::Allreduce, buf.len(), std::mem::size_of::<T>(), 0);
             // The buffer holds what this core just computed, in practice.
-            comm.run(seq, &planned.sched, buf, Vec::new(), op, true).await.data_back(true)
+            comm.run(seq, &planned.sched, planned.one.as_ref(), buf, Vec::new(), op, true).await.data_back(true)
         })
     }
 
@@ -156,13 +158,13 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         root: usize,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_root(root) {
                 break 'call Err(invalid(buf, m));
             }
             let planned = comm.planned(Op::Broadcast, buf.len(), std::mem::size_of::<T>(), root);
-            comm.run(seq, &planned.sched, buf, Vec::new(), ReduceOp::Sum, false).await.data_back(true)
+            comm.run(seq, &planned.sched, planned.one.as_ref(), buf, Vec::new(), ReduceOp::Sum, false).await.data_back(true)
         })
     }
 
@@ -173,22 +175,19 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
         root: usize,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
                 break 'call Err(invalid(buf, m));
             }
             let planned = comm.planned(Op::Reduce, buf.len(), std::mem::size_of::<T>(), root);
-            comm.run(seq, &planned.sched, buf, Vec::new(), op, false).await.data_back(true)
+            comm.run(seq, &planned.sched, planned.one.as_ref(), buf, Vec::new(), op, false).await.data_back(true)
         })
     }
 
     /// Every rank ends with all ranks' `buf`s (of the same length) one after the other,
     /// in rank order.
-    pub fn allgather<T: Element>(
-        &self,
-        buf: Vec<T>,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    pub fn allgather<T: Element>(&self, buf: Vec<T>) -> impl Future<Output = CallResult<T>> + Send + 'static {
         let counts = vec![buf.len(); self.size()];
         self.allgather_v(buf, counts)
     }
@@ -199,7 +198,7 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         counts: Vec<usize>,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_counts(&counts) {
@@ -215,10 +214,10 @@ impl Communicator {
             // Equal blocks go by the plan; others by the ring.
             if counts.iter().all(|&c| c == counts[0]) {
                 let planned = comm.planned(Op::Allgather, counts[0], std::mem::size_of::<T>(), 0);
-                break 'call comm.run(seq, &planned.sched, data, buf, ReduceOp::Sum, false).await.data_back(false);
+                break 'call comm.run(seq, &planned.sched, planned.one.as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false);
             }
             let sched = ring::allgather(n, r, &blocks);
-            comm.run(seq, &sched, data, buf, ReduceOp::Sum, false).await.data_back(false)
+            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false)
         })
     }
 
@@ -228,7 +227,7 @@ impl Communicator {
     pub fn allgather_in_place<T: Element>(
         &self,
         buf: Vec<T>,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             let n = comm.size();
             if buf.len() % n != 0 {
@@ -240,7 +239,7 @@ impl Communicator {
             }
             let elem = std::mem::size_of::<T>();
             let planned = comm.planned(Op::Allgather, buf.len() / n, elem, 0);
-            comm.run(seq, &planned.sched, buf, Vec::new(), ReduceOp::Sum, false).await.data_back(true)
+            comm.run(seq, &planned.sched, planned.one.as_ref(), buf, Vec::new(), ReduceOp::Sum, false).await.data_back(true)
         })
     }
 
@@ -251,7 +250,7 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         op: ReduceOp,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         let counts = even_blocks(buf.len(), self.size()).iter().map(|b| b.len()).collect();
         self.reduce_scatter_v(buf, counts, op)
     }
@@ -263,7 +262,7 @@ impl Communicator {
         buf: Vec<T>,
         counts: Vec<usize>,
         op: ReduceOp,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
@@ -290,7 +289,7 @@ impl Communicator {
                 plan::Algorithm::Direct => linear::direct_reduce_scatter(n, r, &blocks),
                 _ => ring::reduce_scatter(n, r, &blocks),
             };
-            comm.run(seq, &sched, buf, Vec::new(), op, false).await.data_back(true).map(|mut out| {
+            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), buf, Vec::new(), op, false).await.data_back(true).map(|mut out| {
                 // This rank's block to the front, the rest cut off.
                 out.copy_within(blocks[r].clone(), 0);
                 out.truncate(blocks[r].len());
@@ -306,23 +305,24 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         op: ReduceOp,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op) {
                 break 'call Err(invalid(buf, m));
             }
             let (n, r) = (comm.size(), comm.rank());
             let elem = std::mem::size_of::<T>();
-            let sched_owned;
+            let (sched_owned, one_owned);
             let planned;
-            let sched = if buf.len() % n == 0 {
+            let (sched, one) = if buf.len() % n == 0 {
                 planned = comm.planned(Op::ReduceScatter, buf.len() / n, elem, 0);
-                &planned.sched
+                (&planned.sched, planned.one.as_ref())
             } else {
                 sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
-                &sched_owned
+                one_owned = OneStep::of(&sched_owned);
+                (&sched_owned, one_owned.as_ref())
             };
-            comm.run(seq, sched, buf, Vec::new(), op, false).await.data_back(true)
+            comm.run(seq, sched, one, buf, Vec::new(), op, false).await.data_back(true)
         })
     }
 
@@ -332,7 +332,7 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         root: usize,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         let counts = vec![buf.len(); self.size()];
         self.gather_v(buf, counts, root)
     }
@@ -343,7 +343,7 @@ impl Communicator {
         buf: Vec<T>,
         counts: Vec<usize>,
         root: usize,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
@@ -356,15 +356,15 @@ impl Communicator {
             let blocks = blocks_of(&counts);
             let sched = linear::gather(n, r, root, &blocks);
             if r != root {
-                let ran = comm.run(seq, &sched, Vec::new(), buf, ReduceOp::Sum, false).await;
+                let ran = comm.run(seq, &sched, OneStep::of(&sched).as_ref(), Vec::new(), buf, ReduceOp::Sum, false).await;
                 break 'call match (ran.result, ran.input) {
                     (Ok(()), Some(i)) => Ok(i),
                     (Ok(()), None) => Err(Failed::new(Error::Internal("the input is still in use".into()), None)),
-                    (Err(e), i) => Err(Failed::new(e, i)),
+                    (Err(e), i) => Err(Failed::new(*e, i)),
                 };
             }
             let data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
-            comm.run(seq, &sched, data, buf, ReduceOp::Sum, false).await.data_back(false)
+            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false)
         })
     }
 
@@ -375,7 +375,7 @@ impl Communicator {
         buf: Vec<T>,
         count: usize,
         root: usize,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         let counts = vec![count; self.size()];
         self.scatter_v(buf, counts, root)
     }
@@ -386,7 +386,7 @@ impl Communicator {
         buf: Vec<T>,
         counts: Vec<usize>,
         root: usize,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_root(root).or_else(|| comm.check_counts(&counts)) {
@@ -407,16 +407,13 @@ impl Communicator {
                 b.resize(counts[r], T::zeroed());
                 (b, Vec::new())
             };
-            comm.run(seq, &sched, data, input, ReduceOp::Sum, false).await.data_back(r != root)
+            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), data, input, ReduceOp::Sum, false).await.data_back(r != root)
         })
     }
 
     /// Rank r sends block i of its `buf` (`size()` blocks of equal length) to rank i and
     /// ends with block r of every rank's, in rank order.
-    pub fn alltoall<T: Element>(
-        &self,
-        buf: Vec<T>,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    pub fn alltoall<T: Element>(&self, buf: Vec<T>) -> impl Future<Output = CallResult<T>> + Send + 'static {
         let n = self.size();
         let each = buf.len() / n.max(1);
         let counts = if buf.len() % n.max(1) == 0 { vec![each; n] } else { Vec::new() };
@@ -431,7 +428,7 @@ impl Communicator {
         buf: Vec<T>,
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             let (n, r) = (comm.size(), comm.rank());
             if let Some(m) = comm.check_counts(&send_counts).or_else(|| comm.check_counts(&recv_counts)) {
@@ -447,7 +444,7 @@ impl Communicator {
             // Every block at once (see `linear::direct_alltoall`).
             let sched = linear::direct_alltoall(n, r, &send, &recv);
             let data = vec![T::zeroed(); recv_counts.iter().sum()];
-            comm.run(seq, &sched, data, buf, ReduceOp::Sum, false).await.data_back(false)
+            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false)
         })
     }
 
@@ -458,24 +455,24 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         mut out: Vec<T>,
-    ) -> impl Future<Output = Result<(Vec<T>, Vec<T>), Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T, (Vec<T>, Vec<T>)>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             let n = comm.size();
             if buf.len() % n != 0 {
                 let m = format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
-                break 'call Err(Failed { output: Some(out), ..invalid(buf, m) });
+                break 'call Err(Box::new(Failed { output: Some(out), ..*invalid(buf, m) }));
             }
             out.resize(buf.len(), T::zeroed());
             let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
-            let ran = comm.run(seq, &planned.sched, out, buf, ReduceOp::Sum, false).await;
+            let ran = comm.run(seq, &planned.sched, planned.one.as_ref(), out, buf, ReduceOp::Sum, false).await;
             match (ran.result, ran.data, ran.input) {
                 (Ok(()), Some(o), Some(i)) => Ok((o, i)),
-                (Ok(()), output, input) => Err(Failed {
+                (Ok(()), output, input) => Err(Box::new(Failed {
                     error: Error::Internal("a buffer is still in use".into()),
                     buf: input,
                     output,
-                }),
-                (Err(error), output, input) => Err(Failed { error, buf: input, output }),
+                })),
+                (Err(error), output, input) => Err(Box::new(Failed { error: *error, buf: input, output })),
             }
         })
     }
@@ -485,7 +482,7 @@ impl Communicator {
         collective!(self, 'call, |comm, seq| {
             // Planned like the others (cached, and forced by options or the variable).
             let planned = comm.planned(Op::Barrier, 0, 1, 0);
-            comm.run::<u8>(seq, &planned.sched, Vec::new(), Vec::new(), ReduceOp::Sum, false).await.result
+            comm.run::<u8>(seq, &planned.sched, planned.one.as_ref(), Vec::new(), Vec::new(), ReduceOp::Sum, false).await.result.map_err(|e| *e)
         })
     }
 
@@ -494,7 +491,7 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         op: ReduceOp,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         self.scan_inner(buf, op, false)
     }
 
@@ -504,7 +501,7 @@ impl Communicator {
         &self,
         buf: Vec<T>,
         op: ReduceOp,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         self.scan_inner(buf, op, true)
     }
 
@@ -513,13 +510,13 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
         exclusive: bool,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
             if let Some(m) = comm.check_reduce::<T>(op) {
                 break 'call Err(invalid(buf, m));
             }
             let sched = crate::schedule::doubling::scan(comm.size(), comm.rank(), buf.len(), exclusive);
-            comm.run(seq, &sched, buf, Vec::new(), op, false).await.data_back(true)
+            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), buf, Vec::new(), op, false).await.data_back(true)
         })
     }
 
@@ -535,7 +532,7 @@ impl Communicator {
         buf: Vec<T>,
         peer: usize,
         tag_: u16,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         let comm = self.clone();
         async move {
             let t = tag(comm.id(), tag_, P2P_STEP, comm.rank());
@@ -551,7 +548,7 @@ impl Communicator {
         buf: Vec<T>,
         peer: usize,
         tag_: u16,
-    ) -> impl Future<Output = Result<Vec<T>, Failed<T>>> + Send + 'static {
+    ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         let comm = self.clone();
         async move {
             let want = std::mem::size_of_val(&buf[..]);
@@ -573,7 +570,7 @@ impl Communicator {
         what: &str,
         post: impl FnOnce(&ucxkit_transport::Namespace, &ucxkit_transport::Endpoint, SharedSlice<T>) -> F,
         check: impl FnOnce(O) -> Result<()>,
-    ) -> Result<Vec<T>, Failed<T>>
+    ) -> CallResult<T>
     where
         F: Future<Output = (ucxkit_transport::Result<O>, SharedSlice<T>)>,
     {

@@ -443,8 +443,8 @@ async fn malformed_calls_give_the_buffer_back() {
     // A malformed call fails where it is made and aborts the communicator (its peers
     // would otherwise wait for its messages); each check gets a fresh group.
     async fn first<T: std::fmt::Debug>(
-        f: impl std::future::Future<Output = Result<T, ucxkit_collectives::Failed<u8>>>,
-    ) -> ucxkit_collectives::Failed<u8> {
+        f: impl std::future::Future<Output = ucxkit_collectives::CallResult<u8, T>>,
+    ) -> Box<ucxkit_collectives::Failed<u8>> {
         f.await.expect_err("malformed")
     }
     let (_mesh, comms) = group(2).await;

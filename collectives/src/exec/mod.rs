@@ -369,9 +369,12 @@ pub(crate) async fn run<T: Element>(
 
 /// Whether a call may start `sched`: not on an aborted communicator, and not with more
 /// steps than the tag layout numbers.
+#[inline]
 pub(super) fn can_start(w: &Wire<'_>, sched: &Schedule) -> Result<()> {
-    if let Some(a) = w.abort.get() {
-        return Err(Error::Aborted(a));
+    if w.abort.is_set() {
+        if let Some(a) = w.abort.get() {
+            return Err(Error::Aborted(a));
+        }
     }
     if sched.steps.len() > MAX_STEPS {
         return Err(Error::InvalidArgument(format!(

@@ -11,7 +11,7 @@ use ucxkit_transport::tag::EXACT;
 
 use super::{can_start, combine, landed_bytes, outside, Watch, Wire};
 use crate::error::{Error, Result};
-use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
+use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
 use crate::tag::tag;
 use crate::{Element, ReduceOp};
 
@@ -19,17 +19,16 @@ use crate::{Element, ReduceOp};
 /// copies out of the input before them (two ranks' allreduce, allgather, all-to-all and
 /// reduce-scatter, a tree's leaves): run by [`run_one`] without the step loop, whose
 /// nested futures cost as much as such a call's messages (2-rank broadcast of 8 B,
-/// busy: 0.21-0.25 -> 0.17-0.19 us).
-pub(crate) struct OneStep<'s> {
-    sched: &'s Schedule,
-    step: &'s Step,
-    send: Option<(usize, &'s Region)>,
-    recv: Option<(usize, &'s Region)>,
+/// busy: 0.21-0.25 -> 0.17-0.19 us). Found once per plan.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct OneStep {
+    send: Option<(usize, Region)>,
+    recv: Option<(usize, Region)>,
 }
 
-impl<'s> OneStep<'s> {
+impl OneStep {
     /// `sched` as such a call, if it is one.
-    pub(crate) fn of(sched: &'s Schedule) -> Option<OneStep<'s>> {
+    pub(crate) fn of(sched: &Schedule) -> Option<OneStep> {
         let [step] = &sched.steps[..] else { return None };
         if sched.sync
             || step.copies.iter().any(|(from, into)| from.buf != Buf::Input || into.buf != Buf::Data)
@@ -61,37 +60,41 @@ impl<'s> OneStep<'s> {
             Some((_, r)) => r.buf == Buf::Scratch && !step.combines.is_empty(),
             None => step.combines.is_empty(),
         };
-        (combines_ok && lands).then_some(OneStep { sched, step, send, recv })
+        let owned = |x: Option<(usize, &Region)>| x.map(|(p, r)| (p, r.clone()));
+        (combines_ok && lands).then(|| OneStep { send: owned(send), recv: owned(recv) })
     }
 }
 
-/// Runs a one-step call (see [`OneStep`]) for call `seq` (checked as the step loop
+/// Runs call `seq` of `sched`, a one-step call of shape `one` (checked as the step loop
 /// checks a call at its start); `Ok(false)` when its send could not go out during the
 /// call, before anything was sent (the caller then runs the schedule the usual way).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_one<T: Element>(
     w: &Wire<'_>,
     seq: u16,
-    one: &OneStep<'_>,
+    sched: &Schedule,
+    one: &OneStep,
     data: &mut [T],
     input: &[T],
     op: ReduceOp,
     limit: Option<Duration>,
 ) -> Result<bool> {
-    can_start(w, one.sched)?;
+    can_start(w, sched)?;
     let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
-    for (from, into) in &one.step.copies {
+    let step = &sched.steps[0];
+    for (from, into) in &step.copies {
         combine(input, from, data, into, None)?;
     }
-    if let Some((peer, from)) = one.send {
+    if let Some((peer, from)) = &one.send {
         let src: &[T] = if from.buf == Buf::Input { input } else { data };
         let bytes: &[u8] = bytemuck::cast_slice(src.get(from.range.clone()).ok_or_else(|| outside(from))?);
-        let sent = w.ns.try_tag_send(w.ep(peer)?, tag(w.comm, seq, 0, w.rank), bytes);
-        if !sent.map_err(|source| Error::Transport { rank: peer, source })? {
+        let sent = w.ns.try_tag_send(w.ep(*peer)?, tag(w.comm, seq, 0, w.rank), bytes);
+        if !sent.map_err(|source| Error::Transport { rank: *peer, source })? {
             return Ok(false);
         }
     }
-    let Some((peer, into)) = one.recv else { return Ok(true) };
+    let Some((peer, into)) = &one.recv else { return Ok(true) };
+    let peer = *peer;
     let want = into.len() * std::mem::size_of::<T>();
     let mut op_recv =
         w.ns.tag_recv_from(w.ep(peer)?, tag(w.comm, seq, 0, peer), EXACT, Vec::with_capacity(want));
@@ -117,11 +120,11 @@ pub(crate) async fn run_one<T: Element>(
         }
     };
     let whole = Region { buf: Buf::Scratch, range: 0..values.len() };
-    if one.step.combines.is_empty() {
+    if step.combines.is_empty() {
         return combine(values, &whole, data, &Region { buf: Buf::Data, range: into.range.clone() }, None)
             .map(|()| true);
     }
-    for c in &one.step.combines {
+    for c in &step.combines {
         let (Combine::Copy { into, .. } | Combine::Reduce { into, .. }) = c;
         let by = matches!(c, Combine::Reduce { .. }).then_some(op);
         combine(values, &whole, data, into, by)?;
@@ -132,6 +135,7 @@ pub(crate) async fn run_one<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schedule::Step;
 
     /// Which schedules run as one step: one step, at most one send (not from scratch)
     /// and one receive, copies only out of the input, combines reading the whole

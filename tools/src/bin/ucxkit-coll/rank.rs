@@ -163,7 +163,7 @@ async fn repeat<T: Element>(
     redop: ReduceOp,
     root: usize,
 ) -> Res<Vec<T>> {
-    let err = |f: ucxkit::collectives::Failed<T>| f.error.to_string();
+    let err = |f: Box<ucxkit::collectives::Failed<T>>| f.error.to_string();
     match op {
         "allreduce" => {
             for _ in 0..iters {
@@ -220,7 +220,7 @@ async fn result<T: Element>(
     root: usize,
 ) -> Res<Vec<T>> {
     let n = c.size();
-    let err = |f: ucxkit::collectives::Failed<T>| f.error.to_string();
+    let err = |f: Box<ucxkit::collectives::Failed<T>>| f.error.to_string();
     Ok(match op {
         "allreduce" => c.allreduce(buf, redop).await.map_err(err)?,
         "broadcast" => c.broadcast(buf, root).await.map_err(err)?,
