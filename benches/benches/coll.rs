@@ -86,5 +86,52 @@ fn allreduce_8b(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, allreduce_8b);
+/// A broadcast of 8 bytes from rank 0: the collective against a send and a receive on
+/// the transport.
+fn broadcast_8b(c: &mut Criterion) {
+    let p = setup();
+    let mut g = c.benchmark_group("broadcast_2ranks_8B_event");
+    g.bench_function("collectives", |b| {
+        b.iter_custom(|iters| {
+            p.rt.block_on(async {
+                let t = std::time::Instant::now();
+                let (mut x, mut y) = (vec![1.0f32; 2], vec![2.0f32; 2]);
+                for _ in 0..iters {
+                    let (a, b) = tokio::join!(p.comms[0].broadcast(x, 0), p.comms[1].broadcast(y, 0));
+                    (x, y) = (a.expect("broadcast"), b.expect("broadcast"));
+                }
+                t.elapsed()
+            })
+        })
+    });
+    g.bench_function("transport", |b| {
+        b.iter_custom(|iters| {
+            p.rt.block_on(async {
+                let eps = (
+                    p.comms[0].endpoint(1).expect("ep").clone(),
+                    p.comms[1].endpoint(0).expect("ep").clone(),
+                );
+                let t = std::time::Instant::now();
+                let (x, mut y) = (vec![1u8; 8], vec![0u8; 8]);
+                for _ in 0..iters {
+                    let recv = p.ns[1].tag_recv_from(&eps.1, 1 << 50, EXACT, std::mem::take(&mut y));
+                    let sent = p.ns[0].try_tag_send(&eps.0, 1 << 50, &x).expect("send");
+                    let send = async {
+                        if !sent {
+                            p.ns[0].tag_send(&eps.0, 1 << 50, x.clone()).await.0.expect("send");
+                        }
+                    };
+                    let ((r, got), ()) = tokio::join!(recv, send);
+                    r.expect("recv");
+                    y = got;
+                    y.clear();
+                }
+                t.elapsed()
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, allreduce_8b, broadcast_8b);
 criterion_main!(benches);
