@@ -173,9 +173,20 @@ macro_rules! io_buf {
 // - `Vec<u8>`, `BytesMut`: uniquely owned heap storage whose pointer does not change
 //   while the container is not resized; the owning operation never resizes it.
 // - `Bytes`: an immutable, reference-counted view of heap or static memory.
-// - `Box<[u8]>`: a fixed heap allocation.
 // - `&'static [u8]`: memory that is never freed or moved.
-io_buf!(Vec<u8>, bytes::BytesMut, bytes::Bytes, Box<[u8]>, &'static [u8]);
+io_buf!(Vec<u8>, bytes::BytesMut, bytes::Bytes, &'static [u8]);
+
+// SAFETY: a boxed slice is a fixed heap allocation (an empty one, or one of zero-sized
+// elements, has no bytes to read); plain-old-data elements have no padding, so all
+// their bytes are initialized.
+unsafe impl<T: bytemuck::Pod + Send> IoBuf for Box<[T]> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr().cast()
+    }
+    fn bytes_init(&self) -> usize {
+        std::mem::size_of_val::<[T]>(self)
+    }
+}
 
 /// `IoBufMut` for growable containers: receives write into the spare capacity and set
 /// the length to what arrived.
@@ -199,14 +210,15 @@ macro_rules! io_buf_mut_growable {
 
 io_buf_mut_growable!(Vec<u8>, bytes::BytesMut);
 
-// SAFETY: a boxed slice's heap pointer is stable; all `len` bytes are writable and always
-// initialized.
-unsafe impl IoBufMut for Box<[u8]> {
+// SAFETY: a boxed slice's heap pointer is stable; all its bytes are writable and always
+// initialized, and any bytes are a valid plain-old-data element. A receive overwrites the
+// bytes it reaches and leaves the rest as they were.
+unsafe impl<T: bytemuck::Pod + Send> IoBufMut for Box<[T]> {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
-        self.as_mut_ptr()
+        self.as_mut_ptr().cast()
     }
     fn bytes_total(&self) -> usize {
-        self.len()
+        std::mem::size_of_val::<[T]>(self)
     }
     unsafe fn set_init(&mut self, _n: usize) {}
 }
@@ -227,6 +239,21 @@ mod tests {
             v.set_init(3);
         }
         assert_eq!(v, b"abc");
+    }
+
+    #[test]
+    fn boxed_elements_are_their_bytes() {
+        let mut b: Box<[u32]> = vec![0u32; 3].into_boxed_slice();
+        assert_eq!((b.bytes_init(), b.bytes_total()), (12, 12));
+        let p = b.stable_mut_ptr();
+        // SAFETY: 4 bytes within the 12.
+        unsafe {
+            std::ptr::copy_nonoverlapping(7u32.to_ne_bytes().as_ptr(), p.add(4), 4);
+            b.set_init(8);
+        }
+        assert_eq!(&b[..], &[0, 7, 0]);
+        let empty: Box<[f64]> = Box::new([]);
+        assert_eq!(empty.bytes_total(), 0);
     }
 
     #[test]
