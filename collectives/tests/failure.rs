@@ -52,7 +52,8 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
 /// memory). The peer ends with the abort the drop sent. Then the same with transfers
 /// through shared-memory lanes (2 MiB), and with small calls (8 bytes, whose receives
 /// wait in landing vectors of their own): on two ranks (one step, run without the step
-/// loop) and on three (the step loop).
+/// loop), a broadcast's leaf on two (its receive lands in the caller's vector) and on
+/// three (the step loop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (_mesh, comms) = group(2).await;
@@ -102,6 +103,22 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
     tokio::time::sleep(Duration::from_millis(200)).await;
 
+    // A broadcast's leaf: its receive lands in the caller's vector, which the transport
+    // keeps when the call is dropped.
+    let (_mesh, comms) = group(2).await;
+    let mut leaf = Box::pin(comms[1].broadcast(vec![0u32; 2], 0));
+    let polled = tokio::time::timeout(Duration::from_millis(20), leaf.as_mut()).await;
+    assert!(polled.is_err(), "the leaf cannot finish before the root sends");
+    drop(leaf);
+    let t = Instant::now();
+    while comms[0].aborted().is_none() {
+        assert!(t.elapsed() < BOUND, "rank 0 never heard of the abort");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let e = comms[0].broadcast(vec![5u32; 2], 0).await.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 1), "{e}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
     // 8 bytes on three ranks: several steps, so the step loop's receive is what waits.
     let (_mesh, comms) = group(3).await;
     let mut first = Box::pin(comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum));
@@ -143,10 +160,14 @@ async fn a_waiting_two_rank_small_call_ends_on_abort_and_deadline() {
     let timed =
         comms[0].with_options(Options { deadline: Some(Duration::from_millis(200)), ..Default::default() });
     let t = Instant::now();
-    let e = timed.broadcast(vec![1u8; 4], 1).await.expect_err("rank 1 never came").error;
+    let f = timed.broadcast(vec![1u8; 4], 1).await.expect_err("rank 1 never came");
+    assert!(t.elapsed() < BOUND, "{:?}", t.elapsed());
+    let e = f.error;
     assert!(matches!(&e, Error::DeadlineExceeded { waiting_on, .. } if waiting_on == &[1]), "{e}");
     assert!(e.to_string().ends_with("still waiting on rank 1"), "{e}");
-    assert!(t.elapsed() < BOUND, "{:?}", t.elapsed());
+    // A leaf's receive lands straight in its buffer, which the given-up receive keeps
+    // until UCX lets go of it.
+    assert!(f.buf.is_none(), "{:?}", f.buf);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,8 +8,9 @@ use std::task::Poll;
 use std::time::Duration;
 
 use ucxkit_transport::tag::EXACT;
+use ucxkit_transport::Either;
 
-use super::{can_start, combine, landed_bytes, outside, Watch, Wire};
+use super::{can_start, combine, landed_bytes, outside, received, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
 use crate::tag::tag;
@@ -24,6 +25,10 @@ use crate::{Element, ReduceOp};
 pub(crate) struct OneStep {
     send: Option<(usize, Region)>,
     recv: Option<(usize, Region)>,
+    /// The receive may land straight in the caller's vector: it lands in the data from
+    /// its start, and nothing is copied or combined there (it does where it also reaches
+    /// the data's end, which only the call knows).
+    direct: bool,
 }
 
 impl OneStep {
@@ -60,21 +65,26 @@ impl OneStep {
             Some((_, r)) => r.buf == Buf::Scratch && !step.combines.is_empty(),
             None => step.combines.is_empty(),
         };
+        let direct = recv.is_some_and(|(_, r)| r.buf == Buf::Data && r.range.start == 0)
+            && step.combines.is_empty()
+            && step.copies.is_empty();
         let owned = |x: Option<(usize, &Region)>| x.map(|(p, r)| (p, r.clone()));
-        (combines_ok && lands).then(|| OneStep { send: owned(send), recv: owned(recv) })
+        (combines_ok && lands).then(|| OneStep { send: owned(send), recv: owned(recv), direct })
     }
 }
 
 /// Runs call `seq` of `sched`, a one-step call of shape `one` (checked as the step loop
 /// checks a call at its start); `Ok(false)` when its send could not go out during the
 /// call, before anything was sent (the caller then runs the schedule the usual way).
+/// A receive that lands straight in `data` takes it meanwhile: after an error `data` is
+/// left empty where the transport still holds it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_one<T: Element>(
     w: &Wire<'_>,
     seq: u16,
     sched: &Schedule,
     one: &OneStep,
-    data: &mut [T],
+    data: &mut Vec<T>,
     input: &[T],
     op: ReduceOp,
     limit: Option<Duration>,
@@ -96,8 +106,13 @@ pub(crate) async fn run_one<T: Element>(
     let Some((peer, into)) = &one.recv else { return Ok(true) };
     let peer = *peer;
     let want = into.len() * std::mem::size_of::<T>();
-    let mut op_recv =
-        w.ns.tag_recv_from(w.ep(peer)?, tag(w.comm, seq, 0, peer), EXACT, Vec::with_capacity(want));
+    let ep = w.ep(peer)?;
+    let landing = if one.direct && data.len() == into.range.end {
+        Either::Right(std::mem::take(data).into_boxed_slice())
+    } else {
+        Either::Left(Vec::with_capacity(want))
+    };
+    let mut op_recv = w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, peer), EXACT, landing);
     let mut watch: Option<Watch<'_>> = None;
     let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut op_recv).poll(cx) {
         Poll::Ready(done) => Poll::Ready(Ok(done)),
@@ -107,6 +122,13 @@ pub(crate) async fn run_one<T: Element>(
         }
     })
     .await?;
+    let got = match got {
+        Either::Right(direct) => {
+            *data = direct.into_vec();
+            return received(peer, want, r).map(|()| true);
+        }
+        Either::Left(got) => got,
+    };
     let got = landed_bytes(peer, want, r, &got)?;
     // The received values, as elements (copied where the bytes are not aligned for them).
     let owned: Vec<T>;
@@ -136,6 +158,34 @@ pub(crate) async fn run_one<T: Element>(
 mod tests {
     use super::*;
     use crate::schedule::Step;
+
+    /// Which one-step receives may land straight in the caller's vector: a broadcast
+    /// leaf's (the whole data, nothing combined); not a 2-rank allreduce's (into scratch,
+    /// then reduced), nor one into the data past its start, nor one behind a copy.
+    #[test]
+    fn direct_receives_are_whole_data_ones() {
+        use crate::schedule::{doubling, ring, tree, Step};
+        let direct = |s: &Schedule| OneStep::of(s).map(|o| o.direct);
+        assert_eq!(direct(&tree::knomial_bcast(2, 1, 0, 4, 2)), Some(true));
+        // The root sends only.
+        assert_eq!(direct(&tree::knomial_bcast(2, 0, 0, 4, 2)), Some(false));
+        assert_eq!(direct(&doubling::allreduce(2, 0, 4)), Some(false));
+        let recv = |into| Xfer::Recv { peer: 1, into };
+        let step = |xfers: Vec<Xfer>, copies| Schedule {
+            steps: vec![Step { xfers, copies, ..Step::default() }],
+            scratch: 0,
+            sync: false,
+        };
+        assert_eq!(direct(&step(vec![recv(Region::data(2..4))], vec![])), Some(false));
+        let copy = vec![(Region::input(0..2), Region::data(2..4))];
+        assert_eq!(direct(&step(vec![recv(Region::data(0..2))], copy)), Some(false));
+        // An allgather's receive lands in part of the data, beside this rank's block: on
+        // rank 0 after it; on rank 1 from the start, which `run_one` lands straight only
+        // where it reaches the data's end (it does not: 2 of 4 elements).
+        let blocks = crate::schedule::even_blocks(4, 2);
+        assert_eq!(direct(&ring::allgather(2, 0, &blocks)), Some(false));
+        assert_eq!(direct(&ring::allgather(2, 1, &blocks)), Some(true));
+    }
 
     /// Which schedules run as one step: one step, at most one send (not from scratch)
     /// and one receive, copies only out of the input, combines reading the whole
