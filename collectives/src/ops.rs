@@ -93,16 +93,10 @@ impl Communicator {
         if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
             if let Some(one) = one {
                 let len = data.len();
-                match exec::one::run_one(&wire, seq, sched, one, &mut data, &input, op, limit).await {
-                    Ok(true) => return Ran { result: Ok(()), data: Some(data), input: Some(input) },
-                    Err(e) => {
-                        // Empty where a receive landing in it still holds it.
-                        let data = (data.len() == len).then_some(data);
-                        return Ran { result: Err(Box::new(e)), data, input: Some(input) };
-                    }
-                    // The send could not go out during the call: the usual way.
-                    Ok(false) => {}
-                }
+                let result = exec::one::run_one(&wire, seq, sched, one, &mut data, &input, op, limit).await;
+                // Empty where a receive landing in it still holds it.
+                let data = (result.is_ok() || data.len() == len).then_some(data);
+                return Ran { result: result.map_err(Box::new), data, input: Some(input) };
             }
             let mut kept = self.take_small();
             let result = exec::small::run(&wire, seq, sched, &mut data, &input, &mut kept, op, limit).await;

@@ -1,14 +1,16 @@
-//! Small calls of one step with at most one send and one receive ([`OneStep`]: every
-//! 2-rank small call but a barrier's, a tree's leaves), run without the step loop of
-//! [`super::small`], whose nested futures cost as much as such a call's messages.
+//! Small calls of one step with sends and at most one receive ([`OneStep`]: every 2-rank
+//! small call but a barrier's, a tree's root and leaves where the tree is one level),
+//! run without the step loop of [`super::small`], whose nested futures cost as much as
+//! such a call's messages.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::Poll;
 use std::time::Duration;
 
+use smallvec::SmallVec;
 use ucxkit_transport::tag::EXACT;
-use ucxkit_transport::Either;
+use ucxkit_transport::{Either, TagSend};
 
 use super::{can_start, combine, landed_bytes, outside, received, Watch, Wire};
 use crate::error::{Error, Result};
@@ -16,14 +18,14 @@ use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
 use crate::tag::tag;
 use crate::{Element, ReduceOp};
 
-/// A small call of one step with at most one send and one receive and nothing but
-/// copies out of the input before them (two ranks' allreduce, allgather, all-to-all and
-/// reduce-scatter, a tree's leaves): run by [`run_one`] without the step loop, whose
-/// nested futures cost as much as such a call's messages (2-rank broadcast of 8 B,
-/// busy: 0.21-0.25 -> 0.17-0.19 us). Found once per plan.
+/// A small call of one step with sends (none from scratch) and at most one receive and
+/// nothing but copies out of the input before them (two ranks' allreduce, allgather,
+/// all-to-all and reduce-scatter; a one-level tree's root and leaves): run by [`run_one`]
+/// without the step loop, whose nested futures cost as much as such a call's messages
+/// (2-rank broadcast of 8 B, busy: 0.21-0.25 -> 0.17-0.19 us). Found once per plan.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct OneStep {
-    send: Option<(usize, Region)>,
+    sends: SmallVec<[(usize, Region); 2]>,
     recv: Option<(usize, Region)>,
     /// The receive may land straight in the caller's vector: it lands in the data from
     /// its start, and nothing is copied or combined there (it does where it also reaches
@@ -40,13 +42,11 @@ impl OneStep {
         {
             return None;
         }
-        let (mut send, mut recv) = (None, None);
+        let (mut sends, mut recv) = (SmallVec::new(), None);
         for x in &step.xfers {
             match x {
-                Xfer::Send { peer, from }
-                    if send.is_none() && !from.is_empty() && from.buf != Buf::Scratch =>
-                {
-                    send = Some((*peer, from));
+                Xfer::Send { peer, from } if !from.is_empty() && from.buf != Buf::Scratch => {
+                    sends.push((*peer, from.clone()));
                 }
                 Xfer::Recv { peer, into } if recv.is_none() && !into.is_empty() => recv = Some((*peer, into)),
                 _ => return None,
@@ -68,16 +68,16 @@ impl OneStep {
         let direct = recv.is_some_and(|(_, r)| r.buf == Buf::Data && r.range.start == 0)
             && step.combines.is_empty()
             && step.copies.is_empty();
-        let owned = |x: Option<(usize, &Region)>| x.map(|(p, r)| (p, r.clone()));
-        (combines_ok && lands).then(|| OneStep { send: owned(send), recv: owned(recv), direct })
+        let recv = recv.map(|(p, r)| (p, r.clone()));
+        (combines_ok && lands).then_some(OneStep { sends, recv, direct })
     }
 }
 
 /// Runs call `seq` of `sched`, a one-step call of shape `one` (checked as the step loop
-/// checks a call at its start); `Ok(false)` when its send could not go out during the
-/// call, before anything was sent (the caller then runs the schedule the usual way).
-/// A receive that lands straight in `data` takes it meanwhile: after an error `data` is
-/// left empty where the transport still holds it.
+/// checks a call at its start). Its sends go out during the call where UCX takes them,
+/// the others (from the first it does not take on) from copies, awaited. A receive that
+/// lands straight in `data` takes it meanwhile: after an error `data` is left empty
+/// where the transport still holds it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_one<T: Element>(
     w: &Wire<'_>,
@@ -88,32 +88,46 @@ pub(crate) async fn run_one<T: Element>(
     input: &[T],
     op: ReduceOp,
     limit: Option<Duration>,
-) -> Result<bool> {
+) -> Result<()> {
     can_start(w, sched)?;
     let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
     let step = &sched.steps[0];
     for (from, into) in &step.copies {
         combine(input, from, data, into, None)?;
     }
-    if let Some((peer, from)) = &one.send {
+    // Sends UCX could not take during the call (rare: the vector allocates then only).
+    let mut queued: Vec<(usize, Option<TagSend<Vec<u8>>>)> = Vec::new();
+    for (peer, from) in &one.sends {
         let src: &[T] = if from.buf == Buf::Input { input } else { data };
         let bytes: &[u8] = bytemuck::cast_slice(src.get(from.range.clone()).ok_or_else(|| outside(from))?);
-        let sent = w.ns.try_tag_send(w.ep(*peer)?, tag(w.comm, seq, 0, w.rank), bytes);
-        if !sent.map_err(|source| Error::Transport { rank: *peer, source })? {
-            return Ok(false);
+        let (ep, t) = (w.ep(*peer)?, tag(w.comm, seq, 0, w.rank));
+        // Once one waits, the later ones queue behind it.
+        if queued.is_empty() {
+            let sent = w.ns.try_tag_send(ep, t, bytes);
+            if sent.map_err(|source| Error::Transport { rank: *peer, source })? {
+                continue;
+            }
         }
+        queued.push((*peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
     }
-    let Some((peer, into)) = &one.recv else { return Ok(true) };
-    let peer = *peer;
-    let want = into.len() * std::mem::size_of::<T>();
-    let ep = w.ep(peer)?;
-    let landing = if one.direct && data.len() == into.range.end {
-        Either::Right(std::mem::take(data).into_boxed_slice())
-    } else {
-        Either::Left(Vec::with_capacity(want))
+    let recv = match &one.recv {
+        Some((peer, into)) => {
+            let want = into.len() * std::mem::size_of::<T>();
+            let ep = w.ep(*peer)?;
+            let landing = if one.direct && data.len() == into.range.end {
+                Either::Right(std::mem::take(data).into_boxed_slice())
+            } else {
+                Either::Left(Vec::with_capacity(want))
+            };
+            Some((*peer, into, want, w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing)))
+        }
+        None => None,
     };
-    let mut op_recv = w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, peer), EXACT, landing);
     let mut watch: Option<Watch<'_>> = None;
+    if !queued.is_empty() {
+        sent(w, &mut queued, &mut watch, end).await?;
+    }
+    let Some((peer, into, want, mut op_recv)) = recv else { return Ok(()) };
     let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut op_recv).poll(cx) {
         Poll::Ready(done) => Poll::Ready(Ok(done)),
         Poll::Pending => {
@@ -125,7 +139,7 @@ pub(crate) async fn run_one<T: Element>(
     let got = match got {
         Either::Right(direct) => {
             *data = direct.into_vec();
-            return received(peer, want, r).map(|()| true);
+            return received(peer, want, r);
         }
         Either::Left(got) => got,
     };
@@ -143,15 +157,47 @@ pub(crate) async fn run_one<T: Element>(
     };
     let whole = Region { buf: Buf::Scratch, range: 0..values.len() };
     if step.combines.is_empty() {
-        return combine(values, &whole, data, &Region { buf: Buf::Data, range: into.range.clone() }, None)
-            .map(|()| true);
+        return combine(values, &whole, data, &Region { buf: Buf::Data, range: into.range.clone() }, None);
     }
     for c in &step.combines {
         let (Combine::Copy { into, .. } | Combine::Reduce { into, .. }) = c;
         let by = matches!(c, Combine::Reduce { .. }).then_some(op);
         combine(values, &whole, data, into, by)?;
     }
-    Ok(true)
+    Ok(())
+}
+
+/// Waits for the `queued` sends of a one-step call (each taken once it ends), failing
+/// with the first one's error, or as `watch` says (made on the first wait, with the
+/// deadline `end`).
+async fn sent<'w>(
+    w: &Wire<'w>,
+    queued: &mut [(usize, Option<TagSend<Vec<u8>>>)],
+    watch: &mut Option<Watch<'w>>,
+    end: Option<(Duration, tokio::time::Instant)>,
+) -> Result<()> {
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (peer, send) in queued.iter_mut() {
+            let Some(op) = send.as_mut() else { continue };
+            match Pin::new(op).poll(cx) {
+                Poll::Pending => pending = true,
+                Poll::Ready((r, _)) => {
+                    *send = None;
+                    if let Err(source) = r {
+                        return Poll::Ready(Err(Error::Transport { rank: *peer, source }));
+                    }
+                }
+            }
+        }
+        if !pending {
+            return Poll::Ready(Ok(()));
+        }
+        let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
+        let waiting = || queued.iter().filter(|(_, s)| s.is_some()).map(|(p, _)| *p).collect::<Vec<_>>();
+        watch.poll_end(cx, waiting).map(Err)
+    })
+    .await
 }
 
 #[cfg(test)]
@@ -187,9 +233,10 @@ mod tests {
         assert_eq!(direct(&ring::allgather(2, 1, &blocks)), Some(true));
     }
 
-    /// Which schedules run as one step: one step, at most one send (not from scratch)
-    /// and one receive, copies only out of the input, combines reading the whole
-    /// receive into the data; the real 2-rank schedules of five operations do.
+    /// Which schedules run as one step: one step, sends (not from scratch) and at most
+    /// one receive, copies only out of the input, combines reading the whole receive
+    /// into the data; the real 2-rank schedules of five operations do, and a one-level
+    /// tree's root and leaves.
     #[test]
     fn one_step_calls_are_recognised() {
         use crate::schedule::{doubling, even_blocks, linear, ring, tree};
@@ -207,6 +254,12 @@ mod tests {
                 assert!(one(s), "{s:?}");
             }
         }
+        for r in 0..4 {
+            // Radix 4 on four ranks: the root sends to three leaves in one step.
+            assert!(one(&tree::knomial_bcast(4, r, 0, 4, 4)), "rank {r}");
+        }
+        // Radix 2: the middle rank receives, then sends.
+        assert!(!one(&tree::knomial_bcast(4, 2, 0, 4, 2)));
         let step = |xfers: Vec<Xfer>, combines: Vec<Combine>| Schedule {
             steps: vec![Step { xfers, combines, ..Step::default() }],
             scratch: 4,
@@ -215,10 +268,10 @@ mod tests {
         let send = |from| Xfer::Send { peer: 1, from };
         let recv = |into| Xfer::Recv { peer: 1, into };
         let no = [
-            // Two steps; two sends; a send of scratch; a receive into scratch left there;
-            // a combine of part of the receive; a barrier; an empty receive.
+            // Two steps; two receives; a send of scratch; a receive into scratch left
+            // there; a combine of part of the receive; a barrier; an empty receive.
             doubling::allreduce(4, 0, 4),
-            step(vec![send(Region::data(0..2)), Xfer::Send { peer: 0, from: Region::data(2..4) }], vec![]),
+            step(vec![recv(Region::data(0..2)), Xfer::Recv { peer: 0, into: Region::data(2..4) }], vec![]),
             step(vec![send(Region::scratch(0..2))], vec![]),
             step(vec![recv(Region::scratch(0..2))], vec![]),
             step(
