@@ -33,6 +33,20 @@ fn setup() -> Pair {
     Pair { rt, _mesh: mesh, comms, ns }
 }
 
+/// How long `turns` takes on the pair's runtime.
+fn timed(p: &Pair, turns: impl std::future::Future<Output = ()>) -> std::time::Duration {
+    p.rt.block_on(async {
+        let t = std::time::Instant::now();
+        turns.await;
+        t.elapsed()
+    })
+}
+
+/// Rank 0's and rank 1's endpoints to each other.
+fn eps(p: &Pair) -> (ucxkit_transport::Endpoint, ucxkit_transport::Endpoint) {
+    (p.comms[0].endpoint(1).expect("ep").clone(), p.comms[1].endpoint(0).expect("ep").clone())
+}
+
 /// One rank's half of the hand-written exchange (tags outside the communicator's).
 async fn by_hand(ns: &Namespace, ep: &ucxkit_transport::Endpoint, mine: Vec<u8>, spare: Vec<u8>) -> Vec<u8> {
     let recv = ns.tag_recv_from(ep, 1 << 50, EXACT, spare);
@@ -49,11 +63,11 @@ async fn by_hand(ns: &Namespace, ep: &ucxkit_transport::Endpoint, mine: Vec<u8>,
 
 fn allreduce_8b(c: &mut Criterion) {
     let p = setup();
+    let eps = eps(&p);
     let mut g = c.benchmark_group("allreduce_2ranks_8B_event");
     g.bench_function("collectives", |b| {
         b.iter_custom(|iters| {
-            p.rt.block_on(async {
-                let t = std::time::Instant::now();
+            timed(&p, async {
                 let (mut x, mut y) = (vec![1.0f32; 2], vec![2.0f32; 2]);
                 for _ in 0..iters {
                     let (a, b) = tokio::join!(
@@ -62,24 +76,17 @@ fn allreduce_8b(c: &mut Criterion) {
                     );
                     (x, y) = (a.expect("allreduce"), b.expect("allreduce"));
                 }
-                t.elapsed()
             })
         })
     });
     g.bench_function("transport", |b| {
         b.iter_custom(|iters| {
-            p.rt.block_on(async {
-                let eps = (
-                    p.comms[0].endpoint(1).expect("ep").clone(),
-                    p.comms[1].endpoint(0).expect("ep").clone(),
-                );
-                let t = std::time::Instant::now();
+            timed(&p, async {
                 let (mut x, mut y) = (vec![0u8; 8], vec![0u8; 8]);
                 for _ in 0..iters {
                     let (sx, sy) = (vec![0u8; 8], vec![0u8; 8]);
                     (x, y) = tokio::join!(by_hand(&p.ns[0], &eps.0, x, sx), by_hand(&p.ns[1], &eps.1, y, sy));
                 }
-                t.elapsed()
             })
         })
     });
@@ -90,28 +97,22 @@ fn allreduce_8b(c: &mut Criterion) {
 /// the transport.
 fn broadcast_8b(c: &mut Criterion) {
     let p = setup();
+    let eps = eps(&p);
     let mut g = c.benchmark_group("broadcast_2ranks_8B_event");
     g.bench_function("collectives", |b| {
         b.iter_custom(|iters| {
-            p.rt.block_on(async {
-                let t = std::time::Instant::now();
+            timed(&p, async {
                 let (mut x, mut y) = (vec![1.0f32; 2], vec![2.0f32; 2]);
                 for _ in 0..iters {
                     let (a, b) = tokio::join!(p.comms[0].broadcast(x, 0), p.comms[1].broadcast(y, 0));
                     (x, y) = (a.expect("broadcast"), b.expect("broadcast"));
                 }
-                t.elapsed()
             })
         })
     });
     g.bench_function("transport", |b| {
         b.iter_custom(|iters| {
-            p.rt.block_on(async {
-                let eps = (
-                    p.comms[0].endpoint(1).expect("ep").clone(),
-                    p.comms[1].endpoint(0).expect("ep").clone(),
-                );
-                let t = std::time::Instant::now();
+            timed(&p, async {
                 let (x, mut y) = (vec![1u8; 8], vec![0u8; 8]);
                 for _ in 0..iters {
                     let recv = p.ns[1].tag_recv_from(&eps.1, 1 << 50, EXACT, std::mem::take(&mut y));
@@ -126,7 +127,6 @@ fn broadcast_8b(c: &mut Criterion) {
                     y = got;
                     y.clear();
                 }
-                t.elapsed()
             })
         })
     });

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 use ucxkit_transport::tag::EXACT;
-use ucxkit_transport::{Either, TagSend};
+use ucxkit_transport::Either;
 
+use super::small::{poll_sends, Queued};
 use super::{can_start, combine, landed_bytes, outside, received, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
@@ -96,7 +97,7 @@ pub(crate) async fn run_one<T: Element>(
         combine(input, from, data, into, None)?;
     }
     // Sends UCX could not take during the call (rare: the vector allocates then only).
-    let mut queued: Vec<(usize, Option<TagSend<Vec<u8>>>)> = Vec::new();
+    let mut queued: Queued = Vec::new();
     for (peer, from) in &one.sends {
         let src: &[T] = if from.buf == Buf::Input { input } else { data };
         let bytes: &[u8] = bytemuck::cast_slice(src.get(from.range.clone()).ok_or_else(|| outside(from))?);
@@ -172,26 +173,15 @@ pub(crate) async fn run_one<T: Element>(
 /// deadline `end`).
 async fn sent<'w>(
     w: &Wire<'w>,
-    queued: &mut [(usize, Option<TagSend<Vec<u8>>>)],
+    queued: &mut Queued,
     watch: &mut Option<Watch<'w>>,
     end: Option<(Duration, tokio::time::Instant)>,
 ) -> Result<()> {
     std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (peer, send) in queued.iter_mut() {
-            let Some(op) = send.as_mut() else { continue };
-            match Pin::new(op).poll(cx) {
-                Poll::Pending => pending = true,
-                Poll::Ready((r, _)) => {
-                    *send = None;
-                    if let Err(source) = r {
-                        return Poll::Ready(Err(Error::Transport { rank: *peer, source }));
-                    }
-                }
-            }
-        }
-        if !pending {
-            return Poll::Ready(Ok(()));
+        match poll_sends(queued, cx) {
+            (_, Some(e)) => return Poll::Ready(Err(e)),
+            (false, None) => return Poll::Ready(Ok(())),
+            (true, None) => {}
         }
         let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
         let waiting = || queued.iter().filter(|(_, s)| s.is_some()).map(|(p, _)| *p).collect::<Vec<_>>();

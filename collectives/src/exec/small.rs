@@ -124,6 +124,28 @@ pub(crate) async fn run<T: Element>(
     Ok(())
 }
 
+/// Sends from copies still in flight, by peer (each taken once it ends).
+pub(super) type Queued = Vec<(usize, Option<TagSend<Vec<u8>>>)>;
+
+/// Polls the sends of `queued` still in flight: whether one is still pending, and the
+/// first error of those that ended now.
+pub(super) fn poll_sends(queued: &mut Queued, cx: &mut std::task::Context<'_>) -> (bool, Option<Error>) {
+    let (mut pending, mut failed) = (false, None);
+    for (peer, send) in queued.iter_mut() {
+        let Some(op) = send.as_mut() else { continue };
+        match Pin::new(op).poll(cx) {
+            Poll::Pending => pending = true,
+            Poll::Ready((r, _)) => {
+                *send = None;
+                if let Err(source) = r {
+                    failed.get_or_insert(Error::Transport { rank: *peer, source });
+                }
+            }
+        }
+    }
+    (pending, failed)
+}
+
 /// A receive in flight: the peer, the region it fills and its length in bytes.
 struct Landing<'s> {
     peer: usize,
@@ -151,7 +173,7 @@ async fn exchange<'w, T: Element>(
     mut immediate: bool,
 ) -> Result<()> {
     // Sends UCX could not take during the call (rare: the vector allocates then only).
-    let mut sends: Vec<(usize, Option<TagSend<Vec<u8>>>)> = Vec::new();
+    let mut sends: Queued = Vec::new();
     for x in &st.xfers {
         let Xfer::Send { peer, from } = x else { continue };
         if from.is_empty() && !sync {
@@ -184,18 +206,9 @@ async fn exchange<'w, T: Element>(
     }
     let mut first: Option<Error> = None;
     std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (peer, send) in sends.iter_mut() {
-            let Some(op) = send.as_mut() else { continue };
-            match Pin::new(op).poll(cx) {
-                Poll::Pending => pending = true,
-                Poll::Ready((r, _)) => {
-                    *send = None;
-                    if let Err(source) = r {
-                        first.get_or_insert(Error::Transport { rank: *peer, source });
-                    }
-                }
-            }
+        let (mut pending, failed) = poll_sends(&mut sends, cx);
+        if let Some(e) = failed {
+            first.get_or_insert(e);
         }
         for r in recvs.iter_mut() {
             let Some(op) = r.op.as_mut() else { continue };
