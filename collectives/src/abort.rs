@@ -75,11 +75,18 @@ pub(crate) struct AbortCell {
 }
 
 impl AbortCell {
-    /// Why it was aborted, if it was.
+    /// Why it was aborted, if it was (one load when it was not: every call asks).
+    #[inline]
     pub(crate) fn get(&self) -> Option<Abort> {
         if !self.flag.load(Ordering::Acquire) {
             return None;
         }
+        self.reason()
+    }
+
+    /// The abort's reason, under its lock.
+    #[cold]
+    fn reason(&self) -> Option<Abort> {
         self.abort.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 

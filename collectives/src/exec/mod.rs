@@ -371,10 +371,8 @@ pub(crate) async fn run<T: Element>(
 /// steps than the tag layout numbers.
 #[inline]
 pub(super) fn can_start(w: &Wire<'_>, sched: &Schedule) -> Result<()> {
-    if w.abort.is_set() {
-        if let Some(a) = w.abort.get() {
-            return Err(Error::Aborted(a));
-        }
+    if let Some(a) = w.abort.get() {
+        return Err(Error::Aborted(a));
     }
     if sched.steps.len() > MAX_STEPS {
         return Err(Error::InvalidArgument(format!(
