@@ -92,10 +92,8 @@ impl Communicator {
         let elems = data.len() + input.len() + sched.scratch;
         if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
             if let Some(one) = one {
-                let len = data.len();
+                let mut data = Some(data);
                 let result = exec::one::run_one(&wire, seq, sched, one, &mut data, &input, op, limit).await;
-                // Empty where a receive landing in it still holds it.
-                let data = (result.is_ok() || data.len() == len).then_some(data);
                 return Ran { result: result.map_err(Box::new), data, input: Some(input) };
             }
             let mut kept = self.take_small();

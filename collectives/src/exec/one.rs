@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::Either;
 
-use super::small::{poll_sends, Queued};
+use super::small::{poll_sends, send, Queued};
 use super::{can_start, combine, landed_bytes, outside, received, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
@@ -43,12 +43,12 @@ impl OneStep {
         {
             return None;
         }
-        let (mut sends, mut recv) = (SmallVec::new(), None);
+        // Checked before anything is collected: the schedules of calls made on the spot
+        // (the `_v` forms, scan) are asked every call, and most have several receives.
+        let mut recv = None;
         for x in &step.xfers {
             match x {
-                Xfer::Send { peer, from } if !from.is_empty() && from.buf != Buf::Scratch => {
-                    sends.push((*peer, from.clone()));
-                }
+                Xfer::Send { from, .. } if !from.is_empty() && from.buf != Buf::Scratch => {}
                 Xfer::Recv { peer, into } if recv.is_none() && !into.is_empty() => recv = Some((*peer, into)),
                 _ => return None,
             }
@@ -69,56 +69,63 @@ impl OneStep {
         let direct = recv.is_some_and(|(_, r)| r.buf == Buf::Data && r.range.start == 0)
             && step.combines.is_empty()
             && step.copies.is_empty();
-        let recv = recv.map(|(p, r)| (p, r.clone()));
-        (combines_ok && lands).then_some(OneStep { sends, recv, direct })
+        if !(combines_ok && lands) {
+            return None;
+        }
+        let sends = step.xfers.iter().filter_map(|x| match x {
+            Xfer::Send { peer, from } => Some((*peer, from.clone())),
+            Xfer::Recv { .. } => None,
+        });
+        Some(OneStep { sends: sends.collect(), recv: recv.map(|(p, r)| (p, r.clone())), direct })
     }
 }
 
 /// Runs call `seq` of `sched`, a one-step call of shape `one` (checked as the step loop
-/// checks a call at its start). Its sends go out during the call where UCX takes them,
-/// the others (from the first it does not take on) from copies, awaited. A receive that
-/// lands straight in `data` takes it meanwhile: after an error `data` is left empty
-/// where the transport still holds it.
+/// checks a call at its start), on `data` and `input`. Its sends go out during the call
+/// where UCX takes them, the others (from the first it does not take on) from copies,
+/// awaited. A receive that fills `data` whole lands straight in it, lent to the
+/// transport meanwhile: after an error `data` is `None` where the transport still holds
+/// it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_one<T: Element>(
     w: &Wire<'_>,
     seq: u16,
     sched: &Schedule,
     one: &OneStep,
-    data: &mut Vec<T>,
+    data: &mut Option<Vec<T>>,
     input: &[T],
     op: ReduceOp,
     limit: Option<Duration>,
 ) -> Result<()> {
     can_start(w, sched)?;
     let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
-    let step = &sched.steps[0];
+    let [step] = &sched.steps[..] else {
+        return Err(Error::Internal("a one-step call of a schedule of several steps".into()));
+    };
+    let d = data.as_mut().ok_or_else(|| Error::Internal("a one-step call without its data".into()))?;
     for (from, into) in &step.copies {
-        combine(input, from, data, into, None)?;
+        combine(input, from, d, into, None)?;
     }
     // Sends UCX could not take during the call (rare: the vector allocates then only).
     let mut queued: Queued = Vec::new();
     for (peer, from) in &one.sends {
-        let src: &[T] = if from.buf == Buf::Input { input } else { data };
+        let src: &[T] = if from.buf == Buf::Input { input } else { d };
         let bytes: &[u8] = bytemuck::cast_slice(src.get(from.range.clone()).ok_or_else(|| outside(from))?);
-        let (ep, t) = (w.ep(*peer)?, tag(w.comm, seq, 0, w.rank));
-        // Once one waits, the later ones queue behind it.
-        if queued.is_empty() {
-            let sent = w.ns.try_tag_send(ep, t, bytes);
-            if sent.map_err(|source| Error::Transport { rank: *peer, source })? {
-                continue;
-            }
-        }
-        queued.push((*peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
+        send(w, *peer, tag(w.comm, seq, 0, w.rank), bytes, true, &mut queued)?;
     }
     let recv = match &one.recv {
         Some((peer, into)) => {
             let want = into.len() * std::mem::size_of::<T>();
             let ep = w.ep(*peer)?;
-            let landing = if one.direct && data.len() == into.range.end {
-                Either::Right(std::mem::take(data).into_boxed_slice())
-            } else {
-                Either::Left(Vec::with_capacity(want))
+            // Lent whole only where that costs no reallocation (its capacity is its
+            // length, as a vector a call gave back has).
+            let whole = |d: &Vec<T>| one.direct && d.len() == into.range.end && d.capacity() == d.len();
+            let landing = match data.take() {
+                Some(d) if whole(&d) => Either::Right(d.into_boxed_slice()),
+                d => {
+                    *data = d;
+                    Either::Left(Vec::with_capacity(want))
+                }
             };
             Some((*peer, into, want, w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing)))
         }
@@ -139,11 +146,12 @@ pub(crate) async fn run_one<T: Element>(
     .await?;
     let got = match got {
         Either::Right(direct) => {
-            *data = direct.into_vec();
+            *data = Some(direct.into_vec());
             return received(peer, want, r);
         }
         Either::Left(got) => got,
     };
+    let data = data.as_mut().ok_or_else(|| Error::Internal("a one-step call without its data".into()))?;
     let got = landed_bytes(peer, want, r, &got)?;
     // The received values, as elements (copied where the bytes are not aligned for them).
     let owned: Vec<T>;
@@ -200,7 +208,7 @@ mod tests {
     /// then reduced), nor one into the data past its start, nor one behind a copy.
     #[test]
     fn direct_receives_are_whole_data_ones() {
-        use crate::schedule::{doubling, ring, tree, Step};
+        use crate::schedule::{doubling, ring, tree};
         let direct = |s: &Schedule| OneStep::of(s).map(|o| o.direct);
         assert_eq!(direct(&tree::knomial_bcast(2, 1, 0, 4, 2)), Some(true));
         // The root sends only.

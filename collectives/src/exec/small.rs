@@ -127,6 +127,28 @@ pub(crate) async fn run<T: Element>(
 /// Sends from copies still in flight, by peer (each taken once it ends).
 pub(super) type Queued = Vec<(usize, Option<TagSend<Vec<u8>>>)>;
 
+/// Sends `bytes` to rank `peer` with tag `t`: during the call, when `now` and nothing
+/// is `queued` yet and UCX takes them; else from a copy, queued behind the others (the
+/// endpoint is busy, so the later sends queue too).
+pub(super) fn send(
+    w: &Wire<'_>,
+    peer: usize,
+    t: u64,
+    bytes: &[u8],
+    now: bool,
+    queued: &mut Queued,
+) -> Result<()> {
+    let ep = w.ep(peer)?;
+    if now && queued.is_empty() {
+        let sent = w.ns.try_tag_send(ep, t, bytes);
+        if sent.map_err(|source| Error::Transport { rank: peer, source })? {
+            return Ok(());
+        }
+    }
+    queued.push((peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
+    Ok(())
+}
+
 /// Polls the sends of `queued` still in flight: whether one is still pending, and the
 /// first error of those that ended now.
 pub(super) fn poll_sends(queued: &mut Queued, cx: &mut std::task::Context<'_>) -> (bool, Option<Error>) {
@@ -170,7 +192,7 @@ async fn exchange<'w, T: Element>(
     pool: &mut Vec<Vec<u8>>,
     watch: &mut Option<Watch<'w>>,
     end: Option<(Duration, tokio::time::Instant)>,
-    mut immediate: bool,
+    immediate: bool,
 ) -> Result<()> {
     // Sends UCX could not take during the call (rare: the vector allocates then only).
     let mut sends: Queued = Vec::new();
@@ -179,17 +201,8 @@ async fn exchange<'w, T: Element>(
         if from.is_empty() && !sync {
             continue;
         }
-        let (ep, t) = (w.ep(*peer)?, tag(w.comm, seq, step, w.rank));
         let bytes: &[u8] = bytemuck::cast_slice(v.get(from)?);
-        if immediate {
-            let sent = w.ns.try_tag_send(ep, t, bytes);
-            if sent.map_err(|source| Error::Transport { rank: *peer, source })? {
-                continue;
-            }
-            // The endpoint is busy: the later sends queue behind this one.
-            immediate = false;
-        }
-        sends.push((*peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
+        send(w, *peer, tag(w.comm, seq, step, w.rank), bytes, immediate, &mut sends)?;
     }
     let mut recvs: SmallVec<[Landing<'_>; 2]> = SmallVec::new();
     for x in &st.xfers {
