@@ -19,6 +19,15 @@ use ucxkit_testkit::procs::{role, Group};
 const BOUND: Duration = Duration::from_secs(5);
 const LIMIT: Duration = Duration::from_secs(60);
 
+/// Waits until `c` has heard of its communicator's abort, failing after [`BOUND`].
+async fn hears_of_the_abort(c: &Communicator) {
+    let t = Instant::now();
+    while c.aborted().is_none() {
+        assert!(t.elapsed() < BOUND, "rank {} never heard of the abort", c.rank());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
     let (_mesh, comms) = group(3).await;
@@ -94,11 +103,7 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
     assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
     drop(first);
-    let t = Instant::now();
-    while comms[1].aborted().is_none() {
-        assert!(t.elapsed() < BOUND, "rank 1 never heard of the abort");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    hears_of_the_abort(&comms[1]).await;
     let e = comms[1].allreduce(vec![2f32; 2], ReduceOp::Sum).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -110,11 +115,7 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     let polled = tokio::time::timeout(Duration::from_millis(20), leaf.as_mut()).await;
     assert!(polled.is_err(), "the leaf cannot finish before the root sends");
     drop(leaf);
-    let t = Instant::now();
-    while comms[0].aborted().is_none() {
-        assert!(t.elapsed() < BOUND, "rank 0 never heard of the abort");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    hears_of_the_abort(&comms[0]).await;
     let e = comms[0].broadcast(vec![5u32; 2], 0).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 1), "{e}");
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -126,11 +127,7 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     assert!(polled.is_err(), "rank 0 cannot finish before the others start");
     drop(first);
     for c in &comms[1..] {
-        let t = Instant::now();
-        while c.aborted().is_none() {
-            assert!(t.elapsed() < BOUND, "rank {} never heard of the abort", c.rank());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        hears_of_the_abort(c).await;
     }
     let late = join_all(comms[1..].iter().map(|c| c.allreduce(vec![2f32; 2], ReduceOp::Sum))).await;
     for r in late {
@@ -179,11 +176,7 @@ async fn a_deadline_on_one_rank_aborts_the_others() {
     assert!(matches!(&e, Error::DeadlineExceeded { waiting_on, .. } if waiting_on == &[1]), "{e}");
     // Rank 1 hears of it without calling anything (its worker takes the abort message),
     // and its next call fails at once.
-    let t = Instant::now();
-    while comms[1].aborted().is_none() {
-        assert!(t.elapsed() < BOUND, "rank 1 never heard of the abort");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    hears_of_the_abort(&comms[1]).await;
     let e = comms[1].allreduce(vec![1u8], ReduceOp::Sum).await.expect_err("aborted").error;
     // The abort's reason names the rank rank 0 waited on, which it does not count as
     // failed (it may only be slow, or waiting on another).
