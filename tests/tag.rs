@@ -3,6 +3,8 @@
 
 #![forbid(unsafe_code)]
 
+use std::time::Duration;
+
 use ucxkit_testkit as common;
 
 use common::{ctx, pair, pair_with, payload};
@@ -88,6 +90,23 @@ async fn busy_poll_mode_with_the_least_spin() {
     for w in [&server, ep.worker()] {
         w.set_busy_spin(0);
         assert_eq!(w.busy_spin(), 1);
+    }
+    exchange_sizes(&server, &ep).await;
+}
+
+/// Busy-poll workers that go on yielding and spinning within a poll still move every
+/// size, with both sides' futures on one current-thread runtime (each poll of one then
+/// keeps the other waiting); the time reads back in whole microseconds, at most 1 s.
+#[tokio::test]
+async fn busy_poll_mode_yielding_within_a_poll() {
+    let (server, _client, _a, ep) = pair_with("tcp,self", ErrorMode::Auto, ProgressMode::BusyPoll).await;
+    assert_eq!(server.busy_yield(), Duration::ZERO);
+    for w in [&server, ep.worker()] {
+        w.set_busy_yield(Duration::from_secs(5));
+        assert_eq!(w.busy_yield(), Duration::from_secs(1));
+        w.set_busy_yield(Duration::from_nanos(50_900));
+        assert_eq!(w.busy_yield(), Duration::from_micros(50));
+        w.set_busy_spin(4);
     }
     exchange_sizes(&server, &ep).await;
 }

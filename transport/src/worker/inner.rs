@@ -23,6 +23,9 @@ pub(crate) struct WorkerInner {
     pub(crate) namespaces: bool,
     /// Busy-poll mode: progress calls a waiting future makes before it yields.
     pub(crate) busy_spin: std::sync::atomic::AtomicU32,
+    /// Busy-poll mode: microseconds a waiting future goes on spinning and yielding the
+    /// processor within one poll ([`crate::WorkerBuilder::busy_yield`]).
+    pub(crate) busy_yield_us: std::sync::atomic::AtomicU32,
     /// The CUDA device this worker serves, bound on the thread of every call into UCX
     /// once a device buffer has been posted (see [`WorkerInner::bind_device`]).
     #[cfg(feature = "cuda")]
@@ -273,6 +276,36 @@ impl WorkerInner {
         cx.waker().wake_by_ref();
     }
 
+    /// Busy-poll mode: spins [`crate::WorkerBuilder::busy_spin`] progress calls, a
+    /// `round` of up to [`SPIN_ROUND`] at a time (which returns the result once there is
+    /// one); then, for [`crate::WorkerBuilder::busy_yield`], yields the processor and
+    /// spins again. `None` when all that found nothing.
+    #[inline]
+    pub(crate) fn busy_spin_for<T>(&self, mut round: impl FnMut(u32) -> Option<T>) -> Option<T> {
+        let mut first: Option<(Instant, Duration)> = None;
+        loop {
+            let mut left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
+            while left > 0 {
+                let n = left.min(SPIN_ROUND);
+                left -= n;
+                if let Some(t) = round(n) {
+                    return Some(t);
+                }
+            }
+            let (since, time) = match first {
+                Some(f) => f,
+                None => match self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed) {
+                    0 => return None,
+                    us => *first.insert((Instant::now(), Duration::from_micros(u64::from(us)))),
+                },
+            };
+            if since.elapsed() >= time {
+                return None;
+            }
+            std::thread::yield_now();
+        }
+    }
+
     /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
     /// the worker is progressed (a bounded spin in busy-poll mode; in event mode a spin of
     /// at most [`progress::EVENT_SPIN`], or one call during a quiet period) and
@@ -300,11 +333,8 @@ impl WorkerInner {
                 // Spin in rounds: each round holds the lock for up to SPIN_ROUND progress
                 // calls (so arrival is noticed within one progress call), then releases it
                 // so other threads can post.
-                let mut left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
-                while left > 0 {
-                    let round = left.min(SPIN_ROUND);
-                    left -= round;
-                    let r = self.locked(|st| {
+                let r = self.busy_spin_for(|round| {
+                    self.locked(|st| {
                         if let Some(t) = check(st) {
                             return Some(t);
                         }
@@ -316,10 +346,10 @@ impl WorkerInner {
                             }
                         }
                         check(st)
-                    });
-                    if let Some(t) = r {
-                        return Poll::Ready(t);
-                    }
+                    })
+                });
+                if let Some(t) = r {
+                    return Poll::Ready(t);
                 }
                 self.spun_in_vain(cx);
                 Poll::Pending

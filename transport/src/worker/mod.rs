@@ -66,7 +66,11 @@ impl Context {
     }
 }
 
+/// The longest [`WorkerBuilder::busy_yield`].
+const MAX_BUSY_YIELD: Duration = Duration::from_secs(1);
+
 /// Builds a [`Worker`]. Obtained from [`Context::worker`].
+
 #[derive(Clone, Debug)]
 pub struct WorkerBuilder {
     ctx: Context,
@@ -76,6 +80,7 @@ pub struct WorkerBuilder {
     linger: Duration,
     namespaces: bool,
     busy_spin: u32,
+    busy_yield: Duration,
     keepalive: Option<Keepalive>,
 }
 
@@ -89,6 +94,7 @@ impl WorkerBuilder {
             linger: progress::DEFAULT_LINGER,
             namespaces: true,
             busy_spin: DEFAULT_BUSY_SPIN,
+            busy_yield: Duration::ZERO,
             keepalive: Some(Keepalive::default()),
         }
     }
@@ -111,6 +117,18 @@ impl WorkerBuilder {
     /// message waits for gets to run sooner; see also [`Worker::set_busy_spin`].
     pub fn busy_spin(mut self, progress_calls: u32) -> Self {
         self.busy_spin = progress_calls.max(1);
+        self
+    }
+
+    /// Busy-poll mode: how long a waiting future keeps spinning within one poll after
+    /// its first fruitless spin, yielding the processor (`sched_yield`) between spins,
+    /// before it lets tokio run other tasks (default zero: at once; at most a second).
+    /// Where busy ranks outnumber the processors, tens of microseconds save the turn
+    /// through the runtime that each yield costs otherwise (a future run by `block_on`
+    /// is polled again only after the runtime polled its I/O driver, a system call);
+    /// the runtime's other tasks wait that long. See also [`Worker::set_busy_yield`].
+    pub fn busy_yield(mut self, time: Duration) -> Self {
+        self.busy_yield = time.min(MAX_BUSY_YIELD);
         self
     }
 
@@ -212,6 +230,7 @@ impl WorkerBuilder {
             signal: Arc::default(),
             namespaces: self.namespaces,
             busy_spin: std::sync::atomic::AtomicU32::new(self.busy_spin),
+            busy_yield_us: std::sync::atomic::AtomicU32::new(self.busy_yield.as_micros() as u32),
             #[cfg(feature = "cuda")]
             device: std::sync::OnceLock::new(),
         });
@@ -480,6 +499,18 @@ impl Worker {
         self.shared.inner.busy_spin.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Sets [`WorkerBuilder::busy_yield`] from now on (whole microseconds).
+    pub fn set_busy_yield(&self, time: Duration) {
+        let us = time.min(MAX_BUSY_YIELD).as_micros() as u32;
+        self.shared.inner.busy_yield_us.store(us, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The current [`WorkerBuilder::busy_yield`].
+    pub fn busy_yield(&self) -> Duration {
+        let us = self.shared.inner.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed);
+        Duration::from_micros(u64::from(us))
+    }
+
     /// Polls several pending operations of this worker together: `poll_all` polls each
     /// (their futures look for their results without progressing the worker), and
     /// whenever the worker, progressed here for all of them, handles an event, it polls
@@ -502,29 +533,35 @@ impl Worker {
             if let Poll::Ready(r) = poll_all(cx) {
                 return Poll::Ready(r);
             }
-            let busy = inner.mode == ProgressMode::BusyPoll;
-            let mut left = if busy { inner.busy_spin.load(Ordering::Relaxed) } else { u32::MAX };
-            let end = Instant::now() + progress::EVENT_SPIN;
-            while left > 0 {
-                let round = left.min(SPIN_ROUND);
-                left -= round;
-                // Progress until an event, a round at a time (the lock is let go between
-                // rounds so that other threads can post).
-                let events = inner.locked(|st| (0..round).any(|_| inner.progress_locked(st) != 0));
-                if events {
-                    if let Poll::Ready(r) = poll_all(cx) {
-                        return Poll::Ready(r);
-                    }
+            // Progress until an event, a round at a time (the lock is let go between
+            // rounds so that other threads can post).
+            let mut round = |n: u32| {
+                let events = inner.locked(|st| (0..n).any(|_| inner.progress_locked(st) != 0));
+                match events {
+                    true => poll_all(cx),
+                    false => Poll::Pending,
                 }
-                if !busy && Instant::now() >= end {
-                    break;
+            };
+            if inner.mode == ProgressMode::BusyPoll {
+                if let Some(r) = inner.busy_spin_for(|n| match round(n) {
+                    Poll::Ready(r) => Some(r),
+                    Poll::Pending => None,
+                }) {
+                    return Poll::Ready(r);
                 }
+                inner.spun_in_vain(cx);
+                return Poll::Pending;
             }
             // Event mode: later completions wake the task through the futures' wakers.
-            if busy {
-                inner.spun_in_vain(cx);
+            let end = Instant::now() + progress::EVENT_SPIN;
+            loop {
+                if let Poll::Ready(r) = round(SPIN_ROUND) {
+                    return Poll::Ready(r);
+                }
+                if Instant::now() >= end {
+                    return Poll::Pending;
+                }
             }
-            Poll::Pending
         })
     }
 
