@@ -88,7 +88,7 @@ pub mod schedule;
 pub mod store;
 pub mod tag;
 
-pub use bootstrap::{InitOptions, CROWDED_SPIN};
+pub use bootstrap::{InitOptions, CROWDED_SPIN, CROWDED_YIELD};
 pub use comm::{Communicator, Options, DEFAULT_SEGMENT, SEGMENT_ENV};
 pub use dtype::{bf16, f16, DataType, Element};
 pub use error::{CallResult, Error, Failed, Result};
