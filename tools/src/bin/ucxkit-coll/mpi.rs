@@ -62,10 +62,12 @@ pub(crate) async fn run(args: &Args, np: usize, ours: &[CollRow]) -> Result<Vec<
         c.args(["-np", &np.to_string(), "--allow-run-as-root", "--oversubscribe"])
             .args(["--mca", "pml", "ucx", "--mca", "pml_ucx_tls", "any", "--mca", "pml_ucx_devices", "any"])
             .args(["-x", &format!("UCX_TLS={tls}")]);
+        // Rank i on core i mod cpus, as `--np` pins ucxkit's ranks (more ranks than
+        // cores share them in turn).
         if np <= cpus {
             c.args(["--bind-to", "core", "--map-by", "core"]);
         } else {
-            c.args(["--bind-to", "none"]);
+            c.args(["--bind-to", "core:overload-allowed", "--map-by", "core"]);
         }
         if args.progress == ucxkit_tools::cli::Progress::Event {
             // Open MPI progresses by polling; there is no event-driven mode to match.
