@@ -2,7 +2,7 @@
 //! collectives in the collectives namespace of its worker.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -94,6 +94,9 @@ pub(crate) struct Inner {
     segment: usize,
     /// The shared-memory lanes to the ranks of this host.
     lanes: Lanes,
+    /// Whether this rank's host runs more of the group's ranks than it has processors
+    /// ([`Hosts::crowded`]), which changes how mid-size messages are best sent.
+    crowded: AtomicBool,
     /// The worker's communicators, where this one's id is held.
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
@@ -261,6 +264,7 @@ impl Communicator {
             costs,
             segment,
             lanes: Lanes::new(size, lanes),
+            crowded: AtomicBool::new(false),
             registry,
             abort,
         });
@@ -399,8 +403,10 @@ impl Communicator {
         let mut cache = self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
         if *cache.hosts != hosts {
             let rank = self.rank();
+            let crowded = hosts.crowded(hosts.of(rank));
             let local = (0..hosts.ranks()).map(|r| r != rank && hosts.of(r) == hosts.of(rank));
             self.h.inner.lanes.set_local(local);
+            self.h.inner.crowded.store(crowded, Ordering::Relaxed);
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
             cache.last = None;
@@ -527,6 +533,7 @@ impl Communicator {
             rank: self.h.inner.rank,
             comm: self.h.inner.id,
             lanes: &self.h.inner.lanes,
+            crowded: self.h.inner.crowded.load(Ordering::Relaxed),
         }
     }
 }
