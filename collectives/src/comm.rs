@@ -404,7 +404,12 @@ impl Communicator {
         if *cache.hosts != hosts {
             let rank = self.rank();
             let crowded = hosts.crowded(hosts.of(rank));
-            let local = (0..hosts.ranks()).map(|r| r != rank && hosts.of(r) == hosts.of(rank));
+            // A lane's every piece waits for its receiver to run (see `exec::lane`): on a
+            // crowded host plain messages are faster. Four ranks on two cores, 16 MiB,
+            // medians of 3 alternated runs, lanes on -> off: allgather 5.8 -> 3.6 ms,
+            // all-to-all 9.8 -> 7.1, allreduce 16.0 -> 13.4, reduce-scatter 8.5 -> 6.8,
+            // broadcast alike. Every rank of a host finds it crowded alike.
+            let local = (0..hosts.ranks()).map(|r| !crowded && r != rank && hosts.of(r) == hosts.of(rank));
             self.h.inner.lanes.set_local(local);
             self.h.inner.crowded.store(crowded, Ordering::Relaxed);
             cache.hosts = Arc::new(hosts);

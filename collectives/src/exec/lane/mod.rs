@@ -14,7 +14,8 @@
 //!
 //! # Protocol
 //! Every rank decides alike which transfers go by lane: those of [`LANE_MIN`] bytes or
-//! more between ranks the host layout puts on one host. Their receiver waits for a note
+//! more between ranks the host layout puts on one host, unless that host is crowded
+//! (more ranks than processors). Their receiver waits for a note
 //! ([`Kind::Note`]) first; the sender's note either says that the bytes follow as one
 //! data message (the lane is busy with a concurrent call's transfer, switched off, or
 //! the endpoint has no shared-memory transport), or names a piece: its length and place
