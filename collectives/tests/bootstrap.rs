@@ -225,7 +225,8 @@ async fn a_failing_store_is_not_taken_for_missing_ranks() {
 
 /// Busy-polling ranks formed by `init_with` yield the processor sooner when their host
 /// runs more of them than it has processors: three ranks here, crowded on a host of two
-/// processors (as this one and CI's), not on one of three or more.
+/// processors (as this one and CI's), not on one of three or more. Crowded, their large
+/// transfers go as plain messages, none through a shared-memory lane.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_ranks_crowding_their_host_yield_sooner() {
     let store = format!("127.0.0.1:{}", free_port());
@@ -247,6 +248,18 @@ async fn busy_ranks_crowding_their_host_yield_sooner() {
         assert_eq!((w.busy_spin(), w.busy_yield()), want, "{cpus} processors");
     }
     assert_eq!(sums_to(&comms).await, vec![vec![6; 5]; 3]);
+    // Transfers of 1 MiB and more (a lane's least) between the ranks.
+    let count = 3 << 18;
+    let calls = comms.iter().map(|c| c.allgather(vec![c.rank() as u32; count]));
+    for got in join_all(calls).await {
+        let want: Vec<u32> = (0..3).flat_map(|r| vec![r; count]).collect();
+        assert!(got.expect("allgather") == want, "allgather's values");
+    }
+    if cpus < 3 {
+        for c in &comms {
+            assert_eq!(c.lane_counts().by_lane, 0, "rank {}", c.rank());
+        }
+    }
 }
 
 /// A free TCP port on the loopback (bound, then let go).
