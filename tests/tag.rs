@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::future::Future;
 use std::time::Duration;
 
 use ucxkit_testkit as common;
@@ -94,20 +95,33 @@ async fn busy_poll_mode_with_the_least_spin() {
     exchange_sizes(&server, &ep).await;
 }
 
-/// Busy-poll workers that go on yielding and spinning within a poll still move every
-/// size, with both sides' futures on one current-thread runtime (each poll of one then
-/// keeps the other waiting); the time reads back in whole microseconds, at most 1 s.
+/// Busy-poll workers that go on yielding and spinning within a poll: a poll of a receive
+/// that nothing matches lasts at least the time set, and every size still moves with
+/// both sides on one current-thread runtime (whose other tasks, the drivers among them,
+/// wait out each such poll). The time reads back rounded up to whole microseconds, at
+/// most 1 s.
 #[tokio::test]
 async fn busy_poll_mode_yielding_within_a_poll() {
     let (server, _client, _a, ep) = pair_with("tcp,self", ErrorMode::Auto, ProgressMode::BusyPoll).await;
     assert_eq!(server.busy_yield(), Duration::ZERO);
     for w in [&server, ep.worker()] {
-        w.set_busy_yield(Duration::from_secs(5));
-        assert_eq!(w.busy_yield(), Duration::from_secs(1));
-        w.set_busy_yield(Duration::from_nanos(50_900));
-        assert_eq!(w.busy_yield(), Duration::from_micros(50));
+        let (ns, us) = (Duration::from_nanos, Duration::from_micros);
+        for (set, got) in
+            [(us(5_000_000), us(1_000_000)), (ns(50_900), us(51)), (ns(1), us(1)), (ns(0), ns(0))]
+        {
+            w.set_busy_yield(set);
+            assert_eq!(w.busy_yield(), got, "set {set:?}");
+        }
         w.set_busy_spin(4);
     }
+    server.set_busy_yield(Duration::from_millis(2));
+    let mut never = server.tag_recv(0xdead, u64::MAX, vec![0u8; 8]);
+    let mut cx = std::task::Context::from_waker(futures_util::task::noop_waker_ref());
+    let polled = std::time::Instant::now();
+    assert!(std::pin::Pin::new(&mut never).poll(&mut cx).is_pending());
+    assert!(polled.elapsed() >= Duration::from_millis(2), "one poll took {:?}", polled.elapsed());
+    drop(never);
+    server.set_busy_yield(Duration::from_micros(50));
     exchange_sizes(&server, &ep).await;
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use std::any::Any;
 
-use ucxkit_transport::{Endpoint, Namespace};
+use ucxkit_transport::{Endpoint, Namespace, ProgressMode};
 
 use crate::abort::{AbortCell, Registry};
 use crate::error::{Error, Result};
@@ -95,8 +95,8 @@ pub(crate) struct Inner {
     /// The shared-memory lanes to the ranks of this host.
     lanes: Lanes,
     /// Whether this rank's host runs more of the group's ranks than it has processors
-    /// ([`Hosts::crowded`]), which changes how mid-size messages are best sent.
-    crowded: AtomicBool,
+    /// ([`Hosts::crowded`]) and its worker busy-polls: mid-size messages then go eagerly.
+    eager_crowded: AtomicBool,
     /// The worker's communicators, where this one's id is held.
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
@@ -264,7 +264,7 @@ impl Communicator {
             costs,
             segment,
             lanes: Lanes::new(size, lanes),
-            crowded: AtomicBool::new(false),
+            eager_crowded: AtomicBool::new(false),
             registry,
             abort,
         });
@@ -408,10 +408,12 @@ impl Communicator {
             // crowded host plain messages are faster. Four ranks on two cores, 16 MiB,
             // medians of 3 alternated runs, lanes on -> off: allgather 5.8 -> 3.6 ms,
             // all-to-all 9.8 -> 7.1, allreduce 16.0 -> 13.4, reduce-scatter 8.5 -> 6.8,
-            // broadcast alike. Every rank of a host finds it crowded alike.
+            // broadcast alike. Every rank of a host finds it crowded alike (judged by this
+            // communicator's ranks, as the planner judges).
             let local = (0..hosts.ranks()).map(|r| !crowded && r != rank && hosts.of(r) == hosts.of(rank));
             self.h.inner.lanes.set_local(local);
-            self.h.inner.crowded.store(crowded, Ordering::Relaxed);
+            let busy = self.h.inner.ns.worker().progress_mode() == ProgressMode::BusyPoll;
+            self.h.inner.eager_crowded.store(crowded && busy, Ordering::Relaxed);
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
             cache.last = None;
@@ -419,7 +421,8 @@ impl Communicator {
     }
 
     /// How this rank's large transfers to ranks of its host went so far: through
-    /// shared-memory lanes or as plain messages (see [`crate::LANES_ENV`]).
+    /// shared-memory lanes or as plain messages (see [`crate::LANES_ENV`]; a crowded
+    /// host's count as neither).
     pub fn lane_counts(&self) -> crate::LaneCounts {
         self.h.inner.lanes.counts()
     }
@@ -538,7 +541,7 @@ impl Communicator {
             rank: self.h.inner.rank,
             comm: self.h.inner.id,
             lanes: &self.h.inner.lanes,
-            crowded: self.h.inner.crowded.load(Ordering::Relaxed),
+            eager_crowded: self.h.inner.eager_crowded.load(Ordering::Relaxed),
         }
     }
 }

@@ -35,8 +35,9 @@ pub(crate) struct Wire<'a> {
     pub(crate) comm: u16,
     /// The shared-memory lanes to the ranks of this host.
     pub(crate) lanes: &'a lane::Lanes,
-    /// Whether this rank's host runs more ranks than it has processors.
-    pub(crate) crowded: bool,
+    /// Whether this rank's host runs more ranks than it has processors and its worker
+    /// busy-polls: see [`CROWDED_EAGER`].
+    pub(crate) eager_crowded: bool,
 }
 
 impl Wire<'_> {
@@ -478,13 +479,14 @@ impl<'a> Watch<'a> {
 /// Transfers shorter than this many bytes are short: their step posts its sends first.
 const SHORT: usize = 1024;
 
-/// On a crowded host, sends of up to this many bytes go eagerly, in a step that sends
-/// at most [`CROWDED_EAGER_STEP`] bytes in all. A rendezvous there waits for its
-/// receiver to be scheduled, and then for its sender, where an eager send is done once
-/// copied out: four ranks on two cores, 64 KiB, alternated runs, medians: allgather
-/// 35 -> 27 us, all-to-all 35 -> 30, reduce-scatter 40 -> 30, broadcast 25 -> 16;
-/// 128 KiB calls alike either way, and 256 KiB allgather (three 64 KiB sends a step)
-/// 60 -> 91 eagerly.
+/// On a crowded host in busy-poll mode, sends of up to this many bytes go eagerly, in a
+/// step that sends at most [`CROWDED_EAGER_STEP`] bytes in all. A rendezvous there
+/// waits for its receiver to be scheduled, and then for its sender, where an eager send
+/// is done once copied out: four ranks on two cores, 64 KiB, alternated runs, medians:
+/// allgather 35 -> 27 us, all-to-all 35 -> 30, reduce-scatter 40 -> 30, broadcast
+/// 25 -> 16; 128 KiB calls alike either way, and 256 KiB allgather (three 64 KiB sends
+/// a step) 60 -> 91 eagerly. In event mode, whose receivers sleep, eager sends took
+/// 64 KiB broadcast from 0.23 to 0.55-0.75 ms.
 const CROWDED_EAGER: usize = 64 << 10;
 /// See [`CROWDED_EAGER`].
 const CROWDED_EAGER_STEP: usize = 128 << 10;
@@ -538,7 +540,7 @@ async fn exchange<'w, T: Element>(
         Xfer::Send { from: r, .. } | Xfer::Recv { into: r, .. } => r.len() * elem < SHORT,
     });
     let mut immediate = short;
-    let crowded_eager = w.crowded && {
+    let crowded_eager = w.eager_crowded && {
         let sent = xfers.iter().map(|x| match x {
             Xfer::Send { from, .. } => from.len() * elem,
             Xfer::Recv { .. } => 0,

@@ -317,7 +317,7 @@ mod tests {
             rank: r,
             comm: 3,
             lanes: &lanes,
-            crowded: false,
+            eager_crowded: false,
         };
         let (w0, w1) = (wire(0), wire(1));
         let step = |peer| Step {

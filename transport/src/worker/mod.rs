@@ -69,8 +69,14 @@ impl Context {
 /// The longest [`WorkerBuilder::busy_yield`].
 const MAX_BUSY_YIELD: Duration = Duration::from_secs(1);
 
-/// Builds a [`Worker`]. Obtained from [`Context::worker`].
+/// [`WorkerBuilder::busy_yield`]'s `time` as kept: whole microseconds, rounded up, at
+/// most [`MAX_BUSY_YIELD`].
+fn busy_yield_us(time: Duration) -> u32 {
+    let us = time.min(MAX_BUSY_YIELD).as_nanos().div_ceil(1000);
+    u32::try_from(us).unwrap_or(u32::MAX)
+}
 
+/// Builds a [`Worker`]. Obtained from [`Context::worker`].
 #[derive(Clone, Debug)]
 pub struct WorkerBuilder {
     ctx: Context,
@@ -112,7 +118,8 @@ impl WorkerBuilder {
 
     /// Busy-poll mode: how many times a waiting future progresses the worker without
     /// result before it yields the processor (`sched_yield`) and lets tokio run other
-    /// tasks (default [`DEFAULT_BUSY_SPIN`]; at least 1). Lower it where more
+    /// tasks, or spins again within [`WorkerBuilder::busy_yield`] (default
+    /// [`DEFAULT_BUSY_SPIN`]; at least 1). Lower it where more
     /// busy-polling processes than processors share the machine, so that the one a
     /// message waits for gets to run sooner; see also [`Worker::set_busy_spin`].
     pub fn busy_spin(mut self, progress_calls: u32) -> Self {
@@ -122,13 +129,14 @@ impl WorkerBuilder {
 
     /// Busy-poll mode: how long a waiting future keeps spinning within one poll after
     /// its first fruitless spin, yielding the processor (`sched_yield`) between spins,
-    /// before it lets tokio run other tasks (default zero: at once; at most a second).
+    /// before it lets tokio run other tasks (default zero: at once; at most a second;
+    /// counted in whole microseconds, a nonzero time at least one).
     /// Where busy ranks outnumber the processors, tens of microseconds save the turn
     /// through the runtime that each yield costs otherwise (a future run by `block_on`
     /// is polled again only after the runtime polled its I/O driver, a system call);
     /// the runtime's other tasks wait that long. See also [`Worker::set_busy_yield`].
     pub fn busy_yield(mut self, time: Duration) -> Self {
-        self.busy_yield = time.min(MAX_BUSY_YIELD);
+        self.busy_yield = time;
         self
     }
 
@@ -230,7 +238,7 @@ impl WorkerBuilder {
             signal: Arc::default(),
             namespaces: self.namespaces,
             busy_spin: std::sync::atomic::AtomicU32::new(self.busy_spin),
-            busy_yield_us: std::sync::atomic::AtomicU32::new(self.busy_yield.as_micros() as u32),
+            busy_yield_us: std::sync::atomic::AtomicU32::new(busy_yield_us(self.busy_yield)),
             #[cfg(feature = "cuda")]
             device: std::sync::OnceLock::new(),
         });
@@ -499,10 +507,9 @@ impl Worker {
         self.shared.inner.busy_spin.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Sets [`WorkerBuilder::busy_yield`] from now on (whole microseconds).
+    /// Sets [`WorkerBuilder::busy_yield`] from now on.
     pub fn set_busy_yield(&self, time: Duration) {
-        let us = time.min(MAX_BUSY_YIELD).as_micros() as u32;
-        self.shared.inner.busy_yield_us.store(us, std::sync::atomic::Ordering::Relaxed);
+        self.shared.inner.busy_yield_us.store(busy_yield_us(time), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The current [`WorkerBuilder::busy_yield`].
@@ -521,7 +528,7 @@ impl Worker {
     /// act on another's first.
     ///
     /// Progress as the futures make it: busy-poll mode spins up to the busy spin, then
-    /// yields; event mode spins up to [`EVENT_SPIN`] and leaves the rest to the driver
+    /// yields (spinning again within [`WorkerBuilder::busy_yield`]); event mode spins up to [`EVENT_SPIN`] and leaves the rest to the driver
     /// (the futures' wakers are registered).
     pub fn poll_joined<R>(
         &self,

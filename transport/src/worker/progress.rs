@@ -34,7 +34,8 @@ pub enum ProgressMode {
     #[default]
     Event,
     /// Futures progress the worker in a loop while they wait (yielding to tokio every few
-    /// hundred iterations, after which the driver lets them run again first) and the
+    /// hundred iterations, after which the driver lets them run again first, or after
+    /// [`crate::WorkerBuilder::busy_yield`] of yielding the processor) and the
     /// driver task spins too while the worker is busy. Lowest
     /// latency; keeps one core (or more, with several waiting tasks on a multi-thread
     /// runtime) at 100 % while traffic flows. After [`BUSY_IDLE`] without any event and with

@@ -153,8 +153,10 @@ struct OutSlot {
 pub(crate) struct Lanes {
     out: Vec<Mutex<OutSlot>>,
     keys: Vec<Mutex<Option<RemoteKey>>>,
-    /// Whether each rank shares this rank's host (as the host layout says): replaced
-    /// whole when the layout changes, so that a call keeps the one it started with.
+    /// Whether each rank is one this rank's large transfers may go by lane with: it
+    /// shares this rank's host, as the host layout says, and the host is not crowded.
+    /// Replaced whole when the layout changes, so that a call keeps the one it started
+    /// with.
     local: Mutex<Arc<[bool]>>,
     /// Whether this rank sends by lane ([`LANES_ENV`]).
     on: bool,
@@ -163,7 +165,8 @@ pub(crate) struct Lanes {
     plain: AtomicU64,
 }
 
-/// Which ranks share this rank's host, as a call found it at its start.
+/// Which ranks this rank's large transfers may go by lane with (see `Lanes::local`), as
+/// a call found it at its start.
 pub(crate) struct Layout(Arc<[bool]>);
 
 impl Layout {
@@ -176,7 +179,9 @@ impl Layout {
 }
 
 /// How many of the transfers a rank sent to ranks of its host that were long enough for
-/// a lane (1 MiB or more) went by lane, and how many as plain messages.
+/// a lane (1 MiB or more) went by lane, and how many as plain messages (after a note
+/// that says so). A crowded host's transfers are neither: they go as plain messages
+/// without a note.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LaneCounts {
     /// Sent through a shared-memory lane.
@@ -209,13 +214,13 @@ impl Lanes {
         !var.is_some_and(|v| v.trim().eq_ignore_ascii_case("off"))
     }
 
-    /// Says which ranks share this rank's host (`local[r]`), for the calls made from now
-    /// on.
+    /// Says which ranks this rank's large transfers may go by lane with (`local[r]`:
+    /// they share a host that is not crowded), for the calls made from now on.
     pub(crate) fn set_local(&self, local: impl Iterator<Item = bool>) {
         *self.local.lock().unwrap_or_else(PoisonError::into_inner) = local.collect();
     }
 
-    /// Which ranks share this rank's host, for a call to take at its start: every step
+    /// Which ranks lanes may join this rank with, for a call to take at its start: every step
     /// of it then decides by the same layout as its peers' steps, whatever a concurrent
     /// [`crate::Communicator::set_hosts`] does meanwhile.
     pub(crate) fn layout(&self) -> Layout {
