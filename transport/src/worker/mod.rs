@@ -66,16 +66,6 @@ impl Context {
     }
 }
 
-/// The longest [`WorkerBuilder::busy_yield`].
-const MAX_BUSY_YIELD: Duration = Duration::from_secs(1);
-
-/// [`WorkerBuilder::busy_yield`]'s `time` as kept: whole microseconds, rounded up, at
-/// most [`MAX_BUSY_YIELD`].
-fn busy_yield_us(time: Duration) -> u32 {
-    let us = time.min(MAX_BUSY_YIELD).as_nanos().div_ceil(1000);
-    u32::try_from(us).unwrap_or(u32::MAX)
-}
-
 /// Builds a [`Worker`]. Obtained from [`Context::worker`].
 #[derive(Clone, Debug)]
 pub struct WorkerBuilder {
@@ -238,7 +228,7 @@ impl WorkerBuilder {
             signal: Arc::default(),
             namespaces: self.namespaces,
             busy_spin: std::sync::atomic::AtomicU32::new(self.busy_spin),
-            busy_yield_us: std::sync::atomic::AtomicU32::new(busy_yield_us(self.busy_yield)),
+            busy_yield_us: std::sync::atomic::AtomicU32::new(progress::busy_yield_us(self.busy_yield)),
             #[cfg(feature = "cuda")]
             device: std::sync::OnceLock::new(),
         });
@@ -509,67 +499,16 @@ impl Worker {
 
     /// Sets [`WorkerBuilder::busy_yield`] from now on.
     pub fn set_busy_yield(&self, time: Duration) {
-        self.shared.inner.busy_yield_us.store(busy_yield_us(time), std::sync::atomic::Ordering::Relaxed);
+        self.shared
+            .inner
+            .busy_yield_us
+            .store(progress::busy_yield_us(time), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The current [`WorkerBuilder::busy_yield`].
     pub fn busy_yield(&self) -> Duration {
         let us = self.shared.inner.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed);
         Duration::from_micros(u64::from(us))
-    }
-
-    /// Polls several pending operations of this worker together: `poll_all` polls each
-    /// (their futures look for their results without progressing the worker), and
-    /// whenever the worker, progressed here for all of them, handles an event, it polls
-    /// them again. For protocols whose operations wait on the task's own reaction to each
-    /// other's results (a credit that frees a slot for the next piece): a future polled
-    /// on its own spins for its own result only (in busy-poll mode a whole
-    /// [`WorkerBuilder::busy_spin`]), while the result it waits for may need the task to
-    /// act on another's first.
-    ///
-    /// Progress as the futures make it: busy-poll mode spins up to the busy spin, then
-    /// yields (spinning again within [`WorkerBuilder::busy_yield`]); event mode spins up to [`EVENT_SPIN`] and leaves the rest to the driver
-    /// (the futures' wakers are registered).
-    pub fn poll_joined<R>(
-        &self,
-        cx: &mut TaskContext<'_>,
-        mut poll_all: impl FnMut(&mut TaskContext<'_>) -> Poll<R>,
-    ) -> Poll<R> {
-        let inner = &self.shared.inner;
-        progress::as_joined(|| {
-            if let Poll::Ready(r) = poll_all(cx) {
-                return Poll::Ready(r);
-            }
-            // Progress until an event, a round at a time (the lock is let go between
-            // rounds so that other threads can post).
-            let mut round = |n: u32| {
-                let events = inner.locked(|st| (0..n).any(|_| inner.progress_locked(st) != 0));
-                match events {
-                    true => poll_all(cx),
-                    false => Poll::Pending,
-                }
-            };
-            if inner.mode == ProgressMode::BusyPoll {
-                if let Some(r) = inner.busy_spin_for(|n| match round(n) {
-                    Poll::Ready(r) => Some(r),
-                    Poll::Pending => None,
-                }) {
-                    return Poll::Ready(r);
-                }
-                inner.spun_in_vain(cx);
-                return Poll::Pending;
-            }
-            // Event mode: later completions wake the task through the futures' wakers.
-            let end = Instant::now() + progress::EVENT_SPIN;
-            loop {
-                if let Poll::Ready(r) = round(SPIN_ROUND) {
-                    return Poll::Ready(r);
-                }
-                if Instant::now() >= end {
-                    return Poll::Pending;
-                }
-            }
-        })
     }
 
     /// Progresses the worker once (`ucp_worker_progress`) and returns the number of events

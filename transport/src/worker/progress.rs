@@ -1,5 +1,6 @@
-//! Progress: the [`ProgressMode`] choice and the per-worker driver task, the only place
-//! that ties a worker to tokio's reactor.
+//! Progress: the [`ProgressMode`] choice, the per-worker driver task (the only place
+//! that ties a worker to tokio's reactor) and operations progressed together
+//! ([`Worker::poll_joined`]).
 //!
 //! In event mode the driver follows UCX's wakeup protocol: progress until
 //! `ucp_worker_progress` returns 0, then `ucp_worker_arm`; if that says `UCS_ERR_BUSY`,
@@ -9,14 +10,15 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::task::{Context as TaskContext, Poll};
+use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tracing::Instrument;
 use ucx_sys as sys;
 
-use super::WorkerInner;
+use super::{Worker, WorkerInner, SPIN_ROUND};
 
 /// How a worker makes progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -122,6 +124,63 @@ impl AsRawFd for EventFd {
     }
 }
 
+impl Worker {
+    /// Polls several pending operations of this worker together: `poll_all` polls each
+    /// (their futures look for their results without progressing the worker), and
+    /// whenever the worker, progressed here for all of them, handles an event, it polls
+    /// them again. For protocols whose operations wait on the task's own reaction to each
+    /// other's results (a credit that frees a slot for the next piece): a future polled
+    /// on its own spins for its own result only (in busy-poll mode a whole
+    /// [`crate::WorkerBuilder::busy_spin`]), while the result it waits for may need the task to
+    /// act on another's first.
+    ///
+    /// Progress as the futures make it: busy-poll mode spins up to the busy spin, then
+    /// yields (spinning again within [`crate::WorkerBuilder::busy_yield`]); event mode spins up
+    /// to [`EVENT_SPIN`] and leaves the rest to the driver (the futures' wakers are
+    /// registered).
+    pub fn poll_joined<R>(
+        &self,
+        cx: &mut TaskContext<'_>,
+        mut poll_all: impl FnMut(&mut TaskContext<'_>) -> Poll<R>,
+    ) -> Poll<R> {
+        let inner = &self.shared.inner;
+        as_joined(|| {
+            if let Poll::Ready(r) = poll_all(cx) {
+                return Poll::Ready(r);
+            }
+            // Progress until an event, a round at a time (the lock is let go between
+            // rounds so that other threads can post).
+            let mut round = |n: u32| {
+                let events = inner.locked(|st| (0..n).any(|_| inner.progress_locked(st) != 0));
+                match events {
+                    true => poll_all(cx),
+                    false => Poll::Pending,
+                }
+            };
+            if inner.mode == ProgressMode::BusyPoll {
+                if let Some(r) = inner.busy_spin_for(|n| match round(n) {
+                    Poll::Ready(r) => Some(r),
+                    Poll::Pending => None,
+                }) {
+                    return Poll::Ready(r);
+                }
+                inner.spun_in_vain(cx);
+                return Poll::Pending;
+            }
+            // Event mode: later completions wake the task through the futures' wakers.
+            let end = Instant::now() + EVENT_SPIN;
+            loop {
+                if let Poll::Ready(r) = round(SPIN_ROUND) {
+                    return Poll::Ready(r);
+                }
+                if Instant::now() >= end {
+                    return Poll::Pending;
+                }
+            }
+        })
+    }
+}
+
 /// The driver task. Holds the worker alive until shutdown; its `AsyncFd` is dropped
 /// before the worker (locals drop before the argument).
 pub(crate) async fn drive(inner: Arc<WorkerInner>, signal: Arc<Signal>) {
@@ -139,6 +198,16 @@ pub const BUSY_IDLE: Duration = Duration::from_millis(5);
 /// Default [`crate::WorkerBuilder::busy_spin`]: a waiting future's progress calls
 /// before it yields (some 10 us of polling here, many round trips over shared memory).
 pub const DEFAULT_BUSY_SPIN: u32 = 512;
+
+/// The longest [`crate::WorkerBuilder::busy_yield`].
+const MAX_BUSY_YIELD: Duration = Duration::from_secs(1);
+
+/// [`crate::WorkerBuilder::busy_yield`]'s `time` as kept: whole microseconds, rounded
+/// up, at most [`MAX_BUSY_YIELD`].
+pub(crate) fn busy_yield_us(time: Duration) -> u32 {
+    let us = time.min(MAX_BUSY_YIELD).as_nanos().div_ceil(1000);
+    u32::try_from(us).unwrap_or(u32::MAX)
+}
 
 /// Default event-mode linger ([`crate::WorkerBuilder::event_linger`]): longer than a
 /// round trip over TCP loopback, so that request-reply traffic keeps the driver polling.
