@@ -189,7 +189,16 @@ async fn every_operation_matches_the_reference_on_6_to_8_ranks() {
 async fn every_algorithm_runs_when_forced() {
     for n in [2, 3, 4, 5] {
         let (_mesh, comms) = group(n).await;
-        for op in [Op::Allreduce, Op::Broadcast, Op::Reduce, Op::ReduceScatter, Op::Alltoall, Op::Barrier] {
+        let ops = [
+            Op::Allreduce,
+            Op::Broadcast,
+            Op::Reduce,
+            Op::Allgather,
+            Op::ReduceScatter,
+            Op::Alltoall,
+            Op::Barrier,
+        ];
+        for op in ops {
             for alg in op.candidates() {
                 let forced: Vec<Communicator> = comms
                     .iter()
@@ -198,7 +207,9 @@ async fn every_algorithm_runs_when_forced() {
                 assert!(forced[0].plan(op, 64, 4, 0).forced);
                 for count in [1, 250_000] {
                     match op {
-                        Op::Broadcast | Op::Alltoall | Op::Barrier => check_movement(&forced, count).await,
+                        Op::Broadcast | Op::Allgather | Op::Alltoall | Op::Barrier => {
+                            check_movement(&forced, count).await
+                        }
                         _ => check_reductions::<i64>(&forced, count, ReduceOp::Sum).await,
                     }
                 }

@@ -85,7 +85,7 @@ impl Op {
             Op::Allreduce => &[RecursiveDoubling, Rabenseifner, Ring, DoubleTree, TwoLevel],
             Op::Broadcast => &[Knomial(2), Knomial(4), Direct, Chain, ScatterAllgather, DoubleTree, TwoLevel],
             Op::Reduce => &[Knomial(2), Knomial(4), Direct, DoubleTree],
-            Op::Allgather => &[Ring, Direct, TwoLevel],
+            Op::Allgather => &[Ring, Direct, RecursiveDoubling, TwoLevel],
             Op::ReduceScatter => &[Ring, RingBidir, Direct],
             Op::Gather | Op::Scatter => &[Direct],
             Op::Alltoall => &[Direct, Pairwise, Bruck],
@@ -331,6 +331,28 @@ mod tests {
         assert!(p.after.iter().all(|(_, a)| *a != Algorithm::Chain), "{p}");
         let free = Phases::choose(Op::Broadcast, &Hosts::from_keys(&[0, 0, 0, 1, 1, 1]), 0, 4 << 20, 4, &c);
         assert!(free.after.iter().any(|(_, a)| *a == Algorithm::Chain), "{free}");
+    }
+
+    /// Which algorithm allgathers, by host layout and block size (4-byte elements).
+    #[test]
+    fn crowded_power_of_two_groups_allgather_mid_size_blocks_by_doubling() {
+        let c = Costs::default();
+        let crowded = |n: usize| Hosts::flat(n).with_cpus(&vec![2; n]);
+        let cases = [
+            (crowded(4), 256, Algorithm::RecursiveDoubling),
+            (crowded(4), 8 << 10, Algorithm::RecursiveDoubling),
+            (crowded(8), 256, Algorithm::RecursiveDoubling),
+            (crowded(4), 4, Algorithm::Direct),
+            (crowded(4), 16 << 10, Algorithm::Direct),
+            (crowded(4), 64 << 10, Algorithm::Direct),
+            (crowded(3), 4, Algorithm::Direct),
+            (Hosts::flat(4), 4, Algorithm::Direct),
+            (Hosts::flat(4).with_cpus(&[4; 4]), 8 << 10, Algorithm::Direct),
+        ];
+        for (hosts, count, want) in cases {
+            let p = choose(Op::Allgather, &hosts, 0, count, 4, &c);
+            assert_eq!(p.algorithm, want, "{} ranks, {count} elements: {p}", hosts.ranks());
+        }
     }
 
     #[test]

@@ -14,6 +14,15 @@ use crate::schedule::{doubling, even_blocks, hier, linear, ring, tree, Combine, 
 /// 6.6 ms by two rings, 7.4-8.2 ms direct; at 1 MiB, 0.75 MiB of scratch, the same).
 pub(crate) const DIRECT_SCRATCH: usize = 1 << 20;
 
+/// The blocks, in bytes, for which a crowded power-of-two group allgathers by recursive
+/// doubling rather than directly: the model prices one step of n - 1 messages below
+/// log2(n) steps, but on a crowded host a rank's messages wait for their receivers to
+/// run. 4 ranks on 2 processors, alternated runs, medians, direct -> doubling: 4 KiB
+/// 9.0 -> 8.1 us, 16 KiB 11.7 -> 8.3, 64 KiB 21.0 -> 17.2, 128 KiB 38.0 -> 35.7; 16 B
+/// alike (a one-step call either way); 256 KiB 54 -> 65 and 16 MiB 3.3 -> 3.5 ms the
+/// other way, and 3 ranks (folding first) 3.7 -> 4.7 us at 16 B.
+pub(crate) const CROWDED_DOUBLING_BLOCKS: std::ops::RangeInclusive<usize> = 1024..=32 << 10;
+
 /// Whether `alg` is offered for `op` on `hosts` with `count` elements of `elem` bytes:
 /// the direct reduce-scatter only while its n - 1 blocks of scratch stay within
 /// [`DIRECT_SCRATCH`]; where a host runs more ranks than it has processors, a broadcast
@@ -22,14 +31,24 @@ pub(crate) const DIRECT_SCRATCH: usize = 1 << 20;
 /// are not running, which the model does not price: 4 ranks on 2 processors broadcast
 /// 1 MiB in 188-210 us by the trees, 251-297 by chain, double tree and scatter-allgather;
 /// 16 MiB in 5.5-7.6 ms against 6.8-9.5; 4 MiB by chain in 4.0-4.3 ms against 0.9.
+/// There a power-of-two group allgathers blocks of [`CROWDED_DOUBLING_BLOCKS`] bytes by
+/// recursive doubling, not directly; elsewhere doubling is not offered (the
+/// model never prices it below direct, and hysteresis would carry it up from the small
+/// sizes).
 fn offered(op: Op, alg: Algorithm, hosts: &Hosts, count: usize, elem: usize) -> bool {
-    use Algorithm::{Chain, Direct, DoubleTree, ScatterAllgather, TwoLevel};
+    use Algorithm::{Chain, Direct, DoubleTree, RecursiveDoubling, ScatterAllgather, TwoLevel};
     match (op, alg) {
         (Op::ReduceScatter, Direct) => {
             let n = hosts.ranks();
             n.saturating_sub(1).saturating_mul(count).saturating_mul(elem) <= DIRECT_SCRATCH
         }
         (Op::Broadcast, Chain | ScatterAllgather | DoubleTree) => !hosts.any_crowded(),
+        (Op::Allgather, Direct | RecursiveDoubling) => {
+            let pow2 = hosts.ranks().is_power_of_two();
+            let block = count.saturating_mul(elem);
+            let doubling = hosts.any_crowded() && pow2 && CROWDED_DOUBLING_BLOCKS.contains(&block);
+            doubling == (alg == RecursiveDoubling)
+        }
         (_, TwoLevel) => hosts.two_level(),
         _ => true,
     }
@@ -182,6 +201,9 @@ fn flat(op: Op, alg: Algorithm, n: usize, r: usize, root: usize, count: usize, e
         (Op::Reduce, Algorithm::DoubleTree) => tree::dbtree_reduce(n, r, root, count),
         (Op::Reduce, _) => tree::knomial_reduce(n, r, root, count, n.max(2)),
         (Op::Allgather, Algorithm::Direct) => linear::direct_allgather(n, r, &even_blocks(count * n, n)),
+        (Op::Allgather, Algorithm::RecursiveDoubling) => {
+            doubling::allgather(n, r, &even_blocks(count * n, n))
+        }
         (Op::Allgather, _) => ring::allgather(n, r, &even_blocks(count * n, n)),
         (Op::ReduceScatter, Algorithm::RingBidir) => {
             ring::reduce_scatter_bidir(n, r, &even_blocks(count * n, n))

@@ -1,8 +1,8 @@
 //! Algorithms that pair ranks at doubling distances: recursive doubling and Rabenseifner
-//! allreduce (log2 steps: the latency-optimal choices), the dissemination barrier, and
-//! inclusive and exclusive scans.
+//! allreduce (log2 steps: the latency-optimal choices), recursive-doubling allgather,
+//! the dissemination barrier, and inclusive and exclusive scans.
 //!
-//! Allreduce needs a power-of-two group; for other sizes the first `2 * rem` ranks fold
+//! Allreduce and allgather need a power-of-two group; for other sizes the first `2 * rem` ranks fold
 //! in pairs first (`rem = n - p`, `p` the largest power of two not above `n`): each even
 //! one hands its data to the odd one after it and waits, the `p` survivors run the
 //! algorithm, and the even ones get the result back at the end.
@@ -222,6 +222,52 @@ pub fn scan(n: usize, r: usize, count: usize, exclusive: bool) -> Schedule {
     s
 }
 
+/// Recursive-doubling allgather, in place: survivors of the fold exchange everything
+/// they hold with a partner at distance 1, 2, 4, ...: log2(p) steps moving the same
+/// bytes as the ring's n - 1. Folding, each even rank of the first `2 * rem` hands its
+/// block to the odd one after it and gets every block back at the end. A survivor's
+/// ranks, and those of any aligned group of survivors, are consecutive, so each message
+/// is one span of blocks. Four ranks on two cores, 64 KiB: Open MPI's default there
+/// (16.6 us, its linear form 35-42, its ring 23-24).
+pub fn allgather(n: usize, r: usize, blocks: &[Range<usize>]) -> Schedule {
+    let mut s = Schedule::default();
+    let f = Fold::new(n);
+    if f.rem > 0 && r < 2 * f.rem {
+        if r % 2 == 0 {
+            s.send(0, r + 1, Region::data(blocks[r].clone()));
+        } else {
+            s.recv(0, r - 1, Region::data(blocks[r - 1].clone()));
+        }
+    }
+    let first = usize::from(f.rem > 0);
+    let all = span(blocks, 0, n);
+    let Some(v) = f.inner(r) else {
+        s.recv(first + f.rounds(), r + 1, Region::data(all));
+        return s;
+    };
+    // The first real rank of survivor `u` (`u == p`: one past the last).
+    let lo = |u: usize| {
+        if u == f.p {
+            n
+        } else if u < f.rem {
+            2 * u
+        } else {
+            u + f.rem
+        }
+    };
+    for k in 0..f.rounds() {
+        let d = 1 << k;
+        let (mine, theirs) = (v & !(d - 1), (v ^ d) & !(d - 1));
+        let step = first + k;
+        s.send(step, f.real(v ^ d), Region::data(span(blocks, lo(mine), lo(mine + d))));
+        s.recv(step, f.real(v ^ d), Region::data(span(blocks, lo(theirs), lo(theirs + d))));
+    }
+    if f.rem > 0 && r < 2 * f.rem {
+        s.send(first + f.rounds(), r - 1, Region::data(all));
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,6 +285,31 @@ mod tests {
                     let got = run(&scheds, parts.clone(), vec![vec![]; n], ReduceOp::Sum);
                     assert!(got.iter().all(|g| *g == want), "n {n} count {count}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn allgather_fills_every_block_in_ceil_log2_steps() {
+        use crate::schedule::blocks_of;
+        for n in SIZES {
+            for lens in [vec![3; n], (0..n).map(|i| (i * 5) % 4).collect(), vec![0; n]] {
+                let blocks = blocks_of(&lens);
+                let count = blocks.last().map_or(0, |b| b.end);
+                let full: Vec<u16> = contribution(99, count);
+                let data = (0..n)
+                    .map(|r| {
+                        let mut d = vec![0u16; count];
+                        d[blocks[r].clone()].copy_from_slice(&full[blocks[r].clone()]);
+                        d
+                    })
+                    .collect();
+                let scheds: Vec<_> = (0..n).map(|r| allgather(n, r, &blocks)).collect();
+                let got = run(&scheds, data, vec![vec![]; n], ReduceOp::Sum);
+                assert!(got.iter().all(|g| *g == full), "n {n} lens {lens:?}");
+                let fold = usize::from(!n.is_power_of_two()) * 2;
+                let want = (n as f64).log2().floor() as usize + fold;
+                assert!(scheds.iter().all(|s| s.steps.len() <= want), "n {n}");
             }
         }
     }
