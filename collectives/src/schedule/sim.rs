@@ -112,6 +112,17 @@ pub(crate) fn contribution<T: Element>(r: usize, count: usize) -> Vec<T> {
     (0..count).map(|i| T::from_small(((r * 7 + i * 3) % 5) as u8 + 1)).collect()
 }
 
+/// Each rank's data before an allgather: zeros but its own block of `full`.
+pub(crate) fn own_blocks<T: Element>(full: &[T], blocks: &[std::ops::Range<usize>]) -> Vec<Vec<T>> {
+    (0..blocks.len())
+        .map(|r| {
+            let mut d = vec![T::zeroed(); full.len()];
+            d[blocks[r].clone()].copy_from_slice(&full[blocks[r].clone()]);
+            d
+        })
+        .collect()
+}
+
 /// The element-wise reduction of `parts`, the naive reference.
 pub(crate) fn reduce_all<T: Element>(parts: &[Vec<T>], op: ReduceOp) -> Vec<T> {
     let mut acc = parts[0].clone();
