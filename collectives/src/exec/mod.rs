@@ -540,13 +540,7 @@ async fn exchange<'w, T: Element>(
         Xfer::Send { from: r, .. } | Xfer::Recv { into: r, .. } => r.len() * elem < SHORT,
     });
     let mut immediate = short;
-    let crowded_eager = w.eager_crowded && {
-        let sent = xfers.iter().map(|x| match x {
-            Xfer::Send { from, .. } => from.len() * elem,
-            Xfer::Recv { .. } => 0,
-        });
-        sent.sum::<usize>() <= CROWDED_EAGER_STEP
-    };
+    let crowded_eager = w.eager_crowded && st.bytes_sent(elem) <= CROWDED_EAGER_STEP;
     // Combines that run piece by piece as their receives' pieces land (see `pieces`; not
     // worth it for short messages), and the pieces of them that could not run early.
     let piecewise = if short { None } else { pieces::plan(st) };

@@ -128,6 +128,15 @@ pub struct Step {
 }
 
 impl Step {
+    /// Bytes this step sends, for elements of `elem` bytes.
+    pub fn bytes_sent(&self, elem: usize) -> usize {
+        let sent = self.xfers.iter().map(|x| match x {
+            Xfer::Send { from, .. } => from.len() * elem,
+            Xfer::Recv { .. } => 0,
+        });
+        sent.sum()
+    }
+
     /// Whether the step does nothing.
     pub fn is_empty(&self) -> bool {
         self.copies.is_empty() && self.xfers.is_empty() && self.combines.is_empty()
@@ -194,14 +203,7 @@ impl Schedule {
 
     /// Bytes this rank sends, for elements of `elem` bytes.
     pub fn bytes_sent(&self, elem: usize) -> usize {
-        self.steps
-            .iter()
-            .flat_map(|s| &s.xfers)
-            .map(|x| match x {
-                Xfer::Send { from, .. } => from.len() * elem,
-                Xfer::Recv { .. } => 0,
-            })
-            .sum()
+        self.steps.iter().map(|s| s.bytes_sent(elem)).sum()
     }
 }
 
