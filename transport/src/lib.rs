@@ -143,7 +143,7 @@ mod worker;
 pub use address::WorkerAddress;
 pub use am::{AmHandler, AmMessage, AmProto, AmReceiver, AmRecv, AmRecvData, AmSend, AmSendOptions};
 pub use auth::{Secret, MIN_SECRET_LEN};
-pub use buf::{Either, IoBuf, IoBufMut, MemoryType, SharedBuf, SharedSlice, Slice};
+pub use buf::{huge_zeroed, Either, IoBuf, IoBufMut, MemoryType, SharedBuf, SharedSlice, Slice};
 pub use context::{Context, ContextBuilder, Features};
 pub use endpoint::{Endpoint, Lane};
 pub use error::{Error, ErrorKind, Peer, Result, Status};

@@ -24,10 +24,12 @@ use ucx_sys as sys;
 
 use crate::error::Error;
 pub use either::Either;
+pub use huge::huge_zeroed;
 pub use shared::{SharedBuf, SharedSlice};
 pub use slice::Slice;
 
 mod either;
+mod huge;
 mod shared;
 mod slice;
 

@@ -51,9 +51,14 @@ fn pattern_byte(i: usize) -> u8 {
     (i as u64).wrapping_mul(0x9e37_79b9).rotate_right(13) as u8
 }
 
-/// The bytes of the object of `size` bytes (written, so no page is the shared zero page).
+/// The bytes of the object of `size` bytes (written, so no page is the shared zero page),
+/// on huge pages where the kernel gives them, as a runtime would keep large objects.
 pub(crate) fn pattern(size: usize) -> Vec<u8> {
-    (0..size).map(pattern_byte).collect()
+    let mut v = ucxkit::transport::huge_zeroed(size);
+    for (i, b) in v.iter_mut().enumerate() {
+        *b = pattern_byte(i);
+    }
+    v
 }
 
 /// Whether `bytes` are an object's pattern (checked in place: no second copy in memory).
