@@ -42,6 +42,25 @@ unsafe impl Sync for WorkerInner {}
 /// Progress calls per lock acquisition while a busy-poll future spins.
 pub(crate) const SPIN_ROUND: u32 = 32;
 
+/// What a busy-poll future's spin ([`WorkerInner::busy_spin_for`]) came to.
+pub(crate) enum Spin<T> {
+    /// The result.
+    Found(T),
+    /// Nothing, from one progress call: another task had just spun in vain. Poll again
+    /// soon, without yielding the processor.
+    Glanced,
+    /// Nothing, from a whole spin: yield the processor before the next
+    /// ([`WorkerInner::spun_in_vain`]).
+    Spun,
+}
+
+/// The longest one busy spin of [`crate::WorkerBuilder::busy_spin`] progress calls
+/// lasts. Over shared memory a progress call with nothing to do takes some 20 ns, but
+/// where it is a system call (TCP's `epoll_wait`) 512 of them took milliseconds, during
+/// which the spinning task's runtime ran nothing else: a busy-poll node's answer waited
+/// 8-13 ms for the task that sends it.
+pub(crate) const SPIN_TIME: std::time::Duration = std::time::Duration::from_micros(20);
+
 impl WorkerInner {
     /// Runs `f` under the worker lock, then wakes the wakers and drops the parked values
     /// it collected, after releasing the lock.
@@ -276,34 +295,70 @@ impl WorkerInner {
         cx.waker().wake_by_ref();
     }
 
-    /// Busy-poll mode: spins [`crate::WorkerBuilder::busy_spin`] progress calls, a
-    /// `round` of up to [`SPIN_ROUND`] at a time (which returns the result once there is
-    /// one); then, for [`crate::WorkerBuilder::busy_yield`], yields the processor and
-    /// spins again. `None` when all that found nothing.
+    /// Busy-poll mode: looks for a result with one progress call (a `round` returns it
+    /// once there is one); then, unless another task's spin found nothing a moment ago
+    /// ([`Spin::Glanced`]), spins up to [`crate::WorkerBuilder::busy_spin`] progress
+    /// calls (for at most [`SPIN_TIME`]), a round of up to [`SPIN_ROUND`] at a time,
+    /// and for [`crate::WorkerBuilder::busy_yield`] yields the processor and spins
+    /// again.
     #[inline]
-    pub(crate) fn busy_spin_for<T>(&self, mut round: impl FnMut(u32) -> Option<T>) -> Option<T> {
+    pub(crate) fn busy_spin_for<T>(&self, waker: &Waker, mut round: impl FnMut(u32) -> Option<T>) -> Spin<T> {
+        if let Some(t) = round(1) {
+            return Spin::Found(t);
+        }
+        // Progress is the worker's, not a task's: right after another task spun in vain,
+        // this one's spin would find what that one found, and keep the runtime from the
+        // tasks that wait on something else (a channel, a timer; `block_on`'s future is
+        // polled once per 61 tasks run). With three busy-poll tasks waiting, a node's
+        // answer waited milliseconds for the task that sends it. Not where spins yield
+        // the processor (`busy_yield`, for more busy processes than cores): there every
+        // waiting task's yield is what lets the others' processes run.
+        let now = Instant::now();
+        let yielding = self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed) > 0;
+        let quiet = !yielding
+            && self.locked(|st| {
+                st.busy_spun
+                    .as_ref()
+                    .is_some_and(|(end, w)| now.duration_since(*end) < SPIN_TIME && !w.will_wake(waker))
+            });
+        if quiet {
+            return Spin::Glanced;
+        }
         let mut first: Option<(Instant, Duration)> = None;
+        let mut left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(1);
+        let mut began = now;
         loop {
-            let mut left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
             while left > 0 {
                 let n = left.min(SPIN_ROUND);
                 left -= n;
                 if let Some(t) = round(n) {
-                    return Some(t);
+                    return Spin::Found(t);
+                }
+                if left > 0 && began.elapsed() >= SPIN_TIME {
+                    break;
                 }
             }
             let (since, time) = match first {
                 Some(f) => f,
                 None => match self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed) {
-                    0 => return None,
+                    0 => break,
                     us => *first.insert((Instant::now(), Duration::from_micros(u64::from(us)))),
                 },
             };
             if since.elapsed() >= time {
-                return None;
+                break;
             }
             std::thread::yield_now();
+            left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
+            began = Instant::now();
         }
+        if !yielding {
+            self.locked(|st| match &mut st.busy_spun {
+                Some((end, w)) if w.will_wake(waker) => *end = Instant::now(),
+                spun => *spun = Some((Instant::now(), waker.clone())),
+            });
+        }
+        Spin::Spun
     }
 
     /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
@@ -333,7 +388,7 @@ impl WorkerInner {
                 // Spin in rounds: each round holds the lock for up to SPIN_ROUND progress
                 // calls (so arrival is noticed within one progress call), then releases it
                 // so other threads can post.
-                let r = self.busy_spin_for(|round| {
+                let r = self.busy_spin_for(cx.waker(), |round| {
                     self.locked(|st| {
                         if let Some(t) = check(st) {
                             return Some(t);
@@ -348,10 +403,11 @@ impl WorkerInner {
                         check(st)
                     })
                 });
-                if let Some(t) = r {
-                    return Poll::Ready(t);
+                match r {
+                    Spin::Found(t) => return Poll::Ready(t),
+                    Spin::Glanced => cx.waker().wake_by_ref(),
+                    Spin::Spun => self.spun_in_vain(cx),
                 }
-                self.spun_in_vain(cx);
                 Poll::Pending
             }
             ProgressMode::Event => self.locked(|st| {

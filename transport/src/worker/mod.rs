@@ -107,9 +107,9 @@ impl WorkerBuilder {
     }
 
     /// Busy-poll mode: how many times a waiting future progresses the worker without
-    /// result before it yields the processor (`sched_yield`) and lets tokio run other
-    /// tasks, or spins again within [`WorkerBuilder::busy_yield`] (default
-    /// [`DEFAULT_BUSY_SPIN`]; at least 1). Lower it where more
+    /// result (for at most 20 µs, however slow the calls) before it yields the processor
+    /// (`sched_yield`) and lets tokio run other tasks, or spins again within
+    /// [`WorkerBuilder::busy_yield`] (default [`DEFAULT_BUSY_SPIN`]; at least 1). Lower it where more
     /// busy-polling processes than processors share the machine, so that the one a
     /// message waits for gets to run sooner; see also [`Worker::set_busy_spin`].
     pub fn busy_spin(mut self, progress_calls: u32) -> Self {

@@ -18,7 +18,7 @@ use tokio::sync::Notify;
 use tracing::Instrument;
 use ucx_sys as sys;
 
-use super::{Worker, WorkerInner, SPIN_ROUND};
+use super::{Spin, Worker, WorkerInner, SPIN_ROUND};
 
 /// How a worker makes progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -148,6 +148,8 @@ impl Worker {
             if let Poll::Ready(r) = poll_all(cx) {
                 return Poll::Ready(r);
             }
+            // Busy-poll mode's spin needs the task's waker while `round` holds `cx`.
+            let waker = (inner.mode == ProgressMode::BusyPoll).then(|| cx.waker().clone());
             // Progress until an event, a round at a time (the lock is let go between
             // rounds so that other threads can post).
             let mut round = |n: u32| {
@@ -157,14 +159,15 @@ impl Worker {
                     false => Poll::Pending,
                 }
             };
-            if inner.mode == ProgressMode::BusyPoll {
-                if let Some(r) = inner.busy_spin_for(|n| match round(n) {
+            if let Some(waker) = waker {
+                match inner.busy_spin_for(&waker, |n| match round(n) {
                     Poll::Ready(r) => Some(r),
                     Poll::Pending => None,
                 }) {
-                    return Poll::Ready(r);
+                    Spin::Found(r) => return Poll::Ready(r),
+                    Spin::Glanced => waker.wake_by_ref(),
+                    Spin::Spun => inner.spun_in_vain(cx),
                 }
-                inner.spun_in_vain(cx);
                 return Poll::Pending;
             }
             // Event mode: later completions wake the task through the futures' wakers.

@@ -68,6 +68,9 @@ pub(crate) struct State {
     pub(crate) am: Option<Box<dyn AmPart>>,
     /// Event mode: no waiting future spins before this (set after a spin found nothing).
     pub(super) spin_quiet_until: Option<Instant>,
+    /// Busy-poll mode: when the last spin that found nothing ended, and the task that
+    /// spun ([`WorkerInner::busy_spin_for`]).
+    pub(super) busy_spun: Option<(Instant, Waker)>,
     /// Head of the list of pending requests bound to an endpoint (linked through their
     /// slots; see [`request::Request::bind`]).
     pub(crate) bound: *mut Slot,
@@ -102,6 +105,7 @@ impl State {
             bad_handshakes: 0,
             am: None,
             spin_quiet_until: None,
+            busy_spun: None,
             bound: std::ptr::null_mut(),
             spare: std::ptr::null_mut(),
         }
