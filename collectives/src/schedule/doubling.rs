@@ -271,7 +271,7 @@ pub fn allgather(n: usize, r: usize, blocks: &[Range<usize>]) -> Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::sim::{contribution, own_blocks, reduce_all, run, COUNTS, SIZES};
+    use crate::schedule::sim::{allgathers, contribution, reduce_all, run, COUNTS, SIZES};
     use crate::ReduceOp;
 
     #[test]
@@ -295,12 +295,8 @@ mod tests {
         for n in SIZES {
             for lens in [vec![3; n], (0..n).map(|i| (i * 5) % 4).collect(), vec![0; n]] {
                 let blocks = blocks_of(&lens);
-                let count = blocks.last().map_or(0, |b| b.end);
-                let full: Vec<u16> = contribution(99, count);
-                let data = own_blocks(&full, &blocks);
                 let scheds: Vec<_> = (0..n).map(|r| allgather(n, r, &blocks)).collect();
-                let got = run(&scheds, data, vec![vec![]; n], ReduceOp::Sum);
-                assert!(got.iter().all(|g| *g == full), "n {n} lens {lens:?}");
+                assert!(allgathers(&scheds, &blocks), "n {n} lens {lens:?}");
                 let fold = usize::from(!n.is_power_of_two()) * 2;
                 let want = (n as f64).log2().floor() as usize + fold;
                 assert!(scheds.iter().all(|s| s.steps.len() <= want), "n {n}");

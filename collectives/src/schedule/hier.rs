@@ -166,7 +166,7 @@ pub fn allgather(hosts: &Hosts, r: usize, blocks: &[Range<usize>], bcast: &Sub<'
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::sim::{contribution, reduce_all, run};
+    use crate::schedule::sim::{allgathers, contribution, reduce_all, run};
     use crate::schedule::{blocks_of, doubling, tree};
     use crate::ReduceOp;
 
@@ -232,18 +232,9 @@ mod tests {
             for lens in [vec![3; n], (0..n).map(|i| i % 3).collect()] {
                 let blocks = blocks_of(&lens);
                 let total = blocks.last().map_or(0, |b| b.end);
-                let full: Vec<u8> = contribution(7, total);
                 let bcast = |m, i, root| tree::knomial_bcast(m, i, root, total, 2);
                 let scheds: Vec<_> = (0..n).map(|r| allgather(&hosts, r, &blocks, &bcast)).collect();
-                let data = (0..n)
-                    .map(|r| {
-                        let mut d = vec![0; total];
-                        d[blocks[r].clone()].copy_from_slice(&full[blocks[r].clone()]);
-                        d
-                    })
-                    .collect();
-                let got = run(&scheds, data, vec![vec![]; n], ReduceOp::Sum);
-                assert!(got.iter().all(|g| *g == full), "{hosts:?} lens {lens:?}");
+                assert!(allgathers(&scheds, &blocks), "{hosts:?} lens {lens:?}");
             }
         }
     }

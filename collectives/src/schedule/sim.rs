@@ -112,15 +112,20 @@ pub(crate) fn contribution<T: Element>(r: usize, count: usize) -> Vec<T> {
     (0..count).map(|i| T::from_small(((r * 7 + i * 3) % 5) as u8 + 1)).collect()
 }
 
-/// Each rank's data before an allgather: zeros but its own block of `full`.
-pub(crate) fn own_blocks<T: Element>(full: &[T], blocks: &[std::ops::Range<usize>]) -> Vec<Vec<T>> {
-    (0..blocks.len())
+/// Whether the allgather schedules `scheds` (one per rank, over `blocks`) leave every
+/// rank with every block, each rank starting with zeros but its own block (every
+/// element a value of its own, so a block landing elsewhere shows).
+pub(crate) fn allgathers(scheds: &[Schedule], blocks: &[std::ops::Range<usize>]) -> bool {
+    let full: Vec<u32> = (1..=blocks.last().map_or(0, |b| b.end) as u32).collect();
+    let data = (0..blocks.len())
         .map(|r| {
-            let mut d = vec![T::zeroed(); full.len()];
+            let mut d = vec![0; full.len()];
             d[blocks[r].clone()].copy_from_slice(&full[blocks[r].clone()]);
             d
         })
-        .collect()
+        .collect();
+    let got = run(scheds, data, vec![vec![]; blocks.len()], ReduceOp::Sum);
+    got.iter().all(|g| *g == full)
 }
 
 /// The element-wise reduction of `parts`, the naive reference.
@@ -136,3 +141,22 @@ pub(crate) fn reduce_all<T: Element>(parts: &[Vec<T>], op: ReduceOp) -> Vec<T> {
 /// and not) and counts of 0, 1, odd, not divisible by the size, and larger.
 pub(crate) const SIZES: std::ops::RangeInclusive<usize> = 1..=9;
 pub(crate) const COUNTS: [usize; 6] = [0, 1, 2, 7, 13, 100];
+
+#[cfg(test)]
+mod tests {
+    use super::allgathers;
+    use crate::schedule::{blocks_of, Region, Schedule};
+
+    #[test]
+    fn allgathers_sees_a_block_missing_or_misplaced() {
+        let blocks = blocks_of(&[2, 2]);
+        assert!(!allgathers(&[Schedule::default(), Schedule::default()], &blocks));
+        // Rank 0's block lands at rank 1 over rank 1's own block.
+        let (mut s0, mut s1) = (Schedule::default(), Schedule::default());
+        s0.send(0, 1, Region::data(0..2));
+        s1.recv(0, 0, Region::data(2..4));
+        s1.send(0, 0, Region::data(2..4));
+        s0.recv(0, 1, Region::data(2..4));
+        assert!(!allgathers(&[s0, s1], &blocks));
+    }
+}
