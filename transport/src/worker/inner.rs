@@ -42,18 +42,6 @@ unsafe impl Sync for WorkerInner {}
 /// Progress calls per lock acquisition while a busy-poll future spins.
 pub(crate) const SPIN_ROUND: u32 = 32;
 
-/// What a busy-poll future's spin ([`WorkerInner::busy_spin_for`]) came to.
-pub(crate) enum Spin<T> {
-    /// The result.
-    Found(T),
-    /// Nothing, from one progress call: another task had just spun in vain. Poll again
-    /// soon, without yielding the processor.
-    Glanced,
-    /// Nothing, from a whole spin: yield the processor before the next
-    /// ([`WorkerInner::spun_in_vain`]).
-    Spun,
-}
-
 /// The longest one busy spin of [`crate::WorkerBuilder::busy_spin`] progress calls
 /// lasts. Over shared memory a progress call with nothing to do takes some 20 ns, but
 /// where it is a system call (TCP's `epoll_wait`) 512 of them took milliseconds, during
@@ -295,16 +283,21 @@ impl WorkerInner {
         cx.waker().wake_by_ref();
     }
 
-    /// Busy-poll mode: looks for a result with one progress call (a `round` returns it
-    /// once there is one); then, unless another task's spin found nothing a moment ago
-    /// ([`Spin::Glanced`]), spins up to [`crate::WorkerBuilder::busy_spin`] progress
-    /// calls (for at most [`SPIN_TIME`]), a round of up to [`SPIN_ROUND`] at a time,
-    /// and for [`crate::WorkerBuilder::busy_yield`] yields the processor and spins
-    /// again.
+    /// Busy-poll mode: looks for a result with one progress call (a `round` of `n` calls
+    /// returns it once there is one); then, unless another task's spin found nothing a
+    /// moment ago, spins up to [`crate::WorkerBuilder::busy_spin`] progress calls (for at
+    /// most [`SPIN_TIME`]), a round of up to [`SPIN_ROUND`] at a time, and for
+    /// [`crate::WorkerBuilder::busy_yield`] yields the processor and spins again. Without
+    /// a result, has the task polled again: at once after a glance, after yielding the
+    /// processor after a spin ([`WorkerInner::spun_in_vain`]).
     #[inline]
-    pub(crate) fn busy_spin_for<T>(&self, waker: &Waker, mut round: impl FnMut(u32) -> Option<T>) -> Spin<T> {
-        if let Some(t) = round(1) {
-            return Spin::Found(t);
+    pub(crate) fn busy_spin_for<T>(
+        &self,
+        cx: &mut TaskContext<'_>,
+        mut round: impl FnMut(&mut TaskContext<'_>, u32) -> Option<T>,
+    ) -> Poll<T> {
+        if let Some(t) = round(cx, 1) {
+            return Poll::Ready(t);
         }
         // Progress is the worker's, not a task's: right after another task spun in vain,
         // this one's spin would find what that one found, and keep the runtime from the
@@ -314,51 +307,53 @@ impl WorkerInner {
         // the processor (`busy_yield`, for more busy processes than cores): there every
         // waiting task's yield is what lets the others' processes run.
         let now = Instant::now();
-        let yielding = self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed) > 0;
-        let quiet = !yielding
+        let yield_us = self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed);
+        let glance = yield_us == 0
             && self.locked(|st| {
-                st.busy_spun
-                    .as_ref()
-                    .is_some_and(|(end, w)| now.duration_since(*end) < SPIN_TIME && !w.will_wake(waker))
+                let other = |(end, w): &(Instant, Waker)| {
+                    now.duration_since(*end) < SPIN_TIME && !w.will_wake(cx.waker())
+                };
+                st.busy_spun.as_ref().is_some_and(other)
             });
-        if quiet {
-            return Spin::Glanced;
+        if glance {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
         }
-        let mut first: Option<(Instant, Duration)> = None;
-        let mut left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(1);
-        let mut began = now;
+        let spin = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
+        let (mut left, mut began) = (spin.saturating_sub(1), now);
+        // With `busy_yield`: when the spins after yields end, counted from the end of the
+        // first fruitless spin.
+        let mut yield_end: Option<Instant> = None;
         loop {
             while left > 0 {
                 let n = left.min(SPIN_ROUND);
                 left -= n;
-                if let Some(t) = round(n) {
-                    return Spin::Found(t);
+                if let Some(t) = round(cx, n) {
+                    return Poll::Ready(t);
                 }
                 if left > 0 && began.elapsed() >= SPIN_TIME {
                     break;
                 }
             }
-            let (since, time) = match first {
-                Some(f) => f,
-                None => match self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed) {
-                    0 => break,
-                    us => *first.insert((Instant::now(), Duration::from_micros(u64::from(us)))),
-                },
-            };
-            if since.elapsed() >= time {
+            if yield_us == 0 {
+                break;
+            }
+            let end =
+                *yield_end.get_or_insert_with(|| Instant::now() + Duration::from_micros(u64::from(yield_us)));
+            if Instant::now() >= end {
                 break;
             }
             std::thread::yield_now();
-            left = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
-            began = Instant::now();
+            (left, began) = (spin, Instant::now());
         }
-        if !yielding {
+        if yield_us == 0 {
             self.locked(|st| match &mut st.busy_spun {
-                Some((end, w)) if w.will_wake(waker) => *end = Instant::now(),
-                spun => *spun = Some((Instant::now(), waker.clone())),
+                Some((end, w)) if w.will_wake(cx.waker()) => *end = Instant::now(),
+                spun => *spun = Some((Instant::now(), cx.waker().clone())),
             });
         }
-        Spin::Spun
+        self.spun_in_vain(cx);
+        Poll::Pending
     }
 
     /// Polls for a result: `check` looks for it under the lock; if it is not there yet,
@@ -388,7 +383,7 @@ impl WorkerInner {
                 // Spin in rounds: each round holds the lock for up to SPIN_ROUND progress
                 // calls (so arrival is noticed within one progress call), then releases it
                 // so other threads can post.
-                let r = self.busy_spin_for(cx.waker(), |round| {
+                self.busy_spin_for(cx, |_, round| {
                     self.locked(|st| {
                         if let Some(t) = check(st) {
                             return Some(t);
@@ -402,13 +397,7 @@ impl WorkerInner {
                         }
                         check(st)
                     })
-                });
-                match r {
-                    Spin::Found(t) => return Poll::Ready(t),
-                    Spin::Glanced => cx.waker().wake_by_ref(),
-                    Spin::Spun => self.spun_in_vain(cx),
-                }
-                Poll::Pending
+                })
             }
             ProgressMode::Event => self.locked(|st| {
                 if let Some(t) = check(st) {

@@ -18,7 +18,7 @@ use tokio::sync::Notify;
 use tracing::Instrument;
 use ucx_sys as sys;
 
-use super::{Spin, Worker, WorkerInner, SPIN_ROUND};
+use super::{Worker, WorkerInner, SPIN_ROUND};
 
 /// How a worker makes progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -148,32 +148,22 @@ impl Worker {
             if let Poll::Ready(r) = poll_all(cx) {
                 return Poll::Ready(r);
             }
-            // Busy-poll mode's spin needs the task's waker while `round` holds `cx`.
-            let waker = (inner.mode == ProgressMode::BusyPoll).then(|| cx.waker().clone());
             // Progress until an event, a round at a time (the lock is let go between
             // rounds so that other threads can post).
-            let mut round = |n: u32| {
+            let mut round = |cx: &mut TaskContext<'_>, n: u32| {
                 let events = inner.locked(|st| (0..n).any(|_| inner.progress_locked(st) != 0));
-                match events {
-                    true => poll_all(cx),
-                    false => Poll::Pending,
+                match events.then(|| poll_all(cx)) {
+                    Some(Poll::Ready(r)) => Some(r),
+                    _ => None,
                 }
             };
-            if let Some(waker) = waker {
-                match inner.busy_spin_for(&waker, |n| match round(n) {
-                    Poll::Ready(r) => Some(r),
-                    Poll::Pending => None,
-                }) {
-                    Spin::Found(r) => return Poll::Ready(r),
-                    Spin::Glanced => waker.wake_by_ref(),
-                    Spin::Spun => inner.spun_in_vain(cx),
-                }
-                return Poll::Pending;
+            if inner.mode == ProgressMode::BusyPoll {
+                return inner.busy_spin_for(cx, round);
             }
             // Event mode: later completions wake the task through the futures' wakers.
             let end = Instant::now() + EVENT_SPIN;
             loop {
-                if let Poll::Ready(r) = round(SPIN_ROUND) {
+                if let Some(r) = round(cx, SPIN_ROUND) {
                     return Poll::Ready(r);
                 }
                 if Instant::now() >= end {
