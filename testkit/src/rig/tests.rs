@@ -156,7 +156,10 @@ fn faults_act_on_traffic_and_clear() {
         "a pulled cable carries nothing"
     );
     rig.set(2, &Fault::LinkUp).unwrap();
-    assert_eq!(probe(&a.ns, c.addr, 5, second).0.len(), 5);
+    // The cable's return is what is checked, not how soon: round trips usually pass
+    // within a millisecond, but one run of the whole suite saw none of five within a
+    // second (its cause not found), so they get three.
+    assert_eq!(probe(&a.ns, c.addr, 5, 3 * second).0.len(), 5, "the cable back carries traffic");
     stop.store(true, Ordering::Relaxed);
     server.join().unwrap();
 }
