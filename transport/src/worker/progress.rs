@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use tracing::Instrument;
 use ucx_sys as sys;
 
+use super::crowding::Crowding;
 use super::{Worker, WorkerInner, SPIN_ROUND};
 
 /// How a worker makes progress.
@@ -30,7 +31,9 @@ pub enum ProgressMode {
     /// sleep and a wake-up; after a spin that found nothing, the futures polled in the
     /// next [`EVENT_SPIN_QUIET`] do not spin. After traffic the driver keeps polling for
     /// a short linger ([`crate::WorkerBuilder::event_linger`]) before it sleeps again, so
-    /// request-reply traffic is not slowed by a sleep and a wake-up per message. Costs
+    /// request-reply traffic is not slowed by a sleep and a wake-up per message; not
+    /// while the driver's thread waits for a core over a tenth of the time (processes
+    /// outnumber cores: the polling would take the core its peers need). Costs
     /// no CPU while idle; a message that arrives while everything sleeps pays the
     /// kernel's wake-up latency (a few µs).
     #[default]
@@ -309,10 +312,15 @@ async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration
     };
     let adapt = inner.mode == ProgressMode::Event;
     let mut linger = poll_for;
+    let mut crowding = Crowding::new();
     while !signal.is_stopped() {
-        let caught = poll_while_busy(inner, signal, linger).await;
-        if adapt {
-            linger = next_linger(poll_for, linger, caught);
+        // On a crowded host the linger's polling would take a core from the peers it
+        // waits for: sleep at once.
+        if !(adapt && crowding.crowded(Instant::now())) {
+            let caught = poll_while_busy(inner, signal, linger).await;
+            if adapt {
+                linger = next_linger(poll_for, linger, caught);
+            }
         }
         let slept = std::time::Instant::now();
         let woken = sleep_once(inner, signal, &fd, &mut tick).await;
