@@ -135,8 +135,9 @@ impl WorkerBuilder {
     /// before it arms the event fd and sleeps (default [`crate::DEFAULT_LINGER`]; zero
     /// sleeps at once). An answer that arrives within the linger is picked up without a
     /// sleep and a wake-up, which cost several microseconds each; the price is at most
-    /// this much CPU time after each burst of traffic. An idle worker uses no CPU, nor
-    /// does a crowded one linger (its thread waits for a core over a tenth of the time).
+    /// this much CPU time after each burst of traffic. An idle worker uses no CPU; on a
+    /// crowded host (the driver's thread waits for a core over a tenth of the time) the
+    /// linger yields the processor between its polls.
     pub fn event_linger(mut self, linger: Duration) -> Self {
         self.linger = linger;
         self

@@ -31,9 +31,10 @@ pub enum ProgressMode {
     /// sleep and a wake-up; after a spin that found nothing, the futures polled in the
     /// next [`EVENT_SPIN_QUIET`] do not spin. After traffic the driver keeps polling for
     /// a short linger ([`crate::WorkerBuilder::event_linger`]) before it sleeps again, so
-    /// request-reply traffic is not slowed by a sleep and a wake-up per message; not
-    /// while the driver's thread waits for a core over a tenth of the time (processes
-    /// outnumber cores: the polling would take the core its peers need). Costs
+    /// request-reply traffic is not slowed by a sleep and a wake-up per message. While
+    /// the driver's thread waits for a core over a tenth of the time (processes
+    /// outnumber cores), it yields the processor between the linger's polls, so that
+    /// the peers it waits for get the core. Costs
     /// no CPU while idle; a message that arrives while everything sleeps pays the
     /// kernel's wake-up latency (a few µs).
     #[default]
@@ -314,10 +315,12 @@ async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration
     let mut linger = poll_for;
     let mut crowding = Crowding::new();
     while !signal.is_stopped() {
-        // On a crowded host the linger's polling would take a core from the peers it
-        // waits for: sleep at once.
-        if !(adapt && crowding.crowded(Instant::now())) {
-            let caught = poll_while_busy(inner, signal, linger).await;
+        if adapt && crowding.crowded(Instant::now()) {
+            // The linger's polling would take the core from the peers it waits for: the
+            // whole linger, giving the core away between polls.
+            poll_while_busy(inner, signal, poll_for, Pace::Cede).await;
+        } else {
+            let caught = poll_while_busy(inner, signal, linger, Pace::Spin).await;
             if adapt {
                 linger = next_linger(poll_for, linger, caught);
             }
@@ -351,10 +354,19 @@ fn next_linger(full: Duration, linger: Duration, caught: bool) -> Duration {
     }
 }
 
-/// Keeps progressing the worker, yielding to other tasks between calls, until
-/// `idle` passes without an event (or the driver is stopped); whether it found an
-/// event.
-async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) -> bool {
+/// How [`poll_while_busy`] waits between progress calls that found nothing.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pace {
+    /// Lets the runtime's other ready tasks run, and polls again.
+    Spin,
+    /// Also yields the processor (`sched_yield`) to the processes waiting for it.
+    Cede,
+}
+
+/// Keeps progressing the worker, yielding to other tasks between calls (and the
+/// processor, at `pace` [`Pace::Cede`]), until `idle` passes without an event (or the
+/// driver is stopped); whether it found an event.
+async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration, pace: Pace) -> bool {
     let mut caught = false;
     if idle.is_zero() {
         return caught;
@@ -387,6 +399,9 @@ async fn poll_while_busy(inner: &WorkerInner, signal: &Signal, idle: Duration) -
             }
             // Nothing happened: let other ready tasks run, without the system call
             // `yield_now` costs.
+            if pace == Pace::Cede {
+                std::thread::yield_now();
+            }
             requeue().await;
         }
     }
