@@ -136,8 +136,9 @@ impl WorkerBuilder {
     /// sleeps at once). An answer that arrives within the linger is picked up without a
     /// sleep and a wake-up, which cost several microseconds each; the price is at most
     /// this much CPU time after each burst of traffic. An idle worker uses no CPU; on a
-    /// crowded host (the driver's thread waits for a core over a tenth of the time) the
-    /// linger yields the processor between its polls.
+    /// crowded host (more threads ready to run than cores, or the driver's thread waits
+    /// for a core over a tenth of the time) the linger yields the processor between its
+    /// polls.
     pub fn event_linger(mut self, linger: Duration) -> Self {
         self.linger = linger;
         self

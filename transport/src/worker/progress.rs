@@ -32,9 +32,9 @@ pub enum ProgressMode {
     /// next [`EVENT_SPIN_QUIET`] do not spin. After traffic the driver keeps polling for
     /// a short linger ([`crate::WorkerBuilder::event_linger`]) before it sleeps again, so
     /// request-reply traffic is not slowed by a sleep and a wake-up per message. While
-    /// the driver's thread waits for a core over a tenth of the time (processes
-    /// outnumber cores), it yields the processor between the linger's polls, so that
-    /// the peers it waits for get the core. Costs
+    /// the host is crowded (more threads ready to run than cores, or the driver's thread
+    /// waits for a core over a tenth of the time), it yields the processor between the
+    /// linger's polls, so that the peers it waits for get the core. Costs
     /// no CPU while idle; a message that arrives while everything sleeps pays the
     /// kernel's wake-up latency (a few µs).
     #[default]
