@@ -129,23 +129,8 @@ pub fn this_host() -> u64 {
     h.finish()
 }
 
-/// The processors this host has online (`/sys/devices/system/cpu/online`, as `0-3,6`),
-/// or, where that cannot be read, those this process may run on. Not this process's
-/// affinity first: a launcher that binds each rank to one core does not crowd them.
-pub fn host_cpus() -> usize {
-    let online =
-        std::fs::read_to_string("/sys/devices/system/cpu/online").ok().and_then(|s| cpu_list_len(&s));
-    online.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
-}
-
-/// The number of processors in a kernel CPU list (`0-3,6`), None if malformed.
-pub(crate) fn cpu_list_len(list: &str) -> Option<usize> {
-    list.trim().split(',').try_fold(0usize, |n, part| {
-        let (a, b) = part.split_once('-').unwrap_or((part, part));
-        let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
-        n.checked_add(b.checked_sub(a)?.checked_add(1)?)
-    })
-}
+/// The processors this host has online (see [`ucxkit_transport::host_cpus`]).
+pub use ucxkit_transport::host_cpus;
 
 #[cfg(test)]
 mod tests {
@@ -187,21 +172,5 @@ mod tests {
         assert!(h.restrict(&[0, 2, 4, 1]).crowded(0));
         assert_eq!((h.cpus_of_size(3), h.cpus_of_size(2), h.cpus_of_size(5)), (2, 4, 0));
         assert!(!Hosts::flat(64).any_crowded());
-    }
-
-    #[test]
-    fn cpu_lists_count_their_processors() {
-        let table = [
-            ("0", Some(1)),
-            ("0-1\n", Some(2)),
-            ("0-3,6,8-9", Some(7)),
-            ("", None),
-            ("3-1", None),
-            ("0-x", None),
-            ("0-18446744073709551615", None),
-        ];
-        for (list, want) in table {
-            assert_eq!(cpu_list_len(list), want, "{list:?}");
-        }
     }
 }

@@ -15,8 +15,11 @@ const HUGE_PAGE: usize = 2 << 20;
 /// allocation is smaller than a huge page, it is a plain `vec![0; len]`. Meant for large
 /// buffers moved over shared memory: objects, receive buffers, staging.
 pub fn huge_zeroed(len: usize) -> Vec<u8> {
-    // A large zeroed allocation is fresh anonymous memory (glibc's `calloc` maps it and
-    // skips the memset), so nothing of it has been faulted in yet.
+    // An allocation over glibc's mmap threshold (128 KiB, rising with the mapped blocks
+    // freed, up to 32 MiB) is fresh anonymous memory that `calloc` does not write, so
+    // the advice comes before any page is faulted in. One served from the heap may have
+    // been written already; the kernel then backs it with huge pages only as it
+    // collapses them in the background.
     let mut v = vec![0u8; len];
     if len >= HUGE_PAGE {
         let start = v.as_mut_ptr() as usize;

@@ -19,7 +19,7 @@ use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 /// How often the driver looks: a look costs a few system calls.
-pub(crate) const LOOK_EVERY: Duration = Duration::from_millis(10);
+const LOOK_EVERY: Duration = Duration::from_millis(10);
 
 /// Crowded: the thread waited for a core for over this share of the time since its last
 /// look (a tenth). An idle host's wake-ups wait a few microseconds each.
@@ -31,7 +31,7 @@ pub(crate) struct Crowding {
     looked: Option<Instant>,
     /// The last look at the thread's wait: when, on which thread, its total (ns).
     waits: Option<(Instant, ThreadId, u64)>,
-    /// The cores of this host (online).
+    /// The processors of this host ([`crate::host_cpus`]).
     cores: u32,
     crowded: bool,
 }
@@ -39,7 +39,8 @@ pub(crate) struct Crowding {
 impl Crowding {
     /// Not crowded, until a look says otherwise.
     pub(crate) fn new() -> Crowding {
-        Crowding { looked: None, waits: None, cores: online_cores(), crowded: false }
+        let cores = u32::try_from(crate::host_cpus()).unwrap_or(u32::MAX);
+        Crowding { looked: None, waits: None, cores, crowded: false }
     }
 
     /// Whether the host was crowded at the last look; looks again once [`LOOK_EVERY`]
@@ -68,13 +69,6 @@ impl Crowding {
             _ => false,
         }
     }
-}
-
-/// The host's online cores (at least one).
-fn online_cores() -> u32 {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    u32::try_from(n).unwrap_or(1).max(1)
 }
 
 /// Threads ready to run on the whole host now, this one included (`/proc/loadavg`).
@@ -157,7 +151,6 @@ mod tests {
             // This thread is running while it reads.
             assert!(runnable().is_some_and(|r| r >= 1));
         }
-        assert!(online_cores() >= 1);
         let mut c = Crowding::new();
         let now = Instant::now();
         let first = c.crowded(now);
