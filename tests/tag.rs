@@ -220,6 +220,39 @@ async fn mask_matching_and_unknown_size() {
     assert!(buf == payload(5, 200_000));
 }
 
+/// A message nobody will receive, thrown away by the receiver: the sender's send ends,
+/// rendezvous ones too (over TCP and shared memory), and only the messages the mask picks
+/// go; the next message of the same tag is received as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discarded_messages_end_their_sends() {
+    for tls in ["tcp,self", "posix,cma,tcp,self"] {
+        let (server, _client, _a, ep) = pair(tls).await;
+        assert_eq!(server.tag_discard(0x70, !0xf).unwrap(), 0, "nothing to throw away");
+        let sends: Vec<_> = [(0x71, 8), (0x72, 1 << 20), (0x80, 64)]
+            .into_iter()
+            .map(|(t, len)| ep.tag_send(t, payload(t, len)))
+            .collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut gone = 0;
+        while gone < 2 {
+            assert!(std::time::Instant::now() < deadline, "{tls}: {gone} of 2 messages arrived");
+            gone += server.tag_discard(0x70, !0xf).unwrap();
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(gone, 2, "{tls}: only the masked tags go");
+        let ended = tokio::time::timeout(Duration::from_secs(10), futures_join(sends)).await;
+        for (r, _) in ended.unwrap_or_else(|_| panic!("{tls}: a discarded send never ended")) {
+            r.unwrap();
+        }
+        let kept = tokio::time::timeout(Duration::from_secs(10), server.tag_recv_any(0x80, tag::EXACT));
+        let (info, buf) = kept.await.expect("the other tag was kept").unwrap();
+        assert_eq!((info.len, buf), (64, payload(0x80, 64)), "{tls}: other tags stay");
+        let r = server.tag_recv(0x72, tag::EXACT, Vec::with_capacity(16));
+        ep.tag_send(0x72, payload(0x72, 16)).await.0.unwrap();
+        assert!(r.await.1 == payload(0x72, 16));
+    }
+}
+
 #[tokio::test]
 async fn truncation_is_an_error_and_the_worker_goes_on() {
     let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;

@@ -221,6 +221,15 @@ impl Namespace {
         self.inner.worker.tag_recv_any_in(self.inner.space, tag, mask).await
     }
 
+    /// [`crate::Worker::tag_discard`] in this namespace.
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] for a tag over [`TAG_BITS`] bits, or after the worker's
+    /// shutdown.
+    pub fn tag_discard(&self, tag: Tag, mask: u64) -> Result<usize> {
+        self.inner.worker.tag_discard_in(self.inner.space, tag, mask)
+    }
+
     /// [`Endpoint::am_send`] with this namespace's id `id` (below [`NAMESPACE_IDS`]).
     pub fn am_send<B: IoBuf>(&self, ep: &Endpoint, id: u16, header: &[u8], payload: B) -> AmSend<B> {
         self.am_send_with(ep, id, header, payload, AmSendOptions::default())

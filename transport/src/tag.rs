@@ -343,6 +343,57 @@ impl Worker {
         let (r, buf) = recv.await;
         r.map(|_| (info, buf))
     }
+
+    /// Throws away every message matching `tag`/`mask` that has arrived and waits in
+    /// UCX's queue of unexpected messages, progressing the worker once first; returns how
+    /// many. Each is received as [`Worker::tag_recv_any`] would, into a buffer the worker
+    /// keeps until UCX completes, so that its sender's send ends as if it were taken: a
+    /// rendezvous send left unreceived would otherwise keep its sender's buffer, and,
+    /// without peer error handling, its sender's worker, for ever. For a layer that ends
+    /// a conversation mid-way (an aborted collective) and must leave no sender stranded.
+    ///
+    /// # Errors
+    /// [`Error::ApiMisuse`] after [`Worker::shutdown`].
+    pub fn tag_discard(&self, tag: Tag, mask: u64) -> Result<usize> {
+        self.tag_discard_in(Space::app(&self.shared.inner), tag, mask)
+    }
+
+    /// [`Worker::tag_discard`] in `space`.
+    pub(crate) fn tag_discard_in(&self, space: Space, tag: Tag, mask: u64) -> Result<usize> {
+        self.check_open("tag_discard")?;
+        let (tag, mask) = space.wire_recv(tag, mask).map_err(|e| *e)?;
+        let inner = &self.shared.inner;
+        let no_imm = inner.no_imm;
+        inner.locked(|st| inner.progress_locked(st));
+        let mut taken = 0;
+        loop {
+            let next = inner.locked(|st| {
+                let mut info = sys::ucp_tag_recv_info_t::default();
+                // SAFETY: the worker is valid under the lock; remove = 1 hands the message
+                // to us, and we post its receive right away.
+                let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 1, &mut info) };
+                if m.is_null() {
+                    return None;
+                }
+                let mut buf: Vec<u8> = Vec::with_capacity(info.length);
+                let param = recv_param(st, no_imm);
+                // SAFETY: m is a dequeued message of this worker; buf has room for
+                // info.length bytes and is kept (below) until UCX completes.
+                let p = unsafe {
+                    sys::ucp_tag_msg_recv_nbx(st.handle, buf.as_mut_ptr().cast(), info.length, m, &param)
+                };
+                let imm = Completion::new(Status::OK, info.length, info.sender_tag);
+                Some((info.length, Posted::from_ptr(p, imm, false), buf))
+            });
+            let Some((len, posted, buf)) = next else { return Ok(taken) };
+            taken += 1;
+            if let Posted::Pending(r) = posted {
+                inner.posted();
+                // Dropped at once: the worker keeps the buffer until UCX completes.
+                drop(TagRecv::new(self, None, space, len, OpState::Pending(r, buf)));
+            }
+        }
+    }
 }
 
 /// For a receive bound to endpoint `ep` that can no longer be used (`refusal` says why):
