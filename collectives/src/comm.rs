@@ -105,6 +105,11 @@ pub(crate) struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // Messages of this communicator no call will take (a peer's, sent before it heard
+        // of an abort, or for a call this rank never made) are received and thrown away:
+        // left in UCX's queue, they would keep the sender's send, and its buffer, pending
+        // for ever. (A worker shut down has nothing left to take.)
+        let _ = self.ns.tag_discard(crate::tag::comm_tag(self.id), crate::tag::COMM_MASK);
         self.registry.release(self.id, &self.abort);
     }
 }

@@ -48,11 +48,21 @@ pub fn tag(comm: u16, seq: u16, step: u16, src: usize) -> u64 {
 /// [`tag`] for a message of kind `kind`.
 #[inline]
 pub fn kind_tag(comm: u16, seq: u16, step: u16, src: usize, kind: Kind) -> u64 {
-    (u64::from(comm) & 0x3ff) << 46
+    comm_tag(comm)
         | u64::from(seq) << 30
         | (u64::from(step) & 0x3fff) << 16
         | u64::from(kind as u8) << 14
         | (src as u64 & 0x3fff)
+}
+
+/// The bits of a tag that hold the communicator id: with [`comm_tag`], every message of
+/// one communicator.
+pub const COMM_MASK: u64 = 0x3ff << 46;
+
+/// The communicator id field of `comm`'s tags, the other fields 0.
+#[inline]
+pub fn comm_tag(comm: u16) -> u64 {
+    (u64::from(comm) & 0x3ff) << 46
 }
 
 #[cfg(test)]
@@ -72,5 +82,9 @@ mod tests {
         assert_eq!(tag(0, 0, 1, 0), 1 << 16);
         assert_eq!(tag(0, 0, 0, 1), 1);
         assert_ne!(tag(3, 7, 2, 5), tag(3, 7, 5, 2));
+        let every = kind_tag(5, u16::MAX, P2P_STEP, MAX_RANKS - 1, Kind::Credit);
+        assert_eq!(every & COMM_MASK, comm_tag(5), "a communicator's messages share its field");
+        assert_ne!(tag(6, 0, 0, 0) & COMM_MASK, comm_tag(5));
+        assert_eq!(comm_tag(MAX_COMMS - 1), COMM_MASK);
     }
 }

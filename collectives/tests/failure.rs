@@ -54,18 +54,30 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
     assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
 }
 
+/// Drops the communicators, then waits (at most [`BOUND`]) until no operation of theirs
+/// is left with the transport on any worker: what a peer sent that no call took was
+/// received and thrown away, which ended its send.
+async fn ends_clean(mesh: &kit::workers::Mesh, comms: Vec<Communicator>) {
+    drop(comms);
+    for w in &mesh.workers {
+        kit::workers::wait_parked_zero(w, BOUND).await;
+    }
+}
+
 /// A collective whose future is dropped while its transfers are in flight leaves their
 /// buffers with the transport: the peer still reads what rank 0 had posted to send and
 /// sends into what it had posted to receive, and that memory stays allocated until UCX
 /// lets go (the test command runs this under valgrind, which reports any access to freed
-/// memory). The peer ends with the abort the drop sent. Then the same with transfers
+/// memory). The peer ends with the abort the drop sent. Once the communicators are
+/// dropped, no operation is left on either worker, also where the peer heard of the abort
+/// before it called and never took rank 0's send. Then the same with transfers
 /// through shared-memory lanes (2 MiB), and with small calls (8 bytes, whose receives
 /// wait in landing vectors of their own): on two ranks (one step, run without the step
 /// loop), a broadcast's leaf on two (its receive lands in the caller's vector) and on
 /// three (the step loop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
-    let (_mesh, comms) = group(2).await;
+    let (mesh, comms) = group(2).await;
     // 1 MiB of f32: rendezvous transfers into tracked buffers, piecewise combines.
     let n = 1 << 18;
     let mut first = Box::pin(comms[0].allreduce(vec![1f32; n], ReduceOp::Sum));
@@ -75,15 +87,26 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     let late = tokio::time::timeout(BOUND, comms[1].allreduce(vec![2f32; n], ReduceOp::Sum));
     let e = late.await.expect("ended within the bound").expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
-    // Both workers go on progressing what was left in flight.
-    tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(comms[0].aborted().is_some());
+    ends_clean(&mesh, comms).await;
+
+    // The same, with rank 1 hearing of the abort before it calls: its call fails at once
+    // and never takes rank 0's send, which waits in rank 1's queue until the drop.
+    let (mesh, comms) = group(2).await;
+    let mut first = Box::pin(comms[0].allreduce(vec![1f32; n], ReduceOp::Sum));
+    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
+    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
+    drop(first);
+    hears_of_the_abort(&comms[1]).await;
+    let e = comms[1].allreduce(vec![2f32; n], ReduceOp::Sum).await.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
+    ends_clean(&mesh, comms).await;
 
     // 2 MiB: transfers of 1 MiB through shared-memory lanes. Rank 0 stages its first
     // pieces and sends their notes, then is dropped while it waits for rank 1's: the lane
     // is left unused, its region stays with the communicator, and the notes wait in rank
     // 1's queue while rank 1's call fails on the abort.
-    let (_mesh, comms) = group(2).await;
+    let (mesh, comms) = group(2).await;
     let mut first = Box::pin(comms[0].allreduce(vec![1f32; 1 << 19], ReduceOp::Sum));
     let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
     assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
@@ -92,13 +115,13 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     let late = tokio::time::timeout(BOUND, comms[1].allreduce(vec![2f32; 1 << 19], ReduceOp::Sum));
     let e = late.await.expect("ended within the bound").expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    ends_clean(&mesh, comms).await;
 
     // 8 bytes: a small call (its receive posted into a landing vector of its own, its send
     // made during the call), dropped while the receive waits. Rank 1 hears of the abort
     // before it calls, so its call fails at once; the dropped receive is canceled by the
     // transport, which keeps the vector until UCX lets go.
-    let (_mesh, comms) = group(2).await;
+    let (mesh, comms) = group(2).await;
     let mut first = Box::pin(comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum));
     let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
     assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
@@ -106,11 +129,11 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     hears_of_the_abort(&comms[1]).await;
     let e = comms[1].allreduce(vec![2f32; 2], ReduceOp::Sum).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    ends_clean(&mesh, comms).await;
 
     // A broadcast's leaf: its receive lands in the caller's vector, which the transport
     // keeps when the call is dropped.
-    let (_mesh, comms) = group(2).await;
+    let (mesh, comms) = group(2).await;
     let mut leaf = Box::pin(comms[1].broadcast(vec![0u32; 2], 0));
     let polled = tokio::time::timeout(Duration::from_millis(20), leaf.as_mut()).await;
     assert!(polled.is_err(), "the leaf cannot finish before the root sends");
@@ -118,10 +141,10 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     hears_of_the_abort(&comms[0]).await;
     let e = comms[0].broadcast(vec![5u32; 2], 0).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 1), "{e}");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    ends_clean(&mesh, comms).await;
 
     // 8 bytes on three ranks: several steps, so the step loop's receive is what waits.
-    let (_mesh, comms) = group(3).await;
+    let (mesh, comms) = group(3).await;
     let mut first = Box::pin(comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum));
     let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
     assert!(polled.is_err(), "rank 0 cannot finish before the others start");
@@ -134,7 +157,7 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
         let e = r.expect_err("aborted").error;
         assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    ends_clean(&mesh, comms).await;
 }
 
 /// A 2-rank small call (one step, run without the step loop) that waits ends when the
