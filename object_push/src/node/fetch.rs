@@ -46,7 +46,8 @@ struct Source<'a> {
     /// Whether its chunks are checked against their checksums ([`super::Verify`]).
     check: bool,
     /// Chunks in flight it is given, at most: `NodeOptions::window`, held to
-    /// `NodeOptions::network_window` bytes where UCX reaches it over a network only.
+    /// `NodeOptions::network_window` bytes in a relayed transfer where UCX reaches it
+    /// over a network only ([`window_of`]).
     window: u64,
     /// While it serves this transfer.
     live: Option<Live<'a>>,
@@ -161,9 +162,24 @@ pub(super) fn window_for(window: u32, bytes: u64, chunk: u32) -> u64 {
     u64::from(window).min(bytes / u64::from(chunk).max(1)).max(1)
 }
 
+/// A holder's window: `far` ([`window_for`]) where `bounded`, that is where the holder
+/// is reached over a network only and the chunks may pass through relays, else `window`.
+/// Over TCP a window's chunks share one connection and arrive together, so a relay can
+/// pass none on until the whole window is in: each relay of a broadcast lags a window.
+/// A pull from one holder relays nothing; the whole window keeps its connection full
+/// (256 MiB over TCP loopback: about 15 % faster with 8 chunks of 4 MiB than with 2).
+pub(super) fn window_of(window: u32, far: u64, bounded: bool) -> u64 {
+    if bounded {
+        far
+    } else {
+        u64::from(window)
+    }
+}
+
 impl<'a> Transfer<'a> {
     /// A transfer of an object of `layout` from `holders` (each taking part once it
     /// [`Transfer::join`]s) into `into`: a file, or a buffer of the object's size.
+    /// `relayed`: its chunks may pass through relays (see [`window_of`]).
     pub(super) fn new(
         node: &'a Inner,
         id: ObjectId,
@@ -171,17 +187,21 @@ impl<'a> Transfer<'a> {
         layout: Layout,
         into: Dest,
         priority: Priority,
+        relayed: bool,
     ) -> Transfer<'a> {
         let opts = &node.opts;
-        let (near, far) =
-            (u64::from(opts.window), window_for(opts.window, opts.network_window, layout.chunk()));
+        let far = window_for(opts.window, opts.network_window, layout.chunk());
         let sources = holders
             .iter()
             .map(|ep| Source {
                 ep,
                 check: opts.verify.checks(ep),
-                // The lanes are looked up only where the bound changes the window.
-                window: if far < near && !super::without_network(ep) { far } else { near },
+                // The lanes are looked up only where the bound can change the window.
+                window: window_of(
+                    opts.window,
+                    far,
+                    relayed && far < u64::from(opts.window) && !super::without_network(ep),
+                ),
                 live: None,
                 inflight: 0,
             })
@@ -513,7 +533,7 @@ impl<'a> Transfer<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::window_for;
+    use super::{window_for, window_of};
 
     #[test]
     fn far_windows_hold_to_their_bytes() {
@@ -528,6 +548,20 @@ mod tests {
         ];
         for (window, bytes, chunk, want) in table {
             assert_eq!(window_for(window, bytes, chunk), want, "{window} {bytes} {chunk}");
+        }
+    }
+
+    #[test]
+    fn only_relayed_networked_holders_get_the_far_window() {
+        let table = [
+            // (window, far, bounded, chunks in flight)
+            (8, 2, true, 2),
+            (8, 2, false, 8),
+            (4, 4, true, 4),
+            (1, 1, false, 1),
+        ];
+        for (window, far, bounded, want) in table {
+            assert_eq!(window_of(window, far, bounded), want, "{window} {far} {bounded}");
         }
     }
 }

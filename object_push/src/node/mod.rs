@@ -52,10 +52,12 @@ pub struct NodeOptions {
     /// Chunks in flight per holder of a pull. Default 8.
     pub window: u32,
     /// Bytes of chunks in flight per holder that UCX reaches over a network only (no
-    /// shared-memory lane), at most: fewer than `window` chunks where chunks are large,
-    /// never less than one. A relay passes a chunk on only once it arrived, and over TCP
-    /// a window's chunks arrive together, so this is what each relay of a broadcast lags.
-    /// Default 8 MiB.
+    /// shared-memory lane), at most, in a transfer whose chunks may pass through relays
+    /// (a receiver's part of a broadcast, or a pull from several holders): fewer than
+    /// `window` chunks where chunks are large, never less than one. A relay passes a
+    /// chunk on only once it arrived, and over TCP a window's chunks arrive together, so
+    /// this is what each relay of a broadcast lags. A pull from one holder takes the
+    /// whole `window`. Default 8 MiB.
     pub network_window: u64,
     /// Bytes of chunks in flight for all of the node's pulls together (a prefetch uses
     /// at most half). Default 256 MiB.

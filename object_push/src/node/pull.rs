@@ -193,12 +193,16 @@ pub(super) struct Choice {
     /// How long the first holders' lookups wait for the object to start arriving there
     /// (relays that may get their own offer later), in milliseconds.
     pub(super) wait_ms: u32,
+    /// Whether chunks may pass through relays: the pull is a receiver's part of a
+    /// broadcast, or has several holders (some may hold only part of the object yet).
+    /// Then a holder reached over a network gets `NodeOptions::network_window` at most.
+    pub(super) relayed: bool,
 }
 
 impl Choice {
     /// Every holder serves at once; none waits.
     pub(super) fn all(holders: &[Endpoint]) -> Choice {
-        Choice { first: holders.len(), wait_ms: 0 }
+        Choice { first: holders.len(), wait_ms: 0, relayed: holders.len() > 1 }
     }
 }
 
@@ -264,7 +268,7 @@ async fn transfer(
             Error::Store(format!("an object of {} bytes does not fit in memory", layout.size()))
         })?))
     };
-    let mut t = Transfer::new(node, id, holders, layout, into, priority);
+    let mut t = Transfer::new(node, id, holders, layout, into, priority, choice.relayed);
     t.choose(choice.first, unanswered);
     t.found(first);
     let object = t.run(lookups).await?;

@@ -96,7 +96,8 @@ async fn take(node: &Inner, ep: &Endpoint, id: ObjectId, size: u64, relays: u8, 
     let first = holders.len();
     holders.push(ep.clone());
     let wait_ms = RELAY_WAIT.min(node.opts.deadline).as_millis() as u32;
-    let o = node.pull_with(id, &holders, Choice { first, wait_ms }, crate::Priority::Get).await?;
+    let o =
+        node.pull_with(id, &holders, Choice { first, wait_ms, relayed: true }, crate::Priority::Get).await?;
     if o.len() as u64 != size {
         return Err(Error::Remote(format!("offered {size} bytes, pulled {}", o.len())));
     }
