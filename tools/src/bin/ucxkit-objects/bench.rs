@@ -1,7 +1,8 @@
 //! `bench`: a holder and `--receivers` receivers on this host; every size moved `--reps`
 //! times by each of `--ops` (all receivers pulling at once, the slowest receiver's time
 //! counted; or a broadcast in a shape, timed by the holder until every receiver holds
-//! it), the median repetition reported; `--compare` adds `ucx_perftest -t tag_bw`.
+//! it), the median repetition reported; `--compare` adds `ucx_perftest -t tag_bw`, run
+//! after each repetition of the first op, and the median of the paired ratios.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -43,7 +44,8 @@ pub(crate) struct BenchArgs {
     /// Repetitions per size (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
-    /// Also run `ucx_perftest -t tag_bw` on the same transports and sizes.
+    /// Also run `ucx_perftest -t tag_bw` on the same transports and sizes, once after
+    /// each repetition of the first op; the ratio is the median of those pairs'.
     #[arg(long)]
     compare: bool,
     /// Check every pulled object's bytes (outside the time).
@@ -252,6 +254,10 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let limit = a.node.deadline + Duration::from_secs(10);
     let mut rows = Vec::new();
     for &size in &sizes {
+        // With --compare, ucx_perftest runs after each repetition of the first op, and
+        // each pair gives a ratio: this machine's speed drifts between repetitions.
+        let mut theirs: Vec<Row> = Vec::new();
+        let mut paired: Vec<f64> = Vec::new();
         for &op in &a.ops {
             let mut times = Vec::new();
             let mut peak = 0f64;
@@ -273,6 +279,11 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
                 };
                 times.push(t);
                 peak = peak.max(p);
+                if a.compare && op == a.ops[0] {
+                    let row = perftest_row(&a, size, net_devices.as_deref())?;
+                    paired.push(row.time_us / t);
+                    theirs.push(row);
+                }
             }
             times.sort_by(f64::total_cmp);
             let time_us = times[times.len() / 2];
@@ -284,12 +295,13 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             print(&a, &row, None, x_single, rows.is_empty());
             rows.push(row);
         }
-        if a.compare {
-            let theirs = perftest_row(&a, size, net_devices.as_deref())?;
-            let first = &rows[rows.len() - a.ops.len()];
-            let ratio = first.mibps() / theirs.mibps();
-            print(&a, &theirs, Some(ratio), None, false);
-            rows.push(theirs);
+        if let Some(ratio) = median(&mut paired) {
+            // ucx_perftest's median repetition, and the median of the paired ratios of
+            // the first op's bandwidth to ucx_perftest's.
+            theirs.sort_by(|x, y| x.time_us.total_cmp(&y.time_us));
+            let row = theirs.swap_remove(theirs.len() / 2);
+            print(&a, &row, Some(ratio), None, false);
+            rows.push(row);
         }
     }
     if let Some(path) = &a.output.plot {
@@ -301,6 +313,12 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     drop(holder);
     drop(switch);
     Ok(())
+}
+
+/// The median of `v` (the upper one of an even count), or `None` when it is empty.
+fn median(v: &mut [f64]) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
 }
 
 /// Every receiver pulls the object of `size` bytes, receiver i starting `skew` after
