@@ -1,4 +1,4 @@
-//! Whether this host's cores are oversubscribed, as the event-mode driver sees it: the
+//! Whether this host's cores are oversubscribed, as a worker's driver sees it: the
 //! threads ready to run outnumber the cores (`/proc/loadavg`), or the driver's own thread
 //! spent over a tenth of the time ready to run but waiting for a core (the kernel's
 //! `run_delay`, `/proc/thread-self/schedstat`: the whole-host count misses a quota or a
@@ -8,7 +8,8 @@
 //! two cores spent a fifth of a core so, and four ranks on two cores waited hundreds of
 //! microseconds for each other's replies), so a crowded driver yields the processor
 //! between its polls (`sched_yield`): a peer that is ready runs at once, and the reply
-//! it sends is picked up without a sleep and a wake-up.
+//! it sends is picked up without a sleep and a wake-up. The same holds for a busy-poll
+//! driver's polling after traffic ([`super::progress::BUSY_IDLE`]).
 //!
 //! Its own wait alone is not enough: a driver that spins keeps its core and hardly
 //! waits, while the peer sharing that core yields it back at once and does all the

@@ -42,7 +42,8 @@ pub enum ProgressMode {
     /// Futures progress the worker in a loop while they wait (yielding to tokio every few
     /// hundred iterations, after which the driver lets them run again first, or after
     /// [`crate::WorkerBuilder::busy_yield`] of yielding the processor) and the
-    /// driver task spins too while the worker is busy. Lowest
+    /// driver task spins too while the worker is busy (yielding the processor between
+    /// its polls on a crowded host, as the event mode's linger does). Lowest
     /// latency; keeps one core (or more, with several waiting tasks on a multi-thread
     /// runtime) at 100 % while traffic flows. After [`BUSY_IDLE`] without any event and with
     /// no future waiting, the driver sleeps on the event fd as in [`ProgressMode::Event`]
@@ -315,9 +316,10 @@ async fn drive_sleeping(inner: &WorkerInner, signal: &Signal, poll_for: Duration
     let mut linger = poll_for;
     let mut crowding = Crowding::new();
     while !signal.is_stopped() {
-        if adapt && crowding.crowded(Instant::now()) {
-            // The linger's polling would take the core from the peers it waits for: the
-            // whole linger, giving the core away between polls.
+        if crowding.crowded(Instant::now()) {
+            // The linger's polling (or the busy-poll mode's, after traffic) would take
+            // the core from the peers it waits for: the whole of it, giving the core away
+            // between polls.
             poll_while_busy(inner, signal, poll_for, Pace::Cede).await;
         } else {
             let caught = poll_while_busy(inner, signal, linger, Pace::Spin).await;
