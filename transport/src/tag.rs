@@ -308,24 +308,8 @@ impl Worker {
         let (info, posted, buf) = std::future::poll_fn(|cx| {
             inner.poll_until(
                 cx,
-                |st| {
-                    let mut info = sys::ucp_tag_recv_info_t::default();
-                    // SAFETY: the worker is valid under the lock; remove = 1 hands the
-                    // message to us, and we post its receive right away.
-                    let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 1, &mut info) };
-                    if m.is_null() {
-                        return None;
-                    }
-                    let mut buf: Vec<u8> = Vec::with_capacity(info.length);
-                    let param = recv_param(st, no_imm);
-                    // SAFETY: m is a dequeued message of this worker; buf has room for
-                    // info.length bytes and is owned by this call until completion.
-                    let p = unsafe {
-                        sys::ucp_tag_msg_recv_nbx(st.handle, buf.as_mut_ptr().cast(), info.length, m, &param)
-                    };
-                    let imm = Completion::new(Status::OK, info.length, info.sender_tag);
-                    Some((info, Posted::from_ptr(p, imm, false), buf))
-                },
+                // SAFETY: the buffer goes with the receive into the `TagRecv` below.
+                |st| unsafe { take_next(st, tag, mask, no_imm) },
                 |st, waker| st.add_probe_waiter(waker),
             )
         })
@@ -367,33 +351,49 @@ impl Worker {
         inner.locked(|st| inner.progress_locked(st));
         let mut taken = 0;
         loop {
-            let next = inner.locked(|st| {
-                let mut info = sys::ucp_tag_recv_info_t::default();
-                // SAFETY: the worker is valid under the lock; remove = 1 hands the message
-                // to us, and we post its receive right away.
-                let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 1, &mut info) };
-                if m.is_null() {
-                    return None;
-                }
-                let mut buf: Vec<u8> = Vec::with_capacity(info.length);
-                let param = recv_param(st, no_imm);
-                // SAFETY: m is a dequeued message of this worker; buf has room for
-                // info.length bytes and is kept (below) until UCX completes.
-                let p = unsafe {
-                    sys::ucp_tag_msg_recv_nbx(st.handle, buf.as_mut_ptr().cast(), info.length, m, &param)
-                };
-                let imm = Completion::new(Status::OK, info.length, info.sender_tag);
-                Some((info.length, Posted::from_ptr(p, imm, false), buf))
-            });
-            let Some((len, posted, buf)) = next else { return Ok(taken) };
+            // SAFETY: a pending receive's buffer is parked with it below.
+            let Some((info, posted, buf)) = inner.locked(|st| unsafe { take_next(st, tag, mask, no_imm) })
+            else {
+                return Ok(taken);
+            };
             taken += 1;
             if let Posted::Pending(r) = posted {
                 inner.posted();
                 // Dropped at once: the worker keeps the buffer until UCX completes.
-                drop(TagRecv::new(self, None, space, len, OpState::Pending(r, buf)));
+                drop(TagRecv::new(self, None, space, info.length, OpState::Pending(r, buf)));
             }
         }
     }
+}
+
+/// Takes the next arrived message matching the wire `tag`/`mask` out of UCX's queue of
+/// unexpected messages and posts its receive into a new buffer of its length
+/// (`ucp_tag_probe_nb` with remove, then `ucp_tag_msg_recv_nbx`); `None` when there is
+/// none.
+///
+/// # Safety
+/// UCX writes into the returned buffer until the returned receive completes: the caller
+/// keeps it until then (a pending receive parked with it when dropped).
+unsafe fn take_next(
+    st: &mut State,
+    tag: Tag,
+    mask: u64,
+    no_imm: bool,
+) -> Option<(sys::ucp_tag_recv_info_t, Posted, Vec<u8>)> {
+    let mut info = sys::ucp_tag_recv_info_t::default();
+    // SAFETY: the worker is valid under the lock (`st` is reached only under it); remove
+    // = 1 hands the message to us, and we post its receive right away.
+    let m = unsafe { sys::ucp_tag_probe_nb(st.handle, tag, mask, 1, &mut info) };
+    if m.is_null() {
+        return None;
+    }
+    let mut buf: Vec<u8> = Vec::with_capacity(info.length);
+    let param = recv_param(st, no_imm);
+    // SAFETY: m is a dequeued message of this worker; buf has room for info.length bytes
+    // and is kept by the caller until completion (this function's contract).
+    let p = unsafe { sys::ucp_tag_msg_recv_nbx(st.handle, buf.as_mut_ptr().cast(), info.length, m, &param) };
+    let imm = Completion::new(Status::OK, info.length, info.sender_tag);
+    Some((info, Posted::from_ptr(p, imm, false), buf))
 }
 
 /// For a receive bound to endpoint `ep` that can no longer be used (`refusal` says why):
