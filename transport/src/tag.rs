@@ -348,21 +348,22 @@ impl Worker {
         let (tag, mask) = space.wire_recv(tag, mask).map_err(|e| *e)?;
         let inner = &self.shared.inner;
         let no_imm = inner.no_imm;
-        inner.locked(|st| inner.progress_locked(st));
-        let mut taken = 0;
-        loop {
-            // SAFETY: a pending receive's buffer is parked with it below.
-            let Some((info, posted, buf)) = inner.locked(|st| unsafe { take_next(st, tag, mask, no_imm) })
-            else {
-                return Ok(taken);
-            };
-            taken += 1;
+        // Under one lock: progress once, then take every matching message.
+        let taken: Vec<_> = inner.locked(|st| {
+            inner.progress_locked(st);
+            // SAFETY: each buffer stays in `taken`, then a pending receive's is parked with
+            // it below.
+            std::iter::from_fn(|| unsafe { take_next(st, tag, mask, no_imm) }).collect()
+        });
+        let count = taken.len();
+        for (info, posted, buf) in taken {
             if let Posted::Pending(r) = posted {
                 inner.posted();
                 // Dropped at once: the worker keeps the buffer until UCX completes.
                 drop(TagRecv::new(self, None, space, info.length, OpState::Pending(r, buf)));
             }
         }
+        Ok(count)
     }
 }
 
