@@ -135,8 +135,8 @@ static REGISTRIES: Mutex<Vec<(usize, Weak<Registry>)>> = Mutex::new(Vec::new());
 /// [`COOLING`]): new communicators take others first, so that messages of a
 /// communicator that ended mid-call, still on their way when it was dropped (those that
 /// had arrived it threw away), meet no communicator of the same id until hundreds of
-/// others were made. Kept apart from the registries, which end with a worker's last communicator,
-/// for the last [`COOLING_WORKERS`] workers that gave an id back.
+/// others were made. Kept apart from the registries, which end with a worker's last
+/// communicator, for the last [`COOLING_WORKERS`] workers that gave an id back.
 static COOLING_IDS: Mutex<Vec<(usize, VecDeque<u16>)>> = Mutex::new(Vec::new());
 
 /// Workers whose given-back ids are kept.

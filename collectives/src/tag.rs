@@ -62,7 +62,7 @@ pub const COMM_MASK: u64 = 0x3ff << 46;
 /// The communicator id field of `comm`'s tags, the other fields 0.
 #[inline]
 pub fn comm_tag(comm: u16) -> u64 {
-    (u64::from(comm) & 0x3ff) << 46
+    (u64::from(comm) << 46) & COMM_MASK
 }
 
 #[cfg(test)]

@@ -285,8 +285,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
                     theirs.push(row);
                 }
             }
-            times.sort_by(f64::total_cmp);
-            let time_us = times[times.len() / 2];
+            let time_us = median(&mut times).ok_or("no repetitions")?;
             let receivers = if op == Op::Single { 1 } else { a.receivers };
             let row = Row { op: name, size, receivers, time_us, peak_mib: peak, source: "ucxkit" };
             // Against one transfer of the same size, where measured before it.
