@@ -89,6 +89,17 @@ impl Layout {
     pub fn verify(&self, k: u64, bytes: &[u8]) -> bool {
         self.sums.get(k as usize).is_some_and(|&s| bytes.len() == self.range(k).len() && sum(bytes) == s)
     }
+
+    /// The checksum of the whole object, whose bytes are `bytes` (as an inline answer
+    /// carries it): the one it was sealed with where it is one chunk, so that a holder
+    /// does not hash it again for every lookup and a byte changed since sealing shows at
+    /// the puller; else computed.
+    pub fn whole_sum(&self, bytes: &[u8]) -> u64 {
+        match self.sums[..] {
+            [s] if bytes.len() as u64 == self.size => s,
+            _ => sum(bytes),
+        }
+    }
 }
 
 /// The checksum of `bytes` (64-bit XXH3, seed 0).
@@ -151,6 +162,23 @@ mod tests {
         assert!(!l.verify(1, &bytes[..100]), "a short chunk");
         assert!(!l.verify(3, &[]), "no such chunk");
         assert_eq!(Layout::of(&[], 4096).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_one_chunk_objects_whole_sum_is_the_sealed_one() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 3) as u8).collect();
+        let one = Layout::of(&bytes, 16_384).unwrap();
+        assert_eq!(one.whole_sum(&bytes), sum(&bytes));
+        // Changed since sealing: the sealed sum still tells.
+        let mut changed = bytes.clone();
+        changed[9] ^= 1;
+        assert_eq!(one.whole_sum(&changed), sum(&bytes));
+        assert_ne!(one.whole_sum(&changed), sum(&changed));
+        // Several chunks, none, or bytes of another length: computed.
+        let three = Layout::of(&bytes, 4096).unwrap();
+        assert_eq!(three.whole_sum(&bytes), sum(&bytes));
+        assert_eq!(Layout::of(&[], 4096).unwrap().whole_sum(&[]), sum(&[]));
+        assert_eq!(one.whole_sum(&bytes[..10]), sum(&bytes[..10]));
     }
 
     #[test]
