@@ -110,7 +110,14 @@ impl Drop for Inner {
         // left in UCX's queue, they would keep the sender's send, and its buffer, pending
         // for ever. (A worker shut down has nothing left to take.)
         let _ = self.ns.tag_discard(crate::tag::comm_tag(self.id), crate::tag::COMM_MASK);
-        self.registry.release(self.id, &self.abort);
+        let held =
+            crate::late::HeldId { registry: self.registry.clone(), cell: self.abort.clone(), id: self.id };
+        // An aborted one's messages may still be on their way (see `late`).
+        if self.abort.is_set() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(crate::late::sweep(self.ns.clone(), held));
+            }
+        }
     }
 }
 

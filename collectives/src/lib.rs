@@ -41,7 +41,8 @@
 //! the communicator on every rank ([`abort`]): pending and later calls fail with
 //! [`Error::Aborted`], naming the rank that failed, within the transport's time to see a
 //! dead peer plus one message (10 to 100 ms for a killed process on one host). The live
-//! ranks then call [`Communicator::shrink`] for a communicator of themselves.
+//! ranks then call [`Communicator::shrink`] for a communicator of themselves. An aborted
+//! communicator's messages that arrive after its drop are thrown away ([`late`]).
 //!
 //! # Choosing algorithms
 //!
@@ -81,6 +82,7 @@ pub mod error;
 mod exec;
 mod failure;
 pub mod hosts;
+pub mod late;
 mod ops;
 pub mod plan;
 pub mod reduce;
