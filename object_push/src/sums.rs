@@ -91,13 +91,15 @@ impl Layout {
     }
 
     /// The checksum of the whole object, whose bytes are `bytes` (as an inline answer
-    /// carries it): the one it was sealed with where it is one chunk, so that a holder
-    /// does not hash it again for every lookup and a byte changed since sealing shows at
-    /// the puller; else computed.
-    pub fn whole_sum(&self, bytes: &[u8]) -> u64 {
+    /// carries it), such that a byte changed since sealing shows: where it is one chunk,
+    /// the checksum it was sealed with (the puller's check finds the change, and the
+    /// holder does not hash the object again for every lookup); else computed, once
+    /// every chunk is found as sealed (`None` when one is not).
+    pub fn whole_sum(&self, bytes: &[u8]) -> Option<u64> {
         match self.sums[..] {
-            [s] if bytes.len() as u64 == self.size => s,
-            _ => sum(bytes),
+            [s] if bytes.len() as u64 == self.size => Some(s),
+            _ if bytes.len() as u64 != self.size => None,
+            _ => (0..self.count()).all(|k| self.verify(k, &bytes[self.range(k)])).then(|| sum(bytes)),
         }
     }
 }
@@ -168,17 +170,20 @@ mod tests {
     fn a_one_chunk_objects_whole_sum_is_the_sealed_one() {
         let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 3) as u8).collect();
         let one = Layout::of(&bytes, 16_384).unwrap();
-        assert_eq!(one.whole_sum(&bytes), sum(&bytes));
+        assert_eq!(one.whole_sum(&bytes), Some(sum(&bytes)));
         // Changed since sealing: the sealed sum still tells.
         let mut changed = bytes.clone();
         changed[9] ^= 1;
-        assert_eq!(one.whole_sum(&changed), sum(&bytes));
-        assert_ne!(one.whole_sum(&changed), sum(&changed));
-        // Several chunks, none, or bytes of another length: computed.
+        assert_eq!(one.whole_sum(&changed), Some(sum(&bytes)));
+        assert_ne!(sum(&bytes), sum(&changed));
+        // Several chunks: computed where every chunk is as sealed, none otherwise.
         let three = Layout::of(&bytes, 4096).unwrap();
-        assert_eq!(three.whole_sum(&bytes), sum(&bytes));
-        assert_eq!(Layout::of(&[], 4096).unwrap().whole_sum(&[]), sum(&[]));
-        assert_eq!(one.whole_sum(&bytes[..10]), sum(&bytes[..10]));
+        assert_eq!(three.whole_sum(&bytes), Some(sum(&bytes)));
+        assert_eq!(three.whole_sum(&changed), None);
+        // No chunks; bytes of another length.
+        assert_eq!(Layout::of(&[], 4096).unwrap().whole_sum(&[]), Some(sum(&[])));
+        assert_eq!(one.whole_sum(&bytes[..10]), None);
+        assert_eq!(three.whole_sum(&bytes[..10]), None);
     }
 
     #[test]

@@ -132,6 +132,36 @@ async fn files_sealed_as_they_are_are_served_and_kept() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A file changed after it was sealed is not handed out as the object, inline either:
+/// an object of one chunk travels with the checksum it was sealed with, so the puller's
+/// check fails; one of several chunks is refused by its holder.
+#[tokio::test]
+async fn files_changed_since_sealing_are_refused_inline_too() {
+    let d = dir("changed");
+    std::fs::create_dir_all(&d).unwrap();
+    let mesh = mesh_with("posix,cma,tcp,self", 2, ProgressMode::Event).await;
+    let opts = || NodeOptions { inline_max: 16_384, ..small() };
+    let owner = ObjectNode::new(&mesh.workers[0], Arc::new(MemoryStore::new()), opts()).unwrap();
+    let puller = ObjectNode::new(&mesh.workers[1], Arc::new(MemoryStore::new()), opts()).unwrap();
+    for (name, len, chunks) in [("one", 3000, 1), ("three", 10_000, 3)] {
+        let path = d.join(name);
+        let mut bytes = payload(9, len);
+        std::fs::write(&path, &bytes).unwrap();
+        let o = owner.put_file(id(name), &path).await.unwrap();
+        assert_eq!(o.layout().count(), chunks);
+        bytes[len / 2] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+        let pulled = tokio::time::timeout(T, puller.pull(id(name), mesh.ep(1, 0))).await.unwrap();
+        let err = pulled.map(|o| o.len()).unwrap_err();
+        match chunks {
+            1 => assert!(matches!(err, Error::Corrupt { chunk: 0, .. }), "{err}"),
+            _ => assert!(matches!(&err, Error::Remote(r) if r.contains("changed since")), "{err}"),
+        }
+        assert!(puller.get(&id(name)).is_none(), "nothing sealed");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// A receiver taking an object into a file does not relay it while it arrives: the
 /// receiver below it in a chain is told at once and pulls from the owner, without
 /// waiting for the relay to start.

@@ -74,7 +74,13 @@ async fn answer(node: Arc<Inner>, ep: Endpoint, msg: Msg) {
             let (reply, payload) = match node.find(&id) {
                 Some(Chunks::Arriving(p)) => layout_answer(req, p.layout()),
                 Some(Chunks::Sealed(o)) if o.len() as u64 <= inline_max => match read(&o, None).await {
-                    Ok(b) => (Msg::Inline { req, sum: o.layout().whole_sum(&b) }, b),
+                    Ok(b) => match o.layout().whole_sum(&b) {
+                        Some(sum) => (Msg::Inline { req, sum }, b),
+                        None => (
+                            Msg::Failed { req, reason: format!("{id} changed since it was sealed") },
+                            Bytes::new(),
+                        ),
+                    },
                     Err(reason) => (Msg::Failed { req, reason }, Bytes::new()),
                 },
                 Some(Chunks::Sealed(o)) => layout_answer(req, o.layout()),
