@@ -115,7 +115,8 @@ impl Drop for Inner {
         // An aborted one's messages may still be on their way (see `late`).
         if self.abort.is_set() {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(crate::late::sweep(self.ns.clone(), held));
+                let end = tokio::time::Instant::now() + crate::late::LATE_GRACE;
+                rt.spawn(crate::late::sweep(self.ns.discarder(), held, end));
             }
         }
     }
@@ -205,12 +206,14 @@ impl std::fmt::Debug for Communicator {
 impl Communicator {
     /// A communicator over endpoints already connected: `eps[i]` reaches rank `i` (None
     /// for this rank itself), all of the worker `ns` was claimed from, and every rank
-    /// passes the same `id` (0..1024, unique among the communicators sharing a worker).
+    /// passes the same `id` (0..1024, unique among the communicators sharing a worker;
+    /// an aborted communicator's id stays taken for [`crate::late::LATE_GRACE`] after
+    /// its drop).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a rank outside the group, a missing endpoint, an
-    /// endpoint of another worker, too many ranks or an id out of range, and for a
-    /// malformed [`plan::ENV`].
+    /// endpoint of another worker, too many ranks, an id out of range or taken, and for
+    /// a malformed [`plan::ENV`].
     pub fn from_endpoints(
         ns: &Namespace,
         id: u16,
@@ -257,7 +260,10 @@ impl Communicator {
         let registry = Registry::of(ns)?;
         let abort = Arc::new(AbortCell::default());
         if !registry.claim(id, &abort) {
-            return Err(Error::InvalidArgument(format!("communicator id {id} is taken on this worker")));
+            return Err(Error::InvalidArgument(format!(
+                "communicator id {id} is taken on this worker (live, or dropped aborted under {:?} ago)",
+                crate::late::LATE_GRACE
+            )));
         }
         let inner = Arc::new(Inner {
             ns: ns.clone(),

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ucxkit_transport::Namespace;
+use ucxkit_transport::namespace::Discarder;
 
 use crate::abort::{AbortCell, Registry};
 use crate::tag::{comm_tag, COMM_MASK};
@@ -37,14 +37,14 @@ impl Drop for HeldId {
     }
 }
 
-/// Throws away `held`'s messages that arrive on `ns`'s worker, for [`LATE_GRACE`] or
-/// until the worker shuts down, then gives the id back (also when the task is dropped,
-/// as its runtime shuts down).
-pub(crate) async fn sweep(ns: Namespace, held: HeldId) {
-    let end = tokio::time::Instant::now() + LATE_GRACE;
+/// Throws away `held`'s messages that arrive (through `discard`, which does not keep the
+/// namespace claimed: the worker may form another group meanwhile) until `end` or the
+/// worker's shutdown, then gives the id back (also when the task is dropped, as its
+/// runtime shuts down).
+pub(crate) async fn sweep(discard: Discarder, held: HeldId, end: tokio::time::Instant) {
     while tokio::time::Instant::now() < end {
         tokio::time::sleep(LATE_SWEEP).await;
-        match ns.tag_discard(comm_tag(held.id), COMM_MASK) {
+        match discard.tag_discard(comm_tag(held.id), COMM_MASK) {
             Ok(n) if n > 0 => tracing::debug!(id = held.id, n, "late messages of an aborted communicator"),
             Ok(_) => {}
             Err(_) => break,

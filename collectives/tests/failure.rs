@@ -64,6 +64,52 @@ async fn ends_clean(mesh: &kit::workers::Mesh, comms: Vec<Communicator>) {
     }
 }
 
+/// A message of an aborted communicator that arrives after its drop (sent by a peer that
+/// had not heard of the abort) is taken and thrown away, so the peer's send ends. The
+/// id stays held meanwhile, so no new communicator on that worker takes it until
+/// `LATE_GRACE` has passed, but the namespace is free at once (a group can form again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_communicators_late_messages_end_their_sends() {
+    use ucxkit_collectives::late::LATE_GRACE;
+    use ucxkit_collectives::tag::tag;
+    use ucxkit_transport::namespace::COLLECTIVES;
+    let mesh = kit::workers::mesh_with("tcp,posix,cma,self", 2, Default::default()).await;
+    let claim = |r: usize| mesh.workers[r].namespace(COLLECTIVES).expect("namespace");
+    let made = |ns: &ucxkit_transport::Namespace, r: usize| {
+        Communicator::from_endpoints(ns, 3, r, mesh.eps[r].clone())
+    };
+    let (ns0, ns1) = (claim(0), claim(1));
+    let first = made(&ns0, 0).expect("rank 0");
+    let second = made(&ns1, 1).expect("rank 1");
+    second.abort("the test gives up");
+    let dropped = Instant::now();
+    drop((second, ns1));
+    // The namespace is given back; the id is held.
+    let ns1 = claim(1);
+    assert!(made(&ns1, 1).is_err(), "the id was given back while late messages may come");
+    // Sent as the collective of a peer that had not heard yet: rendezvous (1 MiB) and
+    // eager, with the communicator's tags.
+    let ep = mesh.eps[0][1].as_ref().expect("endpoint");
+    let big = ns0.tag_send(ep, tag(3, 7, 0, 0), vec![7u8; 1 << 20]);
+    let small = ns0.tag_send(ep, tag(3, 7, 1, 0), vec![8u8; 8]);
+    let (big, small) = tokio::time::timeout(BOUND, futures_util::future::join(big, small))
+        .await
+        .expect("the late messages' sends ended");
+    big.0.expect("the rendezvous send");
+    small.0.expect("the eager send");
+    // Given back once the grace has passed, not before.
+    let again = loop {
+        if let Ok(c) = made(&ns1, 1) {
+            break c;
+        }
+        assert!(dropped.elapsed() < LATE_GRACE + BOUND, "the id was never given back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(dropped.elapsed() >= LATE_GRACE, "given back after {:?}", dropped.elapsed());
+    drop((again, ns1, ns0));
+    ends_clean(&mesh, vec![first]).await;
+}
+
 /// A collective whose future is dropped while its transfers are in flight leaves their
 /// buffers with the transport: the peer still reads what rank 0 had posted to send and
 /// sends into what it had posted to receive, and that memory stays allocated until UCX
@@ -75,38 +121,6 @@ async fn ends_clean(mesh: &kit::workers::Mesh, comms: Vec<Communicator>) {
 /// wait in landing vectors of their own): on two ranks (one step, run without the step
 /// loop), a broadcast's leaf on two (its receive lands in the caller's vector) and on
 /// three (the step loop).
-/// A message of an aborted communicator that arrives after its drop (sent by a peer that
-/// had not heard of the abort) is taken and thrown away, so the peer's send ends; the id
-/// stays held meanwhile, so no new communicator on that worker takes it until
-/// `LATE_GRACE` has passed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_aborted_communicators_late_messages_end_their_sends() {
-    use ucxkit_collectives::late::{LATE_GRACE, LATE_SWEEP};
-    use ucxkit_collectives::tag::tag;
-    use ucxkit_transport::namespace::COLLECTIVES;
-    let mesh = kit::workers::mesh_with("tcp,posix,cma,self", 2, Default::default()).await;
-    let ns: Vec<_> = mesh.workers.iter().map(|w| w.namespace(COLLECTIVES).expect("namespace")).collect();
-    let made = |r: usize| Communicator::from_endpoints(&ns[r], 3, r, mesh.eps[r].clone());
-    let mut comms = vec![made(0).expect("rank 0"), made(1).expect("rank 1")];
-    comms[1].abort("the test gives up");
-    drop(comms.pop());
-    // Sent as the collective of a peer that had not heard yet: rendezvous (1 MiB) and
-    // eager, with the communicator's tags.
-    let ep = mesh.eps[0][1].as_ref().expect("endpoint");
-    let big = ns[0].tag_send(ep, tag(3, 7, 0, 0), vec![7u8; 1 << 20]);
-    let small = ns[0].tag_send(ep, tag(3, 7, 1, 0), vec![8u8; 8]);
-    let (big, small) = tokio::time::timeout(BOUND, futures_util::future::join(big, small))
-        .await
-        .expect("the late messages' sends ended");
-    big.0.expect("the rendezvous send");
-    small.0.expect("the eager send");
-    // Held: a communicator of the same id cannot be made on rank 1's worker yet.
-    assert!(made(1).is_err(), "the id was given back while late messages may come");
-    tokio::time::sleep(LATE_GRACE + LATE_SWEEP * 10).await;
-    drop(made(1).expect("the id is given back after the grace"));
-    ends_clean(&mesh, comms).await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (mesh, comms) = group(2).await;

@@ -72,6 +72,27 @@ impl Drop for Claim {
     }
 }
 
+/// Takes and throws away a namespace's messages ([`Namespace::tag_discard`]) without
+/// holding its claim: for a task that clears what still arrives for a part of a layer
+/// that has gone, while the layer may give the namespace back and claim it again. It
+/// discards in that number's space whoever holds it, so it may only be used for tags
+/// that no later claimant's receives can expect. Keeps the worker alive.
+#[derive(Clone)]
+pub struct Discarder {
+    worker: Worker,
+    space: Space,
+}
+
+impl Discarder {
+    /// [`Namespace::tag_discard`].
+    ///
+    /// # Errors
+    /// As for [`Namespace::tag_discard`].
+    pub fn tag_discard(&self, tag: Tag, mask: u64) -> Result<usize> {
+        self.worker.tag_discard_in(self.space, tag, mask)
+    }
+}
+
 impl std::fmt::Debug for Namespace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Namespace").field("number", &self.inner.number).finish()
@@ -228,6 +249,11 @@ impl Namespace {
     /// shutdown.
     pub fn tag_discard(&self, tag: Tag, mask: u64) -> Result<usize> {
         self.inner.worker.tag_discard_in(self.inner.space, tag, mask)
+    }
+
+    /// A [`Discarder`] of this namespace's messages, which does not hold its claim.
+    pub fn discarder(&self) -> Discarder {
+        Discarder { worker: self.inner.worker.clone(), space: self.inner.space }
     }
 
     /// [`Endpoint::am_send`] with this namespace's id `id` (below [`NAMESPACE_IDS`]).
