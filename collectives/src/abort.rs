@@ -125,6 +125,9 @@ pub(crate) struct Registry {
     _handler: AmHandler,
 }
 
+/// How many times [`Registry::of`] tries to install the abort handler.
+const HANDLER_TRIES: u32 = 1000;
+
 /// Ids kept cooling after they are given back.
 const COOLING: usize = 768;
 
@@ -168,6 +171,22 @@ impl Registry {
     /// [`Error::InvalidArgument`] when the abort id of the namespace is taken by
     /// something else.
     pub(crate) fn of(ns: &Namespace) -> Result<Arc<Registry>> {
+        // A registry whose last holder is being dropped on another thread (a late-message
+        // sweep's end, see `late`) keeps its handler installed for a moment after it can
+        // no longer be found: its id is taken until that drop ends.
+        let mut tries = 0;
+        loop {
+            match Self::find_or_make(ns) {
+                Err(_) if tries < HANDLER_TRIES => {
+                    tries += 1;
+                    std::thread::yield_now();
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn find_or_make(ns: &Namespace) -> Result<Arc<Registry>> {
         let key = ns.worker().as_raw() as usize;
         let mut all = REGISTRIES.lock().unwrap_or_else(PoisonError::into_inner);
         all.retain(|(_, w)| w.strong_count() > 0);

@@ -40,7 +40,8 @@ impl Drop for HeldId {
 /// Throws away `held`'s messages that arrive (through `discard`, which does not keep the
 /// namespace claimed: the worker may form another group meanwhile) until `end` or the
 /// worker's shutdown, then gives the id back (also when the task is dropped, as its
-/// runtime shuts down).
+/// runtime shuts down). What it held is let go on the blocking pool: it may be the
+/// worker's last handle, whose drop can wait for UCX.
 pub(crate) async fn sweep(discard: Discarder, held: HeldId, end: tokio::time::Instant) {
     while tokio::time::Instant::now() < end {
         tokio::time::sleep(LATE_SWEEP).await;
@@ -50,4 +51,5 @@ pub(crate) async fn sweep(discard: Discarder, held: HeldId, end: tokio::time::In
             Err(_) => break,
         }
     }
+    drop(tokio::task::spawn_blocking(move || drop((discard, held))));
 }

@@ -15,7 +15,9 @@
 //! [`crate::am::NAMESPACE_IDS`], put them in its own range, and receive only within it:
 //! a receive with mask [`crate::tag::ANY`] matches any tag of its own space and none
 //! other. So no convention is needed: a layer cannot match the application's messages
-//! or another layer's, and the application cannot match a layer's.
+//! or another layer's, and the application cannot match a layer's. (A [`Discarder`],
+//! which throws a namespace's messages away without holding its claim, is for a layer's
+//! own use on its own number.)
 //!
 //! A namespace is claimed from a worker ([`crate::Worker::namespace`]), once at a time:
 //! claiming a claimed one is an error, and dropping the last clone of the
