@@ -290,19 +290,21 @@ pub(crate) fn pick_id(map: &[u64], start: u16) -> Result<u16> {
 }
 
 /// Tells every rank in `eps` (None for this rank) that communicator `comm` is aborted.
-/// Best effort: a message the transport cannot take at once is sent from a task when a
-/// runtime is at hand, and dropped otherwise (the rank then learns of the failure from
-/// its own operations or deadline).
+/// Best effort: a message the transport cannot take at once is posted as an owned send,
+/// awaited by a task where a runtime is at hand (else the transport keeps it until UCX
+/// is done); the task holds no [`Namespace`], so the namespace's claim ends with its last
+/// user, not with the send. An endpoint that cannot send is skipped (that rank learns of
+/// the failure from its own operations or deadline).
 pub(crate) fn tell(ns: &Namespace, eps: &[Option<Endpoint>], comm: u16, abort: &Abort) {
     let header = abort.encode(comm);
     for ep in eps.iter().flatten() {
-        if matches!(ns.try_am_send(ep, ABORT_AM, &header, &[]), Ok(true)) {
+        if !matches!(ns.try_am_send(ep, ABORT_AM, &header, &[]), Ok(false)) {
             continue;
         }
+        let send = ns.am_send(ep, ABORT_AM, &header, Vec::new());
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let (ns, ep, header) = (ns.clone(), ep.clone(), header.clone());
             rt.spawn(async move {
-                let _ = ns.am_send(&ep, ABORT_AM, &header, Vec::new()).await;
+                let _ = send.await;
             });
         }
     }
