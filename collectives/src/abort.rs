@@ -121,12 +121,22 @@ pub(crate) struct Registry {
     /// The worker's key in [`REGISTRIES`] and [`COOLING_IDS`].
     key: usize,
     comms: Comms,
-    /// Kept so that abort messages are taken while any communicator lives.
-    _handler: AmHandler,
+    /// Kept so that abort messages are taken while any communicator lives (taken out
+    /// and dropped by the registry's drop, under the [`REGISTRIES`] lock).
+    handler: Option<AmHandler>,
 }
 
-/// How many times [`Registry::of`] tries to install the abort handler.
-const HANDLER_TRIES: u32 = 1000;
+impl Drop for Registry {
+    /// Removes the abort handler, then the registry's entry, under the [`REGISTRIES`]
+    /// lock: a registry made next for the worker (which waits while the entry is there)
+    /// finds the handler's id free. The last holder may drop it on any thread, a
+    /// late-message sweep's end among them (see `late`).
+    fn drop(&mut self) {
+        let mut all = REGISTRIES.lock().unwrap_or_else(PoisonError::into_inner);
+        drop(self.handler.take());
+        all.retain(|(k, w)| *k != self.key || w.strong_count() > 0);
+    }
+}
 
 /// Ids kept cooling after they are given back.
 const COOLING: usize = 768;
@@ -171,28 +181,20 @@ impl Registry {
     /// [`Error::InvalidArgument`] when the abort id of the namespace is taken by
     /// something else.
     pub(crate) fn of(ns: &Namespace) -> Result<Arc<Registry>> {
-        // A registry whose last holder is being dropped on another thread (a late-message
-        // sweep's end, see `late`) keeps its handler installed for a moment after it can
-        // no longer be found: its id is taken until that drop ends.
-        let mut tries = 0;
-        loop {
-            match Self::find_or_make(ns) {
-                Err(_) if tries < HANDLER_TRIES => {
-                    tries += 1;
+        let key = ns.worker().as_raw() as usize;
+        let mut all = loop {
+            let all = REGISTRIES.lock().unwrap_or_else(PoisonError::into_inner);
+            match all.iter().find(|(k, _)| *k == key).map(|(_, w)| w.upgrade()) {
+                Some(Some(r)) => return Ok(r),
+                // Being dropped on another thread: its drop removes its handler, then
+                // its entry (a moment).
+                Some(None) => {
+                    drop(all);
                     std::thread::yield_now();
                 }
-                r => return r,
+                None => break all,
             }
-        }
-    }
-
-    fn find_or_make(ns: &Namespace) -> Result<Arc<Registry>> {
-        let key = ns.worker().as_raw() as usize;
-        let mut all = REGISTRIES.lock().unwrap_or_else(PoisonError::into_inner);
-        all.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(r) = all.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
-            return Ok(r);
-        }
+        };
         let comms: Comms = Arc::default();
         let to = comms.clone();
         let handler = ns
@@ -206,7 +208,7 @@ impl Registry {
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("taking the collectives' abort messages: {e}")))?;
-        let r = Arc::new(Registry { key, comms, _handler: handler });
+        let r = Arc::new(Registry { key, comms, handler: Some(handler) });
         all.push((key, Arc::downgrade(&r)));
         Ok(r)
     }

@@ -110,14 +110,16 @@ impl Drop for Inner {
         // left in UCX's queue, they would keep the sender's send, and its buffer, pending
         // for ever. (A worker shut down has nothing left to take.)
         let _ = self.ns.tag_discard(crate::tag::comm_tag(self.id), crate::tag::COMM_MASK);
+        // The id goes back as `held` drops: here, or where an aborted one's messages may
+        // still be on their way, at the end of the task that throws them away (`late`).
         let held =
             crate::late::HeldId { registry: self.registry.clone(), cell: self.abort.clone(), id: self.id };
-        // An aborted one's messages may still be on their way (see `late`).
-        if self.abort.is_set() {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) if self.abort.is_set() => {
                 let end = tokio::time::Instant::now() + crate::late::LATE_GRACE;
                 rt.spawn(crate::late::sweep(self.ns.discarder(), held, end));
             }
+            _ => drop(held),
         }
     }
 }
