@@ -44,8 +44,10 @@ pub(crate) struct BenchArgs {
     /// Repetitions per size (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
-    /// Also run `ucx_perftest -t tag_bw` on the same transports and sizes, once after
-    /// each repetition of the first op; the ratio is the median of those pairs'.
+    /// Also run `ucx_perftest -t tag_bw` on the same transports and sizes, in the error
+    /// mode of the receivers' connections (`-e` where they use UCX's peer mode, as over
+    /// TCP), once after each repetition of the first op; the ratio is the median of
+    /// those pairs'.
     #[arg(long)]
     compare: bool,
     /// Check every pulled object's bytes (outside the time).
@@ -226,20 +228,26 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let mut receivers = Vec::new();
     let mut addrs = Vec::new();
     let mut lanes = Vec::new();
+    // Whether the first receiver's connection to the holder uses UCX's peer error mode.
+    let mut peer_mode = None;
     for i in 0..a.receivers {
         let mut r =
             Proc::start("receiver", port, &list, a.pin.then_some(i + 1), a.check, &a.node, &place(i + 1))?;
         let l = r.line(START_LIMIT).await?;
-        let (addr, their_lanes) = l
-            .strip_prefix("connected ")
-            .and_then(|l| l.split_once(' '))
-            .ok_or_else(|| format!("expected \"connected ADDR LANES\", got {l:?}"))?;
+        let mut words = l.strip_prefix("connected ").unwrap_or_default().split(' ');
+        let (Some(addr), Some(their_lanes), Some(mode @ ("peer" | "none"))) =
+            (words.next(), words.next(), words.next())
+        else {
+            return Err(format!("expected \"connected ADDR LANES peer|none\", got {l:?}"));
+        };
         addrs.push(addr.to_string());
         if !lanes.contains(&their_lanes.to_string()) {
             lanes.push(their_lanes.to_string());
         }
+        peer_mode.get_or_insert(mode == "peer");
         receivers.push(r);
     }
+    let peer_mode = peer_mode.unwrap_or(false);
     // ucx_perftest over the network devices of the first receiver's lanes (the same rails).
     let net_devices = perftest::net_devices(
         lanes.first().into_iter().flat_map(|l| l.split(',')).filter_map(|l| Some(l.split_once('/')?.1)),
@@ -247,8 +255,10 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     if a.output.table() {
         // How the chunks move: the data path is chosen per endpoint by UCX's rendezvous.
         println!(
-            "# chunks: tagged rendezvous into the receiver's buffer; receivers' lanes to the holder: {}",
-            lanes.join(" | ")
+            "# chunks: tagged rendezvous into the receiver's buffer; receivers' lanes to the holder: {}; \
+             error mode {}",
+            lanes.join(" | "),
+            if peer_mode { "peer (ucx_perftest -e)" } else { "none" }
         );
     }
     let limit = a.node.deadline + Duration::from_secs(10);
@@ -280,7 +290,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
                 times.push(t);
                 peak = peak.max(p);
                 if a.compare && op == a.ops[0] {
-                    let row = perftest_row(&a, size, net_devices.as_deref())?;
+                    let row = perftest_row(&a, size, net_devices.as_deref(), peer_mode)?;
                     paired.push(row.time_us / t);
                     theirs.push(row);
                 }
@@ -388,13 +398,19 @@ async fn broadcast(
     Ok(((us, peak), taken))
 }
 
-/// `ucx_perftest -t tag_bw` at `size` on the bench's transports, network devices and
-/// progress mode.
-fn perftest_row(a: &BenchArgs, size: usize, net_devices: Option<&str>) -> Result<Row, String> {
+/// `ucx_perftest -t tag_bw` at `size` on the bench's transports, network devices,
+/// progress mode and the receivers' error mode (`peer_mode`: `-e`, as a pull's endpoint
+/// over TCP has it).
+fn perftest_row(
+    a: &BenchArgs,
+    size: usize,
+    net_devices: Option<&str>,
+    peer_mode: bool,
+) -> Result<Row, String> {
     let tls = a.node.transport.tls();
     let setup = perftest::Setup {
         tls: tls.as_deref(),
-        peer_mode: false,
+        peer_mode,
         sleep: a.node.progress == ucxkit_tools::cli::Progress::Event,
         cpu: a.pin.then_some(1),
         server_cpu: a.pin.then_some(0),

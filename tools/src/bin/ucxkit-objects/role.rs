@@ -134,8 +134,9 @@ pub(crate) async fn holder(a: RoleArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Connects to the holder and says where it listens and which lanes UCX chose to the
-/// holder (`connected ADDR TRANSPORT/DEVICE,...`), then pulls each object stdin names:
+/// Connects to the holder and says where it listens, which lanes UCX chose to the
+/// holder and the connection's error mode (`connected ADDR TRANSPORT/DEVICE,...
+/// peer|none`), then pulls each object stdin names:
 /// `pull SIZE` from the holder (prints the microseconds it took and its peak memory,
 /// and releases it), `swarm SIZE [ADDR,...]` from the holder and the receivers
 /// listening at those addresses, chunks spread over all of them (prints the same, keeps
@@ -150,7 +151,8 @@ pub(crate) async fn receiver(a: RoleArgs) -> Result<(), String> {
     let ep = worker.connect(holder).await.map_err(|e| format!("connecting to the holder: {e}"))?;
     let lanes = ep.lanes().map_err(|e| format!("lanes to the holder: {e}"))?;
     let lanes: Vec<String> = lanes.iter().map(|l| format!("{}/{}", l.transport, l.device)).collect();
-    println!("connected {me} {}", lanes.join(","));
+    let mode = if ep.uses_peer_error_mode() { "peer" } else { "none" };
+    println!("connected {me} {} {mode}", lanes.join(","));
     let mut peers = std::collections::HashMap::new();
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(line)) = stdin.next_line().await {
