@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 use ucxkit_transport::{AmHandler, AmMessage, Endpoint, Namespace};
 
 use crate::error::{Error, Result};
+use crate::leave::{Calls, Leave, LEAVE_AM};
 use crate::tag::MAX_COMMS;
 
 /// The collectives namespace's active-message id of abort messages.
@@ -66,15 +67,23 @@ impl Abort {
     }
 }
 
-/// A communicator's abort state, shared by its handles and found by id by the handler.
+/// A communicator's abort state and call numbers, shared by its handles and found by id
+/// by the handlers of abort and departure messages.
 #[derive(Default)]
 pub(crate) struct AbortCell {
     flag: AtomicBool,
     abort: Mutex<Option<Abort>>,
     pub(crate) notify: Notify,
+    /// Its calls' numbers and the ranks that left it (see [`crate::leave`]).
+    pub(crate) calls: Calls,
 }
 
 impl AbortCell {
+    /// The state of a communicator of `size` ranks, not aborted.
+    pub(crate) fn new(size: usize) -> AbortCell {
+        AbortCell { calls: Calls::new(size), ..AbortCell::default() }
+    }
+
     /// Why it was aborted, if it was (one load when it was not: every call asks).
     #[inline]
     pub(crate) fn get(&self) -> Option<Abort> {
@@ -121,19 +130,20 @@ pub(crate) struct Registry {
     /// The worker's key in [`REGISTRIES`] and [`COOLING_IDS`].
     key: usize,
     comms: Comms,
-    /// Kept so that abort messages are taken while any communicator lives (taken out
-    /// and dropped by the registry's drop, under the [`REGISTRIES`] lock).
-    handler: Option<AmHandler>,
+    /// The handlers of abort and departure messages, kept so that those are taken while
+    /// any communicator lives (taken out and dropped by the registry's drop, under the
+    /// [`REGISTRIES`] lock).
+    handlers: Vec<AmHandler>,
 }
 
 impl Drop for Registry {
-    /// Removes the abort handler, then the registry's entry, under the [`REGISTRIES`]
-    /// lock: a registry made next for the worker (which waits while the entry is there)
-    /// finds the handler's id free. The last holder may drop it on any thread, a
+    /// Removes the handlers, then the registry's entry, under the [`REGISTRIES`] lock: a
+    /// registry made next for the worker (which waits while the entry is there) finds
+    /// the handlers' ids free. The last holder may drop it on any thread, a
     /// late-message sweep's end among them (see `late`).
     fn drop(&mut self) {
         let mut all = REGISTRIES.lock().unwrap_or_else(PoisonError::into_inner);
-        drop(self.handler.take());
+        self.handlers.clear();
         all.retain(|(k, w)| *k != self.key || w.strong_count() > 0);
     }
 }
@@ -174,12 +184,12 @@ fn cooling_of<R>(key: usize, add: bool, f: impl FnOnce(&mut VecDeque<u16>) -> R)
 }
 
 impl Registry {
-    /// The registry of `ns`'s worker, made (and its abort handler installed) on first
-    /// use.
+    /// The registry of `ns`'s worker, made (and its abort and departure handlers
+    /// installed) on first use.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the abort id of the namespace is taken by
-    /// something else.
+    /// [`Error::InvalidArgument`] when the abort or departure id of the namespace is
+    /// taken by something else.
     pub(crate) fn of(ns: &Namespace) -> Result<Arc<Registry>> {
         let key = ns.worker().as_raw() as usize;
         let mut all = loop {
@@ -196,19 +206,32 @@ impl Registry {
             }
         };
         let comms: Comms = Arc::default();
+        let cell_of = |comms: &Comms, comm: u16| {
+            comms.lock().unwrap_or_else(PoisonError::into_inner).get(&comm).and_then(Weak::upgrade)
+        };
         let to = comms.clone();
-        let handler = ns
+        let aborts = ns
             .am_handler(ABORT_AM, move |m: AmMessage| {
                 if let Some((comm, abort)) = Abort::decode(m.header()) {
-                    let cell =
-                        to.lock().unwrap_or_else(PoisonError::into_inner).get(&comm).and_then(Weak::upgrade);
-                    if let Some(c) = cell {
+                    if let Some(c) = cell_of(&to, comm) {
                         c.set(abort);
                     }
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("taking the collectives' abort messages: {e}")))?;
-        let r = Arc::new(Registry { key, comms, handler: Some(handler) });
+        let to = comms.clone();
+        let departures = ns
+            .am_handler(LEAVE_AM, move |m: AmMessage| {
+                if let Some((comm, leave)) = Leave::decode(m.header()) {
+                    if let Some(c) = cell_of(&to, comm) {
+                        if let Some(a) = c.calls.heard(leave) {
+                            c.set(a);
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::InvalidArgument(format!("taking the collectives' departure notices: {e}")))?;
+        let r = Arc::new(Registry { key, comms, handlers: vec![aborts, departures] });
         all.push((key, Arc::downgrade(&r)));
         Ok(r)
     }

@@ -2,7 +2,7 @@
 //! collectives in the collectives namespace of its worker.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -80,8 +80,6 @@ pub(crate) struct Inner {
     pub(crate) eps: Vec<Option<Endpoint>>,
     pub(crate) rank: usize,
     pub(crate) id: u16,
-    /// The next call's sequence number.
-    seq: AtomicU16,
     plans: Mutex<PlanCache>,
     /// The buffers the last call of each element type left (a `Kept<T>` each).
     kept: Mutex<Vec<Box<dyn Any + Send>>>,
@@ -101,6 +99,20 @@ pub(crate) struct Inner {
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
     pub(crate) abort: Arc<AbortCell>,
+    /// Who chose its id.
+    id_from: IdFrom,
+}
+
+/// Who chose a communicator's id, which decides whether its drop tells the other ranks
+/// (see [`crate::leave`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IdFrom {
+    /// The caller of [`Communicator::from_endpoints`], who may reuse the id at once: a
+    /// departure notice still on its way could reach the newer communicator, so none
+    /// is sent.
+    Caller,
+    /// ucxkit, among the ids free on every rank and not given back recently.
+    Picked,
 }
 
 impl Drop for Inner {
@@ -112,6 +124,10 @@ impl Drop for Inner {
         let _ = self.ns.tag_discard(crate::tag::comm_tag(self.id), crate::tag::COMM_MASK);
         // The id goes back as `held` drops: here, or where an aborted one's messages may
         // still be on their way, at the end of the task that throws them away (`late`).
+        if !self.abort.is_set() && self.id_from == IdFrom::Picked {
+            // Every call this rank made ended: the others learn which was its last.
+            crate::leave::tell(&self.ns, &self.eps, self.id, self.rank, self.abort.calls.last());
+        }
         let held =
             crate::late::HeldId { registry: self.registry.clone(), cell: self.abort.clone(), id: self.id };
         match tokio::runtime::Handle::try_current() {
@@ -222,6 +238,17 @@ impl Communicator {
         rank: usize,
         eps: Vec<Option<Endpoint>>,
     ) -> Result<Communicator> {
+        Self::checked(ns, id, rank, eps, IdFrom::Caller)
+    }
+
+    /// [`Communicator::from_endpoints`] with an id chosen by `from`.
+    pub(crate) fn checked(
+        ns: &Namespace,
+        id: u16,
+        rank: usize,
+        eps: Vec<Option<Endpoint>>,
+        from: IdFrom,
+    ) -> Result<Communicator> {
         let size = eps.len();
         let bad = |m: String| Err(Error::InvalidArgument(m));
         if rank >= size {
@@ -245,7 +272,7 @@ impl Communicator {
                 _ => {}
             }
         }
-        Communicator::new(ns, id, rank, eps, Settings::from_env()?)
+        Communicator::new(ns, id, rank, eps, Settings::from_env()?, from)
     }
 
     /// A communicator with id `id` on `ns`'s worker, whose endpoints were checked, with
@@ -256,11 +283,12 @@ impl Communicator {
         rank: usize,
         eps: Vec<Option<Endpoint>>,
         set: Settings,
+        from: IdFrom,
     ) -> Result<Communicator> {
         let Settings { forced_env, costs, segment, lanes } = set;
         let size = eps.len();
         let registry = Registry::of(ns)?;
-        let abort = Arc::new(AbortCell::default());
+        let abort = Arc::new(AbortCell::new(size));
         if !registry.claim(id, &abort) {
             return Err(Error::InvalidArgument(format!(
                 "communicator id {id} is taken on this worker (live, or dropped aborted under {:?} ago)",
@@ -272,7 +300,6 @@ impl Communicator {
             eps,
             rank,
             id,
-            seq: AtomicU16::new(0),
             plans: Mutex::new(PlanCache {
                 map: HashMap::new(),
                 last: None,
@@ -287,6 +314,7 @@ impl Communicator {
             eager_crowded: AtomicBool::new(false),
             registry,
             abort,
+            id_from: from,
         });
         inner.lanes.set_local((0..size).map(|r| r != rank));
         Ok(Communicator { h: Arc::new(Handle { inner, opts: Options::default(), costs_id: 0 }) })
@@ -327,7 +355,14 @@ impl Communicator {
                 Some(ranks) => {
                     let rank = ranks.iter().position(|&r| r == self.rank()).unwrap_or_default();
                     let eps = ranks.iter().map(|&r| self.h.inner.eps[r].clone()).collect();
-                    Some(Communicator::new(&self.h.inner.ns, id, rank, eps, Settings::of(self)))
+                    Some(Communicator::new(
+                        &self.h.inner.ns,
+                        id,
+                        rank,
+                        eps,
+                        Settings::of(self),
+                        IdFrom::Picked,
+                    ))
                 }
                 None => None,
             };
@@ -447,10 +482,16 @@ impl Communicator {
         self.h.inner.lanes.counts()
     }
 
-    /// Takes the next call's sequence number.
+    /// Takes the next call's sequence number (wrapping at 2^16, as the tag's field
+    /// does), aborting the communicator when a rank that left made no call that late
+    /// (see [`crate::leave`]).
     pub(crate) fn next_seq(&self) -> u16 {
-        // Wraps at 2^16, as the tag's field does.
-        self.h.inner.seq.fetch_add(1, Ordering::Relaxed)
+        let abort = &self.h.inner.abort;
+        let (seq, left) = abort.calls.begin();
+        if let Some(a) = left {
+            abort.set(a);
+        }
+        seq
     }
 
     /// What runs `op` on `bytes` bytes per rank of `elem`-byte elements with `root` (0

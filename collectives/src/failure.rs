@@ -185,7 +185,8 @@ impl Communicator {
             .ok_or_else(|| Error::Bootstrap("this rank was counted as failed".into()))?;
         let eps = members.iter().map(|&p| self.h.inner.eps[p].clone()).collect();
         let set = crate::comm::Settings::of(self);
-        let c = Communicator::new(&self.h.inner.ns, id, rank, eps, set)?.with_options(self.h.opts.clone());
+        let c = Communicator::new(&self.h.inner.ns, id, rank, eps, set, crate::comm::IdFrom::Picked)?
+            .with_options(self.h.opts.clone());
         c.put_hosts(self.hosts().restrict(&members));
         match tokio::time::timeout_at(end.into(), c.barrier()).await {
             Ok(Ok(())) => Ok(c),

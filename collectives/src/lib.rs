@@ -42,7 +42,9 @@
 //! [`Error::Aborted`], naming the rank that failed, within the transport's time to see a
 //! dead peer plus one message (10 to 100 ms for a killed process on one host). The live
 //! ranks then call [`Communicator::shrink`] for a communicator of themselves. An aborted
-//! communicator's messages that arrive after its drop are thrown away ([`late`]).
+//! communicator's messages that arrive after its drop are thrown away ([`late`]). A rank
+//! that drops a communicator whose id ucxkit picked tells the others which call was its
+//! last, and their later calls fail naming it instead of waiting for it ([`leave`]).
 //!
 //! # Choosing algorithms
 //!
@@ -83,6 +85,7 @@ mod exec;
 mod failure;
 pub mod hosts;
 pub mod late;
+pub mod leave;
 mod ops;
 pub mod plan;
 pub mod reduce;

@@ -1,7 +1,8 @@
 //! Failures reach every rank: a rank killed (SIGKILL) in the middle of allreduces ends
 //! every survivor's pending collective with an error naming it within a bound, and the
 //! survivors shrink to a communicator that works; a collective future dropped on one
-//! rank, or a deadline passing on one rank, aborts the others' too.
+//! rank, or a deadline passing on one rank, aborts the others' too; a rank that drops
+//! its communicator fails the others' calls it did not make.
 
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,74 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
         .all(|(r, c)| c.size() == 3 && c.rank() == r && c.id() != comms[0].id()));
     let sums = join_all(shrunk.iter().map(|c| c.allreduce(vec![c.rank() as u32; 4], ReduceOp::Sum))).await;
     assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
+}
+
+/// Communicators of `base`'s ranks with an id ucxkit picked (`dup`).
+async fn dups(base: &[Communicator]) -> Vec<Communicator> {
+    join_all(base.iter().map(|c| c.dup())).await.into_iter().map(|c| c.expect("dup")).collect()
+}
+
+/// A rank that drops its communicator tells the others which collective call was its
+/// last: a later call waiting on another rank ends when the notice comes, one made after
+/// it fails at once, both naming the rank; the calls it made too go on, so ranks that
+/// end the same calls and drop their communicators at different times see no error.
+/// (Communicators with ids ucxkit picked; one made with an id of the caller's sends no
+/// notice.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_drops_its_communicator_fails_the_others_later_calls() {
+    let left = |e: &Error| {
+        matches!(e, Error::Aborted(a) if a.failed == Some(0)
+            && a.reason.contains("rank 0 dropped its communicator after its collective call 0"))
+    };
+    let (_mesh, base) = group(3).await;
+    let mut comms = dups(&base).await;
+    let sums = join_all(comms.iter().map(|c| c.allreduce(vec![1u32; 4], ReduceOp::Sum))).await;
+    assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
+    // Rank 1 makes call 1 before rank 0 leaves, and waits in it.
+    let waiting = tokio::spawn({
+        let c = comms[1].clone();
+        async move { c.barrier().await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiting.is_finished(), "rank 1 cannot finish alone");
+    drop(comms.remove(0));
+    let e = tokio::time::timeout(BOUND, waiting).await.expect("ended within the bound").expect("task");
+    let e = e.expect_err("rank 0 left");
+    assert!(left(&e), "{e}");
+    // Rank 2 heard of it without calling anything: its next call fails.
+    let e = tokio::time::timeout(BOUND, comms[1].allreduce(vec![1u32], ReduceOp::Sum))
+        .await
+        .expect("ended within the bound")
+        .expect_err("rank 0 left")
+        .error;
+    assert!(left(&e), "{e}");
+    assert!(comms[1].aborted().is_some_and(|a| a.failed == Some(0)));
+
+    // Rank 0, the root, ends its broadcast at once and leaves before the others take
+    // theirs: call 0 was its too, so they get its data, and nothing is aborted.
+    let (_mesh, base) = group(3).await;
+    let mut comms = dups(&base).await;
+    let root = comms.remove(0);
+    assert_eq!(root.broadcast(vec![9u32; 4], 0).await.expect("root"), vec![9; 4]);
+    drop(root);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for c in &comms {
+        assert_eq!(c.broadcast(vec![0u32; 4], 0).await.expect("rank 0 made this call"), vec![9; 4]);
+        assert!(c.aborted().is_none());
+    }
+    // Their next collective is one rank 0 never made.
+    let late = join_all(comms.iter().map(|c| tokio::time::timeout(BOUND, c.barrier()))).await;
+    for e in late {
+        let e = e.expect("ended within the bound").expect_err("rank 0 left");
+        assert!(left(&e), "{e}");
+    }
+    // The communicators made with an id of the test's: rank 0's drop tells nothing, so
+    // rank 1's next call waits.
+    let mut base = base;
+    drop(base.remove(0));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let waited = tokio::time::timeout(Duration::from_millis(200), base[0].barrier()).await;
+    assert!(waited.is_err(), "{waited:?}");
 }
 
 /// Drops the communicators, then waits (at most [`BOUND`]) until no operation of theirs
