@@ -243,10 +243,13 @@ impl Communicator {
         // Every rank picks the same id from the same maps; one given back recently on any
         // of the workers only when no other is free (see `abort::pick_id`).
         let id = pick_id(&free, 0).map_err(boot)?;
-        let comm = Communicator::checked(&ns, id, rank, eps, crate::comm::IdFrom::Picked)?;
+        let comm = Communicator::from_endpoints(&ns, id, rank, eps)?;
         comm.put_hosts(Hosts::from_keys(&hosts).with_cpus(&cpus));
         match tokio::time::timeout(left(), comm.barrier()).await {
-            Ok(Ok(())) => Ok(comm),
+            Ok(Ok(())) => {
+                comm.formed();
+                Ok(comm)
+            }
             Ok(Err(e)) => Err(boot(format!("the group's first barrier failed: {e}"))),
             Err(_) => Err(boot(format!("the group's first barrier did not finish within {deadline:?}"))),
         }

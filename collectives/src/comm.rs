@@ -99,20 +99,6 @@ pub(crate) struct Inner {
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
     pub(crate) abort: Arc<AbortCell>,
-    /// Who chose its id.
-    id_from: IdFrom,
-}
-
-/// Who chose a communicator's id, which decides whether its drop tells the other ranks
-/// (see [`crate::leave`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum IdFrom {
-    /// The caller of [`Communicator::from_endpoints`], who may reuse the id at once: a
-    /// departure notice still on its way could reach the newer communicator, so none
-    /// is sent.
-    Caller,
-    /// ucxkit, among the ids free on every rank and not given back recently.
-    Picked,
 }
 
 impl Drop for Inner {
@@ -124,9 +110,9 @@ impl Drop for Inner {
         let _ = self.ns.tag_discard(crate::tag::comm_tag(self.id), crate::tag::COMM_MASK);
         // The id goes back as `held` drops: here, or where an aborted one's messages may
         // still be on their way, at the end of the task that throws them away (`late`).
-        if !self.abort.is_set() && self.id_from == IdFrom::Picked {
-            // Every call this rank made ended: the others learn which was its last.
-            crate::leave::tell(&self.ns, &self.eps, self.id, self.rank, self.abort.calls.last());
+        if !self.abort.is_set() && self.abort.calls.formed() {
+            // Every call this rank made ended: the others learn how many it made.
+            crate::leave::tell(&self.ns, &self.eps, self.id, self.rank, self.abort.calls.made());
         }
         let held =
             crate::late::HeldId { registry: self.registry.clone(), cell: self.abort.clone(), id: self.id };
@@ -238,17 +224,6 @@ impl Communicator {
         rank: usize,
         eps: Vec<Option<Endpoint>>,
     ) -> Result<Communicator> {
-        Self::checked(ns, id, rank, eps, IdFrom::Caller)
-    }
-
-    /// [`Communicator::from_endpoints`] with an id chosen by `from`.
-    pub(crate) fn checked(
-        ns: &Namespace,
-        id: u16,
-        rank: usize,
-        eps: Vec<Option<Endpoint>>,
-        from: IdFrom,
-    ) -> Result<Communicator> {
         let size = eps.len();
         let bad = |m: String| Err(Error::InvalidArgument(m));
         if rank >= size {
@@ -272,7 +247,7 @@ impl Communicator {
                 _ => {}
             }
         }
-        Communicator::new(ns, id, rank, eps, Settings::from_env()?, from)
+        Communicator::new(ns, id, rank, eps, Settings::from_env()?)
     }
 
     /// A communicator with id `id` on `ns`'s worker, whose endpoints were checked, with
@@ -283,7 +258,6 @@ impl Communicator {
         rank: usize,
         eps: Vec<Option<Endpoint>>,
         set: Settings,
-        from: IdFrom,
     ) -> Result<Communicator> {
         let Settings { forced_env, costs, segment, lanes } = set;
         let size = eps.len();
@@ -314,7 +288,6 @@ impl Communicator {
             eager_crowded: AtomicBool::new(false),
             registry,
             abort,
-            id_from: from,
         });
         inner.lanes.set_local((0..size).map(|r| r != rank));
         Ok(Communicator { h: Arc::new(Handle { inner, opts: Options::default(), costs_id: 0 }) })
@@ -355,14 +328,7 @@ impl Communicator {
                 Some(ranks) => {
                     let rank = ranks.iter().position(|&r| r == self.rank()).unwrap_or_default();
                     let eps = ranks.iter().map(|&r| self.h.inner.eps[r].clone()).collect();
-                    Some(Communicator::new(
-                        &self.h.inner.ns,
-                        id,
-                        rank,
-                        eps,
-                        Settings::of(self),
-                        IdFrom::Picked,
-                    ))
+                    Some(Communicator::new(&self.h.inner.ns, id, rank, eps, Settings::of(self)))
                 }
                 None => None,
             };
@@ -371,6 +337,7 @@ impl Communicator {
             let all = self.allreduce(vec![ok], crate::ReduceOp::Min).await?;
             match (made, all.first()) {
                 (Some(Ok(c)), Some(1)) => {
+                    c.formed();
                     c.put_hosts(self.hosts().restrict(members.as_deref().unwrap_or_default()));
                     return Ok(Some(c.with_options(self.h.opts.clone())));
                 }
@@ -483,15 +450,20 @@ impl Communicator {
     }
 
     /// Takes the next call's sequence number (wrapping at 2^16, as the tag's field
-    /// does), aborting the communicator when a rank that left made no call that late
-    /// (see [`crate::leave`]).
+    /// does), aborting the communicator when a rank that left made fewer calls (see
+    /// [`crate::leave`]).
     pub(crate) fn next_seq(&self) -> u16 {
-        let abort = &self.h.inner.abort;
-        let (seq, left) = abort.calls.begin();
+        let (seq, left) = self.h.inner.abort.calls.begin();
         if let Some(a) = left {
-            abort.set(a);
+            self.abort_with(a);
         }
         seq
+    }
+
+    /// Marks the communicator formed on every rank: from now on its drop tells the
+    /// others, and it hears of theirs (see [`crate::leave`]).
+    pub(crate) fn formed(&self) {
+        self.h.inner.abort.calls.set_formed();
     }
 
     /// What runs `op` on `bytes` bytes per rank of `elem`-byte elements with `root` (0

@@ -66,9 +66,14 @@ impl Communicator {
         Call { comm: self.clone(), seq: self.next_seq(), armed: true }
     }
 
-    /// Aborts the communicator after `e` (unless `e` is itself the news of an abort).
+    /// Aborts the communicator after `e` (unless `e` is itself the news of an abort,
+    /// which goes on to the other ranks only when it came of a departure heard here; see
+    /// [`crate::leave`]).
     pub(crate) fn fail(&self, e: &Error) {
-        if matches!(e, Error::Aborted(_)) {
+        if let Error::Aborted(a) = e {
+            if self.h.inner.abort.calls.take_untold() {
+                abort::tell(&self.h.inner.ns, &self.h.inner.eps, self.id(), a);
+            }
             return;
         }
         self.abort_with(Abort { failed: e.rank(), by: self.rank(), reason: e.to_string() });
@@ -185,11 +190,13 @@ impl Communicator {
             .ok_or_else(|| Error::Bootstrap("this rank was counted as failed".into()))?;
         let eps = members.iter().map(|&p| self.h.inner.eps[p].clone()).collect();
         let set = crate::comm::Settings::of(self);
-        let c = Communicator::new(&self.h.inner.ns, id, rank, eps, set, crate::comm::IdFrom::Picked)?
-            .with_options(self.h.opts.clone());
+        let c = Communicator::new(&self.h.inner.ns, id, rank, eps, set)?.with_options(self.h.opts.clone());
         c.put_hosts(self.hosts().restrict(&members));
         match tokio::time::timeout_at(end.into(), c.barrier()).await {
-            Ok(Ok(())) => Ok(c),
+            Ok(Ok(())) => {
+                c.formed();
+                Ok(c)
+            }
             Ok(Err(e)) => Err(e),
             Err(_) => Err(Error::DeadlineExceeded { after: deadline, waiting_on: Vec::new() }),
         }

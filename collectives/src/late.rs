@@ -7,8 +7,9 @@
 //! aborted communicator stays held for [`LATE_GRACE`] after its drop while its late
 //! messages are taken and thrown away every [`LATE_SWEEP`]; no new communicator can take
 //! the id meanwhile, so nothing of one is thrown away. A communicator dropped without an
-//! abort gives its id back at once: its peers made the same calls, all of whose messages
-//! it took.
+//! abort gives its id back at once: in a correct program its peers made the same calls,
+//! all of whose messages it took (a peer's call beyond them fails once it hears of the
+//! drop, see [`crate::leave`], but what that call sent before may stay queued).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,29 +1,31 @@
 //! Ranks that dropped their communicator. A rank that drops its communicator without an
-//! abort has finished every collective call it made on it; it tells the other ranks
-//! which call was its last, with an active message in the collectives namespace (id
-//! [`LEAVE_AM`]). A rank that hears of it fails every collective call it makes after
-//! that one with [`crate::Error::Aborted`] naming the rank that left (a call it had
-//! already made aborts the communicator at once), so a program whose ranks disagree on
-//! the calls ends with an error instead of waiting for a rank that is gone. Calls up to
-//! the departed rank's last are not affected, and point-to-point calls are not either.
+//! abort has finished every collective call it made on it; it tells the other ranks how
+//! many it made, with an active message in the collectives namespace (id [`LEAVE_AM`]).
+//! A rank that hears of it fails the first collective call it makes beyond that count
+//! with [`crate::Error::Aborted`] naming the rank that left (a call it had already made
+//! aborts the communicator when the notice comes), and passes the abort on to the
+//! others, so a program whose ranks disagree on the calls ends with an error instead of
+//! waiting for a rank that is gone. The departure itself fails no call the departed rank
+//! made too: ranks that end the same calls and drop their communicators at different
+//! times see no error. (Once an abort came of it, every pending and later call on the
+//! communicator fails, as after any abort.)
 //!
-//! Only communicators whose id ucxkit picked send it (made by `init`, `from_env`,
-//! `bootstrap`, `split`, `dup`, `shrink`): such an id is not taken again until hundreds
-//! of others were, so a notice still on its way meets no newer communicator of that id.
-//! A caller of `from_endpoints` may reuse its id at once, and its communicators send
-//! none.
+//! Only communicators formed on every rank by ucxkit send and hear notices: those made
+//! by `init`, `from_env`, `bootstrap`, `split`, `dup` and `shrink`, once formed. Their
+//! ids are not taken again until hundreds of others were, so a notice still on its way
+//! meets no newer communicator of that id, and a try that did not form (a `split` whose
+//! id was taken on another rank) says nothing to the communicator that holds the id
+//! there. A caller of `from_endpoints` may reuse its id at once, and its communicators
+//! neither send nor hear notices.
 //!
 //! Best effort: a notice UCX does not take during the drop is not sent (nothing is left
-//! pending behind a dropped communicator); the other ranks then learn of it from their
-//! deadline, or from the transport when the process ends. Call numbers are the tag's 16
-//! bits: a rank more than 32,767 calls behind the one that left counts its calls as
-//! earlier ones.
+//! pending behind a dropped communicator); that rank then learns of it from another
+//! rank's abort, its deadline, or the transport when the process ends.
 //!
-//! The notice: communicator id (u16), the rank that left (u32), its last call's number
-//! (u16, one before the first when it made none), all little-endian. A malformed one is
-//! ignored.
+//! The notice: communicator id (u16), the rank that left (u32), the number of collective
+//! calls it made (u64), all little-endian. A malformed one is ignored.
 
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use ucxkit_transport::{Endpoint, Namespace};
@@ -35,13 +37,13 @@ use crate::tag::MAX_COMMS;
 pub const LEAVE_AM: u16 = 1;
 
 /// The notice's length in bytes.
-const NOTICE_LEN: usize = 8;
+const NOTICE_LEN: usize = 14;
 
-/// A rank's departure: the rank, and the number of the last call it made.
+/// A rank's departure: the rank, and how many collective calls it made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Leave {
     pub(crate) rank: usize,
-    pub(crate) last: u16,
+    pub(crate) made: u64,
 }
 
 impl Leave {
@@ -49,7 +51,7 @@ impl Leave {
         let mut b = [0; NOTICE_LEN];
         b[..2].copy_from_slice(&comm.to_le_bytes());
         b[2..6].copy_from_slice(&u32::try_from(self.rank).unwrap_or(u32::MAX).to_le_bytes());
-        b[6..].copy_from_slice(&self.last.to_le_bytes());
+        b[6..].copy_from_slice(&self.made.to_le_bytes());
         b
     }
 
@@ -58,38 +60,41 @@ impl Leave {
         let b: &[u8; NOTICE_LEN] = b.try_into().ok()?;
         let comm = u16::from_le_bytes([b[0], b[1]]);
         let rank = u32::from_le_bytes([b[2], b[3], b[4], b[5]]) as usize;
-        let last = u16::from_le_bytes([b[6], b[7]]);
-        (comm < MAX_COMMS).then_some((comm, Leave { rank, last }))
+        let made = u64::from_le_bytes(b[6..].try_into().ok()?);
+        (comm < MAX_COMMS).then_some((comm, Leave { rank, made }))
     }
 
-    /// The abort of a call made after this departure.
+    /// The abort of a call beyond this departure.
     fn abort(self) -> Abort {
         Abort {
             failed: Some(self.rank),
             by: self.rank,
             reason: format!(
-                "rank {} dropped its communicator after its collective call {}: later calls cannot complete",
-                self.rank, self.last
+                "rank {} dropped its communicator: it made {} collective call{}, and later calls cannot complete",
+                self.rank,
+                self.made,
+                if self.made == 1 { "" } else { "s" }
             ),
         }
     }
 }
 
-/// Whether call `seq` comes after call `last` (within half the numbers' range).
-pub(crate) fn after(seq: u16, last: u16) -> bool {
-    (1..=i16::MAX as u16).contains(&seq.wrapping_sub(last))
-}
-
-/// A communicator's call numbers and the departures it heard of.
+/// A communicator's calls and the departures it heard of.
 #[derive(Default)]
 pub(crate) struct Calls {
     /// The group's size: notices of other ranks are ignored.
     size: usize,
-    /// The next call's number.
-    next: AtomicU16,
+    /// The calls begun so far (the next call's index).
+    begun: AtomicU64,
+    /// Whether the communicator was formed on every rank: it then tells of its drop and
+    /// hears of the others'.
+    formed: AtomicBool,
     /// Whether `left` holds anything (one load per call when it does not).
     any_left: AtomicBool,
     left: Mutex<Vec<Leave>>,
+    /// Whether a departure heard while a call was running aborted the communicator, and
+    /// no call has told the other ranks yet.
+    untold: AtomicBool,
 }
 
 impl Calls {
@@ -98,29 +103,31 @@ impl Calls {
         Calls { size, ..Calls::default() }
     }
 
-    /// Takes the next call's number: with the abort that call meets when a rank that
-    /// left made no call that late.
+    /// Begins a call: its sequence number (its index, wrapping at 2^16 as the tag's
+    /// field does), with the abort it meets when a rank that left made fewer calls.
     #[inline]
     pub(crate) fn begin(&self) -> (u16, Option<Abort>) {
         // SeqCst with `heard`'s: of a call begun and a departure heard at once, at least
         // one sees the other.
-        let seq = self.next.fetch_add(1, Ordering::SeqCst);
+        let i = self.begun.fetch_add(1, Ordering::SeqCst);
         if !self.any_left.load(Ordering::SeqCst) {
-            return (seq, None);
+            return (i as u16, None);
         }
-        (seq, self.first_before(seq))
+        (i as u16, self.beyond(i))
     }
 
+    /// The abort of call `i` when a rank that left made no more than `i` calls.
     #[cold]
-    fn first_before(&self, seq: u16) -> Option<Abort> {
+    fn beyond(&self, i: u64) -> Option<Abort> {
         let left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
-        left.iter().find(|l| after(seq, l.last)).map(|l| l.abort())
+        left.iter().find(|l| i >= l.made).map(|l| l.abort())
     }
 
-    /// Notes that `l` left: the abort it means now when a call made already comes after
-    /// its last one. A rank outside the group, or heard of before, changes nothing.
+    /// Notes that `l` left: the abort it means now when a call beyond its count was made
+    /// already. A rank outside the group, one heard of before, or a communicator not
+    /// formed changes nothing.
     pub(crate) fn heard(&self, l: Leave) -> Option<Abort> {
-        if l.rank >= self.size {
+        if l.rank >= self.size || !self.formed() {
             return None;
         }
         {
@@ -131,21 +138,39 @@ impl Calls {
             left.push(l);
         }
         self.any_left.store(true, Ordering::SeqCst);
-        let made = self.next.load(Ordering::SeqCst).wrapping_sub(1);
-        // Nothing was made when `next` is 0; a wrapped counter made calls up to 65,535.
-        (after(made, l.last) && self.next.load(Ordering::SeqCst) != 0).then(|| l.abort())
+        if self.begun.load(Ordering::SeqCst) <= l.made {
+            return None;
+        }
+        self.untold.store(true, Ordering::SeqCst);
+        Some(l.abort())
     }
 
-    /// The last call's number (one before the first when none was made).
-    pub(crate) fn last(&self) -> u16 {
-        self.next.load(Ordering::SeqCst).wrapping_sub(1)
+    /// Whether an abort from a departure heard here still has to be passed on (true
+    /// once).
+    pub(crate) fn take_untold(&self) -> bool {
+        self.untold.swap(false, Ordering::SeqCst)
+    }
+
+    /// How many calls were begun.
+    pub(crate) fn made(&self) -> u64 {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// Marks the communicator formed on every rank.
+    pub(crate) fn set_formed(&self) {
+        self.formed.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether it was formed on every rank.
+    pub(crate) fn formed(&self) -> bool {
+        self.formed.load(Ordering::SeqCst)
     }
 }
 
 /// Tells every rank in `eps` (None for this rank) that `rank` dropped communicator
-/// `comm` after call `last`, where UCX takes the notice during the call.
-pub(crate) fn tell(ns: &Namespace, eps: &[Option<Endpoint>], comm: u16, rank: usize, last: u16) {
-    let notice = Leave { rank, last }.encode(comm);
+/// `comm` after `made` collective calls, where UCX takes the notice during the call.
+pub(crate) fn tell(ns: &Namespace, eps: &[Option<Endpoint>], comm: u16, rank: usize, made: u64) {
+    let notice = Leave { rank, made }.encode(comm);
     for ep in eps.iter().flatten() {
         let _ = ns.try_am_send(ep, LEAVE_AM, &notice, &[]);
     }
@@ -157,70 +182,71 @@ mod tests {
 
     #[test]
     fn notices_round_trip_and_junk_is_ignored() {
-        let l = Leave { rank: 3, last: 65535 };
+        let l = Leave { rank: 3, made: u64::MAX - 1 };
         assert_eq!(Leave::decode(&l.encode(7)), Some((7, l)));
-        assert!(Leave::decode(&[0; 7]).is_none());
-        assert!(Leave::decode(&[0; 9]).is_none());
-        assert!(Leave::decode(&[0xff, 0xff, 0, 0, 0, 0, 0, 0]).is_none(), "comm id out of range");
+        assert!(Leave::decode(&[0; NOTICE_LEN - 1]).is_none());
+        assert!(Leave::decode(&[0; NOTICE_LEN + 1]).is_none());
+        let mut far = [0; NOTICE_LEN];
+        far[..2].copy_from_slice(&MAX_COMMS.to_le_bytes());
+        assert!(Leave::decode(&far).is_none(), "comm id out of range");
     }
 
-    /// Call order across the 16-bit wrap: later within half the range, else earlier.
-    #[test]
-    fn calls_are_ordered_across_the_wrap() {
-        let cases = [
-            (1, 0, true),
-            (0, 0, false),
-            (0, 1, false),
-            (0, 65535, true),
-            (5, 65530, true),
-            (65530, 5, false),
-            (32767, 0, true),
-            (32768, 0, false),
-        ];
-        for (seq, last, later) in cases {
-            assert_eq!(after(seq, last), later, "call {seq} after {last}");
-        }
-    }
-
-    /// A departure fails the calls made after the rank's last, whether heard before they
-    /// begin or after; calls up to its last go on; a rank that made no call fails every
-    /// call; a second notice of the same rank changes nothing.
-    #[test]
-    fn departures_fail_only_later_calls() {
-        // Heard first: calls 0 and 1 go on, call 2 fails.
+    /// A formed group of three whose calls 0..`begun` were begun.
+    fn calls(begun: u64) -> Calls {
         let c = Calls::new(3);
-        assert_eq!(c.heard(Leave { rank: 1, last: 1 }), None);
-        assert_eq!(c.begin().1, None);
-        assert_eq!(c.begin().1, None);
-        let (seq, abort) = c.begin();
-        assert_eq!(seq, 2);
-        let a = abort.expect("call 2 comes after rank 1's last");
-        assert_eq!(a.failed, Some(1));
+        c.set_formed();
+        for _ in 0..begun {
+            assert_eq!(c.begin().1, None);
+        }
+        c
+    }
+
+    /// What a departure of a rank that made `made` calls does to a communicator that
+    /// began `begun`: the abort now (passed on later), and then whether its next call
+    /// fails. Call numbers wrap in the tag, not here: a rank 40,000 calls behind is
+    /// still behind.
+    #[test]
+    fn departures_fail_only_calls_beyond_the_count() {
+        // (begun, made, aborts now, next call fails)
+        let cases = [
+            (0, 0, false, true),
+            (0, 2, false, false),
+            (1, 2, false, false),
+            (2, 2, false, true),
+            (3, 2, true, true),
+            (100, 40_100, false, false),
+            (70_000, 70_000, false, true),
+        ];
+        for (begun, made, now, next) in cases {
+            let c = calls(begun);
+            let a = c.heard(Leave { rank: 1, made });
+            assert_eq!(a.is_some(), now, "begun {begun}, made {made}");
+            assert_eq!(c.take_untold(), now, "passed on once");
+            assert!(!c.take_untold());
+            let (seq, fails) = c.begin();
+            assert_eq!(seq, begun as u16);
+            assert_eq!(fails.is_some(), next, "begun {begun}, made {made}: call {begun}");
+        }
+        let a = calls(1).heard(Leave { rank: 2, made: 0 }).expect("call 0 was beyond");
+        assert_eq!(a.failed, Some(2));
         assert!(
-            a.reason.contains("rank 1 dropped its communicator after its collective call 1"),
+            a.reason.contains("rank 2 dropped its communicator: it made 0 collective calls,"),
             "{}",
             a.reason
         );
+    }
 
-        // Heard after a later call began: an abort at once.
-        let c = Calls::new(3);
-        for _ in 0..3 {
-            assert_eq!(c.begin().1, None);
-        }
-        assert_eq!(c.heard(Leave { rank: 2, last: 2 }), None, "calls 0-2 were all rank 2's too");
-        let c = Calls::new(3);
-        for _ in 0..3 {
-            c.begin();
-        }
-        assert!(c.heard(Leave { rank: 2, last: 1 }).is_some(), "call 2 was made after rank 2's last");
-        assert_eq!(c.heard(Leave { rank: 2, last: 0 }), None, "rank 2 already left");
-        assert_eq!(c.heard(Leave { rank: 3, last: 0 }), None, "no rank 3 in a group of 3");
-
-        // A rank that made no call: its last is 65535, and no call of this rank was
-        // made yet, so nothing aborts until the first.
-        let c = Calls::new(3);
-        assert_eq!(c.heard(Leave { rank: 0, last: u16::MAX }), None);
-        assert!(c.begin().1.is_some());
-        assert_eq!(c.last(), 0);
+    /// Notices that change nothing: a rank outside the group, a second one of a rank, and
+    /// any before the communicator was formed on every rank.
+    #[test]
+    fn notices_that_are_ignored() {
+        let c = calls(5);
+        assert_eq!(c.heard(Leave { rank: 3, made: 0 }), None, "no rank 3 in a group of 3");
+        assert!(c.heard(Leave { rank: 1, made: 9 }).is_none());
+        assert_eq!(c.heard(Leave { rank: 1, made: 0 }), None, "rank 1 already left");
+        let unformed = Calls::new(3);
+        unformed.begin();
+        assert_eq!(unformed.heard(Leave { rank: 1, made: 0 }), None);
+        assert_eq!(unformed.begin().1, None);
     }
 }

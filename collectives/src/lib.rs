@@ -43,8 +43,8 @@
 //! dead peer plus one message (10 to 100 ms for a killed process on one host). The live
 //! ranks then call [`Communicator::shrink`] for a communicator of themselves. An aborted
 //! communicator's messages that arrive after its drop are thrown away ([`late`]). A rank
-//! that drops a communicator whose id ucxkit picked tells the others which call was its
-//! last, and their later calls fail naming it instead of waiting for it ([`leave`]).
+//! that drops a communicator ucxkit formed tells the others how many calls it made, and
+//! their calls beyond those fail naming it instead of waiting for it ([`leave`]).
 //!
 //! # Choosing algorithms
 //!

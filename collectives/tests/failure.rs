@@ -55,28 +55,29 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
     assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
 }
 
-/// Communicators of `base`'s ranks with an id ucxkit picked (`dup`).
+/// Communicators of `base`'s ranks formed by ucxkit (`dup`).
 async fn dups(base: &[Communicator]) -> Vec<Communicator> {
     join_all(base.iter().map(|c| c.dup())).await.into_iter().map(|c| c.expect("dup")).collect()
 }
 
-/// A rank that drops its communicator tells the others which collective call was its
-/// last: a later call waiting on another rank ends when the notice comes, one made after
-/// it fails at once, both naming the rank; the calls it made too go on, so ranks that
-/// end the same calls and drop their communicators at different times see no error.
-/// (Communicators with ids ucxkit picked; one made with an id of the caller's sends no
-/// notice.)
+/// Whether `e` is the abort of a call beyond the `made` calls of rank 0, which left.
+fn left_after(e: &Error, made: &str) -> bool {
+    let said = format!("rank 0 dropped its communicator: it made {made},");
+    matches!(e, Error::Aborted(a) if a.failed == Some(0) && a.reason.contains(&said))
+}
+
+/// A rank that drops its communicator tells the others how many collective calls it
+/// made: a later call waiting on another rank ends when the notice comes, one made after
+/// it fails, both naming the rank; the calls it made too go on, so ranks that end the
+/// same calls and drop their communicators at different times see no error. A
+/// communicator made with an id of the caller's (`from_endpoints`) tells nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_drops_its_communicator_fails_the_others_later_calls() {
-    let left = |e: &Error| {
-        matches!(e, Error::Aborted(a) if a.failed == Some(0)
-            && a.reason.contains("rank 0 dropped its communicator after its collective call 0"))
-    };
     let (_mesh, base) = group(3).await;
     let mut comms = dups(&base).await;
     let sums = join_all(comms.iter().map(|c| c.allreduce(vec![1u32; 4], ReduceOp::Sum))).await;
     assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
-    // Rank 1 makes call 1 before rank 0 leaves, and waits in it.
+    // Rank 1 makes its second call before rank 0 leaves, and waits in it.
     let waiting = tokio::spawn({
         let c = comms[1].clone();
         async move { c.barrier().await }
@@ -86,18 +87,17 @@ async fn a_rank_that_drops_its_communicator_fails_the_others_later_calls() {
     drop(comms.remove(0));
     let e = tokio::time::timeout(BOUND, waiting).await.expect("ended within the bound").expect("task");
     let e = e.expect_err("rank 0 left");
-    assert!(left(&e), "{e}");
-    // Rank 2 heard of it without calling anything: its next call fails.
+    assert!(left_after(&e, "1 collective call"), "{e}");
+    // Rank 2 heard of it (from rank 0, and from rank 1's abort): its next call fails.
     let e = tokio::time::timeout(BOUND, comms[1].allreduce(vec![1u32], ReduceOp::Sum))
         .await
         .expect("ended within the bound")
         .expect_err("rank 0 left")
         .error;
-    assert!(left(&e), "{e}");
-    assert!(comms[1].aborted().is_some_and(|a| a.failed == Some(0)));
+    assert!(left_after(&e, "1 collective call"), "{e}");
 
     // Rank 0, the root, ends its broadcast at once and leaves before the others take
-    // theirs: call 0 was its too, so they get its data, and nothing is aborted.
+    // theirs: that call was its too, so they get its data, and nothing is aborted.
     let (_mesh, base) = group(3).await;
     let mut comms = dups(&base).await;
     let root = comms.remove(0);
@@ -112,13 +112,21 @@ async fn a_rank_that_drops_its_communicator_fails_the_others_later_calls() {
     let late = join_all(comms.iter().map(|c| tokio::time::timeout(BOUND, c.barrier()))).await;
     for e in late {
         let e = e.expect("ended within the bound").expect_err("rank 0 left");
-        assert!(left(&e), "{e}");
+        assert!(left_after(&e, "1 collective call"), "{e}");
     }
-    // The communicators made with an id of the test's: rank 0's drop tells nothing, so
-    // rank 1's next call waits.
-    let mut base = base;
+
+    // Rank 0 drops a communicator of the test's id, then a formed one. Notices travel
+    // the same endpoint in order: once rank 1 heard of the second, it would have heard
+    // of the first, and its call there still waits.
+    let (_mesh, mut base) = group(2).await;
+    let mut formed = dups(&base).await;
     drop(base.remove(0));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(formed.remove(0));
+    let e = tokio::time::timeout(BOUND, formed[0].barrier())
+        .await
+        .expect("ended within the bound")
+        .expect_err("rank 0 left");
+    assert!(left_after(&e, "0 collective calls"), "{e}");
     let waited = tokio::time::timeout(Duration::from_millis(200), base[0].barrier()).await;
     assert!(waited.is_err(), "{waited:?}");
 }
