@@ -64,9 +64,10 @@ pub const CROWDED_SPIN: u32 = 4;
 pub const CROWDED_YIELD: Duration = Duration::from_micros(20);
 
 /// A rank's record in the store starts with little-endian words: the group's size, its
-/// host key, its host's processors online, then the maps of the communicator ids free on
-/// its worker ([`ID_MAP_WORDS`] words); its worker address follows.
-const RECORD_HEAD: usize = 8 * (3 + ID_MAP_WORDS);
+/// host key, its host's processors online, its share of the communicator's token (see
+/// [`crate::leave`]), then the maps of the communicator ids free on its worker
+/// ([`ID_MAP_WORDS`] words); its worker address follows.
+const RECORD_HEAD: usize = 8 * (4 + ID_MAP_WORDS);
 
 /// The words of a worker's maps of free communicator ids (`Registry::free_map`).
 const ID_MAP_WORDS: usize = 2 * (crate::tag::MAX_COMMS as usize / 64);
@@ -174,10 +175,11 @@ impl Communicator {
             .namespace(COLLECTIVES)
             .map_err(|e| boot(format!("claiming the collectives namespace: {e}")))?;
         let me = worker.address().map_err(|e| boot(format!("reading the worker address: {e}")))?;
-        // size, host key, processors online, free ids, address.
+        // size, host key, processors online, token share, free ids, address.
         let mut value = (size as u64).to_le_bytes().to_vec();
         value.extend_from_slice(&crate::hosts::this_host().to_le_bytes());
         value.extend_from_slice(&(crate::hosts::host_cpus() as u64).to_le_bytes());
+        value.extend_from_slice(&crate::leave::random_word().to_le_bytes());
         // Held until the communicator holds it too (its abort handler is installed once).
         let registry = Registry::of(&ns)?;
         let free = registry.free_map();
@@ -197,6 +199,7 @@ impl Communicator {
         let mut addrs = Vec::with_capacity(size);
         let mut hosts = Vec::with_capacity(size);
         let mut cpus = Vec::with_capacity(size);
+        let mut shares = Vec::with_capacity(size);
         // The ids free on every rank's worker.
         let mut free = vec![u64::MAX; ID_MAP_WORDS];
         for (r, v) in values.iter().enumerate() {
@@ -215,8 +218,9 @@ impl Communicator {
             hosts.push(word(1));
             // A count past any machine's is no count (0: not known).
             cpus.push(usize::try_from(word(2)).ok().filter(|&c| c <= MAX_CPUS).unwrap_or(0));
+            shares.push(word(3));
             for (i, f) in free.iter_mut().enumerate() {
-                *f &= word(3 + i);
+                *f &= word(4 + i);
             }
             addrs.push(
                 WorkerAddress::from_bytes(a).map_err(|e| boot(format!("rank {r}'s worker address: {e}")))?,
@@ -247,7 +251,7 @@ impl Communicator {
         comm.put_hosts(Hosts::from_keys(&hosts).with_cpus(&cpus));
         match tokio::time::timeout(left(), comm.barrier()).await {
             Ok(Ok(())) => {
-                comm.formed();
+                comm.formed(crate::leave::token_of(std::iter::once(u64::from(id)).chain(shares)));
                 Ok(comm)
             }
             Ok(Err(e)) => Err(boot(format!("the group's first barrier failed: {e}"))),

@@ -112,7 +112,9 @@ impl Drop for Inner {
         // still be on their way, at the end of the task that throws them away (`late`).
         if !self.abort.is_set() && self.abort.calls.formed() {
             // Every call this rank made ended: the others learn how many it made.
-            crate::leave::tell(&self.ns, &self.eps, self.id, self.rank, self.abort.calls.made());
+            let calls = &self.abort.calls;
+            let l = crate::leave::Leave { rank: self.rank, made: calls.made(), token: calls.token() };
+            crate::leave::tell(&self.ns, &self.eps, self.id, l);
         }
         let held =
             crate::late::HeldId { registry: self.registry.clone(), cell: self.abort.clone(), id: self.id };
@@ -307,11 +309,12 @@ impl Communicator {
     /// What the collectives report, or [`Error::InvalidArgument`] when every
     /// communicator id is taken or the id stayed contended.
     pub async fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        let mine = vec![color.map_or(u64::MAX, u64::from), key as u64];
+        // Colour, key, and this rank's share of the new communicator's token.
+        let mine = vec![color.map_or(u64::MAX, u64::from), key as u64, crate::leave::random_word()];
         let everyone = self.allgather(mine).await?;
         let members: Option<Vec<usize>> = color.map(|color| {
             let mut m: Vec<(i64, usize)> = everyone
-                .chunks_exact(2)
+                .chunks_exact(3)
                 .enumerate()
                 .filter(|(_, c)| c[0] == u64::from(color))
                 .map(|(r, c)| (c[1] as i64, r))
@@ -337,7 +340,8 @@ impl Communicator {
             let all = self.allreduce(vec![ok], crate::ReduceOp::Min).await?;
             match (made, all.first()) {
                 (Some(Ok(c)), Some(1)) => {
-                    c.formed();
+                    let shares = members.iter().flatten().map(|&r| everyone[3 * r + 2]);
+                    c.formed(crate::leave::token_of(std::iter::once(u64::from(id)).chain(shares)));
                     c.put_hosts(self.hosts().restrict(members.as_deref().unwrap_or_default()));
                     return Ok(Some(c.with_options(self.h.opts.clone())));
                 }
@@ -460,10 +464,16 @@ impl Communicator {
         seq
     }
 
-    /// Marks the communicator formed on every rank: from now on its drop tells the
-    /// others, and it hears of theirs (see [`crate::leave`]).
-    pub(crate) fn formed(&self) {
-        self.h.inner.abort.calls.set_formed();
+    /// Marks the communicator formed on every rank, with the token they agreed on: from
+    /// now on its drop tells the others, and it hears of theirs (see [`crate::leave`]).
+    pub(crate) fn formed(&self, token: u64) {
+        self.h.inner.abort.calls.set_formed(token);
+    }
+
+    /// The token the ranks agreed on when this communicator formed (0 for one made by
+    /// [`Communicator::from_endpoints`]).
+    pub(crate) fn token(&self) -> u64 {
+        self.h.inner.abort.calls.token()
     }
 
     /// What runs `op` on `bytes` bytes per rank of `elem`-byte elements with `root` (0

@@ -194,7 +194,10 @@ impl Communicator {
         c.put_hosts(self.hosts().restrict(&members));
         match tokio::time::timeout_at(end.into(), c.barrier()).await {
             Ok(Ok(())) => {
-                c.formed();
+                // The same on every survivor: the parent's token and id, the new id, and
+                // who survived.
+                let words = [self.token(), u64::from(self.id()), u64::from(id)];
+                c.formed(crate::leave::token_of(words.into_iter().chain(members.iter().map(|&m| m as u64))));
                 Ok(c)
             }
             Ok(Err(e)) => Err(e),

@@ -77,11 +77,9 @@ async fn a_rank_that_drops_its_communicator_fails_the_others_later_calls() {
     let mut comms = dups(&base).await;
     let sums = join_all(comms.iter().map(|c| c.allreduce(vec![1u32; 4], ReduceOp::Sum))).await;
     assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
-    // Rank 1 makes its second call before rank 0 leaves, and waits in it.
-    let waiting = tokio::spawn({
-        let c = comms[1].clone();
-        async move { c.barrier().await }
-    });
+    // Rank 1 makes its second call before rank 0 leaves (the call is numbered when it is
+    // made), and waits in it.
+    let waiting = tokio::spawn(comms[1].barrier());
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!waiting.is_finished(), "rank 1 cannot finish alone");
     drop(comms.remove(0));
@@ -117,7 +115,8 @@ async fn a_rank_that_drops_its_communicator_fails_the_others_later_calls() {
 
     // Rank 0 drops a communicator of the test's id, then a formed one. Notices travel
     // the same endpoint in order: once rank 1 heard of the second, it would have heard
-    // of the first, and its call there still waits.
+    // of the first; but its communicator of the test's id neither sends nor hears one,
+    // and its call there still waits.
     let (_mesh, mut base) = group(2).await;
     let mut formed = dups(&base).await;
     drop(base.remove(0));
