@@ -99,16 +99,25 @@ async fn ranks_meet_through_a_tcp_store_and_split() {
     assert!(sums_to(&again).await.iter().all(|s| *s == vec![10; 5]));
 }
 
+/// Ranks meet through a file store; the group they form agreed on a token, so when
+/// rank 0 drops its communicator the others' next call fails, naming it (see
+/// `collectives::leave`), rather than waiting for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_meet_through_a_file_store() {
     let dir = std::env::temp_dir().join(format!("ucxkit-coll-file-{}", std::process::id()));
-    let comms: Vec<Communicator> = form(3, &[0, 1, 2], |_| FileStore::new(&dir).expect("dir"), LIMIT)
+    let mut comms: Vec<Communicator> = form(3, &[0, 1, 2], |_| FileStore::new(&dir).expect("dir"), LIMIT)
         .await
         .into_iter()
         .map(|c| c.expect("bootstrap"))
         .collect();
     assert!(sums_to(&comms).await.iter().all(|s| *s == vec![6; 5]));
     std::fs::remove_dir_all(&dir).expect("clean up");
+    // Its barrier and the allreduce.
+    drop(comms.remove(0));
+    for r in join_all(comms.iter().map(|c| tokio::time::timeout(Duration::from_secs(5), c.barrier()))).await {
+        let e = r.expect("ended within 5 s").expect_err("rank 0 left");
+        assert!(e.to_string().contains("rank 0 dropped its communicator: it made 2 collective calls"), "{e}");
+    }
 }
 
 /// Splits of two communicators over the same workers, running at once, both succeed

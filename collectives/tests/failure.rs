@@ -53,6 +53,14 @@ async fn a_dropped_collective_aborts_every_rank_and_shrink_recovers() {
         .all(|(r, c)| c.size() == 3 && c.rank() == r && c.id() != comms[0].id()));
     let sums = join_all(shrunk.iter().map(|c| c.allreduce(vec![c.rank() as u32; 4], ReduceOp::Sum))).await;
     assert!(sums.into_iter().all(|s| s.expect("allreduce") == vec![3; 4]));
+    // The survivors agreed on the new communicator's token: a departure from it counts
+    // (its barrier and the allreduce were rank 0's calls).
+    let mut shrunk = shrunk;
+    drop(shrunk.remove(0));
+    for r in join_all(shrunk.iter().map(|c| tokio::time::timeout(BOUND, c.barrier()))).await {
+        let e = r.expect("ended within the bound").expect_err("rank 0 left");
+        assert!(left_after(&e, "2 collective calls"), "{e}");
+    }
 }
 
 /// Communicators of `base`'s ranks formed by ucxkit (`dup`).
