@@ -314,19 +314,25 @@ pub(crate) fn pick_id(map: &[u64], start: u16) -> Result<u16> {
         .ok_or_else(|| Error::InvalidArgument("every communicator id is taken on some rank's worker".into()))
 }
 
-/// Tells every rank in `eps` (None for this rank) that communicator `comm` is aborted.
-/// Best effort: a message the transport cannot take at once is posted as an owned send,
-/// awaited by a task where a runtime is at hand (else the transport keeps it until UCX
-/// is done); the task holds no [`Namespace`], so the namespace's claim ends with its last
-/// user, not with the send. An endpoint that cannot send is skipped (that rank learns of
-/// the failure from its own operations or deadline).
+/// Tells every rank in `eps` (None for this rank) that communicator `comm` is aborted
+/// ([`to_every_rank`], keeping what UCX does not take at once).
 pub(crate) fn tell(ns: &Namespace, eps: &[Option<Endpoint>], comm: u16, abort: &Abort) {
-    let header = abort.encode(comm);
+    to_every_rank(ns, eps, ABORT_AM, &abort.encode(comm), true);
+}
+
+/// Sends `header` as the collectives namespace's active message `id` to every rank in
+/// `eps` (None for this rank), best effort: during the call where UCX takes it; else,
+/// when `keep`, as an owned send awaited by a task where a runtime is at hand (else the
+/// transport keeps it until UCX is done), a task holding no [`Namespace`], so the
+/// namespace's claim ends with its last user, not with the send. An endpoint that cannot
+/// send is skipped (that rank learns of it from its own operations or deadline).
+pub(crate) fn to_every_rank(ns: &Namespace, eps: &[Option<Endpoint>], id: u16, header: &[u8], keep: bool) {
     for ep in eps.iter().flatten() {
-        if !matches!(ns.try_am_send(ep, ABORT_AM, &header, &[]), Ok(false)) {
+        let taken = ns.try_am_send(ep, id, header, &[]);
+        if !keep || !matches!(taken, Ok(false)) {
             continue;
         }
-        let send = ns.am_send(ep, ABORT_AM, &header, Vec::new());
+        let send = ns.am_send(ep, id, header, Vec::new());
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 let _ = send.await;

@@ -110,16 +110,17 @@ impl Drop for Inner {
         let _ = self.ns.tag_discard(crate::tag::comm_tag(self.id), crate::tag::COMM_MASK);
         // The id goes back as `held` drops: here, or where an aborted one's messages may
         // still be on their way, at the end of the task that throws them away (`late`).
-        if !self.abort.is_set() && self.abort.calls.formed() {
-            // Every call this rank made ended: the others learn how many it made.
-            let calls = &self.abort.calls;
+        let aborted = self.abort.is_set();
+        let calls = &self.abort.calls;
+        if !aborted && calls.token() != 0 {
+            // Formed, and every call this rank made ended: the others learn how many.
             let l = crate::leave::Leave { rank: self.rank, made: calls.made(), token: calls.token() };
             crate::leave::tell(&self.ns, &self.eps, self.id, l);
         }
         let held =
             crate::late::HeldId { registry: self.registry.clone(), cell: self.abort.clone(), id: self.id };
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) if self.abort.is_set() => {
+            Ok(rt) if aborted => {
                 let end = tokio::time::Instant::now() + crate::late::LATE_GRACE;
                 rt.spawn(crate::late::sweep(self.ns.discarder(), held, end));
             }

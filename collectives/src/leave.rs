@@ -87,15 +87,16 @@ impl Leave {
 }
 
 /// A token made of `words` (the same words, in the same order, on every rank): a
-/// fixed mix, the same in every build.
+/// fixed mix, the same in every build, never 0 (which means "not formed").
 pub(crate) fn token_of(words: impl IntoIterator<Item = u64>) -> u64 {
     // splitmix64's finaliser over a running sum.
-    words.into_iter().fold(0x9e37_79b9_7f4a_7c15, |acc, w| {
+    let t = words.into_iter().fold(0x9e37_79b9_7f4a_7c15_u64, |acc, w| {
         let mut z = acc.wrapping_add(w).wrapping_add(0x9e37_79b9_7f4a_7c15);
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
-    })
+    });
+    t.max(1)
 }
 
 /// A word no other process picks alike, in practice: this rank's share of a token.
@@ -116,10 +117,8 @@ pub(crate) struct Calls {
     size: usize,
     /// The calls begun so far (the next call's index).
     begun: AtomicU64,
-    /// Whether the communicator was formed on every rank: it then tells of its drop and
-    /// hears of the others'.
-    formed: AtomicBool,
-    /// The token its ranks agreed on when it formed.
+    /// The token its ranks agreed on when it formed on every rank (0 until then): a
+    /// formed communicator tells of its drop and hears of the others'.
     token: AtomicU64,
     /// Whether `left` holds anything (one load per call when it does not).
     any_left: AtomicBool,
@@ -159,7 +158,7 @@ impl Calls {
     /// already. A rank outside the group, one heard of before, a communicator not formed
     /// or one of another token changes nothing.
     pub(crate) fn heard(&self, l: Leave) -> Option<Abort> {
-        if l.rank >= self.size || !self.formed() || l.token != self.token() {
+        if l.rank >= self.size || l.token == 0 || l.token != self.token() {
             return None;
         }
         {
@@ -188,30 +187,23 @@ impl Calls {
         self.begun.load(Ordering::SeqCst)
     }
 
-    /// Marks the communicator formed on every rank, with the token they agreed on.
+    /// Marks the communicator formed on every rank, with the (nonzero) token they agreed
+    /// on.
     pub(crate) fn set_formed(&self, token: u64) {
+        debug_assert_ne!(token, 0, "tokens come from token_of");
         self.token.store(token, Ordering::SeqCst);
-        self.formed.store(true, Ordering::SeqCst);
     }
 
     /// The token its ranks agreed on (0 before it formed).
     pub(crate) fn token(&self) -> u64 {
         self.token.load(Ordering::SeqCst)
     }
-
-    /// Whether it was formed on every rank.
-    pub(crate) fn formed(&self) -> bool {
-        self.formed.load(Ordering::SeqCst)
-    }
 }
 
 /// Tells every rank in `eps` (None for this rank) that `l.rank` dropped communicator
 /// `comm`, where UCX takes the notice during the call.
 pub(crate) fn tell(ns: &Namespace, eps: &[Option<Endpoint>], comm: u16, l: Leave) {
-    let notice = l.encode(comm);
-    for ep in eps.iter().flatten() {
-        let _ = ns.try_am_send(ep, LEAVE_AM, &notice, &[]);
-    }
+    crate::abort::to_every_rank(ns, eps, LEAVE_AM, &l.encode(comm), false);
 }
 
 #[cfg(test)]
