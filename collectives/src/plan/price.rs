@@ -17,11 +17,13 @@ pub(crate) const DIRECT_SCRATCH: usize = 1 << 20;
 /// The blocks, in bytes, for which a crowded power-of-two group allgathers by recursive
 /// doubling rather than directly: the model prices one step of n - 1 messages below
 /// log2(n) steps, but on a crowded host a rank's messages wait for their receivers to
-/// run. 4 ranks on 2 processors, alternated runs, medians, direct -> doubling: 4 KiB
-/// 9.0 -> 8.1 us, 16 KiB 11.7 -> 8.3, 64 KiB 21.0 -> 17.2, 128 KiB 38.0 -> 35.7; 16 B
-/// alike (a one-step call either way); 256 KiB 54 -> 65 and 16 MiB 3.3 -> 3.5 ms the
-/// other way, and 3 ranks (folding first) 3.7 -> 4.7 us at 16 B.
-pub(crate) const CROWDED_DOUBLING_BLOCKS: std::ops::RangeInclusive<usize> = 1024..=32 << 10;
+/// run. 4 ranks on 2 processors, alternated runs, direct -> doubling: 4 KiB 9.0 -> 8.1
+/// us, 16 KiB 11.7 -> 8.3, 64 KiB 21.0 -> 17.2, 128 KiB 38.0 -> 35.7 (medians); 256 KiB
+/// 70-96 -> 50-81 (six of six runs), 512 KiB and 2 MiB faster in five of five, 1 MiB
+/// in four of five, 4 MiB in four of four (804-1071 -> 756-930 us); 8 MiB alike, 16
+/// MiB 3.3 -> 3.5 ms the other way; 16 B alike (a one-step call either way), and 3
+/// ranks (folding first) 3.7 -> 4.7 us at 16 B.
+pub(crate) const CROWDED_DOUBLING_BLOCKS: std::ops::RangeInclusive<usize> = 1024..=1 << 20;
 
 /// Whether `alg` is offered for `op` on `hosts` with `count` elements of `elem` bytes:
 /// the direct reduce-scatter only while its n - 1 blocks of scratch stay within
