@@ -21,9 +21,13 @@ struct Pair {
 }
 
 fn setup() -> Pair {
+    setup_in(ProgressMode::Event)
+}
+
+fn setup_in(mode: ProgressMode) -> Pair {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let (mesh, comms, ns) = rt.block_on(async {
-        let mesh = mesh_with("posix,tcp,self", 2, ProgressMode::Event).await;
+        let mesh = mesh_with("posix,tcp,self", 2, mode).await;
         let ns: Vec<Namespace> = mesh.workers.iter().map(|w| w.namespace(COLLECTIVES).expect("ns")).collect();
         let comms = (0..2)
             .map(|r| Communicator::from_endpoints(&ns[r], 0, r, mesh.eps[r].clone()).expect("communicator"))
@@ -133,5 +137,58 @@ fn broadcast_8b(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, allreduce_8b, broadcast_8b);
+/// Broadcasts queued ahead of their receivers, as back-to-back calls queue when ranks
+/// share cores: the root makes [`AHEAD`] calls of 8 bytes (each done once UCX takes its
+/// send), then rank 1 makes its [`AHEAD`], each finding its message arrived. Time and
+/// instructions per pair of calls, busy-poll mode, against the same sends and receives
+/// on the transport: what a call costs the processor, which bounds back-to-back
+/// broadcasts on a crowded host.
+fn broadcast_8b_ahead(c: &mut Criterion) {
+    let p = setup_in(ProgressMode::BusyPoll);
+    let eps = eps(&p);
+    let mut g = c.benchmark_group("broadcast_2ranks_8B_ahead");
+    g.bench_function("collectives", |b| {
+        b.iter_custom(|iters| {
+            timed(&p, async {
+                let (mut x, mut y) = (vec![1.0f32; 2], vec![2.0f32; 2]);
+                for _ in 0..iters.div_ceil(AHEAD) {
+                    for _ in 0..AHEAD {
+                        x = p.comms[0].broadcast(x, 0).await.expect("broadcast");
+                    }
+                    for _ in 0..AHEAD {
+                        y = p.comms[1].broadcast(y, 0).await.expect("broadcast");
+                    }
+                }
+            })
+        })
+    });
+    g.bench_function("transport", |b| {
+        b.iter_custom(|iters| {
+            timed(&p, async {
+                let (x, mut y) = (vec![1u8; 8], vec![0u8; 8]);
+                for _ in 0..iters.div_ceil(AHEAD) {
+                    for _ in 0..AHEAD {
+                        if !p.ns[0].try_tag_send(&eps.0, 1 << 50, &x).expect("send") {
+                            p.ns[0].tag_send(&eps.0, 1 << 50, x.clone()).await.0.expect("send");
+                        }
+                    }
+                    for _ in 0..AHEAD {
+                        let (r, got) =
+                            p.ns[1].tag_recv_from(&eps.1, 1 << 50, EXACT, std::mem::take(&mut y)).await;
+                        r.expect("recv");
+                        y = got;
+                        y.clear();
+                    }
+                }
+            })
+        })
+    });
+    g.finish();
+}
+
+/// Calls the root of [`broadcast_8b_ahead`] makes before its receiver makes its own:
+/// within UCX's shared-memory queue (64 messages by default).
+const AHEAD: u64 = 16;
+
+criterion_group!(benches, allreduce_8b, broadcast_8b, broadcast_8b_ahead);
 criterion_main!(benches);
