@@ -485,26 +485,45 @@ impl Communicator {
 
     /// The plan for `op` on `count` elements of `elem` bytes with `root`, with this
     /// rank's schedule for it, from the cache when it was made before.
+    #[inline]
     pub(crate) fn planned(&self, op: Op, count: usize, elem: usize, root: usize) -> Arc<Planned> {
         let elem = elem.max(1);
-        // A forced algorithm counts only where it can run the operation (the variable's
-        // are checked when read; options' here).
-        let forced = self
-            .h
+        let key = (op, count, elem, root, self.forced(op), self.h.costs_id);
+        {
+            let cache = self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
+            // The last plan first: a loop of one collective hashes nothing.
+            if let Some((k, p)) = &cache.last {
+                if *k == key {
+                    return p.clone();
+                }
+            }
+        }
+        self.plan_anew(key)
+    }
+
+    /// The algorithm forced for `op`, if any: by the options, else by the variable. One
+    /// counts only where it can run the operation (the variable's are checked when read;
+    /// options' here).
+    #[inline]
+    fn forced(&self, op: Op) -> Option<Algorithm> {
+        if self.h.opts.algorithm.is_empty() && self.h.inner.forced_env.is_empty() {
+            return None;
+        }
+        self.h
             .opts
             .algorithm
             .iter()
             .chain(&self.h.inner.forced_env)
             .find(|(o, a)| *o == op && op.candidates().contains(a))
-            .map(|(_, a)| *a);
-        let key = (op, count, elem, root, forced, self.h.costs_id);
+            .map(|(_, a)| *a)
+    }
+
+    /// [`Communicator::planned`] for a key other than the last one's: from the cache, or
+    /// planned and kept.
+    #[inline(never)]
+    fn plan_anew(&self, key: PlanKey) -> Arc<Planned> {
+        let (op, count, elem, root, forced, _) = key;
         let mut cache = self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
-        // The last plan first: a loop of one collective hashes nothing.
-        if let Some((k, p)) = &cache.last {
-            if *k == key {
-                return p.clone();
-            }
-        }
         if let Some(p) = cache.map.get(&key).cloned() {
             cache.last = Some((key, p.clone()));
             return p;
@@ -576,6 +595,7 @@ impl Communicator {
         *self.h.inner.small.lock().unwrap_or_else(PoisonError::into_inner) = kept;
     }
 
+    #[inline]
     pub(crate) fn wire(&self) -> crate::exec::Wire<'_> {
         crate::exec::Wire {
             ns: &self.h.inner.ns,

@@ -41,6 +41,7 @@ impl<T, U> Outcome for std::result::Result<T, Box<Failed<U>>> {
 
 impl Call {
     /// Ends the call with `r`: a failure aborts the communicator on every rank.
+    #[inline]
     pub(crate) fn done<R: Outcome>(mut self, r: R) -> R {
         self.armed = false;
         if let Some(e) = r.error() {

@@ -40,6 +40,7 @@ struct Ran<T> {
 impl<T> Ran<T> {
     /// The data buffer, or the error with the caller's buffer (the data buffer when
     /// `data_is_callers`, else the input).
+    #[inline]
     fn data_back(self, data_is_callers: bool) -> CallResult<T> {
         match (self.result, self.data) {
             (Ok(()), Some(d)) => Ok(d),
@@ -117,8 +118,14 @@ impl Communicator {
         (!op.applies_to(T::DTYPE)).then(|| format!("{op} does not apply to {}", T::DTYPE))
     }
 
+    #[inline]
     fn check_root(&self, root: usize) -> Option<String> {
-        (root >= self.size()).then(|| format!("root {root} is outside a group of {}", self.size()))
+        (root >= self.size()).then(|| self.outside_group(root))
+    }
+
+    #[cold]
+    fn outside_group(&self, root: usize) -> String {
+        format!("root {root} is outside a group of {}", self.size())
     }
 
     fn check_counts(&self, counts: &[usize]) -> Option<String> {
