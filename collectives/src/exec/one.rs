@@ -113,29 +113,30 @@ pub(crate) async fn run_one<T: Element>(
         let bytes: &[u8] = bytemuck::cast_slice(src.get(from.range.clone()).ok_or_else(|| outside(from))?);
         send(w, *peer, tag(w.comm, seq, 0, w.rank), bytes, true, &mut queued)?;
     }
-    let recv = match &one.recv {
-        Some((peer, into)) => {
-            let want = into.len() * std::mem::size_of::<T>();
-            let ep = w.ep(*peer)?;
-            // Lent whole only where that costs no reallocation (its capacity is its
-            // length, as a vector a call gave back has).
-            let whole = |d: &Vec<T>| one.direct && d.len() == into.range.end && d.capacity() == d.len();
-            let landing = match data.take() {
-                Some(d) if whole(&d) => Either::Right(d.into_boxed_slice()),
-                d => {
-                    *data = d;
-                    Either::Left(Vec::with_capacity(want))
-                }
-            };
-            Some((*peer, into, want, w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing)))
-        }
-        None => None,
-    };
     let mut watch: Option<Watch<'_>> = None;
+    let Some((peer, into)) = &one.recv else {
+        // Sends only (a tree's root): done once the queued ones are.
+        if !queued.is_empty() {
+            sent(w, &mut queued, &mut watch, end).await?;
+        }
+        return Ok(());
+    };
+    let (peer, want) = (*peer, into.len() * std::mem::size_of::<T>());
+    let ep = w.ep(peer)?;
+    // Lent whole only where that costs no reallocation (its capacity is its length, as a
+    // vector a call gave back has).
+    let whole = |d: &Vec<T>| one.direct && d.len() == into.range.end && d.capacity() == d.len();
+    let landing = match data.take() {
+        Some(d) if whole(&d) => Either::Right(d.into_boxed_slice()),
+        d => {
+            *data = d;
+            Either::Left(Vec::with_capacity(want))
+        }
+    };
+    let mut op_recv = w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, peer), EXACT, landing);
     if !queued.is_empty() {
         sent(w, &mut queued, &mut watch, end).await?;
     }
-    let Some((peer, into, want, mut op_recv)) = recv else { return Ok(()) };
     let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut op_recv).poll(cx) {
         Poll::Ready(done) => Poll::Ready(Ok(done)),
         Poll::Pending => {
