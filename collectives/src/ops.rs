@@ -123,6 +123,7 @@ impl Communicator {
         (root >= self.size()).then(|| self.outside_group(root))
     }
 
+    /// The message for a root outside the group (kept out of line: calls pass it).
     #[cold]
     fn outside_group(&self, root: usize) -> String {
         format!("root {root} is outside a group of {}", self.size())
