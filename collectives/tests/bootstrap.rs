@@ -274,9 +274,9 @@ async fn busy_ranks_crowding_their_host_yield_sooner() {
     }
 }
 
-/// A free TCP port on the loopback (bound, then let go).
+/// A free TCP port on the loopback, out of the ephemeral range.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    ucxkit_testkit::ports::free_port().expect("a free port")
 }
 
 /// One rank formed from launcher variables (`vars`, or this process's environment

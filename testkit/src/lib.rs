@@ -9,7 +9,8 @@
 //! - [`rig`]: several hosts on one bridge, and faults on them (link down, loss, rate,
 //!   delay and reordering, frozen or killed processes); the code of `ucxkit-rig`;
 //! - [`payload`](mod@payload): deterministic payloads and a small generator;
-//! - [`forge`]: ucxkit's envelopes forged as an attacker would, for hostile-input tests.
+//! - [`forge`]: ucxkit's envelopes forged as an attacker would, for hostile-input tests;
+//! - [`ports`]: ports for servers whose address is handed out before they bind it.
 //!
 //! The items of `workers`, `payload` and `procs` are also at the crate root, so a test
 //! file can say `use ucxkit_testkit as common;` and call `common::pair(...)`.
@@ -19,6 +20,7 @@
 pub mod forge;
 pub mod netns;
 pub mod payload;
+pub mod ports;
 pub mod procs;
 pub mod rig;
 pub mod workers;

@@ -241,14 +241,13 @@ pub fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
     e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
 }
 
-/// A TCP port on 127.0.0.1 free a moment ago (the system's pick), for a server a tool
-/// starts and tells its clients about.
+/// A TCP port on 127.0.0.1 free a moment ago, for a server a tool starts and tells its
+/// clients about (drawn below the ephemeral range: see [`ucxkit_testkit::ports`]).
 ///
 /// # Errors
 /// When no socket can be bound.
 pub fn free_port() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| format!("finding a free port: {e}"))
+    ucxkit_testkit::ports::free_port().map_err(|e| format!("finding a free port: {e}"))
 }
 
 /// Pins the calling thread (and the threads it starts later) to CPU `n` modulo the
