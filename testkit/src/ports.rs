@@ -4,6 +4,8 @@
 use std::hash::{BuildHasher, Hasher};
 use std::net::TcpListener;
 
+use crate::payload::Rng;
+
 /// Where ports are drawn from when the system's range of ephemeral ports cannot be read.
 const EPHEMERAL_LOW: u16 = 32768;
 
@@ -22,13 +24,9 @@ const LOWEST: u16 = 10_000;
 pub fn free_port() -> std::io::Result<u16> {
     let high = ephemeral_low().unwrap_or(EPHEMERAL_LOW);
     if high > LOWEST {
-        let mut x = std::collections::hash_map::RandomState::new().build_hasher().finish() | 1;
+        let mut rng = Rng::new(std::collections::hash_map::RandomState::new().build_hasher().finish());
         for _ in 0..64 {
-            // xorshift64
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let port = LOWEST + (x % u64::from(high - LOWEST)) as u16;
+            let port = LOWEST + rng.below(usize::from(high - LOWEST)) as u16;
             if TcpListener::bind(("127.0.0.1", port)).is_ok() {
                 return Ok(port);
             }
