@@ -22,6 +22,14 @@ use crate::{Element, ReduceOp};
 /// buffer, to give it back.
 const RELEASE_WAIT: Duration = Duration::from_millis(100);
 
+/// `out`'s elements `block` (within it: a schedule's block of its own buffer), moved to
+/// its front, the rest cut off.
+fn to_front<T: Element>(mut out: Vec<T>, block: std::ops::Range<usize>) -> Vec<T> {
+    out.copy_within(block.clone(), 0);
+    out.truncate(block.len());
+    out
+}
+
 /// An error for a malformed call, with the buffer given back.
 fn invalid<T>(buf: Vec<T>, msg: String) -> Box<Failed<T>> {
     Failed::new(Error::InvalidArgument(msg), Some(buf))
@@ -193,8 +201,16 @@ impl Communicator {
     /// Every rank ends with all ranks' `buf`s (of the same length) one after the other,
     /// in rank order.
     pub fn allgather<T: Element>(&self, buf: Vec<T>) -> impl Future<Output = CallResult<T>> + Send + 'static {
-        let counts = vec![buf.len(); self.size()];
-        self.allgather_v(buf, counts)
+        collective!(self, 'call, |comm, seq| {
+            let (n, r, count) = (comm.size(), comm.rank(), buf.len());
+            let Some(total) = count.checked_mul(n) else {
+                break 'call Err(invalid(buf, "the blocks add up to more than a buffer can hold".into()));
+            };
+            let mut data = vec![T::zeroed(); total];
+            data[r * count..(r + 1) * count].copy_from_slice(&buf);
+            let planned = comm.planned(Op::Allgather, count, std::mem::size_of::<T>(), 0);
+            comm.run(seq, &planned.sched, planned.one.as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false)
+        })
     }
 
     /// [`Communicator::allgather`] where rank i contributes `counts[i]` elements (this
@@ -256,8 +272,43 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> impl Future<Output = CallResult<T>> + Send + 'static {
-        let counts = even_blocks(buf.len(), self.size()).iter().map(|b| b.len()).collect();
-        self.reduce_scatter_v(buf, counts, op)
+        collective!(self, 'call, |comm, seq| {
+            if let Some(m) = comm.check_reduce::<T>(op) {
+                break 'call Err(invalid(buf, m));
+            }
+            let (n, r) = (comm.size(), comm.rank());
+            let elem = std::mem::size_of::<T>();
+            // A length the group divides goes by the plan, with no schedule made for the
+            // call (the same one `reduce_scatter_v` makes for those blocks).
+            let (sched_owned, one_owned, planned);
+            let (sched, one, block) = if buf.len() % n == 0 {
+                let count = buf.len() / n;
+                planned = comm.planned(Op::ReduceScatter, count, elem, 0);
+                (&planned.sched, planned.one.as_ref(), r * count..(r + 1) * count)
+            } else {
+                let blocks = even_blocks(buf.len(), n);
+                sched_owned = comm.reduce_scatter_sched(&blocks, buf.len(), elem);
+                one_owned = OneStep::of(&sched_owned);
+                (&sched_owned, one_owned.as_ref(), blocks[r].clone())
+            };
+            comm.run(seq, sched, one, buf, Vec::new(), op, false).await.data_back(true).map(|out| to_front(out, block))
+        })
+    }
+
+    /// This rank's schedule of a reduce-scatter of `len` elements of `elem` bytes into
+    /// `blocks`: even blocks by the planned algorithm, others by the ring.
+    fn reduce_scatter_sched(&self, blocks: &[std::ops::Range<usize>], len: usize, elem: usize) -> Schedule {
+        let (n, r) = (self.size(), self.rank());
+        let alg = if even_blocks(len, n) == blocks {
+            self.plan(Op::ReduceScatter, len / n.max(1) * elem, elem, 0).algorithm
+        } else {
+            plan::Algorithm::Ring
+        };
+        match alg {
+            plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, blocks),
+            plan::Algorithm::Direct => linear::direct_reduce_scatter(n, r, blocks),
+            _ => ring::reduce_scatter(n, r, blocks),
+        }
     }
 
     /// [`Communicator::reduce_scatter`] with rank i's block `counts[i]` elements long
@@ -269,7 +320,7 @@ impl Communicator {
         op: ReduceOp,
     ) -> impl Future<Output = CallResult<T>> + Send + 'static {
         collective!(self, 'call, |comm, seq| {
-            let (n, r) = (comm.size(), comm.rank());
+            let r = comm.rank();
             if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_counts(&counts)) {
                 break 'call Err(invalid(buf, m));
             }
@@ -282,24 +333,9 @@ impl Communicator {
                 break 'call Err(invalid(buf, m));
             }
             let blocks = blocks_of(&counts);
-            let elem = std::mem::size_of::<T>();
-            let even = even_blocks(buf.len(), n) == blocks;
-            let alg = if even {
-                comm.plan(Op::ReduceScatter, buf.len() / n.max(1) * elem, elem, 0).algorithm
-            } else {
-                plan::Algorithm::Ring
-            };
-            let sched = match alg {
-                plan::Algorithm::RingBidir => ring::reduce_scatter_bidir(n, r, &blocks),
-                plan::Algorithm::Direct => linear::direct_reduce_scatter(n, r, &blocks),
-                _ => ring::reduce_scatter(n, r, &blocks),
-            };
-            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), buf, Vec::new(), op, false).await.data_back(true).map(|mut out| {
-                // This rank's block to the front, the rest cut off.
-                out.copy_within(blocks[r].clone(), 0);
-                out.truncate(blocks[r].len());
-                out
-            })
+            let sched = comm.reduce_scatter_sched(&blocks, buf.len(), std::mem::size_of::<T>());
+            let block = blocks[r].clone();
+            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), buf, Vec::new(), op, false).await.data_back(true).map(|out| to_front(out, block))
         })
     }
 
@@ -419,10 +455,17 @@ impl Communicator {
     /// Rank r sends block i of its `buf` (`size()` blocks of equal length) to rank i and
     /// ends with block r of every rank's, in rank order.
     pub fn alltoall<T: Element>(&self, buf: Vec<T>) -> impl Future<Output = CallResult<T>> + Send + 'static {
-        let n = self.size();
-        let each = buf.len() / n.max(1);
-        let counts = if buf.len() % n.max(1) == 0 { vec![each; n] } else { Vec::new() };
-        self.alltoall_v(buf, counts.clone(), counts)
+        collective!(self, 'call, |comm, seq| {
+            let n = comm.size();
+            if buf.len() % n != 0 {
+                let m = format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
+                break 'call Err(invalid(buf, m));
+            }
+            // By the plan, as `alltoall_into`.
+            let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
+            let data = vec![T::zeroed(); buf.len()];
+            comm.run(seq, &planned.sched, planned.one.as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false)
+        })
     }
 
     /// All-to-all with this rank's block for rank i `send_counts[i]` elements long and
