@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static MPI_Datatype dtype_of(const char *d, size_t *elem) {
     struct { const char *n; MPI_Datatype t; size_t s; } m[] = {
@@ -68,6 +69,9 @@ int main(int argc, char **argv) {
         if (rank == 0) fprintf(stderr, "mpi_bench: no MPI reduction %s\n", argv[7]);
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
+    /* Idle before the first cell, as ucxkit's ranks do (SETTLE in rank.rs). */
+    usleep(150000);
+    MPI_Barrier(MPI_COMM_WORLD);
     size_t elem;
     MPI_Datatype t = dtype_of(argv[3], &elem);
     if (t == MPI_DATATYPE_NULL) {

@@ -15,6 +15,15 @@ type Res<T> = Result<T, String>;
 /// The longest a cell's timed loop aims to run.
 pub(crate) const CELL_BUDGET: Duration = Duration::from_millis(500);
 
+/// How long every rank idles between forming the group and its first cell (the MPI
+/// benchmark too). Small calls in a process's first tenth of a second or so ran several
+/// times slower here: 4 ranks on 2 cores, 8 B broadcast in cells of 1,000 calls,
+/// 15-35 us per call for the first one to four cells, then 0.55-0.65; 2 ranks, cells of
+/// 1-9 us among 0.2-0.3. After an idle 60 ms or more (or 150 ms of spinning) the first
+/// cell ran as fast as the later ones; 10-30 ms did not help. Open MPI's ranks showed no
+/// such start. The tool measures the calls, not the process's start.
+const SETTLE: Duration = Duration::from_millis(150);
+
 /// Forms the group from the launcher's (or `--np`'s) variables and runs every cell.
 pub(crate) async fn run(args: &Args) -> Res<()> {
     let launch = env::detect().map_err(|e| format!("{e} (or start ranks with --np N)"))?;
@@ -35,6 +44,8 @@ pub(crate) async fn run(args: &Args) -> Res<()> {
     if let Some(crate::Command::Tune { out }) = &args.command {
         return crate::spawn::tune(&comm, out).await;
     }
+    tokio::time::sleep(SETTLE).await;
+    comm.barrier().await.map_err(|e| e.to_string())?;
     let dtype: DataType = args.dtype.parse()?;
     let redop: ReduceOp = args.redop.parse()?;
     if !redop.applies_to(dtype) {
