@@ -4,13 +4,14 @@
 //! however their futures are polled.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
 use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{SharedBuf, SharedSlice};
 
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Planned};
 use crate::error::{CallResult, Error, Failed, Result};
 use crate::exec::{self, one::OneStep};
 use crate::plan::{self, Op};
@@ -28,6 +29,28 @@ fn to_front<T: Element>(mut out: Vec<T>, block: std::ops::Range<usize>) -> Vec<T
     out.copy_within(block.clone(), 0);
     out.truncate(block.len());
     out
+}
+
+/// A call's schedule: the cached plan's, or one made for the call (`_v` forms, uneven
+/// blocks), with its one-step shape where it has one.
+enum Sched {
+    Planned(Arc<Planned>),
+    Made(Schedule, Option<OneStep>),
+}
+
+impl Sched {
+    fn made(sched: Schedule) -> Sched {
+        let one = OneStep::of(&sched);
+        Sched::Made(sched, one)
+    }
+
+    /// The schedule and its one-step shape, as [`Communicator::run`] takes them.
+    fn parts(&self) -> (&Schedule, Option<&OneStep>) {
+        match self {
+            Sched::Planned(p) => (&p.sched, p.one.as_ref()),
+            Sched::Made(s, one) => (s, one.as_ref()),
+        }
+    }
 }
 
 /// An error for a malformed call, with the buffer given back.
@@ -233,12 +256,13 @@ impl Communicator {
             let mut data = vec![T::zeroed(); blocks.last().map_or(0, |b| b.end)];
             data[blocks[r].clone()].copy_from_slice(&buf);
             // Equal blocks go by the plan; others by the ring.
-            if counts.iter().all(|&c| c == counts[0]) {
-                let planned = comm.planned(Op::Allgather, counts[0], std::mem::size_of::<T>(), 0);
-                break 'call comm.run(seq, &planned.sched, planned.one.as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false);
-            }
-            let sched = ring::allgather(n, r, &blocks);
-            comm.run(seq, &sched, OneStep::of(&sched).as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false)
+            let sched = if counts.iter().all(|&c| c == counts[0]) {
+                Sched::Planned(comm.planned(Op::Allgather, counts[0], std::mem::size_of::<T>(), 0))
+            } else {
+                Sched::made(ring::allgather(n, r, &blocks))
+            };
+            let (sched, one) = sched.parts();
+            comm.run(seq, sched, one, data, buf, ReduceOp::Sum, false).await.data_back(false)
         })
     }
 
@@ -276,23 +300,26 @@ impl Communicator {
             if let Some(m) = comm.check_reduce::<T>(op) {
                 break 'call Err(invalid(buf, m));
             }
-            let (n, r) = (comm.size(), comm.rank());
-            let elem = std::mem::size_of::<T>();
-            // A length the group divides goes by the plan, with no schedule made for the
-            // call (the same one `reduce_scatter_v` makes for those blocks).
-            let (sched_owned, one_owned, planned);
-            let (sched, one, block) = if buf.len() % n == 0 {
-                let count = buf.len() / n;
-                planned = comm.planned(Op::ReduceScatter, count, elem, 0);
-                (&planned.sched, planned.one.as_ref(), r * count..(r + 1) * count)
-            } else {
-                let blocks = even_blocks(buf.len(), n);
-                sched_owned = comm.reduce_scatter_sched(&blocks, buf.len(), elem);
-                one_owned = OneStep::of(&sched_owned);
-                (&sched_owned, one_owned.as_ref(), blocks[r].clone())
-            };
+            let (sched, block) = comm.reduce_scatter_even(buf.len(), std::mem::size_of::<T>());
+            let (sched, one) = sched.parts();
             comm.run(seq, sched, one, buf, Vec::new(), op, false).await.data_back(true).map(|out| to_front(out, block))
         })
+    }
+
+    /// The schedule of a reduce-scatter of `len` elements of `elem` bytes cut into even
+    /// blocks (as [`Communicator::reduce_scatter`] cuts them), and this rank's block: the
+    /// cached plan's where the group divides the length, else one made for the call (the
+    /// one `reduce_scatter_v` makes for those blocks).
+    fn reduce_scatter_even(&self, len: usize, elem: usize) -> (Sched, std::ops::Range<usize>) {
+        let (n, r) = (self.size(), self.rank());
+        if len % n == 0 {
+            let count = len / n;
+            (Sched::Planned(self.planned(Op::ReduceScatter, count, elem, 0)), r * count..(r + 1) * count)
+        } else {
+            let blocks = even_blocks(len, n);
+            let block = blocks[r].clone();
+            (Sched::made(self.reduce_scatter_sched(&blocks, len, elem)), block)
+        }
     }
 
     /// This rank's schedule of a reduce-scatter of `len` elements of `elem` bytes into
@@ -300,7 +327,8 @@ impl Communicator {
     fn reduce_scatter_sched(&self, blocks: &[std::ops::Range<usize>], len: usize, elem: usize) -> Schedule {
         let (n, r) = (self.size(), self.rank());
         let alg = if even_blocks(len, n) == blocks {
-            self.plan(Op::ReduceScatter, len / n.max(1) * elem, elem, 0).algorithm
+            // The cached plan's algorithm (not `plan`, which clones the plan's pricing).
+            self.planned(Op::ReduceScatter, len / n.max(1), elem, 0).plan.algorithm
         } else {
             plan::Algorithm::Ring
         };
@@ -351,18 +379,9 @@ impl Communicator {
             if let Some(m) = comm.check_reduce::<T>(op) {
                 break 'call Err(invalid(buf, m));
             }
-            let (n, r) = (comm.size(), comm.rank());
-            let elem = std::mem::size_of::<T>();
-            let (sched_owned, one_owned);
-            let planned;
-            let (sched, one) = if buf.len() % n == 0 {
-                planned = comm.planned(Op::ReduceScatter, buf.len() / n, elem, 0);
-                (&planned.sched, planned.one.as_ref())
-            } else {
-                sched_owned = ring::reduce_scatter(n, r, &even_blocks(buf.len(), n));
-                one_owned = OneStep::of(&sched_owned);
-                (&sched_owned, one_owned.as_ref())
-            };
+            // The same schedule as `reduce_scatter`'s, the buffer given back whole.
+            let (sched, _) = comm.reduce_scatter_even(buf.len(), std::mem::size_of::<T>());
+            let (sched, one) = sched.parts();
             comm.run(seq, sched, one, buf, Vec::new(), op, false).await.data_back(true)
         })
     }
