@@ -163,6 +163,31 @@ async fn completed_at_once_dropped_unawaited() {
     assert_eq!(server.parked_requests(), 0);
 }
 
+/// A receive's outcome is taken without awaiting it once it completed when posted; a
+/// pending one gives none and is awaited as usual.
+#[tokio::test]
+async fn outcome_of_a_receive_done_when_posted_is_taken_without_a_task() {
+    let (server, _client, _a, ep) = pair("posix,cma,tcp,self").await;
+    let mut pending = server.tag_recv(13, tag::EXACT, vec![0u8; 8]);
+    assert!(pending.take_done().is_none(), "nothing arrived yet");
+    ep.tag_send(14, vec![7u8; 5]).await.0.expect("send");
+    for _ in 0..100_000 {
+        if server.tag_probe(14, tag::EXACT).is_some() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let mut recv = server.tag_recv(14, tag::EXACT, Vec::with_capacity(8));
+    let (info, buf) = recv.take_done().expect("the message had arrived");
+    assert_eq!(info.expect("received").len, 5);
+    assert_eq!(buf, vec![7u8; 5]);
+    assert!(recv.take_done().is_none(), "taken once");
+    drop(recv);
+    ep.tag_send(13, vec![9u8; 8]).await.0.expect("send");
+    let (info, buf) = pending.await;
+    assert_eq!((info.expect("received").len, buf), (8, vec![9u8; 8]));
+}
+
 /// A vectored receive dropped while pending is canceled like a plain one: none of its
 /// buffers is ever written, and the message goes to the next receive.
 async fn dropped_iov_receive_is_never_written(tls: &str) {

@@ -446,6 +446,27 @@ impl<B: Send + 'static, X: Kept> Owned<B, X> {
         }
     }
 
+    /// [`Owned::poll_with`] without a task, for an operation that is not pending: its
+    /// outcome, taken (None while it is pending, or once taken).
+    #[inline(always)]
+    pub(crate) fn take_done<T>(
+        &mut self,
+        done: impl FnOnce(Completion, &mut B, Option<&Endpoint>) -> Result<T>,
+    ) -> Option<(Result<T>, B)> {
+        match std::mem::replace(&mut *self.state, OpState::Finished) {
+            OpState::Done(c, mut b) => {
+                let r = done(c, &mut b, self.ep.as_ref());
+                Some((r, b))
+            }
+            OpState::Failed(e, b) => Some((Err(*e), b)),
+            OpState::Finished => None,
+            pending @ OpState::Pending(..) => {
+                *self.state = pending;
+                None
+            }
+        }
+    }
+
     /// Drops the fields: a pending operation's buffer and extra are parked with the
     /// worker first. The buffer goes last, as in `SendOp`.
     ///

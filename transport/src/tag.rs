@@ -540,6 +540,15 @@ impl<B: IoBufMut> TagRecv<B> {
     pub fn completed_immediately(&self) -> bool {
         self.own.completed_immediately()
     }
+
+    /// The outcome of a receive that [completed when it was
+    /// posted](TagRecv::completed_immediately), taken without awaiting it (so without a
+    /// task or a waker); None while it is pending (await it then) or once taken.
+    #[inline]
+    pub fn take_done(&mut self) -> Option<(Result<TagInfo>, B)> {
+        let (fixed, capacity) = (self.fixed, self.capacity);
+        self.own.take_done(|c, b, ep| finish(fixed, capacity, c, b, ep))
+    }
 }
 
 /// The outcome of a tag receive of `capacity` bytes posted in the space named by the
