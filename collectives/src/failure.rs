@@ -3,6 +3,7 @@
 //! dropped before it finished; [`Communicator::abort`]; and [`Communicator::shrink`],
 //! which makes a communicator of the ranks still alive.
 
+use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
 use ucxkit_transport::{tag::EXACT, SharedBuf};
@@ -14,9 +15,11 @@ use crate::tag::{tag, CONTROL_STEP};
 
 /// A collective call in flight. Made when the call is (taking its sequence number);
 /// [`Call::done`] ends it with its result. Dropped before that, it aborts the
-/// communicator: the other ranks would wait for this call's messages for ever.
-pub(crate) struct Call {
-    pub(crate) comm: Communicator,
+/// communicator: the other ranks would wait for this call's messages for ever. `C` is
+/// the communicator, owned by a call's future, or borrowed while the call runs in the
+/// function that made it ([`Communicator::begin_here`]).
+pub(crate) struct Call<C: Borrow<Communicator> = Communicator> {
+    pub(crate) comm: C,
     pub(crate) seq: u16,
     armed: bool,
 }
@@ -39,24 +42,33 @@ impl<T, U> Outcome for std::result::Result<T, Box<Failed<U>>> {
     }
 }
 
-impl Call {
+impl<C: Borrow<Communicator>> Call<C> {
     /// Ends the call with `r`: a failure aborts the communicator on every rank.
     #[inline]
     pub(crate) fn done<R: Outcome>(mut self, r: R) -> R {
         self.armed = false;
         if let Some(e) = r.error() {
-            self.comm.fail(e);
+            self.comm.borrow().fail(e);
         }
         r
     }
 }
 
-impl Drop for Call {
+impl Call<&Communicator> {
+    /// The call, for a future to finish: with a communicator of its own.
+    pub(crate) fn owned(mut self) -> Call {
+        self.armed = false;
+        Call { comm: self.comm.clone(), seq: self.seq, armed: true }
+    }
+}
+
+impl<C: Borrow<Communicator>> Drop for Call<C> {
     fn drop(&mut self) {
         if self.armed {
+            let comm = self.comm.borrow();
             let reason =
-                format!("rank {} dropped collective call {} before it finished", self.comm.rank(), self.seq);
-            self.comm.abort_with(Abort { failed: None, by: self.comm.rank(), reason });
+                format!("rank {} dropped collective call {} before it finished", comm.rank(), self.seq);
+            comm.abort_with(Abort { failed: None, by: comm.rank(), reason });
         }
     }
 }
@@ -65,6 +77,12 @@ impl Communicator {
     /// Starts a collective call: takes its sequence number.
     pub(crate) fn begin(&self) -> Call {
         Call { comm: self.clone(), seq: self.next_seq(), armed: true }
+    }
+
+    /// [`Communicator::begin`] for a call that may end before its function returns (no
+    /// reference count taken until [`Call::owned`]).
+    pub(crate) fn begin_here(&self) -> Call<&Communicator> {
+        Call { comm: self, seq: self.next_seq(), armed: true }
     }
 
     /// Aborts the communicator after `e` (unless `e` is itself the news of an abort,

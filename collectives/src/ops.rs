@@ -1,9 +1,11 @@
 //! The collective operations of a [`Communicator`]. Each takes the caller's buffer by
 //! value and gives it back (as the result, or inside [`Failed`]); each call takes its
 //! sequence number when it is made, so calls made in the same order on every rank match
-//! however their futures are polled.
+//! however their futures are polled. Small rooted calls start when they are made
+//! ([`Communicator::rooted_call`]).
 
-use std::future::Future;
+use std::future::{ready, Future, Ready};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -11,9 +13,12 @@ use std::time::Duration;
 use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{SharedBuf, SharedSlice};
 
+use futures_util::future::Either;
+
 use crate::comm::{Communicator, Planned};
 use crate::error::{CallResult, Error, Failed, Result};
 use crate::exec::{self, one::OneStep};
+use crate::failure::Call;
 use crate::plan::{self, Op};
 use crate::schedule::{blocks_of, even_blocks, linear, ring, Schedule};
 use crate::tag::{tag, P2P_STEP};
@@ -51,6 +56,18 @@ impl Sched {
             Sched::Made(s, one) => (s, one.as_ref()),
         }
     }
+}
+
+/// A call's future: its result where the function that made it ended it, else the
+/// rest of it, boxed. Either way a few words long, so that returning it costs nothing
+/// much: the futures that hold a call's whole state are large, and an 8-byte broadcast
+/// that returned one spent a fifth of its instructions copying it.
+pub(crate) type CallFuture<T> =
+    Either<Ready<CallResult<T>>, Pin<Box<dyn Future<Output = CallResult<T>> + Send>>>;
+
+/// A call that ended (or was refused) when it was made, as its future.
+fn ended<T: Element>(r: CallResult<T>) -> CallFuture<T> {
+    Either::Left(ready(r))
 }
 
 /// An error for a malformed call, with the buffer given back.
@@ -114,6 +131,27 @@ impl Communicator {
         seq: u16,
         sched: &Schedule,
         one: Option<&OneStep>,
+        data: Vec<T>,
+        input: Vec<T>,
+        op: ReduceOp,
+        fresh: bool,
+    ) -> Ran<T> {
+        let wire = self.wire();
+        let limit = self.h.opts.deadline;
+        let elems = data.len() + input.len() + sched.scratch;
+        if let Some(one) = one.filter(|_| exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment)) {
+            let mut data = Some(data);
+            let result = exec::one::run_one(&wire, seq, sched, one, &mut data, &input, op, limit).await;
+            return Ran { result: result.map_err(Box::new), data, input: Some(input) };
+        }
+        self.run_steps(seq, sched, data, input, op, fresh).await
+    }
+
+    /// [`Communicator::run`] by the step loop (every call but a small one-step one).
+    async fn run_steps<T: Element>(
+        &self,
+        seq: u16,
+        sched: &Schedule,
         mut data: Vec<T>,
         input: Vec<T>,
         op: ReduceOp,
@@ -123,11 +161,6 @@ impl Communicator {
         let limit = self.h.opts.deadline;
         let elems = data.len() + input.len() + sched.scratch;
         if exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment) {
-            if let Some(one) = one {
-                let mut data = Some(data);
-                let result = exec::one::run_one(&wire, seq, sched, one, &mut data, &input, op, limit).await;
-                return Ran { result: result.map_err(Box::new), data, input: Some(input) };
-            }
             let mut kept = self.take_small();
             let result = exec::small::run(&wire, seq, sched, &mut data, &input, &mut kept, op, limit).await;
             self.keep_small(kept);
@@ -143,6 +176,63 @@ impl Communicator {
         let (data, input) = (bufs.take_data(), bufs.take_input());
         self.keep(bufs);
         Ran { result: result.map_err(Box::new), data, input }
+    }
+
+    /// The future of rooted call `call` (a broadcast or a reduce) on `data` as `planned`
+    /// says, started now where it can be: a small one-step call (a one-level tree's root
+    /// or leaf) runs at once up to its first wait ([`exec::one::start_one`]), so a root
+    /// whose sends UCX takes, or a leaf whose message already arrived, ends here (at 8
+    /// bytes the layers of a call's future cost as much as its messages). Other calls
+    /// start when polled. (Calls that exchange, as a 2-rank allreduce, rarely find their
+    /// peer's message there when made, and the boxing costs them more than it saves.)
+    #[inline(always)]
+    fn rooted_call<T: Element>(
+        &self,
+        call: Call<&Communicator>,
+        planned: Arc<Planned>,
+        data: Vec<T>,
+        op: ReduceOp,
+    ) -> CallFuture<T> {
+        let wire = self.wire();
+        let len = data.len() + planned.sched.scratch;
+        let Some(one) =
+            planned.one.as_ref().filter(|_| exec::small::fits(len, std::mem::size_of::<T>(), wire.segment))
+        else {
+            let call = call.owned();
+            return Either::Right(Box::pin(async move {
+                let ran = call.comm.run_steps(call.seq, &planned.sched, data, Vec::new(), op, false).await;
+                call.done(ran.data_back(true))
+            }));
+        };
+        let mut data = Some(data);
+        let limit = self.h.opts.deadline;
+        let waiting =
+            match exec::one::start_one(&wire, call.seq, &planned.sched, one, &mut data, &[], op, limit) {
+                Ok(Some(waiting)) => waiting,
+                Ok(None) => {
+                    let r = data.ok_or_else(|| {
+                        Failed::new(Error::Internal("the result buffer is still in use".into()), None)
+                    });
+                    return ended(call.done(r));
+                }
+                Err(e) => return ended(call.done(Err(Failed::new(e, data)))),
+            };
+        // The rest of a one-step call: a future of its own, small (boxed with it).
+        let call = call.owned();
+        Either::Right(Box::pin(async move {
+            let one = planned
+                .one
+                .as_ref()
+                .ok_or_else(|| Error::Internal("a one-step call without its shape".into()));
+            let result = match one {
+                Ok(one) => {
+                    exec::one::finish_one(&call.comm.wire(), &planned.sched, one, waiting, &mut data, op)
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            call.done(Ran { result: result.map_err(Box::new), data, input: None }.data_back(true))
+        }))
     }
 
     fn check_reduce<T: Element>(&self, op: ReduceOp) -> Option<String> {
@@ -195,13 +285,12 @@ impl Communicator {
         buf: Vec<T>,
         root: usize,
     ) -> impl Future<Output = CallResult<T>> + Send + 'static {
-        collective!(self, 'call, |comm, seq| {
-            if let Some(m) = comm.check_root(root) {
-                break 'call Err(invalid(buf, m));
-            }
-            let planned = comm.planned(Op::Broadcast, buf.len(), std::mem::size_of::<T>(), root);
-            comm.run(seq, &planned.sched, planned.one.as_ref(), buf, Vec::new(), ReduceOp::Sum, false).await.data_back(true)
-        })
+        let call = self.begin_here();
+        if let Some(m) = self.check_root(root) {
+            return ended(call.done(Err(invalid(buf, m))));
+        }
+        let planned = self.planned(Op::Broadcast, buf.len(), std::mem::size_of::<T>(), root);
+        self.rooted_call(call, planned, buf, ReduceOp::Sum)
     }
 
     /// `root` ends with the reduction of all ranks' `buf`; the others get their buffer
@@ -212,13 +301,12 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> impl Future<Output = CallResult<T>> + Send + 'static {
-        collective!(self, 'call, |comm, seq| {
-            if let Some(m) = comm.check_reduce::<T>(op).or_else(|| comm.check_root(root)) {
-                break 'call Err(invalid(buf, m));
-            }
-            let planned = comm.planned(Op::Reduce, buf.len(), std::mem::size_of::<T>(), root);
-            comm.run(seq, &planned.sched, planned.one.as_ref(), buf, Vec::new(), op, false).await.data_back(true)
-        })
+        let call = self.begin_here();
+        if let Some(m) = self.check_reduce::<T>(op).or_else(|| self.check_root(root)) {
+            return ended(call.done(Err(invalid(buf, m))));
+        }
+        let planned = self.planned(Op::Reduce, buf.len(), std::mem::size_of::<T>(), root);
+        self.rooted_call(call, planned, buf, op)
     }
 
     /// Every rank ends with all ranks' `buf`s (of the same length) one after the other,

@@ -432,6 +432,27 @@ async fn a_burst_of_small_calls_queues_behind_a_late_rank() {
     }
 }
 
+/// A small broadcast starts when it is made: the root's message goes out before its
+/// future is first polled (its receiver ends first), and a receiver whose message is
+/// there ends at once; a reduce alike. The communicator goes on as usual after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_rooted_calls_start_when_made() {
+    let (_mesh, comms) = group(2).await;
+    let limit = Duration::from_secs(10);
+    let root = comms[0].broadcast(vec![7u32; 2], 0);
+    let got = tokio::time::timeout(limit, comms[1].broadcast(vec![0u32; 2], 0)).await;
+    assert_eq!(got.expect("the root sent when its call was made").expect("broadcast"), vec![7, 7]);
+    assert_eq!(root.await.expect("root"), vec![7, 7]);
+    // The leaf's part of a reduce to rank 1, made and never polled, still arrives.
+    drop(comms[0].reduce(vec![2u32; 3], ReduceOp::Sum, 1));
+    let sum = tokio::time::timeout(limit, comms[1].reduce(vec![5u32; 3], ReduceOp::Sum, 1)).await;
+    assert_eq!(sum.expect("the leaf sent when its call was made").expect("reduce"), vec![7, 7, 7]);
+    let after =
+        all(&comms, |_, c| async move { c.allreduce(vec![1u32], ReduceOp::Sum).await.expect("allreduce") })
+            .await;
+    assert_eq!(after, vec![vec![2], vec![2]], "a call that ended when made aborts nothing when dropped");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn point_to_point_messages_match_by_peer_and_tag() {
     let (_mesh, comms) = group(3).await;

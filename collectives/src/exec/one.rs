@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 use ucxkit_transport::tag::EXACT;
-use ucxkit_transport::Either;
+use ucxkit_transport::{Either, TagInfo, TagRecv};
 
 use super::small::{poll_sends, send, Queued};
 use super::{can_start, combine, landed_bytes, outside, received, Watch, Wire};
@@ -80,12 +80,69 @@ impl OneStep {
     }
 }
 
-/// Runs call `seq` of `sched`, a one-step call of shape `one` (checked as the step loop
-/// checks a call at its start), on `data` and `input`. Its sends go out during the call
-/// where UCX takes them, the others (from the first it does not take on) from copies,
-/// awaited. A receive that fills `data` whole lands straight in it, lent to the
-/// transport meanwhile: after an error `data` is `None` where the transport still holds
-/// it.
+/// Where a one-step call's receive lands: the caller's vector lent whole, or bytes.
+type Landing<T> = Either<Vec<u8>, Box<[T]>>;
+
+/// A one-step call's receive, posted: from whom, and the transfer.
+type Posted<T> = Option<(usize, TagRecv<Landing<T>>)>;
+
+/// What a one-step call waits for once started: the sends UCX did not take during the
+/// call (sent from copies), and its receive, where it had not landed.
+pub(crate) struct Waiting<T: Element> {
+    queued: Queued,
+    recv: Posted<T>,
+    /// The call's deadline: the limit it reports, and when it passes.
+    end: Option<(Duration, tokio::time::Instant)>,
+}
+
+/// The start of call `seq` of `sched`, a one-step call of shape `one` (checked as the
+/// step loop checks a call at its start), on `data` and `input`: its copies, its sends
+/// (those UCX takes during the call; the others from copies, returned to await) and its
+/// receive, posted. A receive that fills `data` whole lands straight in it, lent to the
+/// transport meanwhile: `data` is `None` until it lands (and after an error, where the
+/// transport still holds it).
+#[inline(always)]
+fn post<T: Element>(
+    w: &Wire<'_>,
+    seq: u16,
+    sched: &Schedule,
+    one: &OneStep,
+    data: &mut Option<Vec<T>>,
+    input: &[T],
+) -> Result<(Queued, Posted<T>)> {
+    can_start(w, sched)?;
+    let step = only_step(sched)?;
+    let d = data.as_mut().ok_or_else(no_data)?;
+    for (from, into) in &step.copies {
+        combine(input, from, d, into, None)?;
+    }
+    // Sends UCX could not take during the call (rare: the vector allocates then only).
+    let mut queued: Queued = Vec::new();
+    for (peer, from) in &one.sends {
+        let src: &[T] = if from.buf == Buf::Input { input } else { d };
+        let bytes: &[u8] = bytemuck::cast_slice(src.get(from.range.clone()).ok_or_else(|| outside(from))?);
+        send(w, *peer, tag(w.comm, seq, 0, w.rank), bytes, true, &mut queued)?;
+    }
+    let Some((peer, into)) = &one.recv else {
+        return Ok((queued, None));
+    };
+    let ep = w.ep(*peer)?;
+    // Lent whole only where that costs no reallocation (its capacity is its length, as a
+    // vector a call gave back has).
+    let whole = |d: &Vec<T>| one.direct && d.len() == into.range.end && d.capacity() == d.len();
+    let landing = match data.take() {
+        Some(d) if whole(&d) => Either::Right(d.into_boxed_slice()),
+        d => {
+            *data = d;
+            Either::Left(Vec::with_capacity(into.len() * std::mem::size_of::<T>()))
+        }
+    };
+    Ok((queued, Some((*peer, w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing)))))
+}
+
+/// Runs call `seq` of `sched`, a one-step call of shape `one`, on `data` and `input`
+/// (see [`post`]): its sends go out during the call where UCX takes them, the others
+/// from copies, awaited; then its receive lands.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_one<T: Element>(
     w: &Wire<'_>,
@@ -97,54 +154,122 @@ pub(crate) async fn run_one<T: Element>(
     op: ReduceOp,
     limit: Option<Duration>,
 ) -> Result<()> {
-    can_start(w, sched)?;
+    // The tail of `finish_one`, written out: awaiting that with a `Waiting` cost a
+    // 2-rank allgather of 8 bytes some 160 instructions a call more.
     let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
-    let [step] = &sched.steps[..] else {
-        return Err(Error::Internal("a one-step call of a schedule of several steps".into()));
-    };
-    let d = data.as_mut().ok_or_else(|| Error::Internal("a one-step call without its data".into()))?;
-    for (from, into) in &step.copies {
-        combine(input, from, d, into, None)?;
-    }
-    // Sends UCX could not take during the call (rare: the vector allocates then only).
-    let mut queued: Queued = Vec::new();
-    for (peer, from) in &one.sends {
-        let src: &[T] = if from.buf == Buf::Input { input } else { d };
-        let bytes: &[u8] = bytemuck::cast_slice(src.get(from.range.clone()).ok_or_else(|| outside(from))?);
-        send(w, *peer, tag(w.comm, seq, 0, w.rank), bytes, true, &mut queued)?;
-    }
+    let (mut queued, posted) = post(w, seq, sched, one, data, input)?;
     let mut watch: Option<Watch<'_>> = None;
-    let Some((peer, into)) = &one.recv else {
-        // Sends only (a tree's root): done once the queued ones are.
-        if !queued.is_empty() {
-            sent(w, &mut queued, &mut watch, end).await?;
-        }
-        return Ok(());
-    };
-    let (peer, want) = (*peer, into.len() * std::mem::size_of::<T>());
-    let ep = w.ep(peer)?;
-    // Lent whole only where that costs no reallocation (its capacity is its length, as a
-    // vector a call gave back has).
-    let whole = |d: &Vec<T>| one.direct && d.len() == into.range.end && d.capacity() == d.len();
-    let landing = match data.take() {
-        Some(d) if whole(&d) => Either::Right(d.into_boxed_slice()),
-        d => {
-            *data = d;
-            Either::Left(Vec::with_capacity(want))
-        }
-    };
-    let mut op_recv = w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, peer), EXACT, landing);
     if !queued.is_empty() {
         sent(w, &mut queued, &mut watch, end).await?;
     }
-    let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut op_recv).poll(cx) {
+    let (Some((peer, mut op_recv)), Some((_, into))) = (posted, &one.recv) else {
+        return Ok(());
+    };
+    let (r, got) =
+        std::future::poll_fn(|cx| poll_arrival(cx, w, peer, &mut op_recv, &mut watch, end)).await?;
+    land(only_step(sched)?, into, peer, r, got, data, op)
+}
+
+/// Starts a one-step call without a task (see [`post`]): done (None) where every send
+/// went and the receive found its message arrived; else what [`finish_one`] awaits.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start_one<T: Element>(
+    w: &Wire<'_>,
+    seq: u16,
+    sched: &Schedule,
+    one: &OneStep,
+    data: &mut Option<Vec<T>>,
+    input: &[T],
+    op: ReduceOp,
+    limit: Option<Duration>,
+) -> Result<Option<Waiting<T>>> {
+    let (queued, mut posted) = post(w, seq, sched, one, data, input)?;
+    if queued.is_empty() {
+        match (&mut posted, &one.recv) {
+            (None, _) => return Ok(None),
+            (Some((peer, op_recv)), Some((_, into))) => {
+                if let Some((r, got)) = op_recv.take_done() {
+                    return land(only_step(sched)?, into, *peer, r, got, data, op).map(|()| None);
+                }
+            }
+            (Some(_), None) => return Err(Error::Internal("a receive the call has not".into())),
+        }
+    }
+    let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
+    Ok(Some(Waiting { queued, recv: posted, end }))
+}
+
+/// Ends a one-step call that had to wait (see [`start_one`]): awaits its sends and its
+/// receive (failing as the communicator's abort or the deadline says) and lands the
+/// receive.
+pub(crate) async fn finish_one<T: Element>(
+    w: &Wire<'_>,
+    sched: &Schedule,
+    one: &OneStep,
+    waiting: Waiting<T>,
+    data: &mut Option<Vec<T>>,
+    op: ReduceOp,
+) -> Result<()> {
+    let Waiting { mut queued, recv, end } = waiting;
+    let mut watch: Option<Watch<'_>> = None;
+    if !queued.is_empty() {
+        sent(w, &mut queued, &mut watch, end).await?;
+    }
+    let (Some((peer, mut op_recv)), Some((_, into))) = (recv, &one.recv) else {
+        return Ok(());
+    };
+    let (r, got) =
+        std::future::poll_fn(|cx| poll_arrival(cx, w, peer, &mut op_recv, &mut watch, end)).await?;
+    land(only_step(sched)?, into, peer, r, got, data, op)
+}
+
+/// Polls the receive from `peer`: its outcome, or an error as `watch` says (made on the
+/// first wait, with the deadline `end`).
+#[inline(always)]
+fn poll_arrival<'w, T: Element>(
+    cx: &mut std::task::Context<'_>,
+    w: &Wire<'w>,
+    peer: usize,
+    op_recv: &mut TagRecv<Landing<T>>,
+    watch: &mut Option<Watch<'w>>,
+    end: Option<(Duration, tokio::time::Instant)>,
+) -> Poll<Result<(ucxkit_transport::Result<TagInfo>, Landing<T>)>> {
+    match Pin::new(op_recv).poll(cx) {
         Poll::Ready(done) => Poll::Ready(Ok(done)),
         Poll::Pending => {
             let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
             watch.poll_end(cx, || [peer]).map(Err)
         }
-    })
-    .await?;
+    }
+}
+
+/// The step of a one-step schedule.
+#[inline(always)]
+fn only_step(sched: &Schedule) -> Result<&crate::schedule::Step> {
+    match &sched.steps[..] {
+        [step] => Ok(step),
+        _ => Err(Error::Internal("a one-step call of a schedule of several steps".into())),
+    }
+}
+
+fn no_data() -> Error {
+    Error::Internal("a one-step call without its data".into())
+}
+
+/// Lands what the receive from `peer` into region `into` got (`r`, `got`): the caller's
+/// vector back into `data` where it was lent, else the bytes copied or combined into it
+/// as `step` says.
+#[inline(always)]
+fn land<T: Element>(
+    step: &crate::schedule::Step,
+    into: &Region,
+    peer: usize,
+    r: ucxkit_transport::Result<TagInfo>,
+    got: Landing<T>,
+    data: &mut Option<Vec<T>>,
+    op: ReduceOp,
+) -> Result<()> {
+    let want = into.len() * std::mem::size_of::<T>();
     let got = match got {
         Either::Right(direct) => {
             *data = Some(direct.into_vec());
@@ -152,7 +277,7 @@ pub(crate) async fn run_one<T: Element>(
         }
         Either::Left(got) => got,
     };
-    let data = data.as_mut().ok_or_else(|| Error::Internal("a one-step call without its data".into()))?;
+    let data = data.as_mut().ok_or_else(no_data)?;
     let got = landed_bytes(peer, want, r, &got)?;
     // The received values, as elements (copied where the bytes are not aligned for them).
     let owned: Vec<T>;

@@ -217,11 +217,12 @@ async fn exchange<'w, T: Element>(
         let op = w.ns.tag_recv_from(w.ep(*peer)?, tag(w.comm, seq, step, *peer), EXACT, buf);
         recvs.push(Landing { peer: *peer, into, want, op: Some(op) });
     }
-    let mut first: Option<Error> = None;
+    // Boxed: errors are rare and large, and this future's room is every small call's.
+    let mut first: Option<Box<Error>> = None;
     std::future::poll_fn(|cx| {
         let (mut pending, failed) = poll_sends(&mut sends, cx);
         if let Some(e) = failed {
-            first.get_or_insert(e);
+            first.get_or_insert_with(|| Box::new(e));
         }
         for r in recvs.iter_mut() {
             let Some(op) = r.op.as_mut() else { continue };
@@ -239,7 +240,7 @@ async fn exchange<'w, T: Element>(
             });
             pool.push(buf);
             if let Err(e) = landed {
-                first.get_or_insert(e);
+                first.get_or_insert_with(|| Box::new(e));
             }
         }
         if !pending || first.is_some() {
@@ -252,11 +253,11 @@ async fn exchange<'w, T: Element>(
             sending.chain(receiving)
         };
         watch.poll_end(cx, peers).map(|e| {
-            first.get_or_insert(e);
+            first.get_or_insert_with(|| Box::new(e));
         })
     })
     .await;
-    first.map_or(Ok(()), Err)
+    first.map_or(Ok(()), |e| Err(*e))
 }
 
 #[cfg(test)]
