@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 use ucxkit_transport::tag::EXACT;
-use ucxkit_transport::{Either, TagInfo, TagRecv};
+use ucxkit_transport::{Either, IoBufMut, Slice, TagInfo, TagRecv};
 
 use super::small::{poll_sends, send, Queued};
 use super::{can_start, combine, landed_bytes, outside, received, Watch, Wire};
@@ -28,9 +28,8 @@ use crate::{Element, ReduceOp};
 pub(crate) struct OneStep {
     sends: SmallVec<[(usize, Region); 2]>,
     recv: Option<(usize, Region)>,
-    /// The receive may land straight in the caller's vector: it lands in the data from
-    /// its start, and nothing is copied or combined there (it does where it also reaches
-    /// the data's end, which only the call knows).
+    /// The receive may land straight in the caller's vector: it lands in the data and
+    /// nothing combines it (the call's copies are made before it is posted).
     direct: bool,
 }
 
@@ -66,9 +65,7 @@ impl OneStep {
             Some((_, r)) => r.buf == Buf::Scratch && !step.combines.is_empty(),
             None => step.combines.is_empty(),
         };
-        let direct = recv.is_some_and(|(_, r)| r.buf == Buf::Data && r.range.start == 0)
-            && step.combines.is_empty()
-            && step.copies.is_empty();
+        let direct = recv.is_some_and(|(_, r)| r.buf == Buf::Data) && step.combines.is_empty();
         if !(combines_ok && lands) {
             return None;
         }
@@ -80,8 +77,9 @@ impl OneStep {
     }
 }
 
-/// Where a one-step call's receive lands: the caller's vector lent whole, or bytes.
-type Landing<T> = Either<Vec<u8>, Box<[T]>>;
+/// Where a one-step call's receive lands: bytes, or its region of the caller's vector,
+/// lent whole.
+type Landing<T> = Either<Vec<u8>, Slice<Box<[T]>>>;
 
 /// A one-step call's receive, posted: from whom, and the transfer.
 type Posted<T> = Option<(usize, TagRecv<Landing<T>>)>;
@@ -127,14 +125,22 @@ fn post<T: Element>(
         return Ok((queued, None));
     };
     let ep = w.ep(*peer)?;
-    // Lent whole only where that costs no reallocation (its capacity is its length, as a
-    // vector a call gave back has).
-    let whole = |d: &Vec<T>| one.direct && d.len() == into.range.end && d.capacity() == d.len();
+    // Lent as a boxed slice: a vector with room past its length is shrunk the first time
+    // (one reallocation), and the vector the call gives back has none.
+    let size = std::mem::size_of::<T>();
+    let lend = |d: &Vec<T>| one.direct && into.range.end <= d.len();
+    let bytes = into.range.start * size..into.range.end * size;
     let landing = match data.take() {
-        Some(d) if whole(&d) => Either::Right(d.into_boxed_slice()),
+        Some(d) if lend(&d) => match d.into_boxed_slice().into_slice_mut(bytes) {
+            Ok(region) => Either::Right(region),
+            Err((_, d)) => {
+                *data = Some(d.into_vec());
+                Either::Left(w.landings.take(into.len() * size))
+            }
+        },
         d => {
             *data = d;
-            Either::Left(Vec::with_capacity(into.len() * std::mem::size_of::<T>()))
+            Either::Left(w.landings.take(into.len() * size))
         }
     };
     Ok((queued, Some((*peer, w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing)))))
@@ -167,7 +173,7 @@ pub(crate) async fn run_one<T: Element>(
     };
     let (r, got) =
         std::future::poll_fn(|cx| poll_arrival(cx, w, peer, &mut op_recv, &mut watch, end)).await?;
-    land(only_step(sched)?, into, peer, r, got, data, op)
+    land(w, only_step(sched)?, into, peer, r, got, data, op)
 }
 
 /// Starts a one-step call without a task (see [`post`]): done (None) where every send
@@ -189,7 +195,7 @@ pub(crate) fn start_one<T: Element>(
             (None, _) => return Ok(None),
             (Some((peer, op_recv)), Some((_, into))) => {
                 if let Some((r, got)) = op_recv.take_done() {
-                    return land(only_step(sched)?, into, *peer, r, got, data, op).map(|()| None);
+                    return land(w, only_step(sched)?, into, *peer, r, got, data, op).map(|()| None);
                 }
             }
             (Some(_), None) => return Err(Error::Internal("a receive the call has not".into())),
@@ -220,7 +226,7 @@ pub(crate) async fn finish_one<T: Element>(
     };
     let (r, got) =
         std::future::poll_fn(|cx| poll_arrival(cx, w, peer, &mut op_recv, &mut watch, end)).await?;
-    land(only_step(sched)?, into, peer, r, got, data, op)
+    land(w, only_step(sched)?, into, peer, r, got, data, op)
 }
 
 /// Polls the receive from `peer`: its outcome, or an error as `watch` says (made on the
@@ -260,7 +266,9 @@ fn no_data() -> Error {
 /// vector back into `data` where it was lent, else the bytes copied or combined into it
 /// as `step` says.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn land<T: Element>(
+    w: &Wire<'_>,
     step: &crate::schedule::Step,
     into: &Region,
     peer: usize,
@@ -272,13 +280,33 @@ fn land<T: Element>(
     let want = into.len() * std::mem::size_of::<T>();
     let got = match got {
         Either::Right(direct) => {
-            *data = Some(direct.into_vec());
+            *data = Some(direct.into_inner().into_vec());
             return received(peer, want, r);
         }
         Either::Left(got) => got,
     };
-    let data = data.as_mut().ok_or_else(no_data)?;
-    let got = landed_bytes(peer, want, r, &got)?;
+    let landed = match data.as_mut() {
+        Some(data) => combine_landed(step, into, peer, r, &got, data, op),
+        None => Err(no_data()),
+    };
+    w.landings.give(got);
+    landed
+}
+
+/// Copies or combines what a receive from `peer` into region `into` got (`r`, `got`)
+/// into `data`, as `step` says.
+#[inline(always)]
+fn combine_landed<T: Element>(
+    step: &crate::schedule::Step,
+    into: &Region,
+    peer: usize,
+    r: ucxkit_transport::Result<TagInfo>,
+    got: &[u8],
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let want = into.len() * std::mem::size_of::<T>();
+    let got = landed_bytes(peer, want, r, got)?;
     // The received values, as elements (copied where the bytes are not aligned for them).
     let owned: Vec<T>;
     let values: &[T] = match bytemuck::try_cast_slice(got) {
@@ -329,9 +357,9 @@ mod tests {
     use super::*;
     use crate::schedule::Step;
 
-    /// Which one-step receives may land straight in the caller's vector: a broadcast
-    /// leaf's (the whole data, nothing combined); not a 2-rank allreduce's (into scratch,
-    /// then reduced), nor one into the data past its start, nor one behind a copy.
+    /// Which one-step receives may land straight in the caller's vector: those into the
+    /// data that nothing combines (a broadcast leaf's; an allgather's or all-to-all's, past
+    /// the start or behind a copy); not a 2-rank allreduce's (into scratch, then reduced).
     #[test]
     fn direct_receives_are_whole_data_ones() {
         use crate::schedule::{doubling, ring, tree};
@@ -346,15 +374,15 @@ mod tests {
             scratch: 0,
             sync: false,
         };
-        assert_eq!(direct(&step(vec![recv(Region::data(2..4))], vec![])), Some(false));
+        assert_eq!(direct(&step(vec![recv(Region::data(2..4))], vec![])), Some(true));
         let copy = vec![(Region::input(0..2), Region::data(2..4))];
-        assert_eq!(direct(&step(vec![recv(Region::data(0..2))], copy)), Some(false));
+        assert_eq!(direct(&step(vec![recv(Region::data(0..2))], copy)), Some(true));
         // An allgather's receive lands in part of the data, beside this rank's block: on
-        // rank 0 after it; on rank 1 from the start, which `run_one` lands straight only
-        // where it reaches the data's end (it does not: 2 of 4 elements).
+        // rank 0 after it, on rank 1 before it.
         let blocks = crate::schedule::even_blocks(4, 2);
-        assert_eq!(direct(&ring::allgather(2, 0, &blocks)), Some(false));
+        assert_eq!(direct(&ring::allgather(2, 0, &blocks)), Some(true));
         assert_eq!(direct(&ring::allgather(2, 1, &blocks)), Some(true));
+        assert_eq!(direct(&ring::reduce_scatter(2, 0, &blocks)), Some(false));
     }
 
     /// Which schedules run as one step: one step, sends (not from scratch) and at most

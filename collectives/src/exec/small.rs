@@ -310,6 +310,7 @@ mod tests {
         let ns: Vec<_> = mesh.workers.iter().map(|w| w.namespace(COLLECTIVES).expect("namespace")).collect();
         let abort = crate::abort::AbortCell::default();
         let lanes = crate::exec::lane::Lanes::new(2, true);
+        let landings = crate::exec::Landings::default();
         let wire = |r: usize| Wire {
             ns: &ns[r],
             segment: usize::MAX,
@@ -319,6 +320,7 @@ mod tests {
             comm: 3,
             lanes: &lanes,
             eager_crowded: false,
+            landings: &landings,
         };
         let (w0, w1) = (wire(0), wire(1));
         let step = |peer| Step {
