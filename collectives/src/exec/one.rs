@@ -361,7 +361,7 @@ mod tests {
     /// data that nothing combines (a broadcast leaf's; an allgather's or all-to-all's, past
     /// the start or behind a copy); not a 2-rank allreduce's (into scratch, then reduced).
     #[test]
-    fn direct_receives_are_whole_data_ones() {
+    fn direct_receives_are_uncombined_data_ones() {
         use crate::schedule::{doubling, ring, tree};
         let direct = |s: &Schedule| OneStep::of(s).map(|o| o.direct);
         assert_eq!(direct(&tree::knomial_bcast(2, 1, 0, 4, 2)), Some(true));
