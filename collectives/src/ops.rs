@@ -141,7 +141,11 @@ impl Communicator {
         let elems = data.len() + input.len() + sched.scratch;
         if let Some(one) = one.filter(|_| exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment)) {
             let mut data = Some(data);
-            let result = exec::one::run_one(&wire, seq, sched, one, &mut data, &input, op, limit).await;
+            let result = match exec::one::start_one(&wire, seq, sched, one, &mut data, &input, op, limit) {
+                Ok(None) => Ok(()),
+                Ok(Some(waiting)) => exec::one::finish_one(&wire, sched, one, waiting, &mut data, op).await,
+                Err(e) => Err(e),
+            };
             return Ran { result: result.map_err(Box::new), data, input: Some(input) };
         }
         self.run_steps(seq, sched, data, input, op, fresh).await

@@ -21,8 +21,8 @@ use crate::{Element, ReduceOp};
 
 /// A small call of one step with sends (none from scratch) and at most one receive and
 /// nothing but copies out of the input before them (two ranks' allreduce, allgather,
-/// all-to-all and reduce-scatter; a one-level tree's root and leaves): run by [`run_one`]
-/// without the step loop, whose nested futures cost as much as such a call's messages
+/// all-to-all and reduce-scatter; a one-level tree's root and leaves): run by
+/// [`start_one`] and [`finish_one`] without the step loop, whose nested futures cost as much as such a call's messages
 /// (2-rank broadcast of 8 B, busy: 0.21-0.25 -> 0.17-0.19 us). Found once per plan.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct OneStep {
@@ -93,21 +93,25 @@ pub(crate) struct Waiting<T: Element> {
     end: Option<(Duration, tokio::time::Instant)>,
 }
 
-/// The start of call `seq` of `sched`, a one-step call of shape `one` (checked as the
-/// step loop checks a call at its start), on `data` and `input`: its copies, its sends
-/// (those UCX takes during the call; the others from copies, returned to await) and its
-/// receive, posted. A receive that fills `data` whole lands straight in it, lent to the
-/// transport meanwhile: `data` is `None` until it lands (and after an error, where the
-/// transport still holds it).
-#[inline(always)]
-fn post<T: Element>(
+/// Starts call `seq` of `sched`, a one-step call of shape `one` (checked as the step
+/// loop checks a call at its start), on `data` and `input`, in plain code: its copies,
+/// its sends (those UCX takes during the call; the others from copies) and its receive,
+/// posted. Done (None) where every send went and the receive found its message arrived;
+/// else what [`finish_one`] awaits. A receive into the data that nothing combines lands
+/// straight in the caller's vector, lent to the transport meanwhile: `data` is `None`
+/// until it lands (and after an error, where the transport still holds it).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start_one<T: Element>(
     w: &Wire<'_>,
     seq: u16,
     sched: &Schedule,
     one: &OneStep,
     data: &mut Option<Vec<T>>,
     input: &[T],
-) -> Result<(Queued, Posted<T>)> {
+    op: ReduceOp,
+    limit: Option<Duration>,
+) -> Result<Option<Waiting<T>>> {
+    let end = || limit.map(|d| (d, tokio::time::Instant::now() + d));
     can_start(w, sched)?;
     let step = only_step(sched)?;
     let d = data.as_mut().ok_or_else(no_data)?;
@@ -122,7 +126,8 @@ fn post<T: Element>(
         send(w, *peer, tag(w.comm, seq, 0, w.rank), bytes, true, &mut queued)?;
     }
     let Some((peer, into)) = &one.recv else {
-        return Ok((queued, None));
+        // Sends only (a tree's root): done, unless some wait in the queue.
+        return Ok((!queued.is_empty()).then(|| Waiting { queued, recv: None, end: end() }));
     };
     let ep = w.ep(*peer)?;
     // Lent as a boxed slice: a vector with room past its length is shrunk the first time
@@ -143,66 +148,13 @@ fn post<T: Element>(
             Either::Left(w.landings.take(into.len() * size))
         }
     };
-    Ok((queued, Some((*peer, w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing)))))
-}
-
-/// Runs call `seq` of `sched`, a one-step call of shape `one`, on `data` and `input`
-/// (see [`post`]): its sends go out during the call where UCX takes them, the others
-/// from copies, awaited; then its receive lands.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn run_one<T: Element>(
-    w: &Wire<'_>,
-    seq: u16,
-    sched: &Schedule,
-    one: &OneStep,
-    data: &mut Option<Vec<T>>,
-    input: &[T],
-    op: ReduceOp,
-    limit: Option<Duration>,
-) -> Result<()> {
-    // The tail of `finish_one`, written out: awaiting that with a `Waiting` cost a
-    // 2-rank allgather of 8 bytes some 160 instructions a call more.
-    let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
-    let (mut queued, posted) = post(w, seq, sched, one, data, input)?;
-    let mut watch: Option<Watch<'_>> = None;
-    if !queued.is_empty() {
-        sent(w, &mut queued, &mut watch, end).await?;
-    }
-    let (Some((peer, mut op_recv)), Some((_, into))) = (posted, &one.recv) else {
-        return Ok(());
-    };
-    let (r, got) =
-        std::future::poll_fn(|cx| poll_arrival(cx, w, peer, &mut op_recv, &mut watch, end)).await?;
-    land(w, only_step(sched)?, into, peer, r, got, data, op)
-}
-
-/// Starts a one-step call without a task (see [`post`]): done (None) where every send
-/// went and the receive found its message arrived; else what [`finish_one`] awaits.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn start_one<T: Element>(
-    w: &Wire<'_>,
-    seq: u16,
-    sched: &Schedule,
-    one: &OneStep,
-    data: &mut Option<Vec<T>>,
-    input: &[T],
-    op: ReduceOp,
-    limit: Option<Duration>,
-) -> Result<Option<Waiting<T>>> {
-    let (queued, mut posted) = post(w, seq, sched, one, data, input)?;
+    let mut op_recv = w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing);
     if queued.is_empty() {
-        match (&mut posted, &one.recv) {
-            (None, _) => return Ok(None),
-            (Some((peer, op_recv)), Some((_, into))) => {
-                if let Some((r, got)) = op_recv.take_done() {
-                    return land(w, only_step(sched)?, into, *peer, r, got, data, op).map(|()| None);
-                }
-            }
-            (Some(_), None) => return Err(Error::Internal("a receive the call has not".into())),
+        if let Some((r, got)) = op_recv.take_done() {
+            return land(w, step, into, *peer, r, got, data, op).map(|()| None);
         }
     }
-    let end = limit.map(|d| (d, tokio::time::Instant::now() + d));
-    Ok(Some(Waiting { queued, recv: posted, end }))
+    Ok(Some(Waiting { queued, recv: Some((*peer, op_recv)), end: end() }))
 }
 
 /// Ends a one-step call that had to wait (see [`start_one`]): awaits its sends and its
