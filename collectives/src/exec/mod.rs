@@ -19,10 +19,13 @@ use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::{tag, MAX_STEPS};
 use crate::{Element, ReduceOp};
 
+mod landings;
 pub(crate) mod lane;
 pub(crate) mod one;
 mod pieces;
 pub(crate) mod small;
+
+pub(crate) use landings::Landings;
 
 /// What the executor needs of a communicator.
 pub(crate) struct Wire<'a> {
@@ -40,38 +43,6 @@ pub(crate) struct Wire<'a> {
     pub(crate) eager_crowded: bool,
     /// Landing vectors kept for one-step calls.
     pub(crate) landings: &'a Landings,
-}
-
-/// The most landing vectors a communicator keeps (one per one-step call in flight at
-/// once, up to this many).
-const LANDINGS: usize = 4;
-
-/// Landing vectors of one-step calls' receives, kept from call to call (a reused one
-/// costs no allocation): at most [`LANDINGS`], and small ones only.
-#[derive(Default)]
-pub(crate) struct Landings(std::sync::Mutex<Vec<Vec<u8>>>);
-
-impl Landings {
-    /// An empty vector with room for `bytes`: a kept one where there is one.
-    #[inline]
-    pub(crate) fn take(&self, bytes: usize) -> Vec<u8> {
-        let mut v =
-            self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop().unwrap_or_default();
-        v.clear();
-        v.reserve(bytes);
-        v
-    }
-
-    /// Keeps `v` for a later [`Landings::take`], unless it is large or enough are kept.
-    #[inline]
-    pub(crate) fn give(&self, v: Vec<u8>) {
-        if v.capacity() <= small::SMALL {
-            let mut kept = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if kept.len() < LANDINGS {
-                kept.push(v);
-            }
-        }
-    }
 }
 
 impl Wire<'_> {
@@ -776,26 +747,6 @@ type Parts = Option<Vec<(usize, Range<usize>)>>;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Landing vectors come back empty with the room asked for, reused; large ones and
-    /// those beyond [`LANDINGS`] are let go.
-    #[test]
-    fn landings_are_reused_empty_and_bounded() {
-        let l = Landings::default();
-        let mut v = l.take(8);
-        assert!(v.is_empty() && v.capacity() >= 8);
-        v.extend_from_slice(&[1; 8]);
-        let at = v.as_ptr();
-        l.give(v);
-        let again = l.take(4);
-        assert!(again.is_empty() && again.as_ptr() == at, "the kept vector, emptied");
-        l.give(Vec::with_capacity(small::SMALL + 1));
-        assert_eq!(l.0.lock().unwrap().len(), 0, "a large vector is not kept");
-        for _ in 0..LANDINGS + 2 {
-            l.give(Vec::with_capacity(16));
-        }
-        assert_eq!(l.0.lock().unwrap().len(), LANDINGS);
-    }
 
     #[test]
     fn segments_cover_the_region_without_overflow() {
