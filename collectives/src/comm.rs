@@ -26,7 +26,8 @@ use crate::Element;
 #[derive(Clone, Debug, Default)]
 pub struct Options {
     /// Every collective of the communicator fails with [`Error::DeadlineExceeded`] when
-    /// it takes longer.
+    /// it takes longer, counted from its start: when the call is made for a small
+    /// rooted call that starts then (see the crate's "Calls"), else its first poll.
     pub deadline: Option<Duration>,
     /// Algorithms forced per operation.
     pub algorithm: Vec<(Op, Algorithm)>,

@@ -32,10 +32,12 @@
 //! Every operation takes the caller's buffer by value and gives it back (as the result,
 //! or inside [`Failed`] with the error). Calls are futures that may run at once on one
 //! communicator, but every rank must make the same calls in the same order (as in MPI;
-//! the order of the calls, not of the awaits). A small broadcast or reduce that needs no
-//! waiting (a root's sends UCX takes, a receiver's message already arrived) runs to its
-//! end when it is made, and its future only hands back the result; others run when
-//! polled. A deadline for every call of a handle:
+//! the order of the calls, not of the awaits). A small broadcast or reduce whose plan is
+//! one step on this rank (a one-level tree's root or leaf) starts when it is made: its
+//! sends go and its receive is posted, and where nothing has to wait (UCX took the
+//! sends, the message had arrived) it ends there and its future only hands back the
+//! result. Other calls start when first polled. A deadline for every call of a handle
+//! (counted from the call's start):
 //! `comm.with_options(Options { deadline: Some(d), ..Default::default() })`.
 //!
 //! # Failures

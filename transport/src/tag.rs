@@ -543,7 +543,9 @@ impl<B: IoBufMut> TagRecv<B> {
 
     /// The outcome of a receive that [completed when it was
     /// posted](TagRecv::completed_immediately), taken without awaiting it (so without a
-    /// task or a waker); None while it is pending (await it then) or once taken.
+    /// task or a waker); None while it is pending (await it then) or once taken. Once it
+    /// gave the outcome, the receive is spent: awaiting it panics, as any future polled
+    /// after it completed may.
     #[inline]
     pub fn take_done(&mut self) -> Option<(Result<TagInfo>, B)> {
         let (fixed, capacity) = (self.fixed, self.capacity);

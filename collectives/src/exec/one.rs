@@ -131,9 +131,11 @@ pub(crate) fn start_one<T: Element>(
     };
     let ep = w.ep(*peer)?;
     // Lent as a boxed slice: a vector with room past its length is shrunk the first time
-    // (one reallocation), and the vector the call gives back has none.
+    // (one reallocation), and the vector the call gives back has none. Not while sends
+    // wait in the queue: one of them failing would drop the receive, and with it the
+    // caller's vector, where it may have landed already.
     let size = std::mem::size_of::<T>();
-    let lend = |d: &Vec<T>| one.direct && into.range.end <= d.len();
+    let lend = |d: &Vec<T>| one.direct && queued.is_empty() && into.range.end <= d.len();
     let bytes = into.range.start * size..into.range.end * size;
     let landing = match data.take() {
         Some(d) if lend(&d) => match d.into_boxed_slice().into_slice_mut(bytes) {
