@@ -86,8 +86,6 @@ pub(crate) struct Inner {
     kept: Mutex<Vec<Box<dyn Any + Send>>>,
     /// What small calls keep (see `exec::small`).
     small: Mutex<SmallKept>,
-    /// Landing vectors of one-step calls (see `exec::one`), kept from call to call.
-    landings: crate::exec::Landings,
     forced_env: Vec<(Op, Algorithm)>,
     /// The cost model's constants: the defaults, or [`plan::COSTS_ENV`]'s.
     costs: Costs,
@@ -287,7 +285,6 @@ impl Communicator {
             }),
             kept: Mutex::new(Vec::new()),
             small: Mutex::new(SmallKept::default()),
-            landings: crate::exec::Landings::default(),
             forced_env,
             costs,
             segment,
@@ -611,7 +608,7 @@ impl Communicator {
             comm: self.h.inner.id,
             lanes: &self.h.inner.lanes,
             eager_crowded: self.h.inner.eager_crowded.load(Ordering::Relaxed),
-            landings: &self.h.inner.landings,
+            small: &self.h.inner.small,
         }
     }
 }

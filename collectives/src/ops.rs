@@ -17,7 +17,7 @@ use futures_util::future::Either;
 
 use crate::comm::{Communicator, Planned};
 use crate::error::{CallResult, Error, Failed, Result};
-use crate::exec::{self, one::OneStep};
+use crate::exec::{self, one::OneStep, one::Waiting};
 use crate::failure::Call;
 use crate::plan::{self, Op};
 use crate::schedule::{blocks_of, even_blocks, linear, ring, Schedule};
@@ -68,6 +68,17 @@ pub(crate) type CallFuture<T> =
 /// A call that ended (or was refused) when it was made, as its future.
 fn ended<T: Element>(r: CallResult<T>) -> CallFuture<T> {
     Either::Left(ready(r))
+}
+
+/// How a call stands after [`Communicator::start`].
+enum Started<T: Element> {
+    /// A small one-step call that ended.
+    Ended(Ran<T>),
+    /// A small one-step call waiting for its messages, with its data (`None` while lent
+    /// to its receive) and its input.
+    Waiting(Waiting<T>, Option<Vec<T>>, Vec<T>),
+    /// Any other call, not started: its data and input, for the step loop.
+    Steps(Vec<T>, Vec<T>),
 }
 
 /// An error for a malformed call, with the buffer given back.
@@ -136,19 +147,52 @@ impl Communicator {
         op: ReduceOp,
         fresh: bool,
     ) -> Ran<T> {
-        let wire = self.wire();
-        let limit = self.h.opts.deadline;
-        let elems = data.len() + input.len() + sched.scratch;
-        if let Some(one) = one.filter(|_| exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment)) {
-            let mut data = Some(data);
-            let result = match exec::one::start_one(&wire, seq, sched, one, &mut data, &input, op, limit) {
-                Ok(None) => Ok(()),
-                Ok(Some(waiting)) => exec::one::finish_one(&wire, sched, one, waiting, &mut data, op).await,
-                Err(e) => Err(e),
-            };
-            return Ran { result: result.map_err(Box::new), data, input: Some(input) };
+        match self.start(seq, sched, one, data, input, op) {
+            Started::Ended(ran) => ran,
+            Started::Waiting(waiting, data, input) => {
+                self.finish_waiting(sched, waiting, data, input, op).await
+            }
+            Started::Steps(data, input) => self.run_steps(seq, sched, data, input, op, fresh).await,
         }
-        self.run_steps(seq, sched, data, input, op, fresh).await
+    }
+
+    /// Starts call `seq` of `sched` on `data` and `input` in plain code where it is a
+    /// small call of one step (shape `one`; see [`exec::one::start_one`]): ended, or
+    /// waiting for its messages. Other calls are left to the step loop.
+    #[inline(always)]
+    fn start<T: Element>(
+        &self,
+        seq: u16,
+        sched: &Schedule,
+        one: Option<&OneStep>,
+        data: Vec<T>,
+        input: Vec<T>,
+        op: ReduceOp,
+    ) -> Started<T> {
+        let wire = self.wire();
+        let elems = data.len() + input.len() + sched.scratch;
+        let Some(one) = one.filter(|_| exec::small::fits(elems, std::mem::size_of::<T>(), wire.segment))
+        else {
+            return Started::Steps(data, input);
+        };
+        let mut data = Some(data);
+        match exec::one::start_one(&wire, seq, sched, one, &mut data, &input, op, self.h.opts.deadline) {
+            Ok(Some(waiting)) => Started::Waiting(waiting, data, input),
+            r => Started::Ended(Ran { result: r.map(|_| ()).map_err(Box::new), data, input: Some(input) }),
+        }
+    }
+
+    /// Ends a one-step call of `sched` that [`Communicator::start`] left waiting.
+    async fn finish_waiting<T: Element>(
+        &self,
+        sched: &Schedule,
+        waiting: Waiting<T>,
+        mut data: Option<Vec<T>>,
+        input: Vec<T>,
+        op: ReduceOp,
+    ) -> Ran<T> {
+        let result = exec::one::finish_one(&self.wire(), sched, waiting, &mut data, op).await;
+        Ran { result: result.map_err(Box::new), data, input: Some(input) }
     }
 
     /// [`Communicator::run`] by the step loop (every call but a small one-step one).
@@ -183,12 +227,13 @@ impl Communicator {
     }
 
     /// The future of rooted call `call` (a broadcast or a reduce) on `data` as `planned`
-    /// says, started now where it can be: a small one-step call (a one-level tree's root
-    /// or leaf) runs at once up to its first wait ([`exec::one::start_one`]), so a root
-    /// whose sends UCX takes, or a leaf whose message already arrived, ends here (at 8
-    /// bytes the layers of a call's future cost as much as its messages). Other calls
-    /// start when polled. (Calls that exchange, as a 2-rank allreduce, rarely find their
-    /// peer's message there when made, and the boxing costs them more than it saves.)
+    /// says, started now where it can be ([`Communicator::start`]): a small one-step
+    /// call (a one-level tree's root or leaf) whose sends UCX takes, or whose message
+    /// already arrived, ends here (at 8 bytes the layers of a call's future cost as much
+    /// as its messages). The rest of a call goes on in a boxed future, one for each kind
+    /// so that a waiting one-step call's stays small. (Calls that exchange, as a 2-rank
+    /// allreduce, rarely find their peer's message there when made, and the boxing costs
+    /// them more than it saves.)
     #[inline(always)]
     fn rooted_call<T: Element>(
         &self,
@@ -197,46 +242,23 @@ impl Communicator {
         data: Vec<T>,
         op: ReduceOp,
     ) -> CallFuture<T> {
-        let wire = self.wire();
-        let len = data.len() + planned.sched.scratch;
-        let Some(one) =
-            planned.one.as_ref().filter(|_| exec::small::fits(len, std::mem::size_of::<T>(), wire.segment))
-        else {
-            let call = call.owned();
-            return Either::Right(Box::pin(async move {
-                let ran = call.comm.run_steps(call.seq, &planned.sched, data, Vec::new(), op, false).await;
-                call.done(ran.data_back(true))
-            }));
-        };
-        let mut data = Some(data);
-        let limit = self.h.opts.deadline;
-        let waiting =
-            match exec::one::start_one(&wire, call.seq, &planned.sched, one, &mut data, &[], op, limit) {
-                Ok(Some(waiting)) => waiting,
-                Ok(None) => {
-                    let r = data.ok_or_else(|| {
-                        Failed::new(Error::Internal("the result buffer is still in use".into()), None)
-                    });
-                    return ended(call.done(r));
-                }
-                Err(e) => return ended(call.done(Err(Failed::new(e, data)))),
-            };
-        // The rest of a one-step call: a future of its own, small (boxed with it).
-        let call = call.owned();
-        Either::Right(Box::pin(async move {
-            let one = planned
-                .one
-                .as_ref()
-                .ok_or_else(|| Error::Internal("a one-step call without its shape".into()));
-            let result = match one {
-                Ok(one) => {
-                    exec::one::finish_one(&call.comm.wire(), &planned.sched, one, waiting, &mut data, op)
-                        .await
-                }
-                Err(e) => Err(e),
-            };
-            call.done(Ran { result: result.map_err(Box::new), data, input: None }.data_back(true))
-        }))
+        match self.start(call.seq, &planned.sched, planned.one.as_ref(), data, Vec::new(), op) {
+            Started::Ended(ran) => ended(call.done(ran.data_back(true))),
+            Started::Waiting(waiting, data, input) => {
+                let call = call.owned();
+                Either::Right(Box::pin(async move {
+                    let ran = call.comm.finish_waiting(&planned.sched, waiting, data, input, op).await;
+                    call.done(ran.data_back(true))
+                }))
+            }
+            Started::Steps(data, input) => {
+                let call = call.owned();
+                Either::Right(Box::pin(async move {
+                    let ran = call.comm.run_steps(call.seq, &planned.sched, data, input, op, false).await;
+                    call.done(ran.data_back(true))
+                }))
+            }
+        }
     }
 
     fn check_reduce<T: Element>(&self, op: ReduceOp) -> Option<String> {

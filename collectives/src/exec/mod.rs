@@ -19,13 +19,10 @@ use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::{tag, MAX_STEPS};
 use crate::{Element, ReduceOp};
 
-mod landings;
 pub(crate) mod lane;
 pub(crate) mod one;
 mod pieces;
 pub(crate) mod small;
-
-pub(crate) use landings::Landings;
 
 /// What the executor needs of a communicator.
 pub(crate) struct Wire<'a> {
@@ -41,8 +38,8 @@ pub(crate) struct Wire<'a> {
     /// Whether this rank's host runs more ranks than it has processors and its worker
     /// busy-polls: see [`CROWDED_EAGER`].
     pub(crate) eager_crowded: bool,
-    /// Landing vectors kept for one-step calls.
-    pub(crate) landings: &'a Landings,
+    /// What small calls keep (one-step calls take their landing vectors there too).
+    pub(crate) small: &'a std::sync::Mutex<small::SmallKept>,
 }
 
 impl Wire<'_> {

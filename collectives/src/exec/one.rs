@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use ucxkit_transport::tag::EXACT;
 use ucxkit_transport::{Either, IoBufMut, Slice, TagInfo, TagRecv};
 
-use super::small::{poll_sends, send, Queued};
+use super::small::{poll_sends, send, Queued, SmallKept};
 use super::{can_start, combine, landed_bytes, outside, received, Watch, Wire};
 use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Xfer};
@@ -81,14 +81,12 @@ impl OneStep {
 /// lent whole.
 type Landing<T> = Either<Vec<u8>, Slice<Box<[T]>>>;
 
-/// A one-step call's receive, posted: from whom, and the transfer.
-type Posted<T> = Option<(usize, TagRecv<Landing<T>>)>;
-
 /// What a one-step call waits for once started: the sends UCX did not take during the
-/// call (sent from copies), and its receive, where it had not landed.
+/// call (sent from copies), and its receive, where it had not landed (from whom, into
+/// which region, and the transfer).
 pub(crate) struct Waiting<T: Element> {
     queued: Queued,
-    recv: Posted<T>,
+    recv: Option<(usize, Region, TagRecv<Landing<T>>)>,
     /// The call's deadline: the limit it reports, and when it passes.
     end: Option<(Duration, tokio::time::Instant)>,
 }
@@ -142,12 +140,12 @@ pub(crate) fn start_one<T: Element>(
             Ok(region) => Either::Right(region),
             Err((_, d)) => {
                 *data = Some(d.into_vec());
-                Either::Left(w.landings.take(into.len() * size))
+                Either::Left(SmallKept::take_landing(w.small, into.len() * size))
             }
         },
         d => {
             *data = d;
-            Either::Left(w.landings.take(into.len() * size))
+            Either::Left(SmallKept::take_landing(w.small, into.len() * size))
         }
     };
     let mut op_recv = w.ns.tag_recv_from(ep, tag(w.comm, seq, 0, *peer), EXACT, landing);
@@ -156,7 +154,7 @@ pub(crate) fn start_one<T: Element>(
             return land(w, step, into, *peer, r, got, data, op).map(|()| None);
         }
     }
-    Ok(Some(Waiting { queued, recv: Some((*peer, op_recv)), end: end() }))
+    Ok(Some(Waiting { queued, recv: Some((*peer, into.clone(), op_recv)), end: end() }))
 }
 
 /// Ends a one-step call that had to wait (see [`start_one`]): awaits its sends and its
@@ -165,7 +163,6 @@ pub(crate) fn start_one<T: Element>(
 pub(crate) async fn finish_one<T: Element>(
     w: &Wire<'_>,
     sched: &Schedule,
-    one: &OneStep,
     waiting: Waiting<T>,
     data: &mut Option<Vec<T>>,
     op: ReduceOp,
@@ -175,32 +172,18 @@ pub(crate) async fn finish_one<T: Element>(
     if !queued.is_empty() {
         sent(w, &mut queued, &mut watch, end).await?;
     }
-    let (Some((peer, mut op_recv)), Some((_, into))) = (recv, &one.recv) else {
+    let Some((peer, into, mut op_recv)) = recv else {
         return Ok(());
     };
-    let (r, got) =
-        std::future::poll_fn(|cx| poll_arrival(cx, w, peer, &mut op_recv, &mut watch, end)).await?;
-    land(w, only_step(sched)?, into, peer, r, got, data, op)
-}
-
-/// Polls the receive from `peer`: its outcome, or an error as `watch` says (made on the
-/// first wait, with the deadline `end`).
-#[inline(always)]
-fn poll_arrival<'w, T: Element>(
-    cx: &mut std::task::Context<'_>,
-    w: &Wire<'w>,
-    peer: usize,
-    op_recv: &mut TagRecv<Landing<T>>,
-    watch: &mut Option<Watch<'w>>,
-    end: Option<(Duration, tokio::time::Instant)>,
-) -> Poll<Result<(ucxkit_transport::Result<TagInfo>, Landing<T>)>> {
-    match Pin::new(op_recv).poll(cx) {
+    let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut op_recv).poll(cx) {
         Poll::Ready(done) => Poll::Ready(Ok(done)),
         Poll::Pending => {
             let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
             watch.poll_end(cx, || [peer]).map(Err)
         }
-    }
+    })
+    .await?;
+    land(w, only_step(sched)?, &into, peer, r, got, data, op)
 }
 
 /// The step of a one-step schedule.
@@ -243,7 +226,7 @@ fn land<T: Element>(
         Some(data) => combine_landed(step, into, peer, r, &got, data, op),
         None => Err(no_data()),
     };
-    w.landings.give(got);
+    SmallKept::give_landing(w.small, got);
     landed
 }
 

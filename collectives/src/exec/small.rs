@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Mutex, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -27,6 +28,35 @@ pub(crate) const SMALL: usize = 1024;
 pub(crate) struct SmallKept {
     scratch: Vec<u64>,
     landing: Vec<Vec<u8>>,
+}
+
+/// The most landing vectors one-step calls keep ([`SmallKept::give_landing`]; the step
+/// loop keeps as many as a step of its calls receives).
+const LANDINGS: usize = 4;
+
+impl SmallKept {
+    /// An empty vector with room for `bytes` for a one-step call's receive: one `kept`
+    /// holds where it has one (none while a step-loop call has taken them all, and the
+    /// call allocates).
+    #[inline]
+    pub(crate) fn take_landing(kept: &Mutex<SmallKept>, bytes: usize) -> Vec<u8> {
+        let mut v = kept.lock().unwrap_or_else(PoisonError::into_inner).landing.pop().unwrap_or_default();
+        v.clear();
+        v.reserve(bytes);
+        v
+    }
+
+    /// Gives a one-step call's landing vector back to `kept`, unless it is large or
+    /// enough are kept.
+    #[inline]
+    pub(crate) fn give_landing(kept: &Mutex<SmallKept>, v: Vec<u8>) {
+        if v.capacity() <= SMALL {
+            let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
+            if kept.landing.len() < LANDINGS {
+                kept.landing.push(v);
+            }
+        }
+    }
 }
 
 /// Whether a call of `elems` elements of `elem` bytes in all (data, input and scratch)
@@ -262,6 +292,27 @@ async fn exchange<'w, T: Element>(
 
 #[cfg(test)]
 mod tests {
+    /// Landing vectors come back empty with the room asked for, reused; large ones and
+    /// those beyond [`LANDINGS`] are let go.
+    #[test]
+    fn landings_are_reused_empty_and_bounded() {
+        use super::*;
+        let kept = Mutex::new(SmallKept::default());
+        let mut v = SmallKept::take_landing(&kept, 8);
+        assert!(v.is_empty() && v.capacity() >= 8);
+        v.extend_from_slice(&[1; 8]);
+        let at = v.as_ptr();
+        SmallKept::give_landing(&kept, v);
+        let again = SmallKept::take_landing(&kept, 4);
+        assert!(again.is_empty() && again.as_ptr() == at, "the kept vector, emptied");
+        SmallKept::give_landing(&kept, Vec::with_capacity(SMALL + 1));
+        assert_eq!(kept.lock().unwrap().landing.len(), 0, "a large vector is not kept");
+        for _ in 0..LANDINGS + 2 {
+            SmallKept::give_landing(&kept, Vec::with_capacity(16));
+        }
+        assert_eq!(kept.lock().unwrap().landing.len(), LANDINGS);
+    }
+
     use super::*;
 
     #[test]
@@ -310,7 +361,7 @@ mod tests {
         let ns: Vec<_> = mesh.workers.iter().map(|w| w.namespace(COLLECTIVES).expect("namespace")).collect();
         let abort = crate::abort::AbortCell::default();
         let lanes = crate::exec::lane::Lanes::new(2, true);
-        let landings = crate::exec::Landings::default();
+        let small = Mutex::new(SmallKept::default());
         let wire = |r: usize| Wire {
             ns: &ns[r],
             segment: usize::MAX,
@@ -320,7 +371,7 @@ mod tests {
             comm: 3,
             lanes: &lanes,
             eager_crowded: false,
-            landings: &landings,
+            small: &small,
         };
         let (w0, w1) = (wire(0), wire(1));
         let step = |peer| Step {
