@@ -205,8 +205,9 @@ async fn an_aborted_communicators_late_messages_end_their_sends() {
 /// before it called and never took rank 0's send. Then the same with transfers
 /// through shared-memory lanes (2 MiB), and with small calls (8 bytes, whose receives
 /// wait in landing vectors of their own): on two ranks (one step, run without the step
-/// loop), a broadcast's leaf on two (its receive lands in the caller's vector) and on
-/// three (the step loop).
+/// loop), a broadcast's leaf on two (its receive lands in the caller's vector; also one
+/// never polled, its receive posted when the call was made), an allgather on two (its
+/// receive lands in a block of the call's vector) and on three (the step loop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (mesh, comms) = group(2).await;
@@ -273,6 +274,27 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     hears_of_the_abort(&comms[0]).await;
     let e = comms[0].broadcast(vec![5u32; 2], 0).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 1), "{e}");
+    ends_clean(&mesh, comms).await;
+
+    // A broadcast's leaf dropped before it is ever polled: its receive was posted, into
+    // the caller's vector, when the call was made.
+    let (mesh, comms) = group(2).await;
+    drop(comms[1].broadcast(vec![0u32; 2], 0));
+    hears_of_the_abort(&comms[0]).await;
+    let e = comms[0].broadcast(vec![5u32; 2], 0).await.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 1), "{e}");
+    ends_clean(&mesh, comms).await;
+
+    // An allgather on two ranks whose receive lands in its block of the call's vector,
+    // beside this rank's own, dropped while it waits.
+    let (mesh, comms) = group(2).await;
+    let mut first = Box::pin(comms[0].allgather(vec![1u32; 2]));
+    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
+    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
+    drop(first);
+    hears_of_the_abort(&comms[1]).await;
+    let e = comms[1].allgather(vec![2u32; 2]).await.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
     ends_clean(&mesh, comms).await;
 
     // 8 bytes on three ranks: several steps, so the step loop's receive is what waits.
