@@ -186,12 +186,12 @@ impl Communicator {
     async fn finish_waiting<T: Element>(
         &self,
         sched: &Schedule,
-        waiting: Waiting<T>,
+        mut waiting: Waiting<T>,
         mut data: Option<Vec<T>>,
         input: Vec<T>,
         op: ReduceOp,
     ) -> Ran<T> {
-        let result = exec::one::finish_one(&self.wire(), sched, waiting, &mut data, op).await;
+        let result = exec::one::finish_one(&self.wire(), sched, &mut waiting, &mut data, op).await;
         Ran { result: result.map_err(Box::new), data, input: Some(input) }
     }
 
@@ -244,10 +244,15 @@ impl Communicator {
     ) -> CallFuture<T> {
         match self.start(call.seq, &planned.sched, planned.one.as_ref(), data, Vec::new(), op) {
             Started::Ended(ran) => ended(call.done(ran.data_back(true))),
-            Started::Waiting(waiting, data, input) => {
+            Started::Waiting(mut waiting, mut data, input) => {
                 let call = call.owned();
+                // The block works on what it captured, in place: moved into a nested
+                // future as well, the waiting state took twice the room, and the box
+                // outgrew the allocator's per-thread cache.
                 Either::Right(Box::pin(async move {
-                    let ran = call.comm.finish_waiting(&planned.sched, waiting, data, input, op).await;
+                    let wire = call.comm.wire();
+                    let r = exec::one::finish_one(&wire, &planned.sched, &mut waiting, &mut data, op).await;
+                    let ran = Ran { result: r.map_err(Box::new), data, input: Some(input) };
                     call.done(ran.data_back(true))
                 }))
             }

@@ -163,19 +163,21 @@ pub(crate) fn start_one<T: Element>(
 pub(crate) async fn finish_one<T: Element>(
     w: &Wire<'_>,
     sched: &Schedule,
-    waiting: Waiting<T>,
+    waiting: &mut Waiting<T>,
     data: &mut Option<Vec<T>>,
     op: ReduceOp,
 ) -> Result<()> {
-    let Waiting { mut queued, recv, end } = waiting;
+    let Waiting { queued, recv, end } = waiting;
+    let end = *end;
     let mut watch: Option<Watch<'_>> = None;
     if !queued.is_empty() {
-        sent(w, &mut queued, &mut watch, end).await?;
+        sent(w, queued, &mut watch, end).await?;
     }
-    let Some((peer, into, mut op_recv)) = recv else {
+    let Some((peer, into, op_recv)) = recv else {
         return Ok(());
     };
-    let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut op_recv).poll(cx) {
+    let peer = *peer;
+    let (r, got) = std::future::poll_fn(|cx| match Pin::new(&mut *op_recv).poll(cx) {
         Poll::Ready(done) => Poll::Ready(Ok(done)),
         Poll::Pending => {
             let watch = watch.get_or_insert_with(|| Watch::ending(w.abort, end));
@@ -183,7 +185,7 @@ pub(crate) async fn finish_one<T: Element>(
         }
     })
     .await?;
-    land(w, only_step(sched)?, &into, peer, r, got, data, op)
+    land(w, only_step(sched)?, into, peer, r, got, data, op)
 }
 
 /// The step of a one-step schedule.
