@@ -593,17 +593,8 @@ impl Communicator {
     /// Rank r sends block i of its `buf` (`size()` blocks of equal length) to rank i and
     /// ends with block r of every rank's, in rank order.
     pub fn alltoall<T: Element>(&self, buf: Vec<T>) -> impl Future<Output = CallResult<T>> + Send + 'static {
-        collective!(self, 'call, |comm, seq| {
-            let n = comm.size();
-            if buf.len() % n != 0 {
-                let m = format!("an all-to-all buffer holds a multiple of {n} elements, not {}", buf.len());
-                break 'call Err(invalid(buf, m));
-            }
-            // By the plan, as `alltoall_into`.
-            let planned = comm.planned(Op::Alltoall, buf.len() / n, std::mem::size_of::<T>(), 0);
-            let data = vec![T::zeroed(); buf.len()];
-            comm.run(seq, &planned.sched, planned.one.as_ref(), data, buf, ReduceOp::Sum, false).await.data_back(false)
-        })
+        let call = self.alltoall_into(buf, Vec::new());
+        async move { call.await.map(|(out, _)| out).map_err(|f| Box::new(Failed { output: None, ..*f })) }
     }
 
     /// All-to-all with this rank's block for rank i `send_counts[i]` elements long and
