@@ -338,18 +338,23 @@ async fn cell<T: Element>(
 }
 
 /// Times a cell's calls, every cell alike: `run(state, k)` makes `k` calls. A warm-up,
-/// then as many iterations as fit the cell's budget (judged from the warm-up and agreed
-/// on: every rank must make the same calls), after a barrier; with `--skew-us`, each call
-/// after a barrier and this rank's skew. The slowest rank's seconds per call and the
-/// iterations.
+/// then as many iterations as fit the cell's budget (judged from the warm-up's second
+/// half and agreed on: every rank must make the same calls), after a barrier; with
+/// `--skew-us`, each call after a barrier and this rank's skew. The slowest rank's
+/// seconds per call and the iterations.
 pub(crate) async fn timed<S, F, Fut>(c: &Communicator, args: &Args, state: S, mut run: F) -> Res<(f64, u64)>
 where
     F: FnMut(S, u64) -> Fut,
     Fut: std::future::Future<Output = Res<S>>,
 {
+    // Judged from the warm-up's second half only: its first calls run several times
+    // slower (cold caches, a young process), and a cell judged by them ran a few
+    // thousand calls where a million were asked for and fitted.
+    let first = args.warmup / 2;
+    let state = run(state, first).await?;
     let t = Instant::now();
-    let mut state = run(state, args.warmup).await?;
-    let per_call = t.elapsed().as_secs_f64() / args.warmup.max(1) as f64;
+    let mut state = run(state, args.warmup - first).await?;
+    let per_call = t.elapsed().as_secs_f64() / (args.warmup - first).max(1) as f64;
     let fit = (CELL_BUDGET.as_secs_f64() / per_call.max(1e-9)) as u64;
     let iters = c
         .allreduce(vec![args.iters.min(fit).max(5)], ReduceOp::Min)
