@@ -148,14 +148,22 @@ impl Namespace {
     }
 
     /// The error for an endpoint of another worker (the namespace is not claimed there).
+    #[inline]
     fn foreign(&self, ep: &Endpoint) -> Option<Box<Error>> {
         if Arc::ptr_eq(&ep.worker().shared, &self.inner.worker.shared) {
             return None;
         }
-        Some(Box::new(Error::ApiMisuse(format!(
+        Some(self.not_the_workers())
+    }
+
+    /// The error for an endpoint of another worker.
+    #[cold]
+    #[inline(never)]
+    fn not_the_workers(&self) -> Box<Error> {
+        Box::new(Error::ApiMisuse(format!(
             "namespace {} belongs to another worker than the endpoint's",
             self.inner.number
-        ))))
+        )))
     }
 
     /// The wire id for `id`, or the error for one out of range.

@@ -529,18 +529,7 @@ impl Endpoint {
             let mut param = param::send(st, param::FORCE_IMM, 0);
             match Posted::from_ptr(call(h, &mut param), Completion::OK, false) {
                 Posted::Done(c) => c.status(),
-                Posted::Pending(r) => {
-                    tracing::error!(
-                        op,
-                        "UCX left an operation pending despite FORCE_IMM_CMPL; waiting for it"
-                    );
-                    let c = r.finish_locked(st, |st| {
-                        inner.progress_locked(st);
-                    });
-                    // Only once UCX is done with the buffer.
-                    debug_assert!(false, "UCX left {op} pending despite FORCE_IMM_CMPL");
-                    c.status()
-                }
+                Posted::Pending(r) => left_pending(inner, st, op, r),
             }
         });
         match status {
@@ -550,6 +539,20 @@ impl Endpoint {
             Err(e) => Err(*e),
         }
     }
+}
+
+/// Waits, under the lock, for an operation UCX left pending despite
+/// `UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL` (out of line: it should not happen), and returns its
+/// status once UCX is done with the buffer.
+#[cold]
+#[inline(never)]
+fn left_pending(inner: &crate::worker::WorkerInner, st: &mut State, op: &'static str, r: Request) -> Status {
+    tracing::error!(op, "UCX left an operation pending despite FORCE_IMM_CMPL; waiting for it");
+    let c = r.finish_locked(st, |st| {
+        inner.progress_locked(st);
+    });
+    debug_assert!(false, "UCX left {op} pending despite FORCE_IMM_CMPL");
+    c.status()
 }
 
 /// Request parameters for a send-type operation on this worker.
