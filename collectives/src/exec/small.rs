@@ -11,7 +11,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use smallvec::SmallVec;
-use ucxkit_transport::{tag::EXACT, TagRecv, TagSend};
+use ucxkit_transport::{tag::EXACT, Endpoint, TagRecv, TagSend};
 
 use super::{can_start, combine, combine_within, landed_bytes, outside, same_length, Watch, Wire};
 use crate::error::{Error, Result};
@@ -170,13 +170,22 @@ pub(super) fn send(
 ) -> Result<()> {
     let ep = w.ep(peer)?;
     if now && queued.is_empty() {
-        let sent = w.ns.try_tag_send(ep, t, bytes);
-        if sent.map_err(|source| Error::Transport { rank: peer, source })? {
-            return Ok(());
+        match w.ns.try_tag_send(ep, t, bytes) {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(source) => return Err(Error::Transport { rank: peer, source }),
         }
     }
-    queued.push((peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
+    queue(w, ep, peer, t, bytes, queued);
     Ok(())
+}
+
+/// Queues a send of a copy of `bytes` (out of line: rare, and its code would make every
+/// send's frame larger).
+#[cold]
+#[inline(never)]
+fn queue(w: &Wire<'_>, ep: &Endpoint, peer: usize, t: u64, bytes: &[u8], queued: &mut Queued) {
+    queued.push((peer, Some(w.ns.tag_send(ep, t, bytes.to_vec()))));
 }
 
 /// Polls the sends of `queued` still in flight: whether one is still pending, and the
