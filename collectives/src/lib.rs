@@ -81,6 +81,7 @@
 
 pub mod abort;
 mod bootstrap;
+mod call;
 mod comm;
 #[cfg(feature = "cuda")]
 pub mod device;
