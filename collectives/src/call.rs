@@ -1,7 +1,8 @@
 //! How a call runs once its operation made its schedule: a small call of one step
 //! starts in plain code where it is made or polled (`exec::one`), and ends there when its
-//! messages are already in; every other call runs the step loop. Either way the call's
-//! buffers come back where the transport let go of them ([`Ran`]).
+//! messages are already in; every other call runs the step loop. One call in
+//! [`exec::ready::READY_EVERY`] first exchanges ready messages (`exec::ready`). Either
+//! way the call's buffers come back where the transport let go of them ([`Ran`]).
 
 use std::future::{ready, Future, Ready};
 use std::pin::Pin;
@@ -70,7 +71,8 @@ impl Communicator {
     /// communicator's deadline, and gives back both where the transport let go of them.
     /// `fresh`: the data buffer holds values this core just wrote (see
     /// `Bufs::data_just_written`). A small call runs on the vectors themselves
-    /// (`exec::small`); others on shared buffers, kept from call to call.
+    /// (`exec::small`); others on shared buffers, kept from call to call. A call that
+    /// [`exec::ready::due`] names first exchanges ready messages.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn run<T: Element>(
         &self,
@@ -82,6 +84,11 @@ impl Communicator {
         op: ReduceOp,
         fresh: bool,
     ) -> Ran<T> {
+        if exec::ready::due(seq) {
+            if let Err(e) = exec::ready::exchange(&self.wire(), seq, sched, self.h.opts.deadline).await {
+                return Ran { result: Err(Box::new(e)), data: Some(data), input: Some(input) };
+            }
+        }
         match self.start(seq, sched, one, data, input, op) {
             Started::Ended(ran) => ran,
             Started::Waiting(waiting, data, input) => {
@@ -168,7 +175,8 @@ impl Communicator {
     /// as its messages). The rest of a call goes on in a boxed future, one for each kind
     /// so that a waiting one-step call's stays small. (Calls that exchange, as a 2-rank
     /// allreduce, rarely find their peer's message there when made, and the boxing costs
-    /// them more than it saves.)
+    /// them more than it saves.) A call that exchanges ready messages first
+    /// ([`exec::ready::due`]) runs whole when polled.
     #[inline(always)]
     pub(crate) fn rooted_call<T: Element>(
         &self,
@@ -177,6 +185,16 @@ impl Communicator {
         data: Vec<T>,
         op: ReduceOp,
     ) -> CallFuture<T> {
+        if exec::ready::due(call.seq) {
+            let call = call.owned();
+            return Either::Right(Box::pin(async move {
+                let ran = call
+                    .comm
+                    .run(call.seq, &planned.sched, planned.one.as_ref(), data, Vec::new(), op, false)
+                    .await;
+                call.done(ran.data_back(true))
+            }));
+        }
         match self.start(call.seq, &planned.sched, planned.one.as_ref(), data, Vec::new(), op) {
             Started::Ended(ran) => ended(call.done(ran.data_back(true))),
             Started::Waiting(mut waiting, mut data, input) => {

@@ -36,7 +36,10 @@
 //! one step on this rank (a one-level tree's root or leaf) starts when it is made: its
 //! sends go and its receive is posted, and where nothing has to wait (UCX took the
 //! sends, the message had arrived) it ends there and its future only hands back the
-//! result. Other calls start when first polled. A deadline for every call of a handle
+//! result. Other calls start when first polled, and so does one call in 256 on a
+//! communicator, which first has each rank that only receives from a peer tell it that
+//! it came to the call (a sender never runs more than 256 calls ahead of a receiver, and
+//! its messages never pile up; see `exec::ready`). A deadline for every call of a handle
 //! (counted from the call's start):
 //! `comm.with_options(Options { deadline: Some(d), ..Default::default() })`.
 //!

@@ -7,7 +7,7 @@
 //! | 55-46 | communicator id | 10 |
 //! | 45-30 | sequence number of the call on its communicator (wraps) | 16 |
 //! | 29-16 | step of the schedule; [`CONTROL_STEP`] for `shrink`, [`P2P_STEP`] for point-to-point messages | 14 |
-//! | 15-14 | what the message carries ([`Kind`]): data, or a shared-memory lane's note or credit | 2 |
+//! | 15-14 | what the message carries ([`Kind`]): data, a ready word, or a shared-memory lane's note or credit | 2 |
 //! | 13-0 | source rank | 14 |
 //!
 //! A receive matches all 56 bits. Point-to-point messages carry the user's tag (16 bits)
@@ -32,6 +32,9 @@ pub const P2P_STEP: u16 = (1 << 14) - 1;
 pub enum Kind {
     /// A transfer's bytes (every message but a lane's).
     Data = 0,
+    /// A rank's word that it came to a call, to a peer that sends to it one way
+    /// (empty; see `exec::ready`).
+    Ready = 1,
     /// A shared-memory lane's note to the receiver: where the next piece lies.
     Note = 2,
     /// A shared-memory lane's credit to the sender: a piece was taken.
@@ -74,8 +77,9 @@ mod tests {
         let all = kind_tag(MAX_COMMS - 1, u16::MAX, P2P_STEP, MAX_RANKS - 1, Kind::Credit);
         assert_eq!(all, (1 << 56) - 1);
         assert_eq!(tag(0, 0, 0, MAX_RANKS), 0, "the rank stays out of the kind");
-        let kinds = [Kind::Data, Kind::Note, Kind::Credit].map(|k| kind_tag(3, 7, 2, 5, k));
-        assert!(kinds[0] != kinds[1] && kinds[1] != kinds[2] && kinds[0] != kinds[2]);
+        let kinds = [Kind::Data, Kind::Note, Kind::Credit, Kind::Ready].map(|k| kind_tag(3, 7, 2, 5, k));
+        let distinct: std::collections::HashSet<u64> = kinds.iter().copied().collect();
+        assert_eq!(distinct.len(), kinds.len());
         assert_eq!(kinds[2] - kinds[0], 3 << 14);
         assert_eq!(tag(1, 0, 0, 0), 1 << 46);
         assert_eq!(tag(0, 1, 0, 0), 1 << 30);

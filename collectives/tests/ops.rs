@@ -454,6 +454,48 @@ async fn small_rooted_calls_start_when_made() {
     assert_eq!(after, vec![vec![2], vec![2]], "a call that ended when made aborts nothing when dropped");
 }
 
+/// Senders run at most 256 calls ahead of their receivers: leaves whose root makes no
+/// call stop at the 256th reduce (it waits for the root's word that it came), and go
+/// on, every result right, once the root makes its calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn senders_run_a_bounded_number_of_calls_ahead() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    const CALLS: usize = 600;
+    const AHEAD: usize = 255;
+    let (_mesh, comms) = group(3).await;
+    let done: Arc<Vec<AtomicUsize>> = Arc::new((0..3).map(|_| AtomicUsize::new(0)).collect());
+    let leaves: Vec<_> = (1..3)
+        .map(|r| {
+            let (c, done) = (comms[r].clone(), done.clone());
+            tokio::spawn(async move {
+                for _ in 0..CALLS {
+                    c.reduce(vec![r as u32; 4], ReduceOp::Sum, 0).await.expect("leaf's reduce");
+                    done[r].fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    // Until the leaves stop (they must not finish).
+    let mut last = (0, 0);
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = (done[1].load(Ordering::Relaxed), done[2].load(Ordering::Relaxed));
+        if now == last && now.0 >= AHEAD && now.1 >= AHEAD {
+            break;
+        }
+        last = now;
+    }
+    assert_eq!(last, (AHEAD, AHEAD), "calls the leaves made before the root made any");
+    for i in 0..CALLS {
+        let sum = comms[0].reduce(vec![10u32; 4], ReduceOp::Sum, 0).await.expect("root's reduce");
+        assert_eq!(sum, vec![13; 4], "call {i}");
+    }
+    for l in leaves {
+        l.await.expect("leaf");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn point_to_point_messages_match_by_peer_and_tag() {
     let (_mesh, comms) = group(3).await;

@@ -22,6 +22,7 @@ use crate::{Element, ReduceOp};
 pub(crate) mod lane;
 pub(crate) mod one;
 mod pieces;
+pub(crate) mod ready;
 pub(crate) mod small;
 
 /// What the executor needs of a communicator.
