@@ -161,8 +161,8 @@ pub use rma::{Atomic, Get, Put};
 pub use stream::{StreamData, StreamRecv, StreamSend, UcxStream};
 pub use tag::{Tag, TagInfo, TagRecv, TagSend};
 pub use worker::{
-    EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerBuilder, BUSY_IDLE, DEFAULT_BUSY_SPIN,
-    DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET, MAX_CONNECT_PAYLOAD,
+    EndpointOptions, ErrorMode, ProgressMode, Worker, WorkerBuilder, BUSY_IDLE, CROWDED_SPIN, CROWDED_YIELD,
+    DEFAULT_BUSY_SPIN, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET, MAX_CONNECT_PAYLOAD,
 };
 
 /// The raw bindings, for what this crate does not wrap yet.

@@ -26,6 +26,10 @@ pub(crate) struct WorkerInner {
     /// Busy-poll mode: microseconds a waiting future goes on spinning and yielding the
     /// processor within one poll ([`crate::WorkerBuilder::busy_yield`]).
     pub(crate) busy_yield_us: std::sync::atomic::AtomicU32,
+    /// Whether the driver last found the host crowded ([`super::crowding`]): busy-poll
+    /// futures then spin and yield as [`progress::CROWDED_SPIN`] and
+    /// [`progress::CROWDED_YIELD`] say, at the most.
+    pub(crate) crowded: std::sync::atomic::AtomicBool,
     /// The CUDA device this worker serves, bound on the thread of every call into UCX
     /// once a device buffer has been posted (see [`WorkerInner::bind_device`]).
     #[cfg(feature = "cuda")]
@@ -38,6 +42,17 @@ pub(crate) struct WorkerInner {
 unsafe impl Send for WorkerInner {}
 // SAFETY: as above.
 unsafe impl Sync for WorkerInner {}
+
+/// A busy-poll future's spin (progress calls) and yield time (us), from the worker's
+/// settings `spin` and `yield_us`, held to [`progress::CROWDED_SPIN`] and
+/// [`progress::CROWDED_YIELD`] at the most on a `crowded` host.
+fn busy_limits(spin: u32, yield_us: u32, crowded: bool) -> (u32, u32) {
+    if crowded {
+        (spin.min(progress::CROWDED_SPIN), yield_us.max(progress::busy_yield_us(progress::CROWDED_YIELD)))
+    } else {
+        (spin, yield_us)
+    }
+}
 
 /// Progress calls per lock acquisition while a busy-poll future spins.
 pub(crate) const SPIN_ROUND: u32 = 32;
@@ -307,7 +322,11 @@ impl WorkerInner {
         // the processor (`busy_yield`, for more busy processes than cores): there every
         // waiting task's yield is what lets the others' processes run.
         let now = Instant::now();
-        let yield_us = self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed);
+        let (spin, yield_us) = busy_limits(
+            self.busy_spin.load(std::sync::atomic::Ordering::Relaxed),
+            self.busy_yield_us.load(std::sync::atomic::Ordering::Relaxed),
+            self.crowded.load(std::sync::atomic::Ordering::Relaxed),
+        );
         let glance = yield_us == 0
             && self.locked(|st| {
                 let other = |(end, w): &(Instant, Waker)| {
@@ -319,7 +338,6 @@ impl WorkerInner {
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        let spin = self.busy_spin.load(std::sync::atomic::Ordering::Relaxed);
         let (mut left, mut began) = (spin.saturating_sub(1), now);
         // With `busy_yield`: when the spins after yields end, counted from the end of the
         // first fruitless spin.
@@ -591,5 +609,28 @@ impl Drop for WorkerInner {
         // Forget this worker (and any other gone), so that its memory is freed.
         LIVE.lock().unwrap_or_else(PoisonError::into_inner).retain(|w| w.strong_count() > 0);
         drop(std::mem::take(&mut st.after));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a crowded host a busy-poll future spins at most `CROWDED_SPIN` calls and yields
+    /// for at least `CROWDED_YIELD`; elsewhere the worker's settings hold as they are.
+    #[test]
+    fn busy_futures_spin_less_and_yield_more_when_crowded() {
+        let crowded_yield = progress::busy_yield_us(progress::CROWDED_YIELD);
+        let cases = [
+            // (spin, yield_us, crowded) -> (spin, yield_us)
+            ((512, 0, false), (512, 0)),
+            ((512, 0, true), (progress::CROWDED_SPIN, crowded_yield)),
+            ((2, 0, true), (2, crowded_yield)),
+            ((512, 1000, true), (progress::CROWDED_SPIN, 1000)),
+            ((1, 5, false), (1, 5)),
+        ];
+        for ((spin, yield_us, crowded), want) in cases {
+            assert_eq!(busy_limits(spin, yield_us, crowded), want, "{spin} {yield_us} {crowded}");
+        }
     }
 }

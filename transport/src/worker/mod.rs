@@ -50,7 +50,8 @@ pub(crate) use inner::*;
 pub use options::{EndpointOptions, ErrorMode, MAX_CONNECT_PAYLOAD};
 pub(crate) use parting::*;
 pub use progress::{
-    ProgressMode, BUSY_IDLE, DEFAULT_BUSY_SPIN, DEFAULT_LINGER, EVENT_SPIN, EVENT_SPIN_QUIET,
+    ProgressMode, BUSY_IDLE, CROWDED_SPIN, CROWDED_YIELD, DEFAULT_BUSY_SPIN, DEFAULT_LINGER, EVENT_SPIN,
+    EVENT_SPIN_QUIET,
 };
 pub(crate) use state::*;
 pub(crate) use waiters::{Leave, List, Place, Waiters};
@@ -112,7 +113,9 @@ impl WorkerBuilder {
     /// (`sched_yield`) and lets tokio run other tasks, or spins again within
     /// [`WorkerBuilder::busy_yield`] (default [`DEFAULT_BUSY_SPIN`]; at least 1). Lower it where more
     /// busy-polling processes than processors share the machine, so that the one a
-    /// message waits for gets to run sooner; see also [`Worker::set_busy_spin`].
+    /// message waits for gets to run sooner; see also [`Worker::set_busy_spin`]. Where
+    /// the worker's driver finds the host crowded, [`CROWDED_SPIN`] and
+    /// [`CROWDED_YIELD`] hold at the most.
     pub fn busy_spin(mut self, progress_calls: u32) -> Self {
         self.busy_spin = progress_calls.max(1);
         self
@@ -233,6 +236,7 @@ impl WorkerBuilder {
             namespaces: self.namespaces,
             busy_spin: std::sync::atomic::AtomicU32::new(self.busy_spin),
             busy_yield_us: std::sync::atomic::AtomicU32::new(progress::busy_yield_us(self.busy_yield)),
+            crowded: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "cuda")]
             device: std::sync::OnceLock::new(),
         });
