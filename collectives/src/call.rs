@@ -51,6 +51,13 @@ pub(crate) struct Ran<T> {
 }
 
 impl<T> Ran<T> {
+    /// How a one-step call ended (`result`), with its data (`None` where the transport
+    /// still holds it) and its input.
+    #[inline(always)]
+    fn ended(result: crate::error::Result<()>, data: Option<Vec<T>>, input: Vec<T>) -> Ran<T> {
+        Ran { result: result.map_err(Box::new), data, input: Some(input) }
+    }
+
     /// The data buffer, or the error with the caller's buffer (the data buffer when
     /// `data_is_callers`, else the input).
     #[inline]
@@ -91,8 +98,9 @@ impl Communicator {
         }
         match self.start(seq, sched, one, data, input, op) {
             Started::Ended(ran) => ran,
-            Started::Waiting(waiting, data, input) => {
-                self.finish_waiting(sched, waiting, data, input, op).await
+            Started::Waiting(mut waiting, mut data, input) => {
+                let r = exec::one::finish_one(&self.wire(), sched, &mut waiting, &mut data, op).await;
+                Ran::ended(r, data, input)
             }
             Started::Steps(data, input) => self.run_steps(seq, sched, data, input, op, fresh).await,
         }
@@ -120,21 +128,8 @@ impl Communicator {
         let mut data = Some(data);
         match exec::one::start_one(&wire, seq, sched, one, &mut data, &input, op, self.h.opts.deadline) {
             Ok(Some(waiting)) => Started::Waiting(waiting, data, input),
-            r => Started::Ended(Ran { result: r.map(|_| ()).map_err(Box::new), data, input: Some(input) }),
+            r => Started::Ended(Ran::ended(r.map(|_| ()), data, input)),
         }
-    }
-
-    /// Ends a one-step call of `sched` that [`Communicator::start`] left waiting.
-    async fn finish_waiting<T: Element>(
-        &self,
-        sched: &Schedule,
-        mut waiting: Waiting<T>,
-        mut data: Option<Vec<T>>,
-        input: Vec<T>,
-        op: ReduceOp,
-    ) -> Ran<T> {
-        let result = exec::one::finish_one(&self.wire(), sched, &mut waiting, &mut data, op).await;
-        Ran { result: result.map_err(Box::new), data, input: Some(input) }
     }
 
     /// [`Communicator::run`] by the step loop (every call but a small one-step one).
@@ -205,8 +200,7 @@ impl Communicator {
                 Either::Right(Box::pin(async move {
                     let wire = call.comm.wire();
                     let r = exec::one::finish_one(&wire, &planned.sched, &mut waiting, &mut data, op).await;
-                    let ran = Ran { result: r.map_err(Box::new), data, input: Some(input) };
-                    call.done(ran.data_back(true))
+                    call.done(Ran::ended(r, data, input).data_back(true))
                 }))
             }
             Started::Steps(data, input) => {
