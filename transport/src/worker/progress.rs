@@ -201,8 +201,9 @@ pub const DEFAULT_BUSY_SPIN: u32 = 512;
 const MAX_BUSY_YIELD: Duration = Duration::from_secs(1);
 
 /// Busy-poll mode on a crowded host (more threads ready to run than processors, or the
-/// driver's thread waiting for one over a tenth of the time): a waiting future spins at most this many progress calls before
-/// it yields the processor, whatever [`crate::WorkerBuilder::busy_spin`] says. The
+/// driver's thread waiting for one over a tenth of the time): a waiting future spins at
+/// most this many progress calls before it yields the processor, whatever
+/// [`crate::WorkerBuilder::busy_spin`] says. The
 /// process a message waits for is then often not running, and the sooner the waiting
 /// one yields, the sooner it runs (Open MPI yields on every idle poll when
 /// oversubscribed). Two ranks confined to one processor (`taskset`), 8 B: broadcast
@@ -379,10 +380,13 @@ enum Pace {
 }
 
 /// Whether the host is crowded, as `crowding` finds it at `now` (it looks again every
-/// few milliseconds); published to the worker's busy-poll futures.
+/// few milliseconds); published to the worker's busy-poll futures when it changes (a
+/// store each time would pull the flag's cache line from the cores that read it).
 fn crowded(inner: &WorkerInner, crowding: &mut Crowding, now: Instant) -> bool {
     let c = crowding.crowded(now);
-    inner.crowded.store(c, Ordering::Relaxed);
+    if inner.crowded.load(Ordering::Relaxed) != c {
+        inner.crowded.store(c, Ordering::Relaxed);
+    }
     c
 }
 
