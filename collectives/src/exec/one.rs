@@ -22,8 +22,9 @@ use crate::{Element, ReduceOp};
 /// A small call of one step with sends (none from scratch) and at most one receive and
 /// nothing but copies out of the input before them (two ranks' allreduce, allgather,
 /// all-to-all and reduce-scatter; a one-level tree's root and leaves): run by
-/// [`start_one`] and [`finish_one`] without the step loop, whose nested futures cost as much as such a call's messages
-/// (2-rank broadcast of 8 B, busy: 0.21-0.25 -> 0.17-0.19 us). Found once per plan.
+/// [`start_one`] and [`finish_one`] without the step loop, whose nested futures cost as
+/// much as such a call's messages (2-rank broadcast of 8 B, busy: 0.21-0.25 -> 0.17-0.19
+/// us). Found once per plan.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct OneStep {
     sends: SmallVec<[(usize, Region); 2]>,

@@ -301,11 +301,12 @@ async fn exchange<'w, T: Element>(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// Landing vectors come back empty with the room asked for, reused; large ones and
     /// those beyond [`LANDINGS`] are let go.
     #[test]
     fn landings_are_reused_empty_and_bounded() {
-        use super::*;
         let kept = Mutex::new(SmallKept::default());
         let mut v = SmallKept::take_landing(&kept, 8);
         assert!(v.is_empty() && v.capacity() >= 8);
@@ -321,8 +322,6 @@ mod tests {
         }
         assert_eq!(kept.lock().unwrap().landing.len(), LANDINGS);
     }
-
-    use super::*;
 
     #[test]
     fn small_calls_are_those_under_the_limit_and_one_piece_each() {
