@@ -207,7 +207,8 @@ async fn an_aborted_communicators_late_messages_end_their_sends() {
 /// wait in landing vectors of their own): on two ranks (one step, run without the step
 /// loop), a broadcast's leaf on two (its receive lands in the caller's vector; also one
 /// never polled, its receive posted when the call was made), an allgather on two (its
-/// receive lands in a block of the call's vector) and on three (the step loop).
+/// receive lands in a block of the call's vector) and on three (the step loop); and a
+/// root dropped while it waits for its leaf's ready word.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (mesh, comms) = group(2).await;
@@ -311,6 +312,25 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
         let e = r.expect_err("aborted").error;
         assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
     }
+    ends_clean(&mesh, comms).await;
+
+    // A broadcast root's 256th call waits for its leaf's ready word (the leaf has not
+    // come to it) before it sends: dropped there, its receive of the word is canceled
+    // and the leaf hears of the abort.
+    let (mesh, comms) = group(2).await;
+    for i in 0..255u32 {
+        let calls = comms.iter().map(|c| c.broadcast(vec![i; 2], 0));
+        for r in join_all(calls).await {
+            assert_eq!(r.expect("broadcast"), vec![i; 2]);
+        }
+    }
+    let mut root = Box::pin(comms[0].broadcast(vec![7u32; 2], 0));
+    let polled = tokio::time::timeout(Duration::from_millis(20), root.as_mut()).await;
+    assert!(polled.is_err(), "the root waits for its leaf's word");
+    drop(root);
+    hears_of_the_abort(&comms[1]).await;
+    let e = comms[1].broadcast(vec![0u32; 2], 0).await.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
     ends_clean(&mesh, comms).await;
 }
 
