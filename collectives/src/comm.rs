@@ -2,7 +2,7 @@
 //! collectives in the collectives namespace of its worker.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -93,9 +93,9 @@ pub(crate) struct Inner {
     segment: usize,
     /// The shared-memory lanes to the ranks of this host.
     lanes: Lanes,
-    /// Whether this rank's host runs more of the group's ranks than it has processors
-    /// ([`Hosts::crowded`]) and its worker busy-polls: mid-size messages then go eagerly.
-    eager_crowded: AtomicBool,
+    /// Per rank, whether mid-size messages to it go eagerly: the worker busy-polls and
+    /// the endpoint reaches it through shared memory (see `exec::EAGER`).
+    eager_to: Box<[bool]>,
     /// The worker's communicators, where this one's id is held.
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
@@ -265,6 +265,9 @@ impl Communicator {
     ) -> Result<Communicator> {
         let Settings { forced_env, costs, segment, lanes } = set;
         let size = eps.len();
+        let busy = ns.worker().progress_mode() == ProgressMode::BusyPoll;
+        let eager_to =
+            eps.iter().map(|e| busy && e.as_ref().is_some_and(crate::exec::lane::mapped)).collect();
         let registry = Registry::of(ns)?;
         let abort = Arc::new(AbortCell::new(size));
         if !registry.claim(id, &abort) {
@@ -289,7 +292,7 @@ impl Communicator {
             costs,
             segment,
             lanes: Lanes::new(size, lanes),
-            eager_crowded: AtomicBool::new(false),
+            eager_to,
             registry,
             abort,
         });
@@ -440,8 +443,6 @@ impl Communicator {
             // communicator's ranks, as the planner judges).
             let local = (0..hosts.ranks()).map(|r| !crowded && r != rank && hosts.of(r) == hosts.of(rank));
             self.h.inner.lanes.set_local(local);
-            let busy = self.h.inner.ns.worker().progress_mode() == ProgressMode::BusyPoll;
-            self.h.inner.eager_crowded.store(crowded && busy, Ordering::Relaxed);
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
             cache.last = None;
@@ -607,7 +608,7 @@ impl Communicator {
             rank: self.h.inner.rank,
             comm: self.h.inner.id,
             lanes: &self.h.inner.lanes,
-            eager_crowded: self.h.inner.eager_crowded.load(Ordering::Relaxed),
+            eager_to: &self.h.inner.eager_to,
             small: &self.h.inner.small,
         }
     }

@@ -36,9 +36,8 @@ pub(crate) struct Wire<'a> {
     pub(crate) comm: u16,
     /// The shared-memory lanes to the ranks of this host.
     pub(crate) lanes: &'a lane::Lanes,
-    /// Whether this rank's host runs more ranks than it has processors and its worker
-    /// busy-polls: see [`CROWDED_EAGER`].
-    pub(crate) eager_crowded: bool,
+    /// Per rank, whether mid-size sends to it go by UCX's eager protocol: see [`EAGER`].
+    pub(crate) eager_to: &'a [bool],
     /// What small calls keep (one-step calls take their landing vectors there too).
     pub(crate) small: &'a std::sync::Mutex<small::SmallKept>,
 }
@@ -482,17 +481,23 @@ impl<'a> Watch<'a> {
 /// Transfers shorter than this many bytes are short: their step posts its sends first.
 const SHORT: usize = 1024;
 
-/// On a crowded host in busy-poll mode, sends of up to this many bytes go eagerly, in a
-/// step that sends at most [`CROWDED_EAGER_STEP`] bytes in all. A rendezvous there
-/// waits for its receiver to be scheduled, and then for its sender, where an eager send
-/// is done once copied out: four ranks on two cores, 64 KiB, alternated runs, medians:
+/// In busy-poll mode, sends of up to this many bytes to a rank reached through shared
+/// memory (`lane::mapped`) go by UCX's eager protocol (`tag_send_eager`), in a step that
+/// sends at most [`EAGER_STEP`] bytes in all. UCX
+/// 1.13 sends a message of 8 KiB or more by rendezvous otherwise, and a rendezvous
+/// costs a round trip more: 2 ranks on 2 cores, alternated runs, medians of 7, eager up
+/// to 64 KiB against none: broadcast 16 KiB 5.8 -> 1.0 us, 64 KiB 9.5 -> 2.3, reduce
+/// 64 KiB 10.6 -> 3.4, allgather 64 KiB 7.5 -> 3.2, all-to-all 64 KiB 7.9 -> 3.6,
+/// reduce-scatter 64 KiB 8.6 -> 4.6 (Open MPI's blocking sends go eagerly too). Longer
+/// messages gain in some placements of the two processors and lose as much in others
+/// (128 KiB broadcast: 0.33x to 1.5x). On a crowded host, four ranks on two cores:
 /// allgather 35 -> 27 us, all-to-all 35 -> 30, reduce-scatter 40 -> 30, broadcast
-/// 25 -> 16; 128 KiB calls alike either way, and 256 KiB allgather (three 64 KiB sends
-/// a step) 60 -> 91 eagerly. In event mode, whose receivers sleep, eager sends took
-/// 64 KiB broadcast from 0.23 to 0.55-0.75 ms.
-const CROWDED_EAGER: usize = 64 << 10;
-/// See [`CROWDED_EAGER`].
-const CROWDED_EAGER_STEP: usize = 128 << 10;
+/// 25 -> 16; 256 KiB allgather (three 64 KiB sends a step) 60 -> 91 eagerly, hence the
+/// step's limit. In event mode, whose receivers sleep, eager sends took 64 KiB
+/// broadcast from 0.23 to 0.55-0.75 ms; over TCP, 16-128 KiB calls 1.0-2.1x as long.
+const EAGER: usize = 64 << 10;
+/// See [`EAGER`].
+const EAGER_STEP: usize = 128 << 10;
 
 /// One transfer of a step in flight.
 enum InFlight<'w, T: Element> {
@@ -543,7 +548,7 @@ async fn exchange<'w, T: Element>(
         Xfer::Send { from: r, .. } | Xfer::Recv { into: r, .. } => r.len() * elem < SHORT,
     });
     let mut immediate = short;
-    let crowded_eager = w.eager_crowded && st.bytes_sent(elem) <= CROWDED_EAGER_STEP;
+    let step_eager = st.bytes_sent(elem) <= EAGER_STEP;
     // Combines that run piece by piece as their receives' pieces land (see `pieces`; not
     // worth it for short messages), and the pieces of them that could not run early.
     let piecewise = if short { None } else { pieces::plan(st) };
@@ -605,10 +610,10 @@ async fn exchange<'w, T: Element>(
                     // core's cache, where a rendezvous has the receiver's core read them
                     // line by line across cores; UCX's eager protocol copies them out
                     // here instead (up to UCX_RNDV_SEND_NBR_THRESH, 256 KiB). 2-rank
-                    // allreduce of 256 KiB: 154 -> 101 us; sends of the caller's own
-                    // values stay rendezvous (eager made those 2-4x slower), but on a
-                    // crowded host (see CROWDED_EAGER).
-                    let eager = (crowded_eager && from.len() * elem <= CROWDED_EAGER)
+                    // allreduce of 256 KiB: 154 -> 101 us. Other sends go eagerly up to
+                    // EAGER bytes only (see there).
+                    let to_mapped = w.eager_to.get(*peer).copied().unwrap_or(false);
+                    let eager = (step_eager && to_mapped && from.len() * elem <= EAGER)
                         || bufs.written.as_ref().is_some_and(|w| w.iter().any(|r| r.overlaps(from)));
                     for part in segments(from, seg) {
                         let (ep, t, b) = (w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(&part)?);

@@ -378,7 +378,7 @@ mod tests {
             rank: r,
             comm: 3,
             lanes: &lanes,
-            eager_crowded: false,
+            eager_to: &[],
             small: &small,
         };
         let (w0, w1) = (wire(0), wire(1));

@@ -22,7 +22,7 @@ use crate::hosts::Hosts;
 mod costs;
 mod price;
 
-pub use costs::{Costs, COSTS_ENV};
+pub use costs::{Costs, CACHED_CALL, COSTS_ENV};
 pub(crate) use price::schedule;
 pub use price::{price_all, Phases};
 
@@ -354,6 +354,30 @@ mod tests {
         for (hosts, count, want) in cases {
             let p = choose(Op::Allgather, &hosts, 0, count, 4, &c);
             assert_eq!(p.algorithm, want, "{} ranks, {count} elements: {p}", hosts.ranks());
+        }
+    }
+
+    /// Two ranks on two processors (4-byte elements): messages of up to 64 KiB go
+    /// eagerly, so nothing splits them to dodge the rendezvous; allreduce halves its
+    /// data (Rabenseifner) only past the cache's size, where reducing it costs more than
+    /// a step.
+    #[test]
+    fn two_ranks_split_messages_only_where_it_pays() {
+        let c = Costs::default();
+        let two = Hosts::flat(2).with_cpus(&[2; 2]);
+        let cases = [
+            (Op::Broadcast, 2 << 10, Algorithm::Knomial(2)),
+            (Op::Broadcast, 16 << 10, Algorithm::Knomial(2)),
+            (Op::Reduce, 2 << 10, Algorithm::Knomial(2)),
+            (Op::Allreduce, 2 << 10, Algorithm::RecursiveDoubling),
+            (Op::Allreduce, 16 << 10, Algorithm::RecursiveDoubling),
+            (Op::Allreduce, 32 << 10, Algorithm::RecursiveDoubling),
+            (Op::Allreduce, 64 << 10, Algorithm::Rabenseifner),
+            (Op::Allreduce, 256 << 10, Algorithm::Rabenseifner),
+        ];
+        for (op, count, want) in cases {
+            let p = choose(op, &two, 0, count, 4, &c);
+            assert_eq!(p.algorithm, want, "{count} elements: {p}");
         }
     }
 

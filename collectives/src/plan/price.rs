@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::{Algorithm, Costs, Op};
+use super::{Algorithm, Costs, Op, CACHED_CALL};
 use crate::hosts::Hosts;
 use crate::schedule::{doubling, even_blocks, hier, linear, ring, tree, Combine, Schedule, Step, Xfer};
 
@@ -250,7 +250,7 @@ pub(crate) fn candidates(
 /// The modelled time of `alg` running `op` on the ranks `hosts` lays out: the ranks
 /// move in lockstep (a step waits for its messages), so each step costs what it costs
 /// its busiest rank or host link, and steps in which a rank is idle still take the
-/// others' time.
+/// others' time. Calls of up to [`CACHED_CALL`] bytes reduce at the cache's rate.
 pub fn price_all(
     op: Op,
     alg: Algorithm,
@@ -260,6 +260,13 @@ pub fn price_all(
     elem: usize,
     c: &Costs,
 ) -> Duration {
+    let in_cache;
+    let c = if count.saturating_mul(elem) <= CACHED_CALL {
+        in_cache = Costs { reduce_rate: c.cached_reduce_rate, ..*c };
+        &in_cache
+    } else {
+        c
+    };
     let phases = (alg == Algorithm::TwoLevel).then(|| Phases::choose(op, hosts, root, count, elem, c));
     let scheds: Vec<Schedule> = (0..hosts.ranks())
         .map(|r| schedule(op, alg, hosts, r, root, count, elem, phases.as_ref(), c))

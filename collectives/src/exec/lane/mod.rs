@@ -71,6 +71,12 @@ pub const LANES_ENV: &str = "UCXKIT_COLL_LANES";
 /// The transports whose endpoints reach a region UCX allocated as plain shared memory.
 const MAPPED: [&str; 3] = ["posix", "sysv", "xpmem"];
 
+/// Whether `ep` moves data through shared memory UCX maps in both processes (its lanes
+/// include one of [`MAPPED`]).
+pub(crate) fn mapped(ep: &Endpoint) -> bool {
+    ep.transports().is_ok_and(|t| t.iter().any(|t| MAPPED.contains(&t.as_str())))
+}
+
 /// The bytes of a piece of a transfer of `total` bytes of `elem`-byte elements, whole
 /// elements: a quarter of it, so that both sides copy at once, from [`PIECE_MIN`]; from
 /// two [`PIECE_MAX`] up, pieces of that size. (2 ranks, broadcast of 2 MiB in 512 KiB
@@ -260,8 +266,7 @@ impl Lanes {
             Out::Idle { region } => (region, true),
             _ => {
                 // A region only where the endpoint maps it.
-                let mapped = ep.transports().is_ok_and(|t| t.iter().any(|t| MAPPED.contains(&t.as_str())));
-                match mapped.then(|| ep.worker().context().alloc(SLOTS * SLOT_STRIDE)) {
+                match mapped(ep).then(|| ep.worker().context().alloc(SLOTS * SLOT_STRIDE)) {
                     Some(Ok(region)) => (region, false),
                     _ => {
                         *out = Out::Off;

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, BufReader};
-use ucxkit::collectives::plan::Costs;
+use ucxkit::collectives::plan::{Costs, CACHED_CALL};
 use ucxkit::collectives::reduce::Kernels;
 use ucxkit::collectives::{Communicator, ReduceOp};
 
@@ -163,7 +163,7 @@ async fn links(c: &Communicator) -> Result<Links, String> {
     let moved = (n.saturating_sub(1) * per * 4) as f64;
     let bandwidth = if n > 1 { moved / (ring - (n - 1) as f64 * latency).max(1e-9) } else { 1e10 };
     // A rendezvous step: an allgather of blocks at the threshold, less what its bytes take.
-    let rndv = Costs::default().rndv_threshold / 4;
+    let rndv = Costs::default().rndv_threshold.div_ceil(4);
     let mut small = vec![1f32; rndv * n];
     small = c.allgather_in_place(small).await.map_err(|f| f.error.to_string())?;
     let t = Instant::now();
@@ -181,8 +181,9 @@ async fn links(c: &Communicator) -> Result<Links, String> {
 /// communicators read them (`UCXKIT_COLL_COSTS`). Inside a host: [`links`] over the
 /// ranks of each host that has several (all of them when the group is on one host);
 /// between hosts, when it spans several: [`links`] over one rank per host (the network's
-/// latency and bandwidth). The reduction rate: f32 sums in memory. Constants nobody
-/// could measure (no host with two ranks, or one host) keep their defaults.
+/// latency and bandwidth). The reduction rates: f32 sums in memory and in cache.
+/// Constants nobody could measure (no host with two ranks, or one host) keep their
+/// defaults.
 pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), String> {
     let e = |e: ucxkit::collectives::Error| e.to_string();
     let hosts = c.hosts();
@@ -193,7 +194,7 @@ pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), 
     // What this rank measured; neutral values (0 for the maxima, infinity for the minima)
     // where it measured nothing.
     let mut slow = [0.0f64; 3];
-    let mut fast = [f64::INFINITY; 3];
+    let mut fast = [f64::INFINITY; 4];
     if local.size() > 1 {
         let l = links(&local).await?;
         (slow[0], slow[1], fast[0]) = (l.latency, l.rndv_latency, l.bandwidth);
@@ -209,6 +210,13 @@ pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), 
         f32::reduce(ReduceOp::Sum, &mut a, &b);
     }
     fast[1] = (5 * a.len() * 4) as f64 / t.elapsed().as_secs_f64();
+    // In cache: a call's worth of data (CACHED_CALL) reduced again and again.
+    let (mut a, b) = (vec![1f32; CACHED_CALL / 4], vec![2f32; CACHED_CALL / 4]);
+    let t = Instant::now();
+    for _ in 0..2000 {
+        f32::reduce(ReduceOp::Sum, &mut a, &b);
+    }
+    fast[3] = (2000 * CACHED_CALL) as f64 / t.elapsed().as_secs_f64();
     // Every rank's view, made one: the slowest latencies, the lowest rates.
     let slow = c.allreduce(slow.to_vec(), ReduceOp::Max).await.map_err(|f| f.error.to_string())?;
     let fast = c.allreduce(fast.to_vec(), ReduceOp::Min).await.map_err(|f| f.error.to_string())?;
@@ -220,6 +228,7 @@ pub(crate) async fn tune(c: &Communicator, out: &std::path::Path) -> Result<(), 
         rndv_latency: time(slow[1], d.rndv_latency),
         bandwidth: rate(fast[0], d.bandwidth),
         reduce_rate: rate(fast[1], d.reduce_rate),
+        cached_reduce_rate: rate(fast[3], d.cached_reduce_rate),
         net_latency: time(slow[2], d.net_latency),
         net_bandwidth: rate(fast[2], d.net_bandwidth),
         ..d
