@@ -2,7 +2,7 @@
 //! collectives in the collectives namespace of its worker.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -93,9 +93,11 @@ pub(crate) struct Inner {
     segment: usize,
     /// The shared-memory lanes to the ranks of this host.
     lanes: Lanes,
-    /// Per rank, whether mid-size messages to it go eagerly: the worker busy-polls and
-    /// the endpoint reaches it through shared memory (see `exec::EAGER`).
+    /// Per rank, whether the endpoint reaches it through shared memory, where mid-size
+    /// messages go eagerly (see `exec::EAGER`).
     eager_to: Box<[bool]>,
+    /// Whether they do: the worker busy-polls, or this rank's host is not crowded.
+    eager: AtomicBool,
     /// The worker's communicators, where this one's id is held.
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
@@ -266,8 +268,7 @@ impl Communicator {
         let Settings { forced_env, costs, segment, lanes } = set;
         let size = eps.len();
         let busy = ns.worker().progress_mode() == ProgressMode::BusyPoll;
-        let eager_to =
-            eps.iter().map(|e| busy && e.as_ref().is_some_and(crate::exec::lane::mapped)).collect();
+        let eager_to = eps.iter().map(|e| e.as_ref().is_some_and(crate::exec::lane::mapped)).collect();
         let registry = Registry::of(ns)?;
         let abort = Arc::new(AbortCell::new(size));
         if !registry.claim(id, &abort) {
@@ -293,6 +294,7 @@ impl Communicator {
             segment,
             lanes: Lanes::new(size, lanes),
             eager_to,
+            eager: AtomicBool::new(busy),
             registry,
             abort,
         });
@@ -443,6 +445,8 @@ impl Communicator {
             // communicator's ranks, as the planner judges).
             let local = (0..hosts.ranks()).map(|r| !crowded && r != rank && hosts.of(r) == hosts.of(rank));
             self.h.inner.lanes.set_local(local);
+            let busy = self.h.inner.ns.worker().progress_mode() == ProgressMode::BusyPoll;
+            self.h.inner.eager.store(busy || !crowded, Ordering::Relaxed);
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
             cache.last = None;
@@ -609,6 +613,7 @@ impl Communicator {
             comm: self.h.inner.id,
             lanes: &self.h.inner.lanes,
             eager_to: &self.h.inner.eager_to,
+            eager: self.h.inner.eager.load(Ordering::Relaxed),
             small: &self.h.inner.small,
         }
     }

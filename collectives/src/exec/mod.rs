@@ -36,8 +36,12 @@ pub(crate) struct Wire<'a> {
     pub(crate) comm: u16,
     /// The shared-memory lanes to the ranks of this host.
     pub(crate) lanes: &'a lane::Lanes,
-    /// Per rank, whether mid-size sends to it go by UCX's eager protocol: see [`EAGER`].
+    /// Per rank, whether the endpoint reaches it through shared memory, where mid-size
+    /// sends go by UCX's eager protocol when `eager` says so: see [`EAGER`].
     pub(crate) eager_to: &'a [bool],
+    /// Whether mid-size sends go eagerly: the worker busy-polls, or the host is not
+    /// crowded.
+    pub(crate) eager: bool,
     /// What small calls keep (one-step calls take their landing vectors there too).
     pub(crate) small: &'a std::sync::Mutex<small::SmallKept>,
 }
@@ -481,9 +485,10 @@ impl<'a> Watch<'a> {
 /// Transfers shorter than this many bytes are short: their step posts its sends first.
 const SHORT: usize = 1024;
 
-/// In busy-poll mode, sends of up to this many bytes to a rank reached through shared
-/// memory (`lane::mapped`) go by UCX's eager protocol (`tag_send_eager`), in a step that
-/// sends at most [`EAGER_STEP`] bytes in all. UCX
+/// Sends of up to this many bytes to a rank reached through shared memory
+/// (`lane::mapped`) go by UCX's eager protocol (`tag_send_eager`), in a step that sends
+/// at most [`EAGER_STEP`] bytes in all, unless the host is crowded and the worker
+/// sleeps between events (event mode). UCX
 /// 1.13 sends a message of 8 KiB or more by rendezvous otherwise, and a rendezvous
 /// costs a round trip more: 2 ranks on 2 cores, alternated runs, medians of 7, eager up
 /// to 64 KiB against none: broadcast 16 KiB 5.8 -> 1.0 us, 64 KiB 9.5 -> 2.3, reduce
@@ -493,8 +498,10 @@ const SHORT: usize = 1024;
 /// (128 KiB broadcast: 0.33x to 1.5x). On a crowded host, four ranks on two cores:
 /// allgather 35 -> 27 us, all-to-all 35 -> 30, reduce-scatter 40 -> 30, broadcast
 /// 25 -> 16; 256 KiB allgather (three 64 KiB sends a step) 60 -> 91 eagerly, hence the
-/// step's limit. In event mode, whose receivers sleep, eager sends took 64 KiB
-/// broadcast from 0.23 to 0.55-0.75 ms; over TCP, 16-128 KiB calls 1.0-2.1x as long.
+/// step's limit; but in event mode, whose receivers sleep there, eager sends took 64 KiB
+/// broadcast from 0.23 to 0.55-0.75 ms. In event mode on 2 ranks and 2 cores: broadcast
+/// 16 KiB 5.2 -> 1.6 us, 64 KiB 8.9 -> 4.3, allgather and all-to-all 64 KiB 0.72x and
+/// 0.81x. Over TCP, 16-128 KiB calls took 1.0-2.1x as long eagerly.
 const EAGER: usize = 64 << 10;
 /// See [`EAGER`].
 const EAGER_STEP: usize = 128 << 10;
@@ -612,7 +619,7 @@ async fn exchange<'w, T: Element>(
                     // here instead (up to UCX_RNDV_SEND_NBR_THRESH, 256 KiB). 2-rank
                     // allreduce of 256 KiB: 154 -> 101 us. Other sends go eagerly up to
                     // EAGER bytes only (see there).
-                    let to_mapped = w.eager_to.get(*peer).copied().unwrap_or(false);
+                    let to_mapped = w.eager && w.eager_to.get(*peer).copied().unwrap_or(false);
                     let eager = (step_eager && to_mapped && from.len() * elem <= EAGER)
                         || bufs.written.as_ref().is_some_and(|w| w.iter().any(|r| r.overlaps(from)));
                     for part in segments(from, seg) {

@@ -379,6 +379,7 @@ mod tests {
             comm: 3,
             lanes: &lanes,
             eager_to: &[],
+            eager: false,
             small: &small,
         };
         let (w0, w1) = (wire(0), wire(1));

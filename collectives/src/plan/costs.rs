@@ -13,8 +13,8 @@ pub struct Costs {
     /// of a rendezvous (the receiver asks for the data before it moves).
     pub rndv_latency: Duration,
     /// The message size from which a collective's messages go by UCX's rendezvous
-    /// protocol (in busy-poll mode the executor sends shorter ones eagerly, up to 64 KiB;
-    /// UCX on its own from 8 KiB).
+    /// protocol (the executor sends shorter ones eagerly over shared memory, up to 64
+    /// KiB; UCX on its own from 8 KiB).
     pub rndv_threshold: usize,
     /// Bytes per second one rank moves in one direction.
     pub bandwidth: f64,
