@@ -2,7 +2,7 @@
 //! collectives in the collectives namespace of its worker.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ use crate::abort::{AbortCell, Registry};
 use crate::error::{Error, Result};
 use crate::exec::lane::{Lanes, LANES_ENV};
 use crate::exec::small::SmallKept;
-use crate::exec::{Bufs, Kept};
+use crate::exec::{Bufs, Eager, Kept};
 use crate::hosts::Hosts;
 use crate::plan::{self, Algorithm, Costs, Op, Plan};
 use crate::schedule::Schedule;
@@ -94,10 +94,11 @@ pub(crate) struct Inner {
     /// The shared-memory lanes to the ranks of this host.
     lanes: Lanes,
     /// Per rank, whether the endpoint reaches it through shared memory, where mid-size
-    /// messages go eagerly (see `exec::EAGER`).
+    /// messages go eagerly (see `exec::eager`).
     eager_to: Box<[bool]>,
-    /// Whether they do: the worker busy-polls, or this rank's host is not crowded.
-    eager: AtomicBool,
+    /// Which do (an `exec::Eager` as `u8`), by the host's crowding and the worker's
+    /// progress mode.
+    eager: AtomicU8,
     /// The worker's communicators, where this one's id is held.
     pub(crate) registry: Arc<Registry>,
     /// Whether (and why) the communicator was aborted.
@@ -294,7 +295,7 @@ impl Communicator {
             segment,
             lanes: Lanes::new(size, lanes),
             eager_to,
-            eager: AtomicBool::new(busy),
+            eager: AtomicU8::new(Eager::of(true, busy) as u8),
             registry,
             abort,
         });
@@ -446,7 +447,7 @@ impl Communicator {
             let local = (0..hosts.ranks()).map(|r| !crowded && r != rank && hosts.of(r) == hosts.of(rank));
             self.h.inner.lanes.set_local(local);
             let busy = self.h.inner.ns.worker().progress_mode() == ProgressMode::BusyPoll;
-            self.h.inner.eager.store(busy || !crowded, Ordering::Relaxed);
+            self.h.inner.eager.store(Eager::of(crowded, busy) as u8, Ordering::Relaxed);
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
             cache.last = None;
@@ -613,7 +614,7 @@ impl Communicator {
             comm: self.h.inner.id,
             lanes: &self.h.inner.lanes,
             eager_to: &self.h.inner.eager_to,
-            eager: self.h.inner.eager.load(Ordering::Relaxed),
+            eager: Eager::from_u8(self.h.inner.eager.load(Ordering::Relaxed)),
             small: &self.h.inner.small,
         }
     }

@@ -18,7 +18,9 @@ use crate::error::{Error, Result};
 use crate::schedule::{Buf, Combine, Region, Schedule, Step, Xfer};
 use crate::tag::{tag, MAX_STEPS};
 use crate::{Element, ReduceOp};
+pub(crate) use eager::Eager;
 
+mod eager;
 pub(crate) mod lane;
 pub(crate) mod one;
 mod pieces;
@@ -37,11 +39,10 @@ pub(crate) struct Wire<'a> {
     /// The shared-memory lanes to the ranks of this host.
     pub(crate) lanes: &'a lane::Lanes,
     /// Per rank, whether the endpoint reaches it through shared memory, where mid-size
-    /// sends go by UCX's eager protocol when `eager` says so: see [`EAGER`].
+    /// sends go by UCX's eager protocol as `eager` says.
     pub(crate) eager_to: &'a [bool],
-    /// Whether mid-size sends go eagerly: the worker busy-polls, or the host is not
-    /// crowded.
-    pub(crate) eager: bool,
+    /// Which mid-size sends go eagerly.
+    pub(crate) eager: Eager,
     /// What small calls keep (one-step calls take their landing vectors there too).
     pub(crate) small: &'a std::sync::Mutex<small::SmallKept>,
 }
@@ -485,27 +486,6 @@ impl<'a> Watch<'a> {
 /// Transfers shorter than this many bytes are short: their step posts its sends first.
 const SHORT: usize = 1024;
 
-/// Sends of up to this many bytes to a rank reached through shared memory
-/// (`lane::mapped`) go by UCX's eager protocol (`tag_send_eager`), in a step that sends
-/// at most [`EAGER_STEP`] bytes in all, unless the host is crowded and the worker
-/// sleeps between events (event mode). UCX
-/// 1.13 sends a message of 8 KiB or more by rendezvous otherwise, and a rendezvous
-/// costs a round trip more: 2 ranks on 2 cores, alternated runs, medians of 7, eager up
-/// to 64 KiB against none: broadcast 16 KiB 5.8 -> 1.0 us, 64 KiB 9.5 -> 2.3, reduce
-/// 64 KiB 10.6 -> 3.4, allgather 64 KiB 7.5 -> 3.2, all-to-all 64 KiB 7.9 -> 3.6,
-/// reduce-scatter 64 KiB 8.6 -> 4.6 (Open MPI's blocking sends go eagerly too). Longer
-/// messages gain in some placements of the two processors and lose as much in others
-/// (128 KiB broadcast: 0.33x to 1.5x). On a crowded host, four ranks on two cores:
-/// allgather 35 -> 27 us, all-to-all 35 -> 30, reduce-scatter 40 -> 30, broadcast
-/// 25 -> 16; 256 KiB allgather (three 64 KiB sends a step) 60 -> 91 eagerly, hence the
-/// step's limit; but in event mode, whose receivers sleep there, eager sends took 64 KiB
-/// broadcast from 0.23 to 0.55-0.75 ms. In event mode on 2 ranks and 2 cores: broadcast
-/// 16 KiB 5.2 -> 1.6 us, 64 KiB 8.9 -> 4.3, allgather and all-to-all 64 KiB 0.72x and
-/// 0.81x. Over TCP, 16-128 KiB calls took 1.0-2.1x as long eagerly.
-const EAGER: usize = 64 << 10;
-/// See [`EAGER`].
-const EAGER_STEP: usize = 128 << 10;
-
 /// One transfer of a step in flight.
 enum InFlight<'w, T: Element> {
     Send {
@@ -555,7 +535,8 @@ async fn exchange<'w, T: Element>(
         Xfer::Send { from: r, .. } | Xfer::Recv { into: r, .. } => r.len() * elem < SHORT,
     });
     let mut immediate = short;
-    let step_eager = st.bytes_sent(elem) <= EAGER_STEP;
+    let one_way = !xfers.iter().any(|x| matches!(x, Xfer::Recv { .. }));
+    let eager_max = w.eager.max_send(st.bytes_sent(elem), one_way);
     // Combines that run piece by piece as their receives' pieces land (see `pieces`; not
     // worth it for short messages), and the pieces of them that could not run early.
     let piecewise = if short { None } else { pieces::plan(st) };
@@ -618,9 +599,9 @@ async fn exchange<'w, T: Element>(
                     // line by line across cores; UCX's eager protocol copies them out
                     // here instead (up to UCX_RNDV_SEND_NBR_THRESH, 256 KiB). 2-rank
                     // allreduce of 256 KiB: 154 -> 101 us. Other sends go eagerly up to
-                    // EAGER bytes only (see there).
-                    let to_mapped = w.eager && w.eager_to.get(*peer).copied().unwrap_or(false);
-                    let eager = (step_eager && to_mapped && from.len() * elem <= EAGER)
+                    // the lengths `eager` allows only.
+                    let to_mapped = w.eager_to.get(*peer).copied().unwrap_or(false);
+                    let eager = (to_mapped && from.len() * elem <= eager_max)
                         || bufs.written.as_ref().is_some_and(|w| w.iter().any(|r| r.overlaps(from)));
                     for part in segments(from, seg) {
                         let (ep, t, b) = (w.ep(*peer)?, tag(w.comm, seq, step, w.rank), bufs.slice(&part)?);

@@ -379,7 +379,7 @@ mod tests {
             comm: 3,
             lanes: &lanes,
             eager_to: &[],
-            eager: false,
+            eager: crate::exec::Eager::Off,
             small: &small,
         };
         let (w0, w1) = (wire(0), wire(1));
