@@ -53,15 +53,16 @@ impl Default for InitOptions {
 /// the waiting one yields, the sooner it runs (Open MPI yields on every idle poll when
 /// oversubscribed). 4 ranks on 2 processors, 8 B allreduce: 9.4 -> 5.0 us (Open MPI 5.1)
 /// at 32 calls; 4 calls with [`CROWDED_YIELD`] took a third off the 8 B calls of every
-/// operation again.
-pub const CROWDED_SPIN: u32 = 4;
+/// operation again. The transport's own value for crowded hosts
+/// ([`ucxkit_transport::CROWDED_SPIN`]).
+pub const CROWDED_SPIN: u32 = ucxkit_transport::CROWDED_SPIN;
 
 /// How long a waiting call on such a worker goes on yielding the processor and spinning
 /// within one poll ([`WorkerBuilder::busy_yield`]), rather than returning to its
-/// runtime after each yield.
+/// runtime after each yield: the transport's value ([`ucxkit_transport::CROWDED_YIELD`]).
 ///
 /// [`WorkerBuilder::busy_yield`]: ucxkit_transport::WorkerBuilder::busy_yield
-pub const CROWDED_YIELD: Duration = Duration::from_micros(20);
+pub const CROWDED_YIELD: Duration = ucxkit_transport::CROWDED_YIELD;
 
 /// A rank's record in the store starts with little-endian words: the group's size, its
 /// host key, its host's processors online, its share of the communicator's token (see
