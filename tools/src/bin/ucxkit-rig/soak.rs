@@ -5,10 +5,10 @@
 //! recovered, and corrupt bytes (which must be 0), as a table or JSON, every process
 //! that ran counted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -57,11 +57,30 @@ fn draw(rng: &mut Rng) -> Fault {
     }
 }
 
-/// A started process: which one it is (every start has a number of its own) and its
-/// handle.
+/// A started process: which one it is (every start has a number of its own), its
+/// handle, and the last lines it wrote to stderr (see [`STDERR_KEPT`]).
 struct Node {
     run: usize,
     child: Child,
+    stderr: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// The lines of a process's stderr kept, the last ones, for the report of a process that
+/// did not report at the end.
+const STDERR_KEPT: usize = 20;
+
+impl Node {
+    /// How the process ended (or that it runs), and its last lines on stderr.
+    fn account(&mut self) -> String {
+        let status = match self.child.try_wait() {
+            Ok(Some(s)) => s.to_string(),
+            Ok(None) => "still running".into(),
+            Err(e) => e.to_string(),
+        };
+        let lines = self.stderr.lock().unwrap_or_else(PoisonError::into_inner);
+        let tail: Vec<&str> = lines.iter().map(String::as_str).collect();
+        format!("process {} ({status}); its last lines on stderr: {tail:?}", self.run)
+    }
 }
 
 /// Starts host `i`'s process, number `run`, joining collectives epoch `epoch`; its lines
@@ -81,7 +100,7 @@ fn start(
         .env("UCX_WARN_UNUSED_ENV_VARS", "n")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("starting host {i}'s process: {e}"))?;
     let out = child.stdout.take().expect("piped");
@@ -92,7 +111,19 @@ fn start(
             }
         }
     });
-    Ok(Node { run, child })
+    let err = child.stderr.take().expect("piped");
+    let stderr = Arc::new(Mutex::new(VecDeque::new()));
+    let kept = stderr.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let mut k = kept.lock().unwrap_or_else(PoisonError::into_inner);
+            if k.len() == STDERR_KEPT {
+                k.pop_front();
+            }
+            k.push_back(line);
+        }
+    });
+    Ok(Node { run, child, stderr })
 }
 
 pub(crate) fn run(a: SoakArgs) -> Result<(), String> {
@@ -163,6 +194,11 @@ pub(crate) fn run(a: SoakArgs) -> Result<(), String> {
         }
     }
     let reported = done(&last);
+    for (i, n) in nodes.iter_mut().enumerate() {
+        if !last.get(&n.run).is_some_and(|v| v["last"] == true) {
+            eprintln!("ucxkit-rig: host {i} did not report at the end: {}", n.account());
+        }
+    }
     for n in &mut nodes {
         let _ = n.child.kill();
         let _ = n.child.wait();
