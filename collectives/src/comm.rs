@@ -214,6 +214,24 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
+impl Inner {
+    /// Sets what follows from the host layout `hosts`: which ranks large transfers go by
+    /// lane with, and which mid-size sends go eagerly (see `exec::eager`). A lane's every
+    /// piece waits for its receiver to run (see `exec::lane`): on a crowded host plain
+    /// messages are faster. Four ranks on two cores, 16 MiB, medians of 3 alternated runs,
+    /// lanes on -> off: allgather 5.8 -> 3.6 ms, all-to-all 9.8 -> 7.1, allreduce 16.0 ->
+    /// 13.4, reduce-scatter 8.5 -> 6.8, broadcast alike. Every rank of a host finds it
+    /// crowded alike (judged by this communicator's ranks, as the planner judges).
+    fn follow(&self, hosts: &Hosts) {
+        let rank = self.rank;
+        let crowded = hosts.crowded(hosts.of(rank));
+        let local = (0..hosts.ranks()).map(|r| !crowded && r != rank && hosts.of(r) == hosts.of(rank));
+        self.lanes.set_local(local);
+        let busy = self.ns.worker().progress_mode() == ProgressMode::BusyPoll;
+        self.eager.store(Eager::of(crowded, busy) as u8, Ordering::Relaxed);
+    }
+}
+
 impl Communicator {
     /// A communicator over endpoints already connected: `eps[i]` reaches rank `i` (None
     /// for this rank itself), all of the worker `ns` was claimed from, and every rank
@@ -268,7 +286,6 @@ impl Communicator {
     ) -> Result<Communicator> {
         let Settings { forced_env, costs, segment, lanes } = set;
         let size = eps.len();
-        let busy = ns.worker().progress_mode() == ProgressMode::BusyPoll;
         let eager_to = eps.iter().map(|e| e.as_ref().is_some_and(crate::exec::lane::mapped)).collect();
         let registry = Registry::of(ns)?;
         let abort = Arc::new(AbortCell::new(size));
@@ -295,11 +312,11 @@ impl Communicator {
             segment,
             lanes: Lanes::new(size, lanes),
             eager_to,
-            eager: AtomicU8::new(Eager::of(true, busy) as u8),
+            eager: AtomicU8::new(Eager::Off as u8),
             registry,
             abort,
         });
-        inner.lanes.set_local((0..size).map(|r| r != rank));
+        inner.follow(&Hosts::flat(size));
         Ok(Communicator { h: Arc::new(Handle { inner, opts: Options::default(), costs_id: 0 }) })
     }
 
@@ -436,18 +453,7 @@ impl Communicator {
     pub(crate) fn put_hosts(&self, hosts: Hosts) {
         let mut cache = self.h.inner.plans.lock().unwrap_or_else(PoisonError::into_inner);
         if *cache.hosts != hosts {
-            let rank = self.rank();
-            let crowded = hosts.crowded(hosts.of(rank));
-            // A lane's every piece waits for its receiver to run (see `exec::lane`): on a
-            // crowded host plain messages are faster. Four ranks on two cores, 16 MiB,
-            // medians of 3 alternated runs, lanes on -> off: allgather 5.8 -> 3.6 ms,
-            // all-to-all 9.8 -> 7.1, allreduce 16.0 -> 13.4, reduce-scatter 8.5 -> 6.8,
-            // broadcast alike. Every rank of a host finds it crowded alike (judged by this
-            // communicator's ranks, as the planner judges).
-            let local = (0..hosts.ranks()).map(|r| !crowded && r != rank && hosts.of(r) == hosts.of(rank));
-            self.h.inner.lanes.set_local(local);
-            let busy = self.h.inner.ns.worker().progress_mode() == ProgressMode::BusyPoll;
-            self.h.inner.eager.store(Eager::of(crowded, busy) as u8, Ordering::Relaxed);
+            self.h.inner.follow(&hosts);
             cache.hosts = Arc::new(hosts);
             cache.map.clear();
             cache.last = None;

@@ -33,7 +33,7 @@ pub(crate) enum Eager {
     /// None: a crowded host whose worker sleeps between events.
     Off,
     /// Up to [`EAGER`] bytes, in steps that send at most [`EAGER_STEP`]: a crowded host
-    /// whose worker busy-polls (or a host not known yet).
+    /// whose worker busy-polls.
     Crowded,
     /// As `Crowded`, and in a step that only sends, messages up to [`EAGER_STEP`] bytes
     /// (an uncrowded host). 2 ranks, alternated runs, medians: broadcast of 96 and 128
