@@ -35,8 +35,8 @@ impl Default for Costs {
     /// 1.13 on a 2-core machine (medians of runs that spread about 2x): 0.5 µs per short
     /// step, 2 µs per rendezvous step (past 64 KiB), 6 GB/s per direction, reductions at
     /// 12 GB/s in memory and 40 GB/s in cache (`cargo bench --bench reduce`: f32 sums of
-    /// 1 MiB at 40 GiB/s, 16 KiB at 84). Between hosts, UCX's TCP transport on the same machine's loopback: 8 µs,
-    /// 2 GB/s.
+    /// 1 MiB at 40 GiB/s, 16 KiB at 84). Between hosts, UCX's TCP transport on the same
+    /// machine's loopback: 8 µs, 2 GB/s.
     fn default() -> Costs {
         Costs {
             latency: Duration::from_nanos(500),

@@ -381,6 +381,28 @@ mod tests {
         }
     }
 
+    /// The cache's reduction rate prices calls of up to `CACHED_CALL` bytes a rank, all
+    /// of the call counted: a reduce-scatter's blocks times the ranks.
+    #[test]
+    fn reductions_are_priced_at_the_cache_rate_by_the_whole_call() {
+        let c = Costs::default();
+        let fast = Costs { cached_reduce_rate: 1e15, ..c };
+        let four = Hosts::flat(4);
+        let price = |op, count, c: &Costs| price_all(op, Algorithm::Ring, &four, 0, count, 4, c);
+        let k = 1024;
+        // (operation, elements as the planner counts them, in the cache)
+        let cases = [
+            (Op::Allreduce, 32 * k, true),
+            (Op::Allreduce, 64 * k, false),
+            (Op::ReduceScatter, 8 * k, true),
+            (Op::ReduceScatter, 16 * k, false),
+        ];
+        for (op, count, cached) in cases {
+            let (slow, quick) = (price(op, count, &c), price(op, count, &fast));
+            assert_eq!(quick < slow, cached, "{op} of {count}: {slow:?} {quick:?}");
+        }
+    }
+
     #[test]
     fn forced_algorithms_parse_and_are_checked() {
         assert_eq!(

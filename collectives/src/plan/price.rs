@@ -185,6 +185,14 @@ pub(crate) fn schedule(
     }
 }
 
+/// The bytes a rank holds in a call of `op` on `n` ranks that the planner knows by
+/// `count` elements of `elem` bytes: a block for the operations cut in blocks (`count`
+/// each), the whole vector for the others.
+fn call_bytes(op: Op, n: usize, count: usize, elem: usize) -> usize {
+    let blocks = matches!(op, Op::Allgather | Op::ReduceScatter | Op::Gather | Op::Scatter | Op::Alltoall);
+    count.saturating_mul(if blocks { n } else { 1 }).saturating_mul(elem)
+}
+
 /// The schedule of a flat algorithm on rank `r` of `n`.
 fn flat(op: Op, alg: Algorithm, n: usize, r: usize, root: usize, count: usize, elem: usize) -> Schedule {
     match (op, alg) {
@@ -250,7 +258,7 @@ pub(crate) fn candidates(
 /// The modelled time of `alg` running `op` on the ranks `hosts` lays out: the ranks
 /// move in lockstep (a step waits for its messages), so each step costs what it costs
 /// its busiest rank or host link, and steps in which a rank is idle still take the
-/// others' time. Calls of up to [`CACHED_CALL`] bytes reduce at the cache's rate.
+/// others' time. Calls of up to [`CACHED_CALL`] bytes a rank reduce at the cache's rate.
 pub fn price_all(
     op: Op,
     alg: Algorithm,
@@ -261,7 +269,7 @@ pub fn price_all(
     c: &Costs,
 ) -> Duration {
     let in_cache;
-    let c = if count.saturating_mul(elem) <= CACHED_CALL {
+    let c = if call_bytes(op, hosts.ranks(), count, elem) <= CACHED_CALL {
         in_cache = Costs { reduce_rate: c.cached_reduce_rate, ..*c };
         &in_cache
     } else {
