@@ -138,6 +138,14 @@ async fn a_rank_that_drops_its_communicator_fails_the_others_later_calls() {
     assert!(waited.is_err(), "{waited:?}");
 }
 
+/// Polls `call` for a moment, checks that it is still waiting (`why` it must be), and
+/// drops it there.
+async fn dropped_waiting<F: std::future::Future>(call: F, why: &str) {
+    let mut call = Box::pin(call);
+    let polled = tokio::time::timeout(Duration::from_millis(20), call.as_mut()).await;
+    assert!(polled.is_err(), "{why}");
+}
+
 /// Drops the communicators, then waits (at most [`BOUND`]) until no operation of theirs
 /// is left with the transport on any worker: what a peer sent that no call took was
 /// received and thrown away, which ended its send.
@@ -202,22 +210,23 @@ async fn an_aborted_communicators_late_messages_end_their_sends() {
 /// lets go (the test command runs this under valgrind, which reports any access to freed
 /// memory). The peer ends with the abort the drop sent. Once the communicators are
 /// dropped, no operation is left on either worker, also where the peer heard of the abort
-/// before it called and never took rank 0's send. Then the same with transfers
-/// through shared-memory lanes (2 MiB), and with small calls (8 bytes, whose receives
-/// wait in landing vectors of their own): on two ranks (one step, run without the step
-/// loop), a broadcast's leaf on two (its receive lands in the caller's vector; also one
-/// never polled, its receive posted when the call was made), an allgather on two (its
-/// receive lands in a block of the call's vector) and on three (the step loop); and a
-/// root dropped while it waits for its leaf's ready word.
+/// before it called and never took rank 0's send. Then the same with transfers through
+/// shared-memory lanes (2 MiB), and with small calls (8 bytes, whose receives wait in
+/// landing vectors of their own): on two ranks
+/// (one step, run without the step loop), a broadcast's leaf on two (its receive lands
+/// in the caller's vector; also one never polled, its receive posted when the call was
+/// made), an allgather on two (its receive lands in a block of the call's vector) and on
+/// three (the step loop); and a root dropped while it waits for its leaf's ready word.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport() {
     let (mesh, comms) = group(2).await;
     // 1 MiB of f32: rendezvous transfers into tracked buffers, piecewise combines.
     let n = 1 << 18;
-    let mut first = Box::pin(comms[0].allreduce(vec![1f32; n], ReduceOp::Sum));
-    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
-    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
-    drop(first);
+    dropped_waiting(
+        comms[0].allreduce(vec![1f32; n], ReduceOp::Sum),
+        "rank 0 cannot finish before rank 1 starts",
+    )
+    .await;
     let late = tokio::time::timeout(BOUND, comms[1].allreduce(vec![2f32; n], ReduceOp::Sum));
     let e = late.await.expect("ended within the bound").expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
@@ -227,10 +236,11 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     // The same, with rank 1 hearing of the abort before it calls: its call fails at once
     // and never takes rank 0's send, which waits in rank 1's queue until the drop.
     let (mesh, comms) = group(2).await;
-    let mut first = Box::pin(comms[0].allreduce(vec![1f32; n], ReduceOp::Sum));
-    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
-    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
-    drop(first);
+    dropped_waiting(
+        comms[0].allreduce(vec![1f32; n], ReduceOp::Sum),
+        "rank 0 cannot finish before rank 1 starts",
+    )
+    .await;
     hears_of_the_abort(&comms[1]).await;
     let e = comms[1].allreduce(vec![2f32; n], ReduceOp::Sum).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
@@ -241,10 +251,11 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     // is left unused, its region stays with the communicator, and the notes wait in rank
     // 1's queue while rank 1's call fails on the abort.
     let (mesh, comms) = group(2).await;
-    let mut first = Box::pin(comms[0].allreduce(vec![1f32; 1 << 19], ReduceOp::Sum));
-    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
-    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
-    drop(first);
+    dropped_waiting(
+        comms[0].allreduce(vec![1f32; 1 << 19], ReduceOp::Sum),
+        "rank 0 cannot finish before rank 1 starts",
+    )
+    .await;
     assert_eq!(comms[0].lane_counts().by_lane, 1, "the dropped call's send went by lane");
     let late = tokio::time::timeout(BOUND, comms[1].allreduce(vec![2f32; 1 << 19], ReduceOp::Sum));
     let e = late.await.expect("ended within the bound").expect_err("aborted").error;
@@ -256,10 +267,11 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     // before it calls, so its call fails at once; the dropped receive is canceled by the
     // transport, which keeps the vector until UCX lets go.
     let (mesh, comms) = group(2).await;
-    let mut first = Box::pin(comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum));
-    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
-    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
-    drop(first);
+    dropped_waiting(
+        comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum),
+        "rank 0 cannot finish before rank 1 starts",
+    )
+    .await;
     hears_of_the_abort(&comms[1]).await;
     let e = comms[1].allreduce(vec![2f32; 2], ReduceOp::Sum).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
@@ -268,10 +280,8 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     // A broadcast's leaf: its receive lands in the caller's vector, which the transport
     // keeps when the call is dropped.
     let (mesh, comms) = group(2).await;
-    let mut leaf = Box::pin(comms[1].broadcast(vec![0u32; 2], 0));
-    let polled = tokio::time::timeout(Duration::from_millis(20), leaf.as_mut()).await;
-    assert!(polled.is_err(), "the leaf cannot finish before the root sends");
-    drop(leaf);
+    dropped_waiting(comms[1].broadcast(vec![0u32; 2], 0), "the leaf cannot finish before the root sends")
+        .await;
     hears_of_the_abort(&comms[0]).await;
     let e = comms[0].broadcast(vec![5u32; 2], 0).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 1), "{e}");
@@ -289,10 +299,7 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     // An allgather on two ranks whose receive lands in its block of the call's vector,
     // beside this rank's own, dropped while it waits.
     let (mesh, comms) = group(2).await;
-    let mut first = Box::pin(comms[0].allgather(vec![1u32; 2]));
-    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
-    assert!(polled.is_err(), "rank 0 cannot finish before rank 1 starts");
-    drop(first);
+    dropped_waiting(comms[0].allgather(vec![1u32; 2]), "rank 0 cannot finish before rank 1 starts").await;
     hears_of_the_abort(&comms[1]).await;
     let e = comms[1].allgather(vec![2u32; 2]).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
@@ -300,10 +307,11 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
 
     // 8 bytes on three ranks: several steps, so the step loop's receive is what waits.
     let (mesh, comms) = group(3).await;
-    let mut first = Box::pin(comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum));
-    let polled = tokio::time::timeout(Duration::from_millis(20), first.as_mut()).await;
-    assert!(polled.is_err(), "rank 0 cannot finish before the others start");
-    drop(first);
+    dropped_waiting(
+        comms[0].allreduce(vec![1f32; 2], ReduceOp::Sum),
+        "rank 0 cannot finish before the others start",
+    )
+    .await;
     for c in &comms[1..] {
         hears_of_the_abort(c).await;
     }
@@ -324,10 +332,7 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
             assert_eq!(r.expect("broadcast"), vec![i; 2]);
         }
     }
-    let mut root = Box::pin(comms[0].broadcast(vec![7u32; 2], 0));
-    let polled = tokio::time::timeout(Duration::from_millis(20), root.as_mut()).await;
-    assert!(polled.is_err(), "the root waits for its leaf's word");
-    drop(root);
+    dropped_waiting(comms[0].broadcast(vec![7u32; 2], 0), "the root waits for its leaf's word").await;
     hears_of_the_abort(&comms[1]).await;
     let e = comms[1].broadcast(vec![0u32; 2], 0).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
