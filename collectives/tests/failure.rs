@@ -210,9 +210,9 @@ async fn an_aborted_communicators_late_messages_end_their_sends() {
 /// lets go (the test command runs this under valgrind, which reports any access to freed
 /// memory). The peer ends with the abort the drop sent. Once the communicators are
 /// dropped, no operation is left on either worker, also where the peer heard of the abort
-/// before it called and never took rank 0's send. Then the same with transfers through
-/// shared-memory lanes (2 MiB), and with small calls (8 bytes, whose receives wait in
-/// landing vectors of their own): on two ranks
+/// before it called and never took rank 0's send. Then the same with an eager mid-size
+/// send (64 KiB), with transfers through shared-memory lanes (2 MiB), and with small
+/// calls (8 bytes, whose receives wait in landing vectors of their own): on two ranks
 /// (one step, run without the step loop), a broadcast's leaf on two (its receive lands
 /// in the caller's vector; also one never polled, its receive posted when the call was
 /// made), an allgather on two (its receive lands in a block of the call's vector) and on
@@ -243,6 +243,21 @@ async fn a_collective_dropped_mid_transfer_leaves_its_buffers_to_the_transport()
     .await;
     hears_of_the_abort(&comms[1]).await;
     let e = comms[1].allreduce(vec![2f32; n], ReduceOp::Sum).await.expect_err("aborted").error;
+    assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
+    ends_clean(&mesh, comms).await;
+
+    // 64 KiB: its send goes eagerly (a mid-size message over shared memory) and is done
+    // once copied; its receive into the call's tracked scratch waits when the call is
+    // dropped. (Rank 1 hears of the abort first: its own eager send needs nobody, so a
+    // call made before the abort reached it could end well.)
+    let (mesh, comms) = group(2).await;
+    dropped_waiting(
+        comms[0].allreduce(vec![1f32; 1 << 14], ReduceOp::Sum),
+        "rank 0 cannot finish before rank 1 starts",
+    )
+    .await;
+    hears_of_the_abort(&comms[1]).await;
+    let e = comms[1].allreduce(vec![2f32; 1 << 14], ReduceOp::Sum).await.expect_err("aborted").error;
     assert!(matches!(&e, Error::Aborted(a) if a.by == 0), "{e}");
     ends_clean(&mesh, comms).await;
 
